@@ -1,0 +1,1 @@
+//! Sandbox backends: the Backend trait and its implementations.

@@ -1,0 +1,5 @@
+//! Command lines: role dispatch (`opendsec <role>`), the role runners, and the CLI
+//! `opendsec ctl` (10-cli).
+
+pub mod dispatch;
+pub mod flags;

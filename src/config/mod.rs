@@ -1,0 +1,317 @@
+//! The cluster config: one JSON file shared by every role (15-configuration). Read once at
+//! start, validated before any socket or mount, then passed down as plain data.
+//! Durations are seconds (fractions allowed); 0 or absent means the default.
+
+mod edge;
+pub use edge::{BackendConfig, CapacityConfig, EdgeConfig};
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::types::names;
+
+/// A config file could not be read or is invalid; the message names the field.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading config {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("parsing config {path}: {source}")]
+    Parse { path: String, source: serde_json::Error },
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+/// The whole cluster config (15-configuration "Top level").
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub tls: TlsConfig,
+    pub service_token: String,
+    pub iam: IamConfig,
+    pub watcher: WatcherConfig,
+    pub apiserver: Vec<ApiserverConfig>,
+    pub placement: PlacementConfig,
+    pub admission: AdmissionConfig,
+    pub image_store: ImageStoreConfig,
+    pub network: serde_json::Value,
+    pub edges: Vec<EdgeConfig>,
+    pub edge_template: Option<EdgeConfig>,
+    pub fleet: serde_json::Value,
+    pub e2b: serde_json::Value,
+    pub extensions: serde_json::Value,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsConfig {
+    pub dir: String,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ImageStoreConfig {
+    pub root: String,
+}
+
+/// 15-configuration `iam` (standalone fields; `replicas` is for the Raft issue).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct IamConfig {
+    pub replicas: Vec<serde_json::Value>,
+    pub addr: String,
+    /// State file; empty = memory only.
+    pub state: String,
+    pub admin_id: String,
+    pub admin_token: String,
+    pub admin_token_file: String,
+    pub root_quota: BTreeMap<String, f64>,
+    pub max_token_ttl_s: i64,
+}
+
+/// 15-configuration `watcher`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WatcherConfig {
+    pub replicas: Vec<WatcherReplica>,
+    pub addr: String,
+    pub probe_interval: f64,
+    pub probe_timeout: f64,
+    pub unhealthy_after: u32,
+    pub reconcile_interval: f64,
+    pub reconcile_min_age: f64,
+    pub lost_edge_grace: f64,
+    pub unbound_max_age: f64,
+    pub lock_ttl: f64,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WatcherReplica {
+    pub id: String,
+    pub addr: String,
+}
+
+/// 15-configuration `apiserver[]`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ApiserverConfig {
+    pub addr: String,
+    pub audit_dir: String,
+    pub audit_max_mb: u64,
+    pub audit_keep: u32,
+    pub audit_runtime: bool,
+    pub snapshot_refresh: f64,
+}
+
+/// 15-configuration `placement`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PlacementConfig {
+    pub k: u32,
+    pub max_attempts: u32,
+    pub reject_penalty: f64,
+    pub overlay_grace: f64,
+    pub usage_floor: f64,
+    pub burst_threshold: f64,
+    pub burst_eligible_images: Vec<String>,
+}
+
+/// 15-configuration `admission`. Timeouts: 0 = default, -1 = none. Rates: -1 disables.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdmissionConfig {
+    pub default_ttl_running_stop_s: i64,
+    pub default_ttl_max_s: i64,
+    pub max_ttl_max_s: i64,
+    pub request_rate: f64,
+    pub request_burst: f64,
+    pub create_rate: f64,
+    pub create_burst: f64,
+    pub auth_fail_rate: f64,
+    pub max_inflight_creates: i64,
+}
+
+fn or(v: f64, d: f64) -> f64 {
+    if v > 0.0 {
+        v
+    } else {
+        d
+    }
+}
+
+impl WatcherConfig {
+    pub fn probe_interval(&self) -> f64 { or(self.probe_interval, 1.0) }
+    pub fn probe_timeout(&self) -> f64 { or(self.probe_timeout, 0.5) }
+    pub fn unhealthy_after(&self) -> u32 { if self.unhealthy_after == 0 { 3 } else { self.unhealthy_after } }
+    pub fn reconcile_interval(&self) -> f64 { or(self.reconcile_interval, 30.0) }
+    pub fn reconcile_min_age(&self) -> f64 { or(self.reconcile_min_age, 60.0) }
+    pub fn lost_edge_grace(&self) -> f64 { or(self.lost_edge_grace, 120.0) }
+    pub fn unbound_max_age(&self) -> f64 { or(self.unbound_max_age, 600.0) }
+    /// The watcher addresses, single or replicated.
+    pub fn addrs(&self) -> Vec<String> {
+        if self.replicas.is_empty() {
+            if self.addr.is_empty() { vec![] } else { vec![self.addr.clone()] }
+        } else {
+            self.replicas.iter().map(|r| r.addr.clone()).collect()
+        }
+    }
+}
+
+impl ApiserverConfig {
+    pub fn audit_max_mb(&self) -> u64 { if self.audit_max_mb == 0 { 256 } else { self.audit_max_mb } }
+    pub fn audit_keep(&self) -> u32 { if self.audit_keep == 0 { 8 } else { self.audit_keep } }
+    pub fn snapshot_refresh(&self) -> f64 { or(self.snapshot_refresh, 1.0) }
+}
+
+impl PlacementConfig {
+    pub fn k(&self) -> usize { if self.k == 0 { 2 } else { self.k as usize } }
+    pub fn max_attempts(&self) -> u32 { if self.max_attempts == 0 { 3 } else { self.max_attempts } }
+    pub fn reject_penalty(&self) -> f64 { or(self.reject_penalty, 2.0) }
+    pub fn overlay_grace(&self) -> f64 { or(self.overlay_grace, 2.0) }
+    /// -1 counts actual use always (floor 0).
+    pub fn usage_floor(&self) -> f64 {
+        if self.usage_floor < 0.0 { 0.0 } else { or(self.usage_floor, 0.2) }
+    }
+}
+
+impl AdmissionConfig {
+    pub fn default_ttl_running_stop_s(&self) -> i64 { if self.default_ttl_running_stop_s == 0 { 3600 } else { self.default_ttl_running_stop_s } }
+    pub fn default_ttl_max_s(&self) -> i64 { if self.default_ttl_max_s == 0 { 86400 } else { self.default_ttl_max_s } }
+    pub fn max_ttl_max_s(&self) -> i64 { if self.max_ttl_max_s == 0 { 604800 } else { self.max_ttl_max_s } }
+    /// Calls per second per principal; `None` = unlimited.
+    pub fn request_rate(&self) -> Option<f64> { rate(self.request_rate, 10000.0) }
+    pub fn request_burst(&self) -> f64 { or(self.request_burst, 2.0 * self.request_rate().unwrap_or(0.0)) }
+    pub fn create_rate(&self) -> Option<f64> { rate(self.create_rate, 2000.0) }
+    pub fn create_burst(&self) -> f64 { or(self.create_burst, 32768.0) }
+    pub fn auth_fail_rate(&self) -> Option<f64> { rate(self.auth_fail_rate, 5.0) }
+    pub fn max_inflight_creates(&self) -> Option<usize> {
+        if self.max_inflight_creates < 0 { None } else if self.max_inflight_creates == 0 { Some(2048) } else { Some(self.max_inflight_creates as usize) }
+    }
+}
+
+fn rate(v: f64, d: f64) -> Option<f64> {
+    if v < 0.0 {
+        None
+    } else if v == 0.0 {
+        Some(d)
+    } else {
+        Some(v)
+    }
+}
+
+impl IamConfig {
+    pub fn admin_id(&self) -> &str { if self.admin_id.is_empty() { "admin" } else { &self.admin_id } }
+    /// The admin token, from `admin_token` or `admin_token_file`.
+    pub fn admin_token(&self) -> Result<String, ConfigError> {
+        if !self.admin_token.is_empty() {
+            return Ok(self.admin_token.clone());
+        }
+        if !self.admin_token_file.is_empty() {
+            return std::fs::read_to_string(&self.admin_token_file)
+                .map(|s| s.trim().to_string())
+                .map_err(|source| ConfigError::Read { path: self.admin_token_file.clone(), source });
+        }
+        Ok(String::new())
+    }
+}
+
+impl Config {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
+        let cfg: Config = serde_json::from_str(&text).map_err(|source| ConfigError::Parse { path: path.display().to_string(), source })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks the constraints of 15-configuration that can be checked without the machine.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.tls.dir.is_empty() && self.service_token.is_empty() {
+            return bad("at least one of tls.dir and service_token must be set".into());
+        }
+        if !self.tls.dir.is_empty() {
+            return bad("tls.dir is not supported by this build yet; use service_token".into());
+        }
+        let tok = self.iam.admin_token()?;
+        if tok.contains("change-me") {
+            return bad("iam.admin_token still holds the placeholder \"change-me\"; set a real secret".into());
+        }
+        if !tok.is_empty() {
+            names::parse_token(&tok).map_err(|e| ConfigError::Invalid(format!("iam.admin_token: {}", e.message)))?;
+        }
+        names::check_principal_id(self.iam.admin_id()).map_err(|e| ConfigError::Invalid(format!("iam.admin_id: {}", e.message)))?;
+        for k in self.iam.root_quota.keys() {
+            if !names::QUOTA_KEYS.contains(&k.as_str()) {
+                return bad(format!("iam.root_quota: unknown key {k:?}"));
+            }
+        }
+        if self.iam.max_token_ttl_s < 0 {
+            return bad("iam.max_token_ttl_s may not be negative".into());
+        }
+        if self.admission.max_ttl_max_s < 0 {
+            return bad("admission.max_ttl_max_s may not be negative".into());
+        }
+        let mut seen = std::collections::HashSet::new();
+        for e in &self.edges {
+            e.validate()?;
+            if !seen.insert(e.id.clone()) {
+                return bad(format!("edges: duplicate id {:?}", e.id));
+            }
+        }
+        if self.placement.k > 64 {
+            return bad("placement.k must be at most 64".into());
+        }
+        Ok(())
+    }
+
+    /// The config of edge `id`: its entry in `edges`, else `edge_template` with that id.
+    pub fn edge(&self, id: &str) -> Option<EdgeConfig> {
+        if let Some(e) = self.edges.iter().find(|e| e.id == id) {
+            return Some(e.clone());
+        }
+        self.edge_template.clone().map(|mut t| {
+            t.id = id.to_string();
+            t
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> Config {
+        let mut c = Config::default();
+        c.service_token = "s".into();
+        c.iam.admin_token = "dsk.admin.secret".into();
+        c
+    }
+
+    #[test]
+    fn placeholder_admin_token_is_refused() {
+        let mut c = base();
+        c.iam.admin_token = "dsk.admin.change-me-please".into();
+        assert!(c.validate().is_err());
+        assert!(base().validate().is_ok());
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let r: Result<Config, _> = serde_json::from_str(r#"{"service_token":"x","admision":{}}"#);
+        assert!(r.is_err());
+    }
+
+    #[test]
+    fn defaults_follow_the_spec() {
+        let c = base();
+        assert_eq!(c.admission.max_ttl_max_s(), 604800);
+        assert_eq!(c.admission.create_burst(), 32768.0);
+        assert_eq!(c.admission.request_burst(), 20000.0);
+        assert_eq!(c.placement.k(), 2);
+        assert_eq!(c.watcher.unhealthy_after(), 3);
+        assert_eq!(c.iam.admin_id(), "admin");
+    }
+}

@@ -1,0 +1,15 @@
+//! OpenDsec: sandbox infrastructure in one executable. See DESIGN.md for the layout.
+#![deny(unsafe_code)]
+
+pub mod backends;
+pub mod cli;
+pub mod config;
+pub mod pb;
+pub mod roles;
+pub mod rpc;
+pub mod shutdown;
+pub mod telemetry;
+pub mod types;
+
+/// This build's version, as `opendsec version` prints it.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -1,0 +1,92 @@
+//! `Failure` <-> `tonic::Status`, with the reason in `google.rpc.ErrorInfo` (02-concepts §9).
+
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+use crate::types::{Failure, Reason};
+
+/// The ErrorInfo domain of every OpenDsec error.
+pub const DOMAIN: &str = "opendsec.io";
+
+fn code_of(r: Reason) -> Code {
+    match r {
+        Reason::Unauthenticated => Code::Unauthenticated,
+        Reason::Forbidden => Code::PermissionDenied,
+        Reason::NotFound => Code::NotFound,
+        Reason::QuotaExceeded | Reason::RateLimited | Reason::NoCapacity => Code::ResourceExhausted,
+        Reason::Invalid => Code::InvalidArgument,
+        Reason::Unavailable => Code::Unavailable,
+        Reason::Timeout => Code::DeadlineExceeded,
+        Reason::Internal => Code::Internal,
+        Reason::Conflict => Code::FailedPrecondition,
+    }
+}
+
+/// Builds the gRPC status for a failure: a matching code, the message, and ErrorInfo.reason.
+pub fn to_status(f: &Failure) -> Status {
+    Status::with_error_details(
+        code_of(f.reason),
+        f.message.clone(),
+        ErrorDetails::with_error_info(f.reason.as_str(), DOMAIN, std::collections::HashMap::new()),
+    )
+}
+
+impl From<Failure> for Status {
+    fn from(f: Failure) -> Status {
+        to_status(&f)
+    }
+}
+
+/// Reads the reason back from a status. A status without ErrorInfo (a transport error, a
+/// proxy) gets the reason its code implies: connection failures are `unavailable`.
+pub fn failure_from_status(s: &Status) -> Failure {
+    if let Some(info) = s.get_error_details().error_info() {
+        if let Some(r) = Reason::parse(&info.reason) {
+            return Failure::new(r, s.message().to_string());
+        }
+    }
+    let reason = match s.code() {
+        Code::Unauthenticated => Reason::Unauthenticated,
+        Code::PermissionDenied => Reason::Forbidden,
+        Code::NotFound => Reason::NotFound,
+        Code::ResourceExhausted => Reason::RateLimited,
+        Code::InvalidArgument | Code::OutOfRange => Reason::Invalid,
+        Code::Unavailable | Code::Cancelled | Code::Unknown => Reason::Unavailable,
+        Code::DeadlineExceeded => Reason::Timeout,
+        Code::AlreadyExists | Code::FailedPrecondition | Code::Aborted => Reason::Conflict,
+        _ => Reason::Internal,
+    };
+    let msg = if s.message().is_empty() { format!("{:?}", s.code()) } else { s.message().to_string() };
+    Failure::new(reason, msg)
+}
+
+/// Converts a failure into the per-item error of batch results.
+pub fn error_detail(f: &Failure) -> crate::pb::ErrorDetail {
+    crate::pb::ErrorDetail { reason: f.reason.as_str().to_string(), message: f.message.clone() }
+}
+
+/// Reads a per-item error back.
+pub fn failure_from_detail(d: &crate::pb::ErrorDetail) -> Failure {
+    Failure::new(Reason::parse(&d.reason).unwrap_or(Reason::Internal), d.message.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reason_survives_the_round_trip() {
+        for r in Reason::ALL {
+            let s = to_status(&Failure::new(r, "why"));
+            let f = failure_from_status(&s);
+            assert_eq!(f.reason, r);
+            assert_eq!(f.message, "why");
+        }
+    }
+
+    #[test]
+    fn bare_statuses_map_by_code() {
+        assert_eq!(failure_from_status(&Status::unavailable("down")).reason, Reason::Unavailable);
+        assert_eq!(failure_from_status(&Status::deadline_exceeded("slow")).reason, Reason::Timeout);
+    }
+}

@@ -1,0 +1,69 @@
+//! Logging (tracing) and the health/metrics listener every role serves (17-monitoring):
+//! `/metrics` (Prometheus text), `/healthz` (alive), `/readyz` (ready to take traffic).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use axum::{routing::get, Router};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+use crate::shutdown::Shutdown;
+
+/// Starts logging to stderr at `level` (`error`, `warn`, `info`, `debug`, or a filter).
+pub fn init_logging(level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(level).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+}
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the process-wide metrics recorder once and returns its handle.
+pub fn metrics_handle() -> PrometheusHandle {
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new().build_recorder();
+            let handle = recorder.handle();
+            // A second recorder (tests in one process) keeps the first; the handle still renders.
+            let _ = metrics::set_global_recorder(recorder);
+            metrics::gauge!("opendsec_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+            handle
+        })
+        .clone()
+}
+
+/// Readiness of one role: set by the role, served on `/readyz`, exported as `opendsec_ready`.
+#[derive(Clone, Default)]
+pub struct Ready(Arc<AtomicBool>);
+
+impl Ready {
+    pub fn set(&self, v: bool, role: &'static str) {
+        self.0.store(v, Ordering::Relaxed);
+        metrics::gauge!("opendsec_ready", "role" => role).set(if v { 1.0 } else { 0.0 });
+    }
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` on `listener` until shutdown.
+pub async fn serve_health(listener: tokio::net::TcpListener, ready: Ready, shutdown: Shutdown) -> std::io::Result<()> {
+    let handle = metrics_handle();
+    let r2 = ready.clone();
+    let app = Router::new()
+        .route("/metrics", get(move || { let h = handle.clone(); async move { h.render() } }))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let r = r2.clone();
+                async move {
+                    if r.get() {
+                        (axum::http::StatusCode::OK, "ready\n")
+                    } else {
+                        (axum::http::StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+                    }
+                }
+            }),
+        );
+    axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.wait().await }).await
+}
