@@ -37,6 +37,7 @@ pub fn main(args: Vec<String>) -> ExitCode {
             println!("{USAGE}");
             ExitCode::SUCCESS
         }
+        "ctl" => crate::cli::ctl::main(rest),
         other => {
             eprintln!("opendsec: unknown role {other:?}\n\n{USAGE}");
             ExitCode::from(2)
