@@ -81,7 +81,7 @@ pub(crate) async fn ttl_pass(core: &Arc<Core>, now: i64) {
             Some(_) => {
                 if !e.ttl_busy.swap(true, Ordering::AcqRel) {
                     let c = core.clone();
-                    tokio::spawn(async move { expire(&c, &e).await });
+                    tokio::spawn(async move { expire(&c, &e, now).await });
                 }
             }
         }
@@ -91,11 +91,12 @@ pub(crate) async fn ttl_pass(core: &Arc<Core>, now: i64) {
     }
 }
 
-/// Re-decides under the operation lock (a call may have come in meanwhile) and acts.
-async fn expire(core: &Core, e: &Entry) {
+/// Re-decides under the operation lock (a call or touch may have come in meanwhile) and
+/// acts.
+async fn expire(core: &Core, e: &Entry, now: i64) {
     {
         let _g = e.op.lock().await;
-        let action = decide(&e.snapshot(), e.calls(), now_s(), core.retention);
+        let action = decide(&e.snapshot(), e.calls(), now, core.retention);
         let r = match action {
             Some(TtlAction::Pause(why)) => Some(core.lifecycle_locked(e, Op::Pause, Cause::Ttl(why)).await),
             Some(TtlAction::Stop(why)) => Some(core.lifecycle_locked(e, Op::Stop, Cause::Ttl(why)).await),
