@@ -405,3 +405,51 @@ async fn leases_are_released_in_batches_and_orphans_deleted() {
     iam_down.fire();
     let _ = iam_task.await;
 }
+
+/// A watcher that only records registrations.
+#[derive(Default, Clone)]
+struct FakeWatcher {
+    seen: Arc<Mutex<Vec<(String, String, bool)>>>,
+}
+
+#[tonic::async_trait]
+impl pb::watcher_server::Watcher for FakeWatcher {
+    async fn get_snapshot(&self, _: Request<pb::GetSnapshotRequest>) -> R<pb::Snapshot> {
+        unimpl()
+    }
+    async fn register(&self, r: Request<pb::RegisterEdgeRequest>) -> R<pb::RegisterEdgeResponse> {
+        let token_ok = r.metadata().get(rpc::SERVICE_TOKEN).and_then(|v| v.to_str().ok()) == Some(TOKEN);
+        let r = r.into_inner();
+        self.seen.lock().unwrap_or_else(|p| p.into_inner()).push((r.edge_id, r.addr, token_ok));
+        Ok(Response::new(pb::RegisterEdgeResponse { known: true }))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registers_with_every_watcher_and_survives_a_missing_one() {
+    let fake = FakeWatcher::default();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| panic!("{e}"));
+    let waddr = l.local_addr().unwrap_or_else(|e| panic!("{e}")).to_string();
+    let down = Shutdown::new();
+    let wt = tokio::spawn(rpc::serve::serve(rpc::serve::builder().add_service(pb::watcher_server::WatcherServer::new(fake.clone())), l, down.clone()));
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let dead = closed_port().await;
+    let mut cfg = (*config(dir.path(), "", serde_json::json!({}), false)).clone();
+    cfg.watcher.replicas = vec![
+        opendsec::config::WatcherReplica { id: "0".into(), addr: dead },
+        opendsec::config::WatcherReplica { id: "1".into(), addr: waddr },
+    ];
+    let edge = Edge::start(Arc::new(cfg)).await;
+    let mut seen = Vec::new();
+    for _ in 0..100 {
+        seen = fake.seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if !seen.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(seen.first(), Some(&("e1".to_string(), edge.addr.clone(), true)), "registered with its address and the service token");
+    edge.stop().await;
+    down.fire();
+    let _ = wt.await;
+}
