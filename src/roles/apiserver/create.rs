@@ -85,20 +85,19 @@ impl Inner {
 
     /// Admits `live` (bound to their current edges). Whole-call failures (authentication,
     /// IAM down) come back as `Err`; per-item failures are returned as failed items.
-    async fn admit(&self, job: &Job<'_>, live: &mut Vec<Live>, res: &Res, done: &mut Vec<(u32, Result<pb::Sandbox, Failure>)>) -> Result<(), Failure> {
+    async fn admit(&self, job: &Job<'_>, live: &mut Vec<Live>, res: &Res, keep_binding: bool, done: &mut Vec<(u32, Result<pb::Sandbox, Failure>)>) -> Result<(), Failure> {
         if live.is_empty() {
             return Ok(());
         }
         let image_project = names::image_project(&job.spec.image).unwrap_or_default().to_string();
         let items = live
             .iter()
-            .map(|l| pb::AdmitItem { lease_id: l.item.lease_id.clone(), project: job.project.to_string(), resources: Some(res.to_pb()), edge_id: l.edge.clone(), sandbox_id: sandbox_id(&l.edge, &l.item) })
+            .map(|l| pb::AdmitItem { lease_id: l.item.lease_id.clone(), project: job.project.to_string(), resources: Some(res.to_pb()), edge_id: l.edge.clone(), sandbox_id: sandbox_id(&l.edge, &l.item), keep_binding })
             .collect();
         let req = pb::AdmitRequest { token: job.caller.token.clone(), client_addr: job.caller.client_addr.clone(), image_project, items };
         let resp = self.iam.clone().admit(client::internal(req, &self.cfg.service_token)).await.map_err(|s| failure_from_status(&s))?.into_inner();
         let by_id: HashMap<String, pb::AdmitResult> = resp.results.into_iter().map(|r| (r.lease_id.clone(), r)).collect();
         let mut keep = Vec::with_capacity(live.len());
-        let mut rebind_back = Vec::new();
         for mut l in live.drain(..) {
             match by_id.get(&l.item.lease_id) {
                 None => {
@@ -112,26 +111,15 @@ impl Inner {
                     }
                     None => {
                         l.admitted = true;
-                        // A retry: the lease already lives on another edge; go back there.
-                        if r.existed && !r.edge_id.is_empty() && r.edge_id != l.edge {
+                        // A retry: the lease stayed on the edge that holds it; go back there.
+                        if keep_binding && r.existed && !r.edge_id.is_empty() && r.edge_id != l.edge {
                             self.unplace(&l.edge, res, false);
                             l.edge = r.edge_id.clone();
-                            rebind_back.push(l);
-                        } else {
-                            keep.push(l);
                         }
+                        keep.push(l);
                     }
                 },
             }
-        }
-        if !rebind_back.is_empty() {
-            let items = rebind_back
-                .iter()
-                .map(|l| pb::AdmitItem { lease_id: l.item.lease_id.clone(), project: job.project.to_string(), resources: Some(res.to_pb()), edge_id: l.edge.clone(), sandbox_id: sandbox_id(&l.edge, &l.item) })
-                .collect();
-            let req = pb::AdmitRequest { token: job.caller.token.clone(), client_addr: job.caller.client_addr.clone(), image_project: String::new(), items };
-            self.iam.clone().admit(client::internal(req, &self.cfg.service_token)).await.map_err(|s| failure_from_status(&s))?;
-            keep.extend(rebind_back);
         }
         *live = keep;
         Ok(())
@@ -172,7 +160,7 @@ impl Inner {
             }
             return Ok(done);
         }
-        self.admit(job, &mut live, &res, &mut done).await?;
+        self.admit(job, &mut live, &res, true, &mut done).await?;
         let mut attempt = 1;
         while !live.is_empty() {
             let mut by_edge: BTreeMap<String, Vec<Live>> = BTreeMap::new();
@@ -263,7 +251,7 @@ impl Inner {
                     }
                 }
                 // Rebind the moved leases to their new edges.
-                if let Err(f) = self.admit(job, &mut live, &res, &mut done).await {
+                if let Err(f) = self.admit(job, &mut live, &res, false, &mut done).await {
                     for l in live.drain(..) {
                         release.push(l.item.lease_id.clone());
                         done.push((l.item.index, Err(f.clone())));

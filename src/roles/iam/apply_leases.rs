@@ -84,7 +84,8 @@ fn admit_one(st: &mut IamState, principal: &str, it: &AdmitItem, now: i64) -> Re
             return Err(Failure::conflict(format!("lease {} is held in project {}, not {}", it.lease_id, l.project, it.project)));
         }
         let prev = Admitted { existed: true, prev_edge_id: l.edge_id.clone(), prev_sandbox_id: l.sandbox_id.clone() };
-        if !it.edge_id.is_empty() && (l.edge_id != it.edge_id || l.sandbox_id != it.sandbox_id) {
+        let keep = it.keep_binding && !l.edge_id.is_empty();
+        if !keep && !it.edge_id.is_empty() && (l.edge_id != it.edge_id || l.sandbox_id != it.sandbox_id) {
             let old_edge = l.edge_id.clone();
             st.index_remove(&old_edge, &it.lease_id);
             st.index_add(&it.edge_id, &it.lease_id);
@@ -238,6 +239,7 @@ mod tests {
             resources: Res { cpu_cores: cpu, memory_mb: 1024, ..Default::default() },
             edge_id: edge.into(),
             sandbox_id: if edge.is_empty() { String::new() } else { format!("{edge}.{lease}") },
+            keep_binding: false,
         }
     }
 

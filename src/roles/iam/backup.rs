@@ -177,7 +177,7 @@ mod tests {
         // After the backup: a new project, a principal and a lease in root/a.
         ok(&mut st, create_project_cmd(&admin(), ROOT, "later", &[]));
         add_principal(&mut st, ROOT, "bob");
-        let item = AdmitItem { lease_id: "l1".into(), project: "root/a".into(), resources: Res { cpu_cores: 1.0, ..Default::default() }, edge_id: "e1".into(), sandbox_id: "e1.x".into() };
+        let item = AdmitItem { lease_id: "l1".into(), project: "root/a".into(), resources: Res { cpu_cores: 1.0, ..Default::default() }, edge_id: "e1".into(), sandbox_id: "e1.x".into(), keep_binding: false };
         ok(&mut st, Command::Admit { actor: admin(), image_project: String::new(), items: vec![item], now: NOW });
         let epoch = st.epoch;
         ok(&mut st, restore_cmd(&admin(), b));

@@ -28,6 +28,9 @@ pub struct AdmitItem {
     /// "" = not bound to an edge yet.
     pub edge_id: String,
     pub sandbox_id: String,
+    /// Leave an existing binding as it is (see `keep_binding` in iam.proto).
+    #[serde(default)]
+    pub keep_binding: bool,
 }
 
 /// A lease an edge reports alive (`Reconcile`).

@@ -67,6 +67,7 @@ impl IamService {
                 project: i.project,
                 edge_id: i.edge_id,
                 sandbox_id: i.sandbox_id,
+                keep_binding: i.keep_binding,
             })
             .collect();
         let lease_ids: Vec<String> = items.iter().map(|i| i.lease_id.clone()).collect();

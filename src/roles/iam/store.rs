@@ -377,7 +377,7 @@ mod tests {
     }
 
     fn admit(lease: &str) -> Command {
-        let item = AdmitItem { lease_id: lease.into(), project: ROOT.into(), resources: Res { cpu_cores: 1.0, ..Default::default() }, edge_id: "e1".into(), sandbox_id: format!("e1.{lease}") };
+        let item = AdmitItem { lease_id: lease.into(), project: ROOT.into(), resources: Res { cpu_cores: 1.0, ..Default::default() }, edge_id: "e1".into(), sandbox_id: format!("e1.{lease}"), keep_binding: false };
         Command::Admit { actor: admin(), image_project: String::new(), items: vec![item], now: NOW }
     }
 
