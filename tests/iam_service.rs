@@ -21,8 +21,7 @@ const SVC: &str = "svc-secret";
 const ADMIN: &str = "dsk.admin.admin-secret-123";
 
 fn config(state: Option<&Path>) -> Config {
-    let mut c = Config::default();
-    c.service_token = SVC.into();
+    let mut c = Config { service_token: SVC.into(), ..Default::default() };
     c.iam.admin_token = ADMIN.into();
     if let Some(p) = state {
         c.iam.state = p.display().to_string();

@@ -173,14 +173,16 @@ pub(super) fn reconcile(st: &mut IamState, edge: &str, reported: &[LeaseReport],
             }
             None => {
                 // A sandbox IAM did not know (after a restore, for instance): adopt its lease.
-                // It exists already, so it is charged without a quota check.
+                // It exists already, so it is charged without a quota check; a project that
+                // no longer exists is charged to its nearest existing ancestor.
                 let res = lease_res(&r.resources);
                 let created_at = if r.created_at <= 0 || r.created_at > now { now } else { r.created_at };
-                st.charge(&r.project, &res);
+                let project = st.nearest_project(&r.project);
+                st.charge(&project, &res);
                 st.leases.insert(
                     r.lease_id.clone(),
                     Lease {
-                        project: r.project.clone(),
+                        project,
                         principal: r.principal.clone(),
                         resources: res,
                         edge_id: edge.to_string(),
@@ -395,16 +397,22 @@ mod tests {
         };
         let kept = LeaseReport { project: "root/a".into(), ..report("kept") };
         let bad = LeaseReport { project: "nowhere".into(), ..report("bad") };
-        let cmd = Command::Reconcile { edge_id: "e1".into(), leases: vec![kept, report("new"), bad], min_age_s: 60, now: NOW + 120 };
+        let cmd = Command::Reconcile { edge_id: "e1".into(), leases: vec![kept.clone(), report("new"), bad], min_age_s: 60, now: NOW + 120 };
         assert_eq!(ok(&mut st, cmd), Outcome::Reconciled { adopted: 1, released: 1 });
         assert!(st.leases.contains_key("young") && st.leases.contains_key("kept") && st.leases.contains_key("new"));
         assert!(!st.leases.contains_key("old") && !st.leases.contains_key("bad"));
         assert_eq!(st.leases["new"].created_at, NOW - 50);
+        // A project that does not exist (any more) is charged to its nearest ancestor.
+        let gone = LeaseReport { project: "root/a/gone/deeper".into(), ..report("gone") };
+        let cmd = Command::Reconcile { edge_id: "e1".into(), leases: vec![kept.clone(), report("new"), gone], min_age_s: 60, now: NOW + 120 };
+        assert_eq!(ok(&mut st, cmd), Outcome::Reconciled { adopted: 1, released: 0 });
+        assert_eq!(st.leases["gone"].project, "root/a");
+        consistent(&st);
         assert_eq!(st.projects["root/a/b"].usage.sandboxes, 1);
         consistent(&st);
         // Lost edge: an empty report with no minimum age releases everything on it.
         let lost = Command::Reconcile { edge_id: "e1".into(), leases: vec![], min_age_s: 0, now: NOW + 130 };
-        assert_eq!(ok(&mut st, lost), Outcome::Reconciled { adopted: 0, released: 3 });
+        assert_eq!(ok(&mut st, lost), Outcome::Reconciled { adopted: 0, released: 4 });
         assert!(st.leases.is_empty());
         assert_eq!(st.projects[ROOT].usage, Res::default());
         refused(&mut st, Command::Reconcile { edge_id: "E 1".into(), leases: vec![], min_age_s: 0, now: NOW }, Reason::Invalid);

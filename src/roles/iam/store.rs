@@ -48,7 +48,7 @@ struct Job {
 }
 
 enum Msg {
-    Cmd(Job),
+    Cmd(Box<Job>),
     Close(oneshot::Sender<()>),
 }
 
@@ -148,7 +148,7 @@ impl Store {
             return Err(Failure::unavailable("IAM store failed to persist; restart IAM"));
         }
         let (reply, rx) = oneshot::channel();
-        self.tx.send(Msg::Cmd(Job { cmd, reply })).await.map_err(|_| Failure::unavailable("IAM store is closed"))?;
+        self.tx.send(Msg::Cmd(Box::new(Job { cmd, reply }))).await.map_err(|_| Failure::unavailable("IAM store is closed"))?;
         rx.await.map_err(|_| Failure::unavailable("IAM store closed before answering"))?
     }
 
@@ -267,7 +267,7 @@ fn writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<Msg>, mut files: Option<Fi
     let mut close: Option<oneshot::Sender<()>> = None;
     while close.is_none() {
         let Some(first) = rx.blocking_recv() else { break };
-        let mut batch = Vec::with_capacity(MAX_BATCH);
+        let mut batch: Vec<Box<Job>> = Vec::with_capacity(MAX_BATCH);
         match first {
             Msg::Cmd(j) => batch.push(j),
             Msg::Close(c) => close = Some(c),
@@ -495,6 +495,27 @@ mod tests {
         let s = Store::open(Some(&path), StoreOptions::default()).unwrap();
         assert_eq!(*s.read(), fin);
         assert_eq!(s.read().projects[ROOT].usage.sandboxes, 3);
+        s.close().await;
+    }
+
+    #[tokio::test]
+    async fn fractional_values_reload_exactly_from_snapshot_and_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = state_file(&dir);
+        let s = Store::open(Some(&path), StoreOptions { snapshot_every: 3 }).unwrap();
+        run(&s, vec![bootstrap()]).await;
+        for (i, cpu) in [0.1, 0.7, 1.0 / 3.0, 2.0 / 7.0, 1e-7, 123.456789].into_iter().enumerate() {
+            let mut c = admit(&format!("f{i}"));
+            if let Command::Admit { items, .. } = &mut c {
+                items[0].resources.cpu_cores = cpu;
+            }
+            run(&s, vec![c]).await;
+        }
+        run(&s, vec![Command::ReleaseLeases { lease_ids: vec!["f1".into(), "f3".into()], at: NOW + 4321, now: NOW + 7777 }]).await;
+        let before = s.read().clone();
+        s.close().await;
+        let s = Store::open(Some(&path), StoreOptions::default()).unwrap();
+        assert_eq!(*s.read(), before);
         s.close().await;
     }
 
