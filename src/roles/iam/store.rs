@@ -11,6 +11,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
@@ -179,8 +180,12 @@ fn load(path: &Path) -> Result<(IamState, Files), IamError> {
         Err(e) => return Err(io_err("reading the snapshot", path)(e)),
     };
     state.rebuild_index();
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(io_err("creating the state directory", dir))?;
+    }
     let lp = log_path(path);
-    let mut log = OpenOptions::new().read(true).append(true).create(true).open(&lp).map_err(io_err("opening the log", &lp))?;
+    // Token hashes live here: owner-only.
+    let mut log = OpenOptions::new().read(true).append(true).create(true).mode(0o600).open(&lp).map_err(io_err("opening the log", &lp))?;
     match log.try_lock() {
         Ok(()) => {}
         Err(std::fs::TryLockError::WouldBlock) => return Err(IamError::Locked { path: lp }),
@@ -228,7 +233,13 @@ fn load(path: &Path) -> Result<(IamState, Files), IamError> {
 /// Writes a snapshot durably: temp file, fsync, rename, fsync of the directory.
 fn write_snapshot(path: &Path, seq: u64, state: &IamState) -> Result<(), IamError> {
     let tmp = tmp_path(path);
-    let f = File::create(&tmp).map_err(io_err("creating the snapshot", &tmp))?;
+    let f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(io_err("creating the snapshot", &tmp))?;
     let mut w = BufWriter::with_capacity(1 << 20, f);
     serde_json::to_writer(&mut w, &SnapshotRef { seq, state }).map_err(|source| IamError::Snapshot { path: tmp.clone(), source })?;
     let f = w.into_inner().map_err(|e| io_err("writing the snapshot", &tmp)(e.into_error()))?;
@@ -416,6 +427,20 @@ mod tests {
         assert_eq!(*s2.read(), before);
         assert_eq!(s2.read().leases_on("e1"), vec!["l1".to_string()]);
         s2.close().await;
+    }
+
+    #[tokio::test]
+    async fn state_files_are_owner_only_and_their_directory_is_created() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nested/iam.json");
+        let s = Store::open(Some(&path), StoreOptions { snapshot_every: 1 }).unwrap();
+        run(&s, vec![bootstrap()]).await;
+        s.close().await;
+        for p in [path.clone(), log_path(&path)] {
+            let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600, "{}", p.display());
+        }
     }
 
     #[tokio::test]
