@@ -21,8 +21,7 @@ const SVC: &str = "svc-secret";
 const ADMIN: &str = "dsk.admin.admin-secret-123";
 
 fn config(state: Option<&Path>) -> Config {
-    let mut c = Config::default();
-    c.service_token = SVC.into();
+    let mut c = Config { service_token: SVC.into(), ..Default::default() };
     c.iam.admin_token = ADMIN.into();
     if let Some(p) = state {
         c.iam.state = p.display().to_string();
@@ -166,6 +165,23 @@ async fn state_survives_a_restart_and_reasons_reach_the_caller() {
     let total = usage.rows.last().unwrap();
     assert_eq!((total.day.as_str(), total.project.as_str()), ("total", "root"));
     assert_eq!(total.sandboxes_started, 3);
+    // Reconciliation: an unknown lease on the edge is adopted; a lost edge releases all.
+    let alive = |id: &str| pb::LeaseInfo {
+        lease_id: id.into(),
+        project: "root/team-a".into(),
+        principal: "trainer".into(),
+        resources: Some(pb::Resources { cpu_cores: 1.0, ..Default::default() }),
+        edge_id: "edge-1".into(),
+        sandbox_id: format!("edge-1.{id}"),
+        ..Default::default()
+    };
+    let req = pb::ReconcileRequest { edge_id: "edge-1".into(), leases: vec![alive("l4"), alive("l9")], min_age_s: 60 };
+    assert_eq!(c.reconcile(internal(req.clone(), SVC)).await.unwrap().into_inner(), pb::ReconcileResponse { adopted: 1, released: 0 });
+    assert_eq!(c.reconcile(internal(req, SVC)).await.unwrap().into_inner(), pb::ReconcileResponse { adopted: 0, released: 0 });
+    let lost = pb::ReconcileRequest { edge_id: "edge-1".into(), leases: vec![], min_age_s: 0 };
+    assert_eq!(c.reconcile(internal(lost, SVC)).await.unwrap().into_inner(), pb::ReconcileResponse { adopted: 0, released: 2 });
+    let p = c.get_project(with_token(pb::ProjectRef { project: "root".into() }, ADMIN)).await.unwrap().into_inner();
+    assert_eq!(p.usage["sandboxes"], 0.0);
     let bad = pb::GetUsageRequest { project: "root".into(), start: "2026-13-45".into(), ..Default::default() };
     assert_eq!(reason(c.get_usage(with_token(bad, ADMIN)).await), Reason::Invalid);
     assert_eq!(reason(c.get_usage(with_token(pb::GetUsageRequest { project: "root".into(), ..Default::default() }, &trainer)).await), Reason::Forbidden);

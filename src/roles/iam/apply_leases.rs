@@ -146,66 +146,107 @@ fn report_ok(r: &LeaseReport) -> bool {
         && check_res(&r.resources).is_ok()
 }
 
-pub(super) fn reconcile(st: &mut IamState, edge: &str, reported: &[LeaseReport], min_age_s: i64, now: i64) -> Result<Outcome, Failure> {
+/// What a `Reconcile` would change: reports to adopt (unknown leases) or to rebind (known,
+/// bound elsewhere), and leases of the edge to release. Computed from a read of the state, so
+/// the service commits nothing when an edge's report matches (the steady state).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(super) struct ReconcilePlan {
+    pub adopt: Vec<usize>,
+    pub rebind: Vec<usize>,
+    pub release: Vec<String>,
+}
+
+impl ReconcilePlan {
+    pub fn is_empty(&self) -> bool {
+        self.adopt.is_empty() && self.rebind.is_empty() && self.release.is_empty()
+    }
+}
+
+/// Plans a reconciliation of `edge` with the leases it reports alive: unknown ones are
+/// adopted, ones bound elsewhere move here, and the edge's leases it does not report are
+/// released unless younger than `min_age_s`. Malformed reports are skipped. `invalid` for a
+/// bad edge id, a negative age or an oversized report.
+pub(super) fn reconcile_plan(st: &IamState, edge: &str, reported: &[LeaseReport], min_age_s: i64, now: i64) -> Result<ReconcilePlan, Failure> {
     require_bootstrapped(st)?;
     names::check_edge_id(edge)?;
     check_batch(reported.len())?;
     if min_age_s < 0 {
         return Err(Failure::invalid("min_age_s may not be negative"));
     }
-    let (mut adopted, mut released) = (0i64, 0i64);
+    let mut plan = ReconcilePlan::default();
     let mut alive: HashSet<&str> = HashSet::with_capacity(reported.len());
-    for r in reported.iter().filter(|r| report_ok(r)) {
-        alive.insert(&r.lease_id);
-        match st.leases.get(&r.lease_id) {
-            Some(l) if l.edge_id == edge && (r.sandbox_id.is_empty() || l.sandbox_id == r.sandbox_id) => {}
-            Some(l) => {
-                // The sandbox runs here: bind the lease to where it actually is.
-                let old = l.edge_id.clone();
-                st.index_remove(&old, &r.lease_id);
-                st.index_add(edge, &r.lease_id);
-                if let Some(l) = st.leases.get_mut(&r.lease_id) {
-                    l.edge_id = edge.to_string();
-                    if !r.sandbox_id.is_empty() {
-                        l.sandbox_id = r.sandbox_id.clone();
-                    }
-                    l.bound_at = now;
-                }
-            }
-            None => {
-                // A sandbox IAM did not know (after a restore, for instance): adopt its lease.
-                // It exists already, so it is charged without a quota check.
-                let res = lease_res(&r.resources);
-                let created_at = if r.created_at <= 0 || r.created_at > now { now } else { r.created_at };
-                st.charge(&r.project, &res);
-                st.leases.insert(
-                    r.lease_id.clone(),
-                    Lease {
-                        project: r.project.clone(),
-                        principal: r.principal.clone(),
-                        resources: res,
-                        edge_id: edge.to_string(),
-                        sandbox_id: r.sandbox_id.clone(),
-                        created_at,
-                        bound_at: now,
-                    },
-                );
-                st.index_add(edge, &r.lease_id);
-                adopted += 1;
-            }
-        }
-    }
-    for id in st.leases_on(edge) {
-        if alive.contains(id.as_str()) {
+    for (i, r) in reported.iter().enumerate() {
+        if !report_ok(r) || !alive.insert(&r.lease_id) {
             continue;
         }
-        let young = st.leases.get(&id).is_some_and(|l| now - l.created_at.max(l.bound_at) < min_age_s);
-        if !young && release_one(st, &id, now, now) {
-            released += 1;
+        match st.leases.get(&r.lease_id) {
+            Some(l) if l.edge_id == edge && (r.sandbox_id.is_empty() || l.sandbox_id == r.sandbox_id) => {}
+            Some(_) => plan.rebind.push(i),
+            None => plan.adopt.push(i),
         }
     }
+    if let Some(ids) = st.by_edge.get(edge) {
+        for id in ids.iter().filter(|id| !alive.contains(id.as_str())) {
+            let young = st.leases.get(id).is_some_and(|l| now - l.created_at.max(l.bound_at) < min_age_s);
+            if !young {
+                plan.release.push(id.clone());
+            }
+        }
+    }
+    Ok(plan)
+}
+
+pub(super) fn reconcile(st: &mut IamState, edge: &str, reported: &[LeaseReport], min_age_s: i64, now: i64) -> Result<Outcome, Failure> {
+    let plan = reconcile_plan(st, edge, reported, min_age_s, now)?;
+    for &i in &plan.rebind {
+        // The sandbox runs here: bind the lease to where it actually is.
+        let r = &reported[i];
+        let Some(old) = st.leases.get(&r.lease_id).map(|l| l.edge_id.clone()) else { continue };
+        st.index_remove(&old, &r.lease_id);
+        st.index_add(edge, &r.lease_id);
+        if let Some(l) = st.leases.get_mut(&r.lease_id) {
+            l.edge_id = edge.to_string();
+            if !r.sandbox_id.is_empty() {
+                l.sandbox_id = r.sandbox_id.clone();
+            }
+            l.bound_at = now;
+        }
+    }
+    for &i in &plan.adopt {
+        // A sandbox IAM did not know (after a restore, for instance): adopt its lease. It
+        // exists already, so it is charged without a quota check; a project that no longer
+        // exists is charged to its nearest existing ancestor.
+        let r = &reported[i];
+        let res = lease_res(&r.resources);
+        let created_at = if r.created_at <= 0 || r.created_at > now { now } else { r.created_at };
+        let project = st.nearest_project(&r.project);
+        st.charge(&project, &res);
+        let lease = Lease {
+            project,
+            principal: r.principal.clone(),
+            resources: res,
+            edge_id: edge.to_string(),
+            sandbox_id: r.sandbox_id.clone(),
+            created_at,
+            bound_at: now,
+        };
+        st.leases.insert(r.lease_id.clone(), lease);
+        st.index_add(edge, &r.lease_id);
+    }
+    let released = plan.release.iter().filter(|id| release_one(st, id, now, now)).count() as i64;
     usage::prune(st, now);
-    Ok(Outcome::Reconciled { adopted, released })
+    Ok(Outcome::Reconciled { adopted: plan.adopt.len() as i64, released })
+}
+
+/// Would `ReleaseLeases` of `ids` release anything? (Lets the service skip a commit for
+/// retries of releases already applied.)
+pub(super) fn any_held(st: &IamState, ids: &[String]) -> bool {
+    ids.iter().any(|id| st.leases.contains_key(id))
+}
+
+/// Would `SweepUnbound` release anything?
+pub(super) fn any_unbound_older(st: &IamState, max_age_s: i64, now: i64) -> bool {
+    st.by_edge.get("").is_some_and(|ids| ids.iter().any(|id| st.leases.get(id).is_some_and(|l| now - l.created_at >= max_age_s)))
 }
 
 pub(super) fn sweep_unbound(st: &mut IamState, max_age_s: i64, now: i64) -> Result<Outcome, Failure> {
@@ -397,20 +438,42 @@ mod tests {
         };
         let kept = LeaseReport { project: "root/a".into(), ..report("kept") };
         let bad = LeaseReport { project: "nowhere".into(), ..report("bad") };
-        let cmd = Command::Reconcile { edge_id: "e1".into(), leases: vec![kept, report("new"), bad], min_age_s: 60, now: NOW + 120 };
+        let cmd = Command::Reconcile { edge_id: "e1".into(), leases: vec![kept.clone(), report("new"), bad], min_age_s: 60, now: NOW + 120 };
         assert_eq!(ok(&mut st, cmd), Outcome::Reconciled { adopted: 1, released: 1 });
         assert!(st.leases.contains_key("young") && st.leases.contains_key("kept") && st.leases.contains_key("new"));
         assert!(!st.leases.contains_key("old") && !st.leases.contains_key("bad"));
         assert_eq!(st.leases["new"].created_at, NOW - 50);
+        // A project that does not exist (any more) is charged to its nearest ancestor.
+        let gone = LeaseReport { project: "root/a/gone/deeper".into(), ..report("gone") };
+        let cmd = Command::Reconcile { edge_id: "e1".into(), leases: vec![kept.clone(), report("new"), gone], min_age_s: 60, now: NOW + 120 };
+        assert_eq!(ok(&mut st, cmd), Outcome::Reconciled { adopted: 1, released: 0 });
+        assert_eq!(st.leases["gone"].project, "root/a");
+        consistent(&st);
         assert_eq!(st.projects["root/a/b"].usage.sandboxes, 1);
         consistent(&st);
         // Lost edge: an empty report with no minimum age releases everything on it.
         let lost = Command::Reconcile { edge_id: "e1".into(), leases: vec![], min_age_s: 0, now: NOW + 130 };
-        assert_eq!(ok(&mut st, lost), Outcome::Reconciled { adopted: 0, released: 3 });
+        assert_eq!(ok(&mut st, lost), Outcome::Reconciled { adopted: 0, released: 4 });
         assert!(st.leases.is_empty());
         assert_eq!(st.projects[ROOT].usage, Res::default());
         refused(&mut st, Command::Reconcile { edge_id: "E 1".into(), leases: vec![], min_age_s: 0, now: NOW }, Reason::Invalid);
         refused(&mut st, Command::Reconcile { edge_id: "e1".into(), leases: vec![], min_age_s: -1, now: NOW }, Reason::Invalid);
+    }
+
+    #[test]
+    fn a_matching_report_plans_nothing_and_duplicates_count_once() {
+        let (mut st, t) = setup();
+        results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "e1")], NOW)));
+        let rep = LeaseReport { lease_id: "l1".into(), project: "root/a".into(), principal: "trainer".into(), resources: Res::default(), sandbox_id: "e1.l1".into(), created_at: NOW };
+        assert!(reconcile_plan(&st, "e1", std::slice::from_ref(&rep), 0, NOW + 1).unwrap().is_empty());
+        assert!(!reconcile_plan(&st, "e1", &[], 0, NOW + 1).unwrap().is_empty());
+        assert!(any_held(&st, &["x".into(), "l1".into()]));
+        assert!(!any_held(&st, &["x".into()]));
+        let new = LeaseReport { lease_id: "l2".into(), ..rep.clone() };
+        let cmd = Command::Reconcile { edge_id: "e1".into(), leases: vec![rep, new.clone(), new], min_age_s: 0, now: NOW + 1 };
+        assert_eq!(ok(&mut st, cmd), Outcome::Reconciled { adopted: 1, released: 0 });
+        assert_eq!(st.projects["root/a"].usage.sandboxes, 2);
+        consistent(&st);
     }
 
     #[test]
@@ -429,6 +492,8 @@ mod tests {
         let (mut st, t) = setup();
         results(ok(&mut st, admit_cmd(&t, "", vec![item("u-old", "root/a", 1.0, ""), item("bound", "root/a", 1.0, "e1")], NOW)));
         results(ok(&mut st, admit_cmd(&t, "", vec![item("u-new", "root/a", 1.0, "")], NOW + 500)));
+        assert!(any_unbound_older(&st, 600, NOW + 700));
+        assert!(!any_unbound_older(&st, 600, NOW + 599));
         assert_eq!(ok(&mut st, Command::SweepUnbound { max_age_s: 600, now: NOW + 700 }), Outcome::Released(1));
         assert!(st.leases.contains_key("u-new") && st.leases.contains_key("bound"));
         consistent(&st);

@@ -19,7 +19,7 @@ const MAX_TTL: i64 = 100 * 365 * 86400;
 /// limit, a missing ttl takes the limit and a longer one is `invalid`; without, a missing ttl
 /// never expires (0).
 pub fn expiry(max_token_ttl_s: i64, ttl: i64, now: i64) -> Result<i64, Failure> {
-    if ttl < 0 || ttl > MAX_TTL {
+    if !(0..=MAX_TTL).contains(&ttl) {
         return Err(Failure::invalid(format!("ttl {ttl} must be from 0 to {MAX_TTL} seconds")));
     }
     if max_token_ttl_s > 0 {

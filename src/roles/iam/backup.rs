@@ -143,6 +143,18 @@ pub(super) fn restore(st: &mut IamState, a: &Actor, b: &Backup, now: i64) -> Res
     st.principals = b.principals.clone();
     st.usage = b.usage.clone();
     st.epoch = st.epoch.max(b.epoch) + 1;
+    // Leases of projects the backup lacks count in their nearest existing ancestor.
+    let moved: Vec<(String, String)> = st
+        .leases
+        .iter()
+        .filter(|(_, l)| !st.projects.contains_key(&l.project))
+        .map(|(id, l)| (id.clone(), st.nearest_project(&l.project)))
+        .collect();
+    for (id, project) in moved {
+        if let Some(l) = st.leases.get_mut(&id) {
+            l.project = project;
+        }
+    }
     st.recompute_usage();
     Ok(Outcome::Done)
 }
@@ -178,14 +190,19 @@ mod tests {
         ok(&mut st, create_project_cmd(&admin(), ROOT, "later", &[]));
         add_principal(&mut st, ROOT, "bob");
         let item = AdmitItem { lease_id: "l1".into(), project: "root/a".into(), resources: Res { cpu_cores: 1.0, ..Default::default() }, edge_id: "e1".into(), sandbox_id: "e1.x".into(), keep_binding: false };
-        ok(&mut st, Command::Admit { actor: admin(), image_project: String::new(), items: vec![item], now: NOW });
+        let item2 = AdmitItem { lease_id: "l2".into(), project: "root/later".into(), ..item.clone() };
+        ok(&mut st, Command::Admit { actor: admin(), image_project: String::new(), items: vec![item, item2], now: NOW });
         let epoch = st.epoch;
         ok(&mut st, restore_cmd(&admin(), b));
         assert!(!st.projects.contains_key("root/later"));
         assert!(!st.principals.contains_key("bob"));
         assert!(st.leases.contains_key("l1"));
         assert_eq!(st.projects["root/a"].usage.sandboxes, 1);
-        assert_eq!(st.projects[ROOT].usage.cpu_cores, 1.0);
+        assert_eq!(st.projects[ROOT].usage.cpu_cores, 2.0);
+        // The lease of a project the backup lacks now counts in root.
+        assert_eq!(st.leases["l2"].project, ROOT);
+        ok(&mut st, create_project_cmd(&admin(), ROOT, "later", &[]));
+        assert_eq!(st.projects["root/later"].usage, Res::default());
         assert!(st.epoch > epoch);
     }
 

@@ -4,7 +4,7 @@
 
 use tonic::Request;
 
-use super::apply_leases::MAX_BATCH;
+use super::apply_leases::{self, MAX_BATCH};
 use super::command::{AdmitItem, Command, Outcome};
 use super::service::IamService;
 use super::views;
@@ -90,6 +90,9 @@ impl IamService {
 
     #[tracing::instrument(name = "iam.release_leases", skip_all, fields(leases = r.lease_ids.len()))]
     pub(super) async fn rpc_release_leases(&self, r: pb::ReleaseLeasesRequest) -> Result<pb::ReleaseLeasesResponse, Failure> {
+        if !apply_leases::any_held(&self.store().read(), &r.lease_ids) {
+            return Ok(pb::ReleaseLeasesResponse { released: 0 });
+        }
         match self.store().propose(Command::ReleaseLeases { lease_ids: r.lease_ids, at: r.at, now: now_s() }).await? {
             Outcome::Released(n) => Ok(pb::ReleaseLeasesResponse { released: n }),
             o => Err(unexpected(o)),
@@ -103,8 +106,13 @@ impl IamService {
 
     #[tracing::instrument(name = "iam.reconcile", skip_all, fields(edge_id = %r.edge_id, leases = r.leases.len()))]
     pub(super) async fn rpc_reconcile(&self, r: pb::ReconcileRequest) -> Result<pb::ReconcileResponse, Failure> {
-        let leases = r.leases.iter().map(views::lease_report).collect();
-        match self.store().propose(Command::Reconcile { edge_id: r.edge_id, leases, min_age_s: r.min_age_s, now: now_s() }).await? {
+        let leases: Vec<_> = r.leases.iter().map(views::lease_report).collect();
+        let now = now_s();
+        // IAM commits only differences: a report that matches changes nothing.
+        if apply_leases::reconcile_plan(&self.store().read(), &r.edge_id, &leases, r.min_age_s, now)?.is_empty() {
+            return Ok(pb::ReconcileResponse { adopted: 0, released: 0 });
+        }
+        match self.store().propose(Command::Reconcile { edge_id: r.edge_id, leases, min_age_s: r.min_age_s, now }).await? {
             Outcome::Reconciled { adopted, released } => {
                 if adopted > 0 || released > 0 {
                     tracing::info!(adopted, released, "leases reconciled");
@@ -117,7 +125,11 @@ impl IamService {
 
     #[tracing::instrument(name = "iam.sweep_unbound", skip_all)]
     pub(super) async fn rpc_sweep_unbound(&self, r: pb::SweepUnboundRequest) -> Result<pb::SweepUnboundResponse, Failure> {
-        match self.store().propose(Command::SweepUnbound { max_age_s: r.max_age_s, now: now_s() }).await? {
+        let now = now_s();
+        if r.max_age_s >= 0 && !apply_leases::any_unbound_older(&self.store().read(), r.max_age_s, now) {
+            return Ok(pb::SweepUnboundResponse { released: 0 });
+        }
+        match self.store().propose(Command::SweepUnbound { max_age_s: r.max_age_s, now }).await? {
             Outcome::Released(n) => Ok(pb::SweepUnboundResponse { released: n }),
             o => Err(unexpected(o)),
         }

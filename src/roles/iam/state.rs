@@ -280,6 +280,12 @@ impl IamState {
         Ok(p)
     }
 
+    /// `path` itself when it exists, else its nearest existing ancestor (root, at worst).
+    /// Leases always name an existing project, so usage stays the sum of the leases.
+    pub fn nearest_project(&self, path: &str) -> String {
+        ancestors(path).filter(|a| self.projects.contains_key(*a)).last().unwrap_or(ROOT).to_string()
+    }
+
     /// Direct subprojects of `path`, as full paths, in order.
     pub fn children(&self, path: &str) -> Vec<String> {
         let prefix = format!("{path}/");

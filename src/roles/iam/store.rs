@@ -11,6 +11,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
@@ -48,7 +49,7 @@ struct Job {
 }
 
 enum Msg {
-    Cmd(Job),
+    Cmd(Box<Job>),
     Close(oneshot::Sender<()>),
 }
 
@@ -148,7 +149,7 @@ impl Store {
             return Err(Failure::unavailable("IAM store failed to persist; restart IAM"));
         }
         let (reply, rx) = oneshot::channel();
-        self.tx.send(Msg::Cmd(Job { cmd, reply })).await.map_err(|_| Failure::unavailable("IAM store is closed"))?;
+        self.tx.send(Msg::Cmd(Box::new(Job { cmd, reply }))).await.map_err(|_| Failure::unavailable("IAM store is closed"))?;
         rx.await.map_err(|_| Failure::unavailable("IAM store closed before answering"))?
     }
 
@@ -179,8 +180,12 @@ fn load(path: &Path) -> Result<(IamState, Files), IamError> {
         Err(e) => return Err(io_err("reading the snapshot", path)(e)),
     };
     state.rebuild_index();
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(io_err("creating the state directory", dir))?;
+    }
     let lp = log_path(path);
-    let mut log = OpenOptions::new().read(true).append(true).create(true).open(&lp).map_err(io_err("opening the log", &lp))?;
+    // Token hashes live here: owner-only.
+    let mut log = OpenOptions::new().read(true).append(true).create(true).mode(0o600).open(&lp).map_err(io_err("opening the log", &lp))?;
     match log.try_lock() {
         Ok(()) => {}
         Err(std::fs::TryLockError::WouldBlock) => return Err(IamError::Locked { path: lp }),
@@ -228,7 +233,13 @@ fn load(path: &Path) -> Result<(IamState, Files), IamError> {
 /// Writes a snapshot durably: temp file, fsync, rename, fsync of the directory.
 fn write_snapshot(path: &Path, seq: u64, state: &IamState) -> Result<(), IamError> {
     let tmp = tmp_path(path);
-    let f = File::create(&tmp).map_err(io_err("creating the snapshot", &tmp))?;
+    let f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(io_err("creating the snapshot", &tmp))?;
     let mut w = BufWriter::with_capacity(1 << 20, f);
     serde_json::to_writer(&mut w, &SnapshotRef { seq, state }).map_err(|source| IamError::Snapshot { path: tmp.clone(), source })?;
     let f = w.into_inner().map_err(|e| io_err("writing the snapshot", &tmp)(e.into_error()))?;
@@ -267,7 +278,7 @@ fn writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<Msg>, mut files: Option<Fi
     let mut close: Option<oneshot::Sender<()>> = None;
     while close.is_none() {
         let Some(first) = rx.blocking_recv() else { break };
-        let mut batch = Vec::with_capacity(MAX_BATCH);
+        let mut batch: Vec<Box<Job>> = Vec::with_capacity(MAX_BATCH);
         match first {
             Msg::Cmd(j) => batch.push(j),
             Msg::Close(c) => close = Some(c),
@@ -419,6 +430,20 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn state_files_are_owner_only_and_their_directory_is_created() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nested/iam.json");
+        let s = Store::open(Some(&path), StoreOptions { snapshot_every: 1 }).unwrap();
+        run(&s, vec![bootstrap()]).await;
+        s.close().await;
+        for p in [path.clone(), log_path(&path)] {
+            let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600, "{}", p.display());
+        }
+    }
+
+    #[tokio::test]
     async fn a_second_store_on_the_same_file_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let path = state_file(&dir);
@@ -495,6 +520,27 @@ mod tests {
         let s = Store::open(Some(&path), StoreOptions::default()).unwrap();
         assert_eq!(*s.read(), fin);
         assert_eq!(s.read().projects[ROOT].usage.sandboxes, 3);
+        s.close().await;
+    }
+
+    #[tokio::test]
+    async fn fractional_values_reload_exactly_from_snapshot_and_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = state_file(&dir);
+        let s = Store::open(Some(&path), StoreOptions { snapshot_every: 3 }).unwrap();
+        run(&s, vec![bootstrap()]).await;
+        for (i, cpu) in [0.1, 0.7, 1.0 / 3.0, 2.0 / 7.0, 1e-7, 123.456789].into_iter().enumerate() {
+            let mut c = admit(&format!("f{i}"));
+            if let Command::Admit { items, .. } = &mut c {
+                items[0].resources.cpu_cores = cpu;
+            }
+            run(&s, vec![c]).await;
+        }
+        run(&s, vec![Command::ReleaseLeases { lease_ids: vec!["f1".into(), "f3".into()], at: NOW + 4321, now: NOW + 7777 }]).await;
+        let before = s.read().clone();
+        s.close().await;
+        let s = Store::open(Some(&path), StoreOptions::default()).unwrap();
+        assert_eq!(*s.read(), before);
         s.close().await;
     }
 
