@@ -25,6 +25,7 @@ KEEPALIVE_TIMEOUT_MS = 5_000
 BACKOFF_START_S = 0.1
 BACKOFF_MAX_S = 2.0
 DEFAULT_SERVER_NAME = "api.opendsec.internal"
+CONNECT_WAIT_S = 5.0
 
 
 def parse_addresses(endpoint: str) -> list[str]:
@@ -81,6 +82,25 @@ class Endpoint:
         return False
 
 
+    async def connected(self, wait: float) -> bool:
+        """Waits up to ``wait`` seconds for the channel to be ``READY``; False if it fails to connect."""
+        deadline = time.monotonic() + wait
+        state = self.channel.get_state(try_to_connect=True)
+        while state != grpc.ChannelConnectivity.READY:
+            if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self.channel.wait_for_state_change(state), left)
+            except asyncio.TimeoutError:
+                return False
+            state = self.channel.get_state(try_to_connect=True)
+        self.down = False
+        return True
+
+
 class Pool:
     """The endpoints and the round-robin pick."""
 
@@ -101,6 +121,28 @@ class Pool:
         ep = self.endpoints[self._next % n]
         self._next = (self._next + 1) % n
         return ep
+
+    async def pick_connected(self, wait: float = CONNECT_WAIT_S) -> Endpoint:
+        """Like :meth:`pick`, but first makes sure the endpoint's connection is up.
+
+        For calls that are not retried: a call that fails because no connection could be
+        made was never sent, so another address can safely be tried before sending it.
+        An endpoint that cannot connect within ``wait`` seconds is marked down and the next
+        one is tried; when none connects, the first pick is returned (and its call fails
+        with ``unavailable``).
+        """
+        first: Optional[Endpoint] = None
+        for _ in range(len(self.endpoints)):
+            ep = self.pick()
+            if first is None:
+                first = ep
+            elif ep is first:
+                break
+            if await ep.connected(wait):
+                return ep
+            ep.down = True
+        assert first is not None
+        return first
 
     async def close(self) -> None:
         """Closes every channel."""

@@ -142,7 +142,12 @@ class DSecClient:
         r = await self._retrier(retry, timeout)
         while True:
             remaining = r.remaining()
-            ep = r.pool.pick()
+            if retry:
+                ep = r.pool.pick()
+            else:  # not retried: connect first, so a dead address is skipped before sending
+                wait = _transport.CONNECT_WAIT_S if remaining is None else min(_transport.CONNECT_WAIT_S, remaining)
+                ep = await r.pool.pick_connected(wait)
+                remaining = r.remaining()
             try:
                 return await getattr(ep.stub, method)(request, timeout=remaining, metadata=self._metadata)
             except grpc.aio.AioRpcError as e:

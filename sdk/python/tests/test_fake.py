@@ -208,6 +208,12 @@ async def test_failover_from_dead_to_live_address(fake):
     assert fake.service.calls["WhoAmI"] == 4
 
 
+async def test_non_retried_call_skips_dead_address_before_sending(fake):
+    async with client_for(dead_addr(), fake.addr, retry_timeout=0) as c:
+        assert await c.whoami() == "anonymous"  # the first pick is the dead address
+    assert fake.service.calls["WhoAmI"] == 1
+
+
 async def test_round_robin_over_live_addresses(fake, fake2):
     async with client_for(fake.addr, fake2.addr) as c:
         for _ in range(6):
@@ -486,3 +492,52 @@ def test_public_names_have_docstrings():
         for attr, member in vars(obj).items() if isinstance(obj, type) else ():
             if not attr.startswith("_") and callable(member):
                 assert member.__doc__, f"{name}.{attr}"
+
+
+def _make_pki(tmp_path):
+    """A CA and a server certificate for api.opendsec.internal, made with the openssl CLI."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not available")
+
+    def run(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp_path)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
+        "-subj", "/CN=test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out", "srv.csr",
+        "-subj", "/CN=api.opendsec.internal")
+    (tmp_path / "ext.cnf").write_text("subjectAltName=DNS:api.opendsec.internal\n")
+    run("x509", "-req", "-in", "srv.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "srv.crt", "-days", "1", "-extfile", "ext.cnf")
+    return tmp_path / "ca.crt", (tmp_path / "srv.key").read_bytes(), (tmp_path / "srv.crt").read_bytes()
+
+
+async def test_tls_server_name(tmp_path):
+    import grpc.aio as aio
+    from fake_server import FakeDSec
+    from opendsec._pb import opendsec_pb2_grpc
+
+    ca, key, crt = _make_pki(tmp_path)
+    service = FakeDSec("tls")
+    srv = aio.server()
+    opendsec_pb2_grpc.add_DSecServicer_to_server(service, srv)
+    port = srv.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, crt)]))
+    await srv.start()
+    addr = f"127.0.0.1:{port}"
+    try:
+        # Several addresses: the certificate is checked against api.opendsec.internal.
+        async with client_for(dead_addr(), addr, ca_file=str(ca), token="dsk.tls-user.x") as c:
+            assert c.server_name == "api.opendsec.internal"
+            assert await c.whoami() == "tls-user"
+        # One address: the name must be given, else the certificate does not match 127.0.0.1.
+        async with client_for(addr, ca_file=str(ca), server_name="api.opendsec.internal") as c:
+            assert await c.whoami() == "anonymous"
+        async with client_for(addr, ca_file=str(ca), retry_timeout=0) as c:
+            with pytest.raises(DSecError) as ei:
+                await c.whoami()
+            assert ei.value.reason == opendsec.UNAVAILABLE
+    finally:
+        await srv.stop(None)
