@@ -1,5 +1,7 @@
 //! Command lines: role dispatch (`opendsec <role>`), the role runners, and the CLI
 //! `opendsec ctl` (10-cli).
 
+pub mod ctl;
 pub mod dispatch;
 pub mod flags;
+pub mod roles;
