@@ -1,1 +1,163 @@
-//! Sandbox backends: the Backend trait and its implementations.
+//! Sandbox backends: the `Backend` trait every backend implements, its optional capability
+//! traits, and the factory that builds a backend from `edges[].backends.<name>`
+//! (15-configuration, 22-components "Backend interface").
+//!
+//! A backend knows how to make, stop, pause and resume one sandbox on this node, nothing more:
+//! admission, records, TTLs and leases belong to the edge. Backends never import roles and
+//! never build a `tonic::Status`; they fail with [`BackendError`].
+//!
+//! What a backend needs to remember about a sandbox (a pid, socket paths, a snapshot's
+//! generation) it returns as [`BackendState`]; the edge persists it in the sandbox's record
+//! and hands it back on every later call, also after an edge restart (`adopt`). So a backend
+//! may keep in-memory caches, but must be able to work from the state alone.
+
+mod caps;
+mod error;
+mod factory;
+pub mod sim;
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+
+use async_trait::async_trait;
+
+use crate::pb;
+
+pub use caps::{ImageLister, Loss, LossReporter, Networked, Packer, Runtime, SnapshotInfo, SnapshotTarget, Snapshotter, Versioned};
+pub use error::BackendError;
+pub use factory::build;
+
+/// Backend-private state of one sandbox, persisted by the edge in the sandbox's record
+/// (JSON; `null` when the backend keeps none).
+pub type BackendState = serde_json::Value;
+
+/// What the edge gives a backend to create one sandbox.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CreateRequest {
+    /// `<edge-id>.<suffix>`; safe as a file name.
+    pub sandbox_id: String,
+    /// The owning project (for labels and logs).
+    pub project: String,
+    /// The spec with resources filled in: `cpu_cores_limit` > 0, `memory_limit_mb` > 0 and
+    /// `disk_mb` > 0 (the backend's `default_disk_mb` when the request set none).
+    pub spec: pb::SandboxSpec,
+}
+
+/// One recorded sandbox as the edge hands it to the backend.
+#[derive(Debug, Clone, Copy)]
+pub struct Handle<'a> {
+    pub sandbox_id: &'a str,
+    pub spec: &'a pb::SandboxSpec,
+    pub state: &'a BackendState,
+}
+
+/// The state a sandbox was recorded in when the edge stopped, for `adopt`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recorded {
+    Running,
+    Paused,
+}
+
+/// A sandbox taken over again after an edge restart.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Adopted {
+    /// The backend's state from now on.
+    pub state: BackendState,
+    /// Whether the sandbox is in fact paused (a pause interrupted by the restart may have
+    /// completed or not; the backend says which).
+    pub paused: bool,
+}
+
+/// The answer of a liveness probe.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Health {
+    Alive,
+    /// Gone, with why (for the record's `message`).
+    Lost(String),
+}
+
+/// What `cleanup` removed: leftovers of sandboxes the edge has no record of.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CleanupReport {
+    /// One entry per thing removed (a cgroup, a process, a disk, a netns), for the log.
+    pub removed: Vec<String>,
+}
+
+/// Where a backend may keep its files and find the agents; given by the edge.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BackendContext {
+    pub edge_id: String,
+    /// The edge's `state_dir` (disks, snapshots, jails live under it).
+    pub state_dir: PathBuf,
+    /// Directory holding aether and chronus (`agent_dir`).
+    pub agent_dir: PathBuf,
+}
+
+/// A sandbox backend (22-components "Backend interface"). One instance serves every sandbox
+/// of one configured backend name on one edge; calls for different sandboxes may run
+/// concurrently, the edge never runs two lifecycle calls for one sandbox at once.
+#[async_trait]
+pub trait Backend: Send + Sync {
+    /// The configured name (`microvm`, `container`, `sim`, ...), what creations name.
+    fn name(&self) -> &str;
+    /// The runtime behind it: `sim`, `linux`, `firecracker` or `qemu`.
+    fn runtime_kind(&self) -> &'static str;
+    /// True when the backend runs nothing (sim): nothing to stop when the edge exits, and
+    /// runtime calls are refused.
+    fn simulated(&self) -> bool {
+        false
+    }
+    /// True when a pause gives the sandbox's memory back to the host (microVMs; containers
+    /// with `pause_reclaim`), so admission charges paused sandboxes `paused_mem_charge`.
+    fn pause_frees_memory(&self) -> bool {
+        false
+    }
+
+    /// Makes and starts the sandbox. On error nothing of it is left running.
+    async fn create(&self, req: &CreateRequest) -> Result<BackendState, BackendError>;
+    /// Stops the sandbox and removes its file system and processes (running or paused).
+    /// Stopping a sandbox that is already gone succeeds.
+    async fn stop(&self, sandbox: &Handle<'_>) -> Result<(), BackendError>;
+    /// Pauses a running sandbox (freezer, or snapshot and exit for microVMs).
+    async fn pause(&self, sandbox: &Handle<'_>) -> Result<BackendState, BackendError>;
+    /// Resumes a paused sandbox.
+    async fn resume(&self, sandbox: &Handle<'_>) -> Result<BackendState, BackendError>;
+    /// Checks that a running sandbox is alive.
+    async fn probe(&self, sandbox: &Handle<'_>) -> Health;
+    /// Takes over a sandbox recorded before an edge restart (reconnects to its process or
+    /// VM and agent). Errors: `Adopt` or `Lost` when it cannot be taken over; the edge then
+    /// marks it FAILED and releases it.
+    async fn adopt(&self, sandbox: &Handle<'_>, recorded: Recorded) -> Result<Adopted, BackendError>;
+    /// Removes what is left on the node of sandboxes whose ids are not in `keep` (cgroups,
+    /// processes, disks, networks). Called once at start, after adoption.
+    async fn cleanup(&self, keep: &HashSet<String>) -> Result<CleanupReport, BackendError>;
+
+    /// The gRPC connection to aether, for runtime calls.
+    fn runtime(&self) -> Option<&dyn Runtime> {
+        None
+    }
+    /// Reports sandboxes that die on their own.
+    fn loss_reporter(&self) -> Option<&dyn LossReporter> {
+        None
+    }
+    /// Snapshots (fork, `create_snapshot`).
+    fn snapshotter(&self) -> Option<&dyn Snapshotter> {
+        None
+    }
+    /// `pack_diff`.
+    fn packer(&self) -> Option<&dyn Packer> {
+        None
+    }
+    /// Needs sandbox networking.
+    fn networked(&self) -> Option<&dyn Networked> {
+        None
+    }
+    /// Runs only fixed local images.
+    fn image_lister(&self) -> Option<&dyn ImageLister> {
+        None
+    }
+    /// Reports runtime versions.
+    fn versioned(&self) -> Option<&dyn Versioned> {
+        None
+    }
+}

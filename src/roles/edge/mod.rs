@@ -1,15 +1,181 @@
-//! The edge role (placeholder until the edge branch lands).
+//! The edge role: the node control plane (22-components §5). Final admission, the sandbox
+//! state machine, TTLs, durable records and re-adoption, lease release, reporting to the
+//! watchers, and forwarding of runtime calls to the sandbox's agent. It serves
+//! `opendsec.v1.Edge` and `opendsec.v1.Runtime` on one listener.
+//!
+//! Files: `create` (CreateSandboxes), `ops` (the other calls), `machine` (states),
+//! `admission` (capacity and pressure), `ttl`, `record` and `store` (persistence),
+//! `recover` (startup), `leases` (IAM), `host` (/proc), `status`, `loops`, `metrics`,
+//! `service` and `runtime` (gRPC).
 
-use std::sync::Arc;
+mod admission;
+mod node;
+mod create;
+mod host;
+mod leases;
+mod loops;
+mod machine;
+mod metrics;
+mod ops;
+mod record;
+mod recover;
+mod runtime;
+mod service;
+mod status;
+mod store;
+mod ttl;
 
-/// Starting an edge failed.
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use crate::backends::{self, Backend, BackendContext, BackendError};
+use crate::config::{Config, ConfigError};
+use crate::pb;
+use crate::rpc;
+use crate::shutdown::Shutdown;
+use crate::telemetry::Ready;
+
+pub use leases::{BatchConfig, IamLeases, LeaseSink, ReleaseItem, Releaser};
+pub use record::SandboxRecord;
+pub use recover::RecoverReport;
+pub use runtime::{Forwarded, SandboxScoped};
+pub use store::{EdgeFlagsState, Store, StoreError};
+
+/// How long shutdown keeps trying to release queued leases.
+const RELEASE_FLUSH: Duration = Duration::from_secs(5);
+
+/// Why the edge could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum EdgeError {
-    #[error("edge: not built yet")]
-    NotBuilt,
+    #[error("edge {0:?} is neither in `edges` nor covered by `edge_template`")]
+    UnknownEdge(String),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("building backend {name}: {source}")]
+    Backend { name: String, source: BackendError },
+    #[error("edge {edge_id}: sandbox records: {source}")]
+    Store { edge_id: String, source: StoreError },
+    #[error("edge {edge_id}: IAM client: {source}")]
+    Client { edge_id: String, source: rpc::client::ClientError },
+    #[error("edge {edge_id}: listener: {source}")]
+    Listener { edge_id: String, source: std::io::Error },
 }
 
-/// Serves the Edge service on `listener`.
-pub async fn start(_cfg: Arc<crate::config::Config>, _edge_id: String, _listener: tokio::net::TcpListener, _shutdown: crate::shutdown::Shutdown, _ready: crate::telemetry::Ready) -> Result<tokio::task::JoinHandle<()>, EdgeError> {
-    Err(EdgeError::NotBuilt)
+/// Starts edge `edge_id` with the backends of its config (`cfg.edge(&edge_id)`: its entry
+/// in `edges`, else `edge_template`). Recovers recorded sandboxes before serving, serves
+/// Edge and Runtime on `listener` until `shutdown` fires, then (without
+/// `keep_sandboxes_on_exit`) stops the sandboxes of real backends and flushes lease
+/// releases. The returned task ends when all of that is done.
+pub async fn start(cfg: Arc<Config>, edge_id: String, listener: tokio::net::TcpListener, shutdown: Shutdown, ready: Ready) -> Result<tokio::task::JoinHandle<()>, EdgeError> {
+    let ec = cfg.edge(&edge_id).ok_or_else(|| EdgeError::UnknownEdge(edge_id.clone()))?;
+    ec.validate()?;
+    let ctx = context(&ec, &edge_id);
+    let mut built = BTreeMap::new();
+    for (name, bc) in ec.backends() {
+        let b = backends::build(&name, &bc, &ctx).map_err(|source| EdgeError::Backend { name: name.clone(), source })?;
+        built.insert(name, b);
+    }
+    start_with_backends(cfg, edge_id, built, listener, shutdown, ready).await
 }
+
+fn context(ec: &crate::config::EdgeConfig, edge_id: &str) -> BackendContext {
+    let agent_dir = if ec.agent_dir.is_empty() {
+        std::env::current_exe().ok().and_then(|p| p.parent().map(PathBuf::from)).unwrap_or_default()
+    } else {
+        PathBuf::from(&ec.agent_dir)
+    };
+    BackendContext { edge_id: edge_id.to_string(), state_dir: PathBuf::from(ec.state_dir()), agent_dir }
+}
+
+/// As `start`, with backends built by the caller (tests, and backends with capabilities the
+/// factory does not build yet). Backend names must match the edge config's `backends`
+/// where limits (`max_sandboxes`, `default_disk_mb`) are wanted.
+pub async fn start_with_backends(
+    cfg: Arc<Config>,
+    edge_id: String,
+    backends: BTreeMap<String, Arc<dyn Backend>>,
+    listener: tokio::net::TcpListener,
+    shutdown: Shutdown,
+    ready: Ready,
+) -> Result<tokio::task::JoinHandle<()>, EdgeError> {
+    let ec = cfg.edge(&edge_id).ok_or_else(|| EdgeError::UnknownEdge(edge_id.clone()))?;
+    ec.validate()?;
+    let local = listener.local_addr().map_err(|source| EdgeError::Listener { edge_id: edge_id.clone(), source })?;
+    let addr = if ec.advertise.is_empty() { local.to_string() } else { ec.advertise.clone() };
+    let configured = ec.backends();
+    let real = backends.values().any(|b| !b.simulated());
+    let persist = ec.persist_state.unwrap_or(real);
+    let state_dir = PathBuf::from(ec.state_dir());
+    let store = if persist { Some(Store::open(&state_dir, &edge_id).map_err(|source| EdgeError::Store { edge_id: edge_id.clone(), source })?) } else { None };
+    let sink: Arc<dyn LeaseSink> = Arc::new(IamLeases::new(&cfg.iam.addr, &cfg.service_token).map_err(|source| EdgeError::Client { edge_id: edge_id.clone(), source })?);
+    let (releaser, releaser_task) = Releaser::spawn(sink.clone(), BatchConfig::default());
+    let slots = backends
+        .into_iter()
+        .map(|(name, backend)| {
+            let bc = configured.get(&name).cloned().unwrap_or_default();
+            (name, node::Slot { backend, max_sandboxes: bc.max_sandboxes.max(0), default_disk_mb: bc.default_disk_mb() })
+        })
+        .collect();
+    let mut probe = host::HostProbe::new("/proc", state_dir.clone());
+    let (probe_back, first) = tokio::task::spawn_blocking(move || {
+        let s = probe.sample();
+        (probe, s)
+    })
+    .await
+    .map_err(|e| EdgeError::Listener { edge_id: edge_id.clone(), source: std::io::Error::other(e.to_string()) })?;
+    probe = probe_back;
+    let core = Arc::new(node::Core {
+        edge_id: edge_id.clone(),
+        addr,
+        service_token: cfg.service_token.clone(),
+        watchers: cfg.watcher.addrs(),
+        slots,
+        entries: Mutex::new(Default::default()),
+        alloc: Mutex::new(Default::default()),
+        host: RwLock::new(first),
+        capacity: RwLock::new(Default::default()),
+        reserves: RwLock::new(Default::default()),
+        draining: AtomicBool::new(false),
+        drain_lock: tokio::sync::Mutex::new(()),
+        store,
+        leases: sink,
+        releaser: releaser.clone(),
+        paused_mem_charge: ec.paused_mem_charge.unwrap_or(1.0),
+        retention: ec.stopped_retention().ceil() as i64,
+        lease_checks: tokio::sync::Semaphore::new(64),
+        real,
+        cfg: ec.clone(),
+    });
+    loops::sample_into(&core, first);
+    core.recover().await.map_err(|source| EdgeError::Store { edge_id: edge_id.clone(), source })?;
+
+    let loop_tasks = loops::spawn(core.clone(), probe, shutdown.clone());
+    let router = rpc::serve::builder()
+        .add_service(pb::edge_server::EdgeServer::new(service::EdgeService { core: core.clone() }).max_decoding_message_size(rpc::MAX_MESSAGE).max_encoding_message_size(rpc::MAX_MESSAGE))
+        .add_service(pb::runtime_server::RuntimeServer::new(runtime::EdgeRuntime { core: core.clone() }).max_decoding_message_size(rpc::MAX_MESSAGE).max_encoding_message_size(rpc::MAX_MESSAGE));
+    ready.set(true, "edge");
+    tracing::info!(edge_id = %edge_id, addr = %core.addr, listen = %local, backends = ?core.slots.keys().collect::<Vec<_>>(), persist, "edge serving");
+    let keep = ec.keep_sandboxes_on_exit;
+    Ok(tokio::spawn(async move {
+        if let Err(e) = rpc::serve::serve(router, listener, shutdown.clone()).await {
+            tracing::error!(edge_id = %core.edge_id, error = %e, "edge server failed");
+            shutdown.fire();
+        }
+        ready.set(false, "edge");
+        for t in loop_tasks {
+            let _ = t.await;
+        }
+        if !keep {
+            core.stop_all_real().await;
+        }
+        let left = releaser.close(RELEASE_FLUSH).await;
+        let _ = releaser_task.await;
+        tracing::info!(edge_id = %core.edge_id, leases_left = left, "edge stopped");
+    }))
+}
+
+#[cfg(test)]
+mod tests;

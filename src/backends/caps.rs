@@ -1,0 +1,90 @@
+//! Optional capabilities of a backend (22-components "Backend interface"). A backend offers
+//! one by returning `Some(self)` from the matching accessor of `Backend`; the defaults say
+//! `None`, so the sim backend implements none of them.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use async_trait::async_trait;
+
+use super::{BackendError, BackendState, Handle};
+
+/// Reaches aether, the agent inside the sandbox, over gRPC. The edge resumes a paused
+/// sandbox before asking, so `channel` is only called for a RUNNING sandbox.
+#[async_trait]
+pub trait Runtime: Send + Sync {
+    /// A channel to aether's `opendsec.v1.Runtime` service in this sandbox (over a unix
+    /// socket for containers, vsock for VMs). Errors: `Lost` when the agent cannot be reached.
+    async fn channel(&self, sandbox: &Handle<'_>) -> Result<tonic::transport::Channel, BackendError>;
+}
+
+/// One sandbox the backend noticed dying on its own (its agent connection broke).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Loss {
+    pub sandbox_id: String,
+    /// Why, for the record's `message`, e.g. `aether connection closed`.
+    pub message: String,
+}
+
+/// Tells the edge when a sandbox dies without being asked to.
+pub trait LossReporter: Send + Sync {
+    /// The stream of losses; the edge takes it once at start (later calls may return `None`).
+    fn losses(&self) -> Option<tokio::sync::mpsc::Receiver<Loss>>;
+}
+
+/// Where and how to write a snapshot (fork, `create_snapshot`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotTarget {
+    /// Directory the snapshot's files go to (node-local or in the image store).
+    pub dir: PathBuf,
+    /// Include memory (microVMs: required for a snapshot a VM can continue from).
+    pub memory: bool,
+}
+
+/// What a snapshot produced.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SnapshotInfo {
+    /// Files written, relative to the target directory.
+    pub files: Vec<String>,
+    /// Bytes of data (holes excluded).
+    pub bytes: u64,
+    /// Runtime versions the snapshot needs to be restored (e.g. `firecracker` → `1.17.0`).
+    pub versions: BTreeMap<String, String>,
+}
+
+/// Takes snapshots of a sandbox (fork, `create_snapshot`). The sandbox keeps running; a
+/// microVM pauses its vCPUs briefly.
+#[async_trait]
+pub trait Snapshotter: Send + Sync {
+    /// Writes a snapshot of the sandbox to `target`. Returns the backend's state after it
+    /// (e.g. the new base of later diff snapshots) and what was written.
+    async fn snapshot(&self, sandbox: &Handle<'_>, target: &SnapshotTarget) -> Result<(BackendState, SnapshotInfo), BackendError>;
+}
+
+/// Builds an image layer from a sandbox's changes (`pack_diff`, containers).
+#[async_trait]
+pub trait Packer: Send + Sync {
+    /// Writes the sandbox's file-system changes, minus build residue, as a layer in `dir`.
+    /// Returns the layer's size in bytes.
+    async fn pack_diff(&self, sandbox: &Handle<'_>, dir: &std::path::Path) -> Result<u64, BackendError>;
+}
+
+/// The backend's sandboxes need sandbox networking (a netns with a veth pair).
+pub trait Networked: Send + Sync {
+    /// The path of the sandbox's network namespace (e.g. `/proc/<pid>/ns/net` or a bind
+    /// mount), for netpol to wire up; `None` while it has none (paused microVM without a
+    /// placeholder).
+    fn netns(&self, sandbox: &Handle<'_>) -> Option<PathBuf>;
+}
+
+/// The backend can only run fixed local images (development).
+pub trait ImageLister: Send + Sync {
+    /// The image names it can run.
+    fn images(&self) -> Vec<String>;
+}
+
+/// Reports the versions of the runtime programs the backend uses.
+pub trait Versioned: Send + Sync {
+    /// Program → version, e.g. `{"firecracker": "1.17.0"}`.
+    fn versions(&self) -> BTreeMap<String, String>;
+}

@@ -1,0 +1,73 @@
+//! `BackendError`: what a backend reports when a lifecycle step fails. Backends never build a
+//! `tonic::Status`; the edge maps each variant to a reason (`BackendError::reason`) and turns
+//! it into a `Failure` at its own boundary.
+
+use crate::types::Reason;
+
+/// A failed backend step. Variants are named after the step and carry the sandbox id (or
+/// the backend's name) and what went wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The backend's config cannot be used (unknown or not yet built runtime, bad field).
+    #[error("backend {backend}: {message}")]
+    Config { backend: String, message: String },
+    /// Creating the sandbox failed; nothing of it is left running.
+    #[error("creating sandbox {sandbox_id}: {message}")]
+    Create { sandbox_id: String, message: String },
+    /// Stopping, pausing or resuming failed (`op` is `stop`, `pause`, `resume`).
+    #[error("{op} of sandbox {sandbox_id}: {message}")]
+    Operation { op: &'static str, sandbox_id: String, message: String },
+    /// The sandbox is gone on the node (its process, VM or agent died).
+    #[error("sandbox {sandbox_id} is lost: {message}")]
+    Lost { sandbox_id: String, message: String },
+    /// A recorded sandbox could not be taken over again after an edge restart.
+    #[error("adopting sandbox {sandbox_id}: {message}")]
+    Adopt { sandbox_id: String, message: String },
+    /// The backend does not offer this operation (a capability it lacks).
+    #[error("backend {backend} does not support {op}")]
+    Unsupported { backend: String, op: &'static str },
+    /// The node is out of something the backend needs right now (uids, addresses, disk).
+    #[error("backend {backend}: {message}")]
+    Exhausted { backend: String, message: String },
+    /// A file or device step failed.
+    #[error("{step} {path}: {source}")]
+    Io { step: &'static str, path: String, source: std::io::Error },
+}
+
+impl BackendError {
+    /// The stable reason a caller sees for this error (02-concepts §9).
+    pub fn reason(&self) -> Reason {
+        match self {
+            BackendError::Config { .. } | BackendError::Unsupported { .. } => Reason::Invalid,
+            BackendError::Lost { .. } => Reason::NotFound,
+            BackendError::Exhausted { .. } => Reason::NoCapacity,
+            BackendError::Create { .. } | BackendError::Operation { .. } | BackendError::Adopt { .. } | BackendError::Io { .. } => {
+                Reason::Internal
+            }
+        }
+    }
+
+    /// This error as a domain failure for the caller.
+    pub fn to_failure(&self) -> crate::types::Failure {
+        crate::types::Failure::new(self.reason(), self.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasons_follow_the_kind_of_error() {
+        let c = BackendError::Config { backend: "vm".into(), message: "runtime qemu is not built yet".into() };
+        assert_eq!(c.reason(), Reason::Invalid);
+        assert!(c.to_string().contains("not built yet"));
+        let e = BackendError::Exhausted { backend: "vm".into(), message: "no uid left".into() };
+        assert_eq!(e.to_failure().reason, Reason::NoCapacity);
+        let l = BackendError::Lost { sandbox_id: "e.x".into(), message: "agent gone".into() };
+        assert_eq!(l.reason(), Reason::NotFound);
+        let k = BackendError::Create { sandbox_id: "e.x".into(), message: "boom".into() };
+        assert_eq!(k.reason(), Reason::Internal);
+        assert_eq!(k.to_failure().message, "creating sandbox e.x: boom");
+    }
+}

@@ -1,0 +1,99 @@
+//! `opendsec.v1.Edge`: the edge's gRPC service (proto/opendsec/v1/cluster.proto). Each call
+//! checks the component secret, runs in a span, and turns a `Failure` into a status in one
+//! place (`rpc::to_status`).
+
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use super::node::Core;
+use super::machine::Op;
+use super::ops::Cause;
+use crate::pb;
+use crate::rpc::{check_service_token, to_status};
+use crate::types::Failure;
+
+pub(crate) struct EdgeService {
+    pub core: Arc<Core>,
+}
+
+fn answer<T>(r: Result<T, Failure>) -> Result<Response<T>, Status> {
+    r.map(Response::new).map_err(|f| to_status(&f))
+}
+
+impl EdgeService {
+    fn span(&self, method: &'static str, sandbox_id: &str) -> tracing::Span {
+        tracing::info_span!("edge", method, edge_id = %self.core.edge_id, sandbox_id = %sandbox_id)
+    }
+
+    async fn op(&self, req: Request<pb::SandboxRef>, method: &'static str, op: Op) -> Result<Response<pb::Sandbox>, Status> {
+        check_service_token(&req, &self.core.service_token)?;
+        let id = req.into_inner().id;
+        let span = self.span(method, &id);
+        answer(self.core.lifecycle(&id, op, Cause::Caller).instrument(span).await)
+    }
+}
+
+#[tonic::async_trait]
+impl pb::edge_server::Edge for EdgeService {
+    async fn status(&self, req: Request<pb::StatusRequest>) -> Result<Response<pb::EdgeStatus>, Status> {
+        check_service_token(&req, &self.core.service_token)?;
+        Ok(Response::new(self.core.status(req.into_inner().with_leases)))
+    }
+
+    async fn create_sandboxes(&self, req: Request<pb::EdgeCreateRequest>) -> Result<Response<pb::EdgeCreateResponse>, Status> {
+        check_service_token(&req, &self.core.service_token)?;
+        let r = req.into_inner();
+        let span = self.span("CreateSandboxes", r.items.first().map(|i| i.sandbox_id.as_str()).unwrap_or(""));
+        answer(self.core.create_batch(r.spec, r.items).instrument(span).await.map(|results| pb::EdgeCreateResponse { results }))
+    }
+
+    async fn get_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+        check_service_token(&req, &self.core.service_token)?;
+        answer(self.core.get_sandbox(&req.into_inner().id))
+    }
+
+    async fn list_sandboxes(&self, req: Request<pb::EdgeListRequest>) -> Result<Response<pb::ListSandboxesResponse>, Status> {
+        check_service_token(&req, &self.core.service_token)?;
+        let r = req.into_inner();
+        Ok(Response::new(pb::ListSandboxesResponse { sandboxes: self.core.list(&r.project, &r.task_id, r.include_ended) }))
+    }
+
+    async fn stop_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+        self.op(req, "StopSandbox", Op::Stop).await
+    }
+
+    async fn pause_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+        self.op(req, "PauseSandbox", Op::Pause).await
+    }
+
+    async fn resume_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+        self.op(req, "ResumeSandbox", Op::Resume).await
+    }
+
+    async fn touch_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+        check_service_token(&req, &self.core.service_token)?;
+        answer(self.core.touch(&req.into_inner().id))
+    }
+
+    async fn set_sandbox_timeout(&self, req: Request<pb::SetSandboxTimeoutRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        check_service_token(&req, &self.core.service_token)?;
+        let r = req.into_inner();
+        let span = self.span("SetSandboxTimeout", &r.id);
+        answer(self.core.set_timeout(&r.id, r.timeout_s).instrument(span).await)
+    }
+
+    async fn task_action(&self, req: Request<pb::EdgeTaskRequest>) -> Result<Response<pb::TaskActionResult>, Status> {
+        check_service_token(&req, &self.core.service_token)?;
+        let r = req.into_inner();
+        let span = tracing::info_span!("edge", method = "TaskAction", edge_id = %self.core.edge_id, project = %r.project, task = %r.task_id, action = %r.action);
+        answer(self.core.task_action(&r.project, &r.task_id, &r.action).instrument(span).await)
+    }
+
+    async fn drain(&self, req: Request<pb::DrainEdgeRequest>) -> Result<Response<pb::EdgeState>, Status> {
+        check_service_token(&req, &self.core.service_token)?;
+        let r = req.into_inner();
+        answer(self.core.drain(&r.edge_id, r.undo).await)
+    }
+}

@@ -1,0 +1,60 @@
+//! `Status` for the watcher (22-components §4, §5 "Reporting"): the node's `EdgeState`
+//! and, on request, the leases of its live sandboxes for reconciliation.
+
+use std::sync::atomic::Ordering;
+
+use super::admission::pressures;
+use super::node::{lock, read, Core};
+use crate::pb;
+
+impl Core {
+    /// This edge as the watcher sees it. Capacity is after overcommit, 0 where unlimited;
+    /// `sandboxes_by_backend` counts live (creating, running, paused) sandboxes.
+    pub fn edge_state(&self) -> pb::EdgeState {
+        let host = read(&self.host);
+        let press = pressures(&read(&self.reserves), &host);
+        let alloc = lock(&self.alloc).clone();
+        let mut allocated = alloc.total.to_pb();
+        allocated.sandboxes = alloc.by_backend.values().sum();
+        pb::EdgeState {
+            id: self.edge_id.clone(),
+            addr: self.addr.clone(),
+            healthy: true,
+            draining: self.draining.load(Ordering::Relaxed),
+            zone: self.cfg.zone().to_string(),
+            backends: self.slots.keys().cloned().collect(),
+            capacity: Some(read(&self.capacity).to_pb()),
+            allocated: Some(allocated),
+            sandboxes_by_backend: self.slots.keys().map(|b| (b.clone(), alloc.count(b))).collect(),
+            max_sandboxes: self.slots.iter().map(|(b, s)| (b.clone(), s.max_sandboxes.max(0))).collect(),
+            mem_available_mb: host.mem_available_mb,
+            disk_available_mb: host.disk_free_mb,
+            under_pressure: !press.is_empty(),
+            pressure_reason: press.iter().map(|p| p.message.as_str()).collect::<Vec<_>>().join("; "),
+            cpu_usage: host.cpu_usage,
+            mem_usage: host.mem_usage(),
+            images: self.cfg.images.keys().cloned().collect(),
+            last_seen: 0,
+            consecutive_failures: 0,
+            version: crate::VERSION.to_string(),
+        }
+    }
+
+    /// `EdgeStatus`, with the leases of every live sandbox when asked.
+    pub fn status(&self, with_leases: bool) -> pb::EdgeStatus {
+        let leases = if with_leases {
+            let mut v: Vec<pb::LeaseInfo> = self
+                .all()
+                .iter()
+                .map(|e| e.snapshot())
+                .filter(|r| !r.is_ended() && !r.lease_foreign && !r.sandbox.lease_id.is_empty())
+                .map(|r| r.lease_info())
+                .collect();
+            v.sort_by(|a, b| a.lease_id.cmp(&b.lease_id));
+            v
+        } else {
+            Vec::new()
+        };
+        pb::EdgeStatus { edge_id: self.edge_id.clone(), state: Some(self.edge_state()), leases }
+    }
+}

@@ -1,0 +1,254 @@
+//! Durable records (`persist_state`, 22-components §5 "Persistence and re-adoption"): one
+//! file per sandbox, `<state_dir>/edges/<edge_id>/sandboxes/<id>.json`, and the edge's own
+//! flags in `<state_dir>/edges/<edge_id>/edge.json`. Every write is temp file → fsync →
+//! rename → fsync of the directory. Batches are written concurrently on the blocking pool,
+//! with one directory fsync at the end, so thousands of records do not take thousands of
+//! sequential fsyncs.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::record::SandboxRecord;
+
+/// A record could not be written, read or removed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("{step} {path}: {source}")]
+    Io { step: &'static str, path: String, source: std::io::Error },
+    #[error("encoding record of {id}: {source}")]
+    Encode { id: String, source: serde_json::Error },
+    #[error("writer task for {path} failed: {message}")]
+    Join { path: String, message: String },
+}
+
+/// The edge's own durable flags.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EdgeFlagsState {
+    pub draining: bool,
+}
+
+/// Most blocking writers one batch uses at once.
+const WRITERS: usize = 64;
+
+/// The record directory of one edge.
+#[derive(Debug, Clone)]
+pub struct Store {
+    edge_dir: PathBuf,
+    dir: PathBuf,
+    seq: Arc<AtomicU64>,
+}
+
+fn io<'a>(step: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> StoreError + 'a {
+    move |source| StoreError::Io { step, path: path.display().to_string(), source }
+}
+
+impl Store {
+    /// Opens (creating) `<state_dir>/edges/<edge_id>/sandboxes`.
+    pub fn open(state_dir: &Path, edge_id: &str) -> Result<Store, StoreError> {
+        let edge_dir = state_dir.join("edges").join(edge_id);
+        let dir = edge_dir.join("sandboxes");
+        std::fs::create_dir_all(&dir).map_err(io("creating", &dir))?;
+        Ok(Store { edge_dir, dir, seq: Arc::new(AtomicU64::new(0)) })
+    }
+
+    /// The file of sandbox `id`.
+    pub fn path_of(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("{id}.json"))
+    }
+
+    /// Writes one record durably.
+    pub async fn write(&self, rec: &SandboxRecord) -> Result<(), StoreError> {
+        let mut r = self.write_many(std::slice::from_ref(rec)).await;
+        r.pop().unwrap_or(Ok(()))
+    }
+
+    /// Writes records concurrently; one result per record, in order.
+    pub async fn write_many(&self, recs: &[SandboxRecord]) -> Vec<Result<(), StoreError>> {
+        if recs.is_empty() {
+            return Vec::new();
+        }
+        let mut jobs: Vec<(usize, PathBuf, PathBuf, Result<Vec<u8>, StoreError>)> = Vec::with_capacity(recs.len());
+        for (i, r) in recs.iter().enumerate() {
+            let n = self.seq.fetch_add(1, Ordering::Relaxed);
+            let tmp = self.dir.join(format!(".{}.{n}.tmp", r.id()));
+            let bytes = serde_json::to_vec(r).map_err(|source| StoreError::Encode { id: r.id().to_string(), source });
+            jobs.push((i, tmp, self.path_of(r.id()), bytes));
+        }
+        let per = jobs.len().div_ceil(WRITERS);
+        let mut tasks = Vec::new();
+        while !jobs.is_empty() {
+            let chunk: Vec<_> = jobs.drain(..per.min(jobs.len())).collect();
+            tasks.push(tokio::task::spawn_blocking(move || {
+                chunk.into_iter().map(|(i, tmp, path, bytes)| (i, bytes.and_then(|b| write_file(&tmp, &path, &b)))).collect::<Vec<_>>()
+            }));
+        }
+        let mut out: Vec<Option<Result<(), StoreError>>> = (0..recs.len()).map(|_| None).collect();
+        for t in futures::future::join_all(tasks).await {
+            match t {
+                Ok(done) => {
+                    for (i, r) in done {
+                        out[i] = Some(r);
+                    }
+                }
+                Err(e) => tracing::error!(error = %e, "record writer task failed"),
+            }
+        }
+        let dir = self.dir.clone();
+        let synced = tokio::task::spawn_blocking(move || sync_dir(&dir)).await;
+        let dir_err = match synced {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(e) => Some(e.to_string()),
+        };
+        out.into_iter()
+            .zip(recs)
+            .map(|(r, rec)| match (r, &dir_err) {
+                (None, _) => Err(StoreError::Join { path: self.path_of(rec.id()).display().to_string(), message: "writer task ended early".into() }),
+                (Some(Ok(())), Some(m)) => Err(StoreError::Join { path: self.dir.display().to_string(), message: format!("directory fsync: {m}") }),
+                (Some(r), _) => r,
+            })
+            .collect()
+    }
+
+    /// Removes the record of `id` (gone already is fine).
+    pub async fn remove(&self, id: &str) -> Result<(), StoreError> {
+        let path = self.path_of(id);
+        tokio::task::spawn_blocking(move || match std::fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(io("removing", &path)(e)),
+        })
+        .await
+        .map_err(|e| StoreError::Join { path: id.to_string(), message: e.to_string() })?
+    }
+
+    /// Reads every record. Leftover temp files are removed; files that do not parse are
+    /// renamed to `<name>.corrupt` and returned by path with the error, for the log.
+    pub fn load_all(&self) -> Result<(Vec<SandboxRecord>, Vec<(PathBuf, String)>), StoreError> {
+        let mut recs = Vec::new();
+        let mut bad = Vec::new();
+        let entries = std::fs::read_dir(&self.dir).map_err(io("listing", &self.dir))?;
+        for e in entries {
+            let e = e.map_err(io("listing", &self.dir))?;
+            let path = e.path();
+            let name = e.file_name().to_string_lossy().to_string();
+            if name.ends_with(".tmp") {
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
+            if !name.ends_with(".json") {
+                continue;
+            }
+            let parsed = std::fs::read(&path).map_err(|e| e.to_string()).and_then(|b| serde_json::from_slice::<SandboxRecord>(&b).map_err(|e| e.to_string()));
+            match parsed {
+                Ok(r) if format!("{}.json", r.id()) == name => recs.push(r),
+                Ok(r) => bad.push((path, format!("file holds sandbox {:?}", r.id()))),
+                Err(m) => bad.push((path, m)),
+            }
+        }
+        for (p, _) in &bad {
+            let mut aside = p.clone().into_os_string();
+            aside.push(".corrupt");
+            let _ = std::fs::rename(p, aside);
+        }
+        recs.sort_by(|a, b| a.id().cmp(b.id()));
+        Ok((recs, bad))
+    }
+
+    /// Reads the edge's flags (defaults when never written).
+    pub fn read_flags(&self) -> Result<EdgeFlagsState, StoreError> {
+        let path = self.edge_dir.join("edge.json");
+        match std::fs::read(&path) {
+            Ok(b) => serde_json::from_slice(&b).map_err(|source| StoreError::Encode { id: "edge.json".into(), source }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(EdgeFlagsState::default()),
+            Err(e) => Err(io("reading", &path)(e)),
+        }
+    }
+
+    /// Writes the edge's flags durably.
+    pub async fn write_flags(&self, flags: &EdgeFlagsState) -> Result<(), StoreError> {
+        let bytes = serde_json::to_vec(flags).map_err(|source| StoreError::Encode { id: "edge.json".into(), source })?;
+        let dir = self.edge_dir.clone();
+        tokio::task::spawn_blocking(move || {
+            let path = dir.join("edge.json");
+            write_file(&dir.join(".edge.json.tmp"), &path, &bytes)?;
+            sync_dir(&dir).map_err(io("syncing", &dir))
+        })
+        .await
+        .map_err(|e| StoreError::Join { path: "edge.json".into(), message: e.to_string() })?
+    }
+}
+
+/// temp file → write → fsync → rename.
+fn write_file(tmp: &Path, path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
+    let mut f = std::fs::File::create(tmp).map_err(io("creating", tmp))?;
+    f.write_all(bytes).map_err(io("writing", tmp))?;
+    f.sync_all().map_err(io("syncing", tmp))?;
+    drop(f);
+    std::fs::rename(tmp, path).map_err(io("renaming", tmp))
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pb::{self, SandboxState};
+
+    fn rec(id: &str) -> SandboxRecord {
+        let spec = pb::SandboxSpec { backend: "sim".into(), memory_limit_mb: 64, ..Default::default() };
+        SandboxRecord::creating(id, "e1", &format!("L-{id}"), "root", "p", spec, 5)
+    }
+
+    #[tokio::test]
+    async fn records_round_trip_and_batches_write_all() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = Store::open(dir.path(), "e1").unwrap_or_else(|e| panic!("{e}"));
+        let recs: Vec<_> = (0..300).map(|i| rec(&format!("e1.s{i:03}"))).collect();
+        let res = s.write_many(&recs).await;
+        assert_eq!(res.len(), 300);
+        assert!(res.iter().all(|r| r.is_ok()));
+        let mut one = rec("e1.s007");
+        one.set_state(SandboxState::Running);
+        s.write(&one).await.unwrap_or_else(|e| panic!("{e}"));
+        s.remove("e1.s000").await.unwrap_or_else(|e| panic!("{e}"));
+        s.remove("e1.s000").await.unwrap_or_else(|e| panic!("removing twice: {e}"));
+        let (back, bad) = s.load_all().unwrap_or_else(|e| panic!("{e}"));
+        assert!(bad.is_empty());
+        assert_eq!(back.len(), 299);
+        assert_eq!(back.iter().find(|r| r.id() == "e1.s007").map(|r| r.state()), Some(SandboxState::Running));
+        assert!(dir.path().join("edges/e1/sandboxes/e1.s001.json").exists());
+    }
+
+    #[tokio::test]
+    async fn corrupt_files_and_temp_leftovers_are_set_aside() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = Store::open(dir.path(), "e1").unwrap_or_else(|e| panic!("{e}"));
+        s.write(&rec("e1.good")).await.unwrap_or_else(|e| panic!("{e}"));
+        let sdir = dir.path().join("edges/e1/sandboxes");
+        std::fs::write(sdir.join("e1.bad.json"), b"{not json").unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(sdir.join(".e1.x.3.tmp"), b"half").unwrap_or_else(|e| panic!("{e}"));
+        let (back, bad) = s.load_all().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(back.len(), 1);
+        assert_eq!(bad.len(), 1);
+        assert!(sdir.join("e1.bad.json.corrupt").exists());
+        assert!(!sdir.join(".e1.x.3.tmp").exists());
+    }
+
+    #[tokio::test]
+    async fn flags_persist() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = Store::open(dir.path(), "e1").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(s.read_flags().ok(), Some(EdgeFlagsState::default()));
+        s.write_flags(&EdgeFlagsState { draining: true }).await.unwrap_or_else(|e| panic!("{e}"));
+        let again = Store::open(dir.path(), "e1").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(again.read_flags().ok(), Some(EdgeFlagsState { draining: true }));
+    }
+}

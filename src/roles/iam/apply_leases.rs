@@ -1,0 +1,434 @@
+//! Quota lease commands (13-iam §4, 22-components §3): `Admit` (authenticate, authorize and
+//! reserve, item by item, idempotent per lease id), `ReleaseLeases`, `Reconcile` with an
+//! edge's report, and `SweepUnbound`. Batches cost O(items × depth).
+
+use std::collections::{HashMap, HashSet};
+
+use super::apply::{actor, require_bootstrapped};
+use super::command::{AdmitItem, Admitted, LeaseReport, Outcome};
+use super::state::{check_id, check_res, Actor, IamState, Lease};
+use super::usage;
+use crate::types::{names, Failure, Res};
+
+/// Largest batch of one command (the apiserver sends at most 32768 items).
+pub const MAX_BATCH: usize = 65536;
+
+fn check_batch(n: usize) -> Result<(), Failure> {
+    if n > MAX_BATCH {
+        return Err(Failure::invalid(format!("batch of {n} items exceeds {MAX_BATCH}")));
+    }
+    Ok(())
+}
+
+fn check_edge(edge: &str) -> Result<(), Failure> {
+    if edge.is_empty() {
+        Ok(())
+    } else {
+        names::check_edge_id(edge)
+    }
+}
+
+fn check_sandbox_id(id: &str) -> Result<(), Failure> {
+    if id.is_empty() {
+        Ok(())
+    } else {
+        check_id("sandbox id", id)
+    }
+}
+
+/// What one lease holds: its resources, counted as exactly one sandbox.
+fn lease_res(r: &Res) -> Res {
+    Res { sandboxes: 1, ..*r }
+}
+
+pub(super) fn admit(st: &mut IamState, a: &Actor, image_project: &str, items: &[AdmitItem], now: i64) -> Result<Outcome, Failure> {
+    actor(st, a, now)?;
+    check_batch(items.len())?;
+    let principal = a.principal.clone();
+    // layer.use on the image's project applies to every item alike.
+    let image_ok: Result<(), Failure> = if image_project.is_empty() {
+        Ok(())
+    } else {
+        names::check_project_path(image_project).and_then(|_| st.require(&principal, image_project, "layer.use"))
+    };
+    // sandbox.create per project, checked once per distinct project of the batch.
+    let mut create_ok: HashMap<&str, Result<(), Failure>> = HashMap::new();
+    let mut seen: HashSet<&str> = HashSet::new();
+    let mut results = Vec::with_capacity(items.len());
+    for it in items {
+        let r = (|| {
+            check_id("lease id", &it.lease_id)?;
+            if !seen.insert(&it.lease_id) {
+                return Err(Failure::invalid(format!("lease {} appears twice in one batch", it.lease_id)));
+            }
+            check_edge(&it.edge_id)?;
+            check_sandbox_id(&it.sandbox_id)?;
+            check_res(&it.resources)?;
+            let auth = create_ok.entry(&it.project).or_insert_with(|| {
+                st.project(&it.project)?;
+                st.require(&principal, &it.project, "sandbox.create")
+            });
+            auth.clone()?;
+            image_ok.clone()?;
+            admit_one(st, &principal, it, now)
+        })();
+        results.push(r);
+    }
+    Ok(Outcome::Admitted { principal, results })
+}
+
+/// Reserves (or rebinds) one checked item.
+fn admit_one(st: &mut IamState, principal: &str, it: &AdmitItem, now: i64) -> Result<Admitted, Failure> {
+    if let Some(l) = st.leases.get(&it.lease_id) {
+        if l.project != it.project {
+            return Err(Failure::conflict(format!("lease {} is held in project {}, not {}", it.lease_id, l.project, it.project)));
+        }
+        let prev = Admitted { existed: true, prev_edge_id: l.edge_id.clone(), prev_sandbox_id: l.sandbox_id.clone() };
+        if !it.edge_id.is_empty() && (l.edge_id != it.edge_id || l.sandbox_id != it.sandbox_id) {
+            let old_edge = l.edge_id.clone();
+            st.index_remove(&old_edge, &it.lease_id);
+            st.index_add(&it.edge_id, &it.lease_id);
+            if let Some(l) = st.leases.get_mut(&it.lease_id) {
+                l.edge_id = it.edge_id.clone();
+                l.sandbox_id = it.sandbox_id.clone();
+                l.bound_at = now;
+            }
+        }
+        return Ok(prev);
+    }
+    let res = lease_res(&it.resources);
+    st.check_quota(&it.project, &res)?;
+    st.charge(&it.project, &res);
+    let bound_at = if it.edge_id.is_empty() { 0 } else { now };
+    st.leases.insert(
+        it.lease_id.clone(),
+        Lease {
+            project: it.project.clone(),
+            principal: principal.to_string(),
+            resources: res,
+            edge_id: it.edge_id.clone(),
+            sandbox_id: it.sandbox_id.clone(),
+            created_at: now,
+            bound_at,
+        },
+    );
+    st.index_add(&it.edge_id, &it.lease_id);
+    usage::record_started(st, &it.project, now);
+    Ok(Admitted { existed: false, prev_edge_id: String::new(), prev_sandbox_id: String::new() })
+}
+
+/// Releases one lease that ended at `at`: frees its quota and records its usage. Returns
+/// whether it was held.
+fn release_one(st: &mut IamState, id: &str, at: i64, now: i64) -> bool {
+    let Some(l) = st.leases.remove(id) else { return false };
+    st.index_remove(&l.edge_id, id);
+    st.uncharge(&l.project, &l.resources);
+    usage::record_held(st, &l.project, &l.resources, l.created_at, at.max(l.created_at), now);
+    true
+}
+
+pub(super) fn release_leases(st: &mut IamState, ids: &[String], at: i64, now: i64) -> Result<Outcome, Failure> {
+    require_bootstrapped(st)?;
+    check_batch(ids.len())?;
+    let at = if at <= 0 || at > now { now } else { at };
+    let released = ids.iter().filter(|id| release_one(st, id, at, now)).count() as i64;
+    usage::prune(st, now);
+    Ok(Outcome::Released(released))
+}
+
+/// Checks one reported lease; bad entries are skipped (the rest of the report still counts).
+fn report_ok(r: &LeaseReport) -> bool {
+    check_id("lease id", &r.lease_id).is_ok()
+        && names::check_project_path(&r.project).is_ok()
+        && (r.principal.is_empty() || names::check_principal_id(&r.principal).is_ok())
+        && check_sandbox_id(&r.sandbox_id).is_ok()
+        && check_res(&r.resources).is_ok()
+}
+
+pub(super) fn reconcile(st: &mut IamState, edge: &str, reported: &[LeaseReport], min_age_s: i64, now: i64) -> Result<Outcome, Failure> {
+    require_bootstrapped(st)?;
+    names::check_edge_id(edge)?;
+    check_batch(reported.len())?;
+    if min_age_s < 0 {
+        return Err(Failure::invalid("min_age_s may not be negative"));
+    }
+    let (mut adopted, mut released) = (0i64, 0i64);
+    let mut alive: HashSet<&str> = HashSet::with_capacity(reported.len());
+    for r in reported.iter().filter(|r| report_ok(r)) {
+        alive.insert(&r.lease_id);
+        match st.leases.get(&r.lease_id) {
+            Some(l) if l.edge_id == edge && (r.sandbox_id.is_empty() || l.sandbox_id == r.sandbox_id) => {}
+            Some(l) => {
+                // The sandbox runs here: bind the lease to where it actually is.
+                let old = l.edge_id.clone();
+                st.index_remove(&old, &r.lease_id);
+                st.index_add(edge, &r.lease_id);
+                if let Some(l) = st.leases.get_mut(&r.lease_id) {
+                    l.edge_id = edge.to_string();
+                    if !r.sandbox_id.is_empty() {
+                        l.sandbox_id = r.sandbox_id.clone();
+                    }
+                    l.bound_at = now;
+                }
+            }
+            None => {
+                // A sandbox IAM did not know (after a restore, for instance): adopt its lease.
+                // It exists already, so it is charged without a quota check.
+                let res = lease_res(&r.resources);
+                let created_at = if r.created_at <= 0 || r.created_at > now { now } else { r.created_at };
+                st.charge(&r.project, &res);
+                st.leases.insert(
+                    r.lease_id.clone(),
+                    Lease {
+                        project: r.project.clone(),
+                        principal: r.principal.clone(),
+                        resources: res,
+                        edge_id: edge.to_string(),
+                        sandbox_id: r.sandbox_id.clone(),
+                        created_at,
+                        bound_at: now,
+                    },
+                );
+                st.index_add(edge, &r.lease_id);
+                adopted += 1;
+            }
+        }
+    }
+    for id in st.leases_on(edge) {
+        if alive.contains(id.as_str()) {
+            continue;
+        }
+        let young = st.leases.get(&id).is_some_and(|l| now - l.created_at.max(l.bound_at) < min_age_s);
+        if !young && release_one(st, &id, now, now) {
+            released += 1;
+        }
+    }
+    usage::prune(st, now);
+    Ok(Outcome::Reconciled { adopted, released })
+}
+
+pub(super) fn sweep_unbound(st: &mut IamState, max_age_s: i64, now: i64) -> Result<Outcome, Failure> {
+    require_bootstrapped(st)?;
+    if max_age_s < 0 {
+        return Err(Failure::invalid("max_age_s may not be negative"));
+    }
+    let mut released = 0i64;
+    for id in st.leases_on("") {
+        let old = st.leases.get(&id).is_some_and(|l| now - l.created_at >= max_age_s);
+        if old && release_one(st, &id, now, now) {
+            released += 1;
+        }
+    }
+    usage::prune(st, now);
+    Ok(Outcome::Released(released))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::command::Command;
+    use super::super::state::ROOT;
+    use super::super::testutil::*;
+    use super::*;
+    use crate::types::Reason;
+
+    fn item(lease: &str, project: &str, cpu: f64, edge: &str) -> AdmitItem {
+        AdmitItem {
+            lease_id: lease.into(),
+            project: project.into(),
+            resources: Res { cpu_cores: cpu, memory_mb: 1024, ..Default::default() },
+            edge_id: edge.into(),
+            sandbox_id: if edge.is_empty() { String::new() } else { format!("{edge}.{lease}") },
+        }
+    }
+
+    fn admit_cmd(actor: &Actor, image_project: &str, items: Vec<AdmitItem>, now: i64) -> Command {
+        Command::Admit { actor: actor.clone(), image_project: image_project.into(), items, now }
+    }
+
+    fn results(o: Outcome) -> Vec<Result<Admitted, Failure>> {
+        match o {
+            Outcome::Admitted { results, .. } => results,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// root (sandboxes 10) / a (cpu 4); `trainer` may create in root/a and use root's images.
+    fn setup() -> (IamState, Actor) {
+        let mut st = booted_with_quota(&[("sandboxes", 10.0)]);
+        ok(&mut st, create_project_cmd(&admin(), ROOT, "a", &[("cpu_cores", 4.0)]));
+        ok(&mut st, create_project_cmd(&admin(), "root/a", "b", &[]));
+        let t = add_principal(&mut st, "root/a", "trainer");
+        grant_direct(&mut st, "root/a", "trainer", &["sandbox.create"]);
+        grant_direct(&mut st, ROOT, "trainer", &["layer.use"]);
+        (st, t)
+    }
+
+    fn consistent(st: &IamState) {
+        let mut again = st.clone();
+        again.recompute_usage();
+        again.rebuild_index();
+        assert_eq!(&again, st, "usage or index drifted from the leases");
+    }
+
+    #[test]
+    fn admit_reserves_each_item_independently() {
+        let (mut st, t) = setup();
+        let items = vec![item("l1", "root/a", 2.0, "e1"), item("l2", "root/a/b", 2.0, "e1"), item("l3", "root/a", 1.0, "e2"), item("l4", "root/x", 1.0, "")];
+        let r = results(ok(&mut st, admit_cmd(&t, "", items, NOW)));
+        assert!(r[0].is_ok() && r[1].is_ok());
+        let e = r[2].as_ref().unwrap_err();
+        assert_eq!(e.reason, Reason::QuotaExceeded);
+        assert!(e.message.contains("root/a") && e.message.contains("cpu_cores"), "{}", e.message);
+        assert_eq!(r[3].as_ref().unwrap_err().reason, Reason::NotFound);
+        assert_eq!(st.leases.len(), 2);
+        assert_eq!(st.projects["root/a"].usage.cpu_cores, 4.0);
+        assert_eq!(st.projects[ROOT].usage.sandboxes, 2);
+        assert_eq!(st.projects["root/a/b"].usage.sandboxes, 1);
+        assert_eq!(st.usage[&usage::day_of(NOW)]["root/a"].sandboxes_started, 1);
+        consistent(&st);
+    }
+
+    #[test]
+    fn admit_needs_sandbox_create_and_layer_use() {
+        let (mut st, t) = setup();
+        let r = results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", ROOT, 1.0, "")], NOW)));
+        let e = r[0].as_ref().unwrap_err();
+        assert_eq!(e.reason, Reason::Forbidden);
+        assert!(e.message.contains("sandbox.create") && e.message.contains("root"), "{}", e.message);
+        ok(&mut st, create_project_cmd(&admin(), ROOT, "images", &[]));
+        ok(&mut st, create_project_cmd(&admin(), ROOT, "private", &[]));
+        let r = results(ok(&mut st, admit_cmd(&t, "root/images", vec![item("l2", "root/a", 1.0, "")], NOW)));
+        assert!(r[0].is_ok());
+        st.projects.get_mut(ROOT).unwrap().policies.get_mut("trainer").unwrap().clear();
+        let r = results(ok(&mut st, admit_cmd(&t, "root/private", vec![item("l3", "root/a", 1.0, "")], NOW)));
+        assert!(r[0].as_ref().unwrap_err().message.contains("layer.use"));
+        assert_eq!(st.leases.len(), 1);
+    }
+
+    #[test]
+    fn admit_with_a_bad_token_fails_as_a_whole() {
+        let (mut st, mut t) = setup();
+        t.secret_hash = "f".repeat(64);
+        refused(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "")], NOW), Reason::Unauthenticated);
+    }
+
+    #[test]
+    fn admit_is_idempotent_per_lease_and_rebinds() {
+        let (mut st, t) = setup();
+        results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "")], NOW)));
+        let before = st.projects["root/a"].usage;
+        let r = results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "e1")], NOW + 5)));
+        let a = r[0].as_ref().unwrap();
+        assert!(a.existed);
+        assert_eq!(a.prev_edge_id, "");
+        assert_eq!(st.projects["root/a"].usage, before);
+        assert_eq!(st.leases["l1"].edge_id, "e1");
+        assert_eq!(st.leases["l1"].bound_at, NOW + 5);
+        let r = results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "e2")], NOW + 6)));
+        let a = r[0].as_ref().unwrap();
+        assert_eq!((a.prev_edge_id.as_str(), a.prev_sandbox_id.as_str()), ("e1", "e1.l1"));
+        assert_eq!(st.leases_on("e2"), vec!["l1".to_string()]);
+        assert!(st.leases_on("e1").is_empty());
+        // The same lease id in another project is a conflict, and one batch may not repeat it.
+        let r = results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a/b", 1.0, "e2"), item("l9", "root/a", 0.5, ""), item("l9", "root/a", 0.5, "")], NOW)));
+        assert_eq!(r[0].as_ref().unwrap_err().reason, Reason::Conflict);
+        assert!(r[1].is_ok());
+        assert_eq!(r[2].as_ref().unwrap_err().reason, Reason::Invalid);
+        assert_eq!(st.usage[&usage::day_of(NOW)]["root/a"].sandboxes_started, 2);
+        consistent(&st);
+    }
+
+    #[test]
+    fn admit_refuses_bad_items() {
+        let (mut st, t) = setup();
+        let mut bad_cpu = item("l1", "root/a", f64::NAN, "");
+        let bad_edge = item("l2", "root/a", 1.0, "Bad Edge");
+        let bad_lease = item("", "root/a", 1.0, "");
+        bad_cpu.resources.memory_mb = -5;
+        let r = results(ok(&mut st, admit_cmd(&t, "", vec![bad_cpu, bad_edge, bad_lease], NOW)));
+        assert!(r.iter().all(|r| r.as_ref().unwrap_err().reason == Reason::Invalid));
+        assert!(st.leases.is_empty());
+    }
+
+    #[test]
+    fn lowering_an_ancestor_quota_applies_at_once() {
+        let (mut st, t) = setup();
+        results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 0.5, ""), item("l2", "root/a", 0.5, "")], NOW)));
+        ok(&mut st, Command::Configure { root_quota: q(&[("sandboxes", 2.0)]), max_token_ttl_s: 0 });
+        let r = results(ok(&mut st, admit_cmd(&t, "", vec![item("l3", "root/a/b", 0.5, "")], NOW)));
+        assert!(r[0].as_ref().unwrap_err().message.contains("quota of root exceeded"));
+    }
+
+    #[test]
+    fn releasing_frees_quota_records_usage_and_ignores_unknown_ids() {
+        let (mut st, t) = setup();
+        results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 4.0, "e1")], NOW)));
+        let r = results(ok(&mut st, admit_cmd(&t, "", vec![item("l2", "root/a", 1.0, "e1")], NOW)));
+        assert!(r[0].is_err());
+        let out = ok(&mut st, Command::ReleaseLeases { lease_ids: vec!["l1".into(), "nope".into()], at: NOW + 3600, now: NOW + 3700 });
+        assert_eq!(out, Outcome::Released(1));
+        assert_eq!(st.projects["root/a"].usage, Res::default());
+        assert_eq!(st.projects[ROOT].usage, Res::default());
+        let row = st.usage[&usage::day_of(NOW)]["root/a"];
+        let hours: f64 = st.usage.values().filter_map(|m| m.get("root/a")).map(|r| r.cpu_core_hours).sum();
+        assert!((hours - 4.0).abs() < 1e-9, "{hours}");
+        assert_eq!(row.sandboxes_started, 1);
+        // Releasing again is a no-op.
+        assert_eq!(ok(&mut st, Command::ReleaseLeases { lease_ids: vec!["l1".into()], at: 0, now: NOW + 3800 }), Outcome::Released(0));
+        let r = results(ok(&mut st, admit_cmd(&t, "", vec![item("l2", "root/a", 1.0, "e1")], NOW + 3800)));
+        assert!(r[0].is_ok());
+        consistent(&st);
+    }
+
+    #[test]
+    fn reconcile_adopts_unknown_and_releases_missing_old_leases() {
+        let (mut st, t) = setup();
+        results(ok(&mut st, admit_cmd(&t, "", vec![item("old", "root/a", 1.0, "e1"), item("kept", "root/a", 1.0, "e1")], NOW)));
+        results(ok(&mut st, admit_cmd(&t, "", vec![item("young", "root/a", 1.0, "e1")], NOW + 100)));
+        let report = |id: &str| LeaseReport {
+            lease_id: id.into(),
+            project: "root/a/b".into(),
+            principal: "trainer".into(),
+            resources: Res { cpu_cores: 0.5, ..Default::default() },
+            sandbox_id: format!("e1.{id}"),
+            created_at: NOW - 50,
+        };
+        let kept = LeaseReport { project: "root/a".into(), ..report("kept") };
+        let bad = LeaseReport { project: "nowhere".into(), ..report("bad") };
+        let cmd = Command::Reconcile { edge_id: "e1".into(), leases: vec![kept, report("new"), bad], min_age_s: 60, now: NOW + 120 };
+        assert_eq!(ok(&mut st, cmd), Outcome::Reconciled { adopted: 1, released: 1 });
+        assert!(st.leases.contains_key("young") && st.leases.contains_key("kept") && st.leases.contains_key("new"));
+        assert!(!st.leases.contains_key("old") && !st.leases.contains_key("bad"));
+        assert_eq!(st.leases["new"].created_at, NOW - 50);
+        assert_eq!(st.projects["root/a/b"].usage.sandboxes, 1);
+        consistent(&st);
+        // Lost edge: an empty report with no minimum age releases everything on it.
+        let lost = Command::Reconcile { edge_id: "e1".into(), leases: vec![], min_age_s: 0, now: NOW + 130 };
+        assert_eq!(ok(&mut st, lost), Outcome::Reconciled { adopted: 0, released: 3 });
+        assert!(st.leases.is_empty());
+        assert_eq!(st.projects[ROOT].usage, Res::default());
+        refused(&mut st, Command::Reconcile { edge_id: "E 1".into(), leases: vec![], min_age_s: 0, now: NOW }, Reason::Invalid);
+        refused(&mut st, Command::Reconcile { edge_id: "e1".into(), leases: vec![], min_age_s: -1, now: NOW }, Reason::Invalid);
+    }
+
+    #[test]
+    fn reconcile_moves_a_lease_to_the_edge_that_runs_it() {
+        let (mut st, t) = setup();
+        results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "e1")], NOW)));
+        let rep = LeaseReport { lease_id: "l1".into(), project: "root/a".into(), principal: "trainer".into(), resources: Res::default(), sandbox_id: "e2.x".into(), created_at: NOW };
+        assert_eq!(ok(&mut st, Command::Reconcile { edge_id: "e2".into(), leases: vec![rep], min_age_s: 0, now: NOW + 1 }), Outcome::Reconciled { adopted: 0, released: 0 });
+        assert_eq!(st.leases["l1"].edge_id, "e2");
+        assert_eq!(st.leases["l1"].sandbox_id, "e2.x");
+        consistent(&st);
+    }
+
+    #[test]
+    fn sweep_releases_only_old_unbound_leases() {
+        let (mut st, t) = setup();
+        results(ok(&mut st, admit_cmd(&t, "", vec![item("u-old", "root/a", 1.0, ""), item("bound", "root/a", 1.0, "e1")], NOW)));
+        results(ok(&mut st, admit_cmd(&t, "", vec![item("u-new", "root/a", 1.0, "")], NOW + 500)));
+        assert_eq!(ok(&mut st, Command::SweepUnbound { max_age_s: 600, now: NOW + 700 }), Outcome::Released(1));
+        assert!(st.leases.contains_key("u-new") && st.leases.contains_key("bound"));
+        consistent(&st);
+    }
+}

@@ -1,0 +1,124 @@
+//! Internal RPCs called by apiservers, watchers and edges (the component secret is checked
+//! by the caller of these handlers): authentication, authorization, admission with quota
+//! leases, releases, reconciliation and the security epoch.
+
+use tonic::Request;
+
+use super::apply_leases::MAX_BATCH;
+use super::command::{AdmitItem, Command, Outcome};
+use super::service::IamService;
+use super::views;
+use crate::pb;
+use crate::rpc;
+use crate::types::{names, now_s, Failure, Res};
+
+fn unexpected(o: Outcome) -> Failure {
+    Failure::internal(format!("unexpected outcome {o:?}"))
+}
+
+impl IamService {
+    /// The address a request's token came from: the forwarded one, else the peer.
+    fn addr_of<T>(req: &Request<T>, forwarded: &str) -> String {
+        if forwarded.is_empty() {
+            rpc::peer_addr(req)
+        } else {
+            forwarded.to_string()
+        }
+    }
+
+    #[tracing::instrument(name = "iam.authenticate", skip_all)]
+    pub(super) fn rpc_authenticate(&self, req: Request<pb::AuthenticateRequest>) -> Result<pb::AuthenticateResponse, Failure> {
+        let addr = Self::addr_of(&req, &req.get_ref().client_addr);
+        let id = self.authenticate(&req.get_ref().token, &addr)?;
+        Ok(pb::AuthenticateResponse {
+            principal: id.actor.principal,
+            project: id.project,
+            token_id: id.actor.token_id,
+            expires_at: id.expires_at,
+            epoch: id.epoch,
+            kind: id.kind,
+        })
+    }
+
+    #[tracing::instrument(name = "iam.authorize", skip_all, fields(principal = %r.principal, project = %r.project))]
+    pub(super) fn rpc_authorize(&self, r: pb::AuthorizeRequest) -> Result<pb::AuthorizeResponse, Failure> {
+        names::check_permission(&r.permission)?;
+        names::check_project_path(&r.project)?;
+        let st = self.store().read();
+        let allowed = st.principals.contains_key(&r.principal) && st.holds(&r.principal, &r.project, &r.permission);
+        Ok(pb::AuthorizeResponse { allowed, epoch: st.epoch })
+    }
+
+    #[tracing::instrument(name = "iam.admit", skip_all, fields(items = req.get_ref().items.len(), principal))]
+    pub(super) async fn rpc_admit(&self, req: Request<pb::AdmitRequest>) -> Result<pb::AdmitResponse, Failure> {
+        let addr = Self::addr_of(&req, &req.get_ref().client_addr);
+        let r = req.into_inner();
+        if r.items.len() > MAX_BATCH {
+            return Err(Failure::invalid(format!("batch of {} items exceeds {MAX_BATCH}", r.items.len())));
+        }
+        let id = self.authenticate(&r.token, &addr)?;
+        tracing::Span::current().record("principal", id.actor.principal.as_str());
+        let items: Vec<AdmitItem> = r
+            .items
+            .into_iter()
+            .map(|i| AdmitItem {
+                resources: Res::from_pb(i.resources.as_ref()),
+                lease_id: i.lease_id,
+                project: i.project,
+                edge_id: i.edge_id,
+                sandbox_id: i.sandbox_id,
+            })
+            .collect();
+        let lease_ids: Vec<String> = items.iter().map(|i| i.lease_id.clone()).collect();
+        let cmd = Command::Admit { actor: id.actor, image_project: r.image_project, items, now: now_s() };
+        match self.store().propose(cmd).await? {
+            Outcome::Admitted { principal, results } => Ok(pb::AdmitResponse {
+                principal,
+                results: lease_ids
+                    .into_iter()
+                    .zip(results)
+                    .map(|(lease_id, r)| match r {
+                        Ok(a) => pb::AdmitResult { lease_id, error: None, existed: a.existed, edge_id: a.prev_edge_id, sandbox_id: a.prev_sandbox_id },
+                        Err(f) => pb::AdmitResult { lease_id, error: Some(rpc::status::error_detail(&f)), ..Default::default() },
+                    })
+                    .collect(),
+            }),
+            o => Err(unexpected(o)),
+        }
+    }
+
+    #[tracing::instrument(name = "iam.release_leases", skip_all, fields(leases = r.lease_ids.len()))]
+    pub(super) async fn rpc_release_leases(&self, r: pb::ReleaseLeasesRequest) -> Result<pb::ReleaseLeasesResponse, Failure> {
+        match self.store().propose(Command::ReleaseLeases { lease_ids: r.lease_ids, at: r.at, now: now_s() }).await? {
+            Outcome::Released(n) => Ok(pb::ReleaseLeasesResponse { released: n }),
+            o => Err(unexpected(o)),
+        }
+    }
+
+    pub(super) fn rpc_get_lease(&self, r: pb::GetLeaseRequest) -> Result<pb::LeaseInfo, Failure> {
+        let st = self.store().read();
+        st.leases.get(&r.lease_id).map(|l| views::lease_info(&r.lease_id, l)).ok_or_else(|| Failure::not_found(format!("lease {:?} not found", r.lease_id)))
+    }
+
+    #[tracing::instrument(name = "iam.reconcile", skip_all, fields(edge_id = %r.edge_id, leases = r.leases.len()))]
+    pub(super) async fn rpc_reconcile(&self, r: pb::ReconcileRequest) -> Result<pb::ReconcileResponse, Failure> {
+        let leases = r.leases.iter().map(views::lease_report).collect();
+        match self.store().propose(Command::Reconcile { edge_id: r.edge_id, leases, min_age_s: r.min_age_s, now: now_s() }).await? {
+            Outcome::Reconciled { adopted, released } => {
+                if adopted > 0 || released > 0 {
+                    tracing::info!(adopted, released, "leases reconciled");
+                }
+                Ok(pb::ReconcileResponse { adopted, released })
+            }
+            o => Err(unexpected(o)),
+        }
+    }
+
+    #[tracing::instrument(name = "iam.sweep_unbound", skip_all)]
+    pub(super) async fn rpc_sweep_unbound(&self, r: pb::SweepUnboundRequest) -> Result<pb::SweepUnboundResponse, Failure> {
+        match self.store().propose(Command::SweepUnbound { max_age_s: r.max_age_s, now: now_s() }).await? {
+            Outcome::Released(n) => Ok(pb::SweepUnboundResponse { released: n }),
+            o => Err(unexpected(o)),
+        }
+    }
+}
