@@ -36,8 +36,12 @@ async def main() -> int:
             if not r.ok:
                 print(f"exit code {r.exit_code}: {r.stderr}", file=sys.stderr)
                 return 1
+        except DSecError as e:
+            print(f"run_shell failed: {e.reason}: {e.message}", file=sys.stderr)
+            return 1
         finally:
             await sb.stop()
+            print(f"sandbox {sb.id} is {sb.state}", file=sys.stderr)
     return 0
 
 
