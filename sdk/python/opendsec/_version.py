@@ -1,0 +1,3 @@
+"""The SDK's version."""
+
+__version__ = "0.1.0"

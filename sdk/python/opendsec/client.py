@@ -1,0 +1,400 @@
+"""The OpenDsec client: :class:`DSecClient`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from typing import Any, Optional, Sequence, Union
+
+import grpc
+import grpc.aio
+
+from opendsec import _transport
+from opendsec._pb import opendsec_pb2, types_pb2
+from opendsec._version import __version__
+from opendsec.errors import INTERNAL, INVALID, UNAVAILABLE, DSecError, error_from_rpc
+from opendsec.models import (
+    DSecRunArgs,
+    Project,
+    TaskActionResult,
+    TokenInfo,
+    UsageReport,
+)
+from opendsec.sandbox import Sandbox
+
+__all__ = ["DSecClient", "DEFAULT_ADDR", "DEFAULT_PROJECT"]
+
+#: Address used when neither ``endpoint`` nor ``OPENDSEC_ADDR`` is set.
+DEFAULT_ADDR = "127.0.0.1:7100"
+#: Project used when neither ``project`` nor ``OPENDSEC_PROJECT`` is set.
+DEFAULT_PROJECT = "root"
+
+_CREATING = types_pb2.SandboxState.Value("CREATING")
+_FAILED = types_pb2.SandboxState.Value("FAILED")
+
+
+def new_key() -> str:
+    """A random idempotency key / request id (128 bits, hex)."""
+    return secrets.token_hex(16)
+
+
+def _env(name: str) -> Optional[str]:
+    v = os.environ.get(name)
+    return v if v else None
+
+
+class DSecClient:
+    """An asynchronous connection to an OpenDsec cluster (its apiservers).
+
+    Use it as an async context manager (``async with DSecClient() as c:``), or call
+    :meth:`open` and :meth:`close` yourself. Every method is a coroutine.
+
+    Args:
+        endpoint: ``host:port`` of an apiserver, or several comma separated (calls are spread
+            over them and move off one that goes down). Default: ``OPENDSEC_ADDR``, else
+            ``127.0.0.1:7100``.
+        token: The caller's credential ``dsk.…``, sent as ``authorization: Bearer <token>``.
+            Default: ``OPENDSEC_TOKEN``, else none.
+        project: Default project for creations, listings and task actions. Default:
+            ``OPENDSEC_PROJECT``, else ``root``.
+        ca_file: The cluster's CA certificate (PEM). Set, the client uses TLS; unset,
+            plaintext. Default: ``OPENDSEC_CA``.
+        server_name: The name the server certificate is checked against. Default: the
+            address's host, or ``api.opendsec.internal`` with several addresses.
+        retry_timeout: Seconds during which calls that the SDK retries keep retrying while
+            a server is unreachable (``unavailable``). 0 disables retries.
+    """
+
+    def __init__(
+        self,
+        endpoint: Optional[str] = None,
+        token: Optional[str] = None,
+        project: Optional[str] = None,
+        ca_file: Optional[str] = None,
+        server_name: Optional[str] = None,
+        retry_timeout: float = 60,
+    ) -> None:
+        self.endpoint: str = endpoint or _env("OPENDSEC_ADDR") or DEFAULT_ADDR
+        self.addresses: list[str] = _transport.parse_addresses(self.endpoint)
+        if not self.addresses:
+            raise DSecError(INVALID, f"no apiserver address in {self.endpoint!r}")
+        self.token: str = token if token is not None else (_env("OPENDSEC_TOKEN") or "")
+        self.project: str = project or _env("OPENDSEC_PROJECT") or DEFAULT_PROJECT
+        self.ca_file: Optional[str] = ca_file or _env("OPENDSEC_CA")
+        if server_name is None and self.ca_file and len(self.addresses) > 1:
+            server_name = _transport.DEFAULT_SERVER_NAME
+        self.server_name: Optional[str] = server_name
+        self.retry_timeout: float = float(retry_timeout or 0)
+        self._pool: Optional[_transport.Pool] = None
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {self.token}"),) if self.token else ()
+        )
+
+    # ---------------------------------------------------------------- connection
+
+    async def open(self) -> "DSecClient":
+        """Creates the channels (one per address). Connections are made lazily by gRPC."""
+        if self._pool is not None:
+            return self
+        creds = None
+        if self.ca_file:
+            with open(self.ca_file, "rb") as f:
+                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+        opts = _transport.channel_options(f"opendsec-python/{__version__}", self.server_name if creds else None)
+        eps = []
+        for addr in self.addresses:
+            if creds is not None:
+                ch = grpc.aio.secure_channel(addr, creds, options=opts)
+            else:
+                ch = grpc.aio.insecure_channel(addr, options=opts)
+            eps.append(_transport.Endpoint(addr, ch))
+        self._pool = _transport.Pool(eps)
+        return self
+
+    async def close(self) -> None:
+        """Closes every channel. Calls made afterwards open the client again."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+    async def __aenter__(self) -> "DSecClient":
+        return await self.open()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"DSecClient(endpoint={self.endpoint!r}, project={self.project!r}, tls={bool(self.ca_file)})"
+
+    async def _get_pool(self) -> _transport.Pool:
+        if self._pool is None:
+            await self.open()
+        assert self._pool is not None
+        return self._pool
+
+    async def _retrier(self, retry: bool, timeout: Optional[float]) -> _transport.Retrier:
+        return _transport.Retrier(await self._get_pool(), retry, self.retry_timeout, timeout)
+
+    async def _unary(self, method: str, request: Any, *, retry: bool, timeout: Optional[float] = None) -> Any:
+        """One unary call, retried on ``unavailable`` when ``retry`` (same request each time)."""
+        r = await self._retrier(retry, timeout)
+        while True:
+            remaining = r.remaining()
+            if retry:
+                ep = r.pool.pick()
+            else:  # not retried: connect first, so a dead address is skipped before sending
+                wait = _transport.CONNECT_WAIT_S if remaining is None else min(_transport.CONNECT_WAIT_S, remaining)
+                ep = await r.pool.pick_connected(wait)
+                remaining = r.remaining()
+            try:
+                return await getattr(ep.stub, method)(request, timeout=remaining, metadata=self._metadata)
+            except grpc.aio.AioRpcError as e:
+                err = error_from_rpc(e)
+            await r.failed(err, ep)
+
+    # ---------------------------------------------------------------- creation
+
+    def _project(self, project: Optional[str]) -> str:
+        return project or self.project
+
+    async def run_sandbox(self, args: DSecRunArgs, timeout: Optional[float] = 120) -> Sandbox:
+        """Creates a sandbox and returns once it is ``RUNNING``.
+
+        Retried while the server is unreachable (within ``retry_timeout``); the creation
+        carries a random idempotency key, so a retry returns the sandbox a lost first
+        attempt created, never a second one.
+
+        Args:
+            args: What to create.
+            timeout: Limit for the whole creation (seconds); ``None`` for none.
+
+        Raises:
+            DSecError: e.g. ``quota_exceeded``, ``no_capacity``, ``invalid``, ``forbidden``.
+        """
+        req = opendsec_pb2.CreateSandboxRequest(
+            spec=args.to_spec(), project=self._project(args.project), idempotency_key=new_key()
+        )
+        started = time.monotonic()
+        info = await self._unary("CreateSandbox", req, retry=True, timeout=timeout)
+        sb = Sandbox(self, info)
+        await self._wait_created(sb, None if timeout is None else started + timeout)
+        return sb
+
+    async def _wait_created(self, sb: Sandbox, deadline: Optional[float]) -> None:
+        """Polls a sandbox the server returned while still ``CREATING`` until it is not."""
+        delay = 0.05
+        while sb.info.state == _CREATING:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise DSecError("timeout", f"sandbox {sb.id} still CREATING when the timeout expired")
+            await asyncio.sleep(delay if left is None else min(delay, left))
+            delay = min(delay * 2, 1.0)
+            await sb.refresh()
+        if sb.info.state == _FAILED:
+            raise DSecError(INTERNAL, f"sandbox {sb.id} failed: {sb.info.message}")
+
+    async def run_container(self, args: DSecRunArgs, timeout: Optional[float] = 120) -> Sandbox:
+        """The same as :meth:`run_sandbox`, usually with :class:`DSecContainerRunArgs`."""
+        return await self.run_sandbox(args, timeout=timeout)
+
+    async def run_sandboxes(
+        self, args: DSecRunArgs, count: int, timeout: Optional[float] = 600
+    ) -> list[Union[Sandbox, DSecError]]:
+        """Creates ``count`` sandboxes of one spec (up to 32768) with one streamed call.
+
+        Returns a list in index order: a :class:`Sandbox` for each success, a
+        :class:`DSecError` for each failure (not raised). The call carries one random
+        idempotency key: after a broken stream it asks again with the same key, keeps the
+        items it already has and fills in the missing ones, so only what is still missing
+        gets created.
+
+        Raises:
+            DSecError: when the batch request itself fails (no permission, say) before any
+                item arrived.
+        """
+        if count < 1:
+            raise DSecError(INVALID, f"count must be at least 1, got {count}")
+        req = opendsec_pb2.CreateSandboxesRequest(
+            spec=args.to_spec(), project=self._project(args.project), count=count, idempotency_key=new_key()
+        )
+        results: list[Union[Sandbox, DSecError, None]] = [None] * count
+        got = 0
+        r = await self._retrier(True, timeout)
+        while True:
+            final: Optional[DSecError] = None
+            try:
+                remaining = r.remaining()
+            except DSecError as e:
+                final = e
+            if final is None:
+                ep = r.pool.pick()
+                call = ep.stub.CreateSandboxes(req, timeout=remaining, metadata=self._metadata)
+                try:
+                    async for item in call:
+                        r.progress()
+                        i = item.index
+                        if i >= count or results[i] is not None:
+                            continue  # already received in an earlier attempt
+                        if item.HasField("sandbox"):
+                            results[i] = Sandbox(self, item.sandbox)
+                        else:
+                            results[i] = DSecError(item.error.reason or INTERNAL, item.error.message)
+                        got += 1
+                    err = DSecError(UNAVAILABLE, f"the batch stream ended with {got} of {count} results")
+                except grpc.aio.AioRpcError as e:
+                    err = error_from_rpc(e)
+                finally:
+                    call.cancel()
+                if got == count:
+                    break
+                try:
+                    await r.failed(err, ep)
+                    continue
+                except DSecError as e:
+                    final = e
+            if got == 0:
+                raise final
+            for i, x in enumerate(results):
+                if x is None:
+                    results[i] = final
+            break
+        return results  # type: ignore[return-value]
+
+    async def run_containers(
+        self, args: DSecRunArgs, count: int, timeout: Optional[float] = 600
+    ) -> list[Union[Sandbox, DSecError]]:
+        """The same as :meth:`run_sandboxes`."""
+        return await self.run_sandboxes(args, count, timeout=timeout)
+
+    # ---------------------------------------------------------------- queries
+
+    async def get_sandbox(self, sandbox_id: str) -> Sandbox:
+        """Looks a sandbox up by id (``not_found`` once its record is gone)."""
+        info = await self._unary("GetSandbox", opendsec_pb2.SandboxRef(id=sandbox_id), retry=True)
+        return Sandbox(self, info)
+
+    async def list_sandboxes(
+        self, task_id: str = "", include_ended: bool = False, project: Optional[str] = None
+    ) -> list[Sandbox]:
+        """Lists the sandboxes of a project and all its subprojects.
+
+        Args:
+            task_id: Only this task's sandboxes.
+            include_ended: Include recently ended (``STOPPED``, ``FAILED``) ones.
+            project: Default: the client's project.
+        """
+        req = opendsec_pb2.ListSandboxesRequest(
+            project=self._project(project), task_id=task_id, include_ended=include_ended
+        )
+        resp = await self._unary("ListSandboxes", req, retry=True)
+        return [Sandbox(self, s) for s in resp.sandboxes]
+
+    async def cluster_status(self) -> types_pb2.Snapshot:
+        """The cluster snapshot (protobuf ``Snapshot``): each edge's state and capacity."""
+        return await self._unary("ClusterStatus", types_pb2.Empty(), retry=True)
+
+    # ---------------------------------------------------------------- task actions
+
+    async def _task(self, method: str, task_id: str, project: Optional[str]) -> TaskActionResult:
+        req = opendsec_pb2.TaskRequest(project=self._project(project), task_id=task_id)
+        return TaskActionResult.from_pb(await self._unary(method, req, retry=True))
+
+    async def pause_task(self, task_id: str, project: Optional[str] = None) -> TaskActionResult:
+        """Pauses every sandbox of the task."""
+        return await self._task("PauseTask", task_id, project)
+
+    async def resume_task(self, task_id: str, project: Optional[str] = None) -> TaskActionResult:
+        """Resumes every paused sandbox of the task."""
+        return await self._task("ResumeTask", task_id, project)
+
+    async def stop_task(self, task_id: str, project: Optional[str] = None) -> TaskActionResult:
+        """Stops every sandbox of the task."""
+        return await self._task("StopTask", task_id, project)
+
+    # ---------------------------------------------------------------- projects, principals, tokens
+    # Management methods are never retried automatically: on failure the caller decides.
+
+    async def whoami(self) -> str:
+        """The principal of the current token."""
+        resp = await self._unary("WhoAmI", types_pb2.Empty(), retry=False)
+        return resp.principal
+
+    async def create_project(self, parent: str, name: str, quota: Optional[dict[str, float]] = None) -> Project:
+        """Creates the subproject ``name`` of ``parent``; quota keys left out take the parent's limit."""
+        req = opendsec_pb2.CreateProjectRequest(
+            parent=parent, name=name, quota={k: float(v) for k, v in (quota or {}).items()}
+        )
+        return Project.from_pb(await self._unary("CreateProject", req, retry=False))
+
+    async def get_project(self, project: Optional[str] = None) -> Project:
+        """A project's quota, usage, direct grants and subprojects (default: the client's project)."""
+        req = opendsec_pb2.ProjectRef(project=self._project(project))
+        return Project.from_pb(await self._unary("GetProject", req, retry=False))
+
+    async def set_quota(self, project: str, quota: dict[str, float]) -> Project:
+        """Sets a project's quota, replaced as a whole; it may not exceed any ancestor's."""
+        req = opendsec_pb2.SetQuotaRequest(project=project, quota={k: float(v) for k, v in quota.items()})
+        return Project.from_pb(await self._unary("SetQuota", req, retry=False))
+
+    async def delete_project(self, project: str) -> None:
+        """Deletes an empty project (no subprojects, usage or principals of its own)."""
+        await self._unary("DeleteProject", opendsec_pb2.ProjectRef(project=project), retry=False)
+
+    async def create_principal(self, project: str, principal_id: str, kind: str = "agent", ttl: int = 0) -> str:
+        """Creates a principal in ``project`` and returns its first token (returned only this once).
+
+        Args:
+            kind: ``user``, ``service`` or ``agent`` (a label only).
+            ttl: The token's lifetime in seconds; 0 for the server default.
+        """
+        req = opendsec_pb2.CreatePrincipalRequest(project=project, principal_id=principal_id, kind=kind, ttl=int(ttl))
+        resp = await self._unary("CreatePrincipal", req, retry=False)
+        return resp.token
+
+    async def delete_principal(self, principal: str) -> None:
+        """Deletes a principal and all its tokens."""
+        await self._unary("DeletePrincipal", opendsec_pb2.PrincipalRef(principal=principal), retry=False)
+
+    async def grant(self, project: str, principal: str, perms: Sequence[str]) -> Project:
+        """Grants permissions (e.g. ``["sandbox.create", "sandbox.operate"]``) on ``project``."""
+        req = opendsec_pb2.GrantRequest(project=project, principal=principal, permissions=list(perms))
+        return Project.from_pb(await self._unary("Grant", req, retry=False))
+
+    async def revoke(self, project: str, principal: str, perms: Sequence[str] = ()) -> Project:
+        """Revokes permissions on ``project``; all of them when ``perms`` is empty."""
+        req = opendsec_pb2.GrantRequest(project=project, principal=principal, permissions=list(perms))
+        return Project.from_pb(await self._unary("Revoke", req, retry=False))
+
+    async def create_token(
+        self, principal: Optional[str] = None, ttl: int = 0, description: str = ""
+    ) -> tuple[str, TokenInfo]:
+        """Issues a token (by default for yourself); returns the secret and its record."""
+        req = opendsec_pb2.CreateTokenRequest(principal=principal or "", ttl=int(ttl), description=description)
+        resp = await self._unary("CreateToken", req, retry=False)
+        return resp.token, TokenInfo.from_pb(resp.info)
+
+    async def list_tokens(self, principal: Optional[str] = None) -> list[TokenInfo]:
+        """A principal's tokens without their secrets (default: yourself)."""
+        resp = await self._unary("ListTokens", opendsec_pb2.PrincipalRef(principal=principal or ""), retry=False)
+        return [TokenInfo.from_pb(t) for t in resp.tokens]
+
+    async def revoke_token(self, principal: str, token_id: str) -> None:
+        """Revokes a token; it stops working on every apiserver within about a second."""
+        req = opendsec_pb2.RevokeTokenRequest(principal=principal or "", token_id=token_id)
+        await self._unary("RevokeToken", req, retry=False)
+
+    async def get_usage(
+        self, project: Optional[str] = None, start: str = "", end: str = "", daily: bool = True
+    ) -> UsageReport:
+        """Usage of the project and its subprojects.
+
+        Args:
+            project: Default: the client's project.
+            start, end: ``YYYY-MM-DD``, inclusive; empty for the server's default range.
+            daily: One row per UTC day and project (default); ``False``: one row per project
+                over the period, then a ``total`` row.
+        """
+        req = opendsec_pb2.GetUsageRequest(project=self._project(project), start=start, end=end, daily=daily)
+        return UsageReport.from_pb(await self._unary("GetUsage", req, retry=False))

@@ -1,0 +1,321 @@
+"""Plain data types of the SDK: creation arguments and the results of calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from opendsec._pb import opendsec_pb2, runtime_pb2, types_pb2
+
+__all__ = [
+    "DSecRunArgs",
+    "DSecContainerRunArgs",
+    "ShellResult",
+    "FileInfo",
+    "HttpResult",
+    "TaskActionResult",
+    "Project",
+    "TokenInfo",
+    "UsageRow",
+    "UsageReport",
+]
+
+
+@dataclass
+class DSecRunArgs:
+    """What to create: the arguments of :meth:`DSecClient.run_sandbox` and friends.
+
+    The default backend, ``sim``, only simulates and runs nothing: always set ``backend``.
+    Zero timeouts and sizes mean the cluster's defaults.
+    """
+
+    #: ``microvm``, ``container``, ``fncall``, ``fullvm`` or ``sim``.
+    backend: str = "sim"
+    #: Image name ``<project>/<name>:<tag>``, e.g. ``root/py:3.12``.
+    image: str = ""
+    #: CPU cores; may be fractional.
+    cpu_cores_limit: float = 1.0
+    #: Memory (MB).
+    memory_limit_mb: int = 2048
+    #: Number of GPUs.
+    gpus: int = 0
+    #: ``exclusive``, ``shared``, or ``""`` (the node decides).
+    gpu_mode: str = ""
+    #: Writable disk size (MB); 0 means the backend's default.
+    disk_mb: int = 0
+    #: Idle timeout (seconds); 0 means the cluster default.
+    ttl_running_stop: int = 0
+    #: Lifetime from creation (seconds), paused time included; 0 means the cluster default.
+    ttl_max: int = 0
+    #: Network rules, e.g. ``{"pypi": True}``.
+    network_rules: dict[str, bool] = field(default_factory=dict)
+    #: The sandbox's default user, also the sessions' default user.
+    init_user: str = "root"
+    #: Task name, for task actions such as ``pause_task``.
+    task_id: str = ""
+    #: ``LS`` (latency-sensitive) or ``BE`` (best effort).
+    qos: str = "LS"
+    #: Arbitrary key-value labels, kept in the sandbox's spec.
+    labels: dict[str, str] = field(default_factory=dict)
+    #: The project to create in; ``None``: the client's project.
+    project: Optional[str] = None
+
+    def _image(self) -> str:
+        return self.image
+
+    def to_spec(self) -> types_pb2.SandboxSpec:
+        """Returns the protobuf ``SandboxSpec`` these arguments ask for."""
+        return types_pb2.SandboxSpec(
+            backend=self.backend,
+            image=self._image(),
+            cpu_cores_limit=float(self.cpu_cores_limit),
+            memory_limit_mb=int(self.memory_limit_mb),
+            gpus=int(self.gpus),
+            gpu_mode=self.gpu_mode,
+            disk_mb=int(self.disk_mb),
+            ttl_running_stop=int(self.ttl_running_stop),
+            ttl_max=int(self.ttl_max),
+            network_rules={str(k): bool(v) for k, v in (self.network_rules or {}).items()},
+            init_user=self.init_user,
+            task_id=self.task_id,
+            qos=self.qos,
+            labels={str(k): str(v) for k, v in (self.labels or {}).items()},
+        )
+
+
+@dataclass
+class DSecContainerRunArgs(DSecRunArgs):
+    """:class:`DSecRunArgs` for containers: ``backend="container"`` by default, and a
+    ``container_image`` field that replaces ``image`` when set."""
+
+    backend: str = "container"
+    #: The image to start from; replaces ``image`` when set.
+    container_image: str = ""
+
+    def _image(self) -> str:
+        return self.container_image or self.image
+
+
+def _decode(b: bytes) -> str:
+    return b.decode("utf-8", errors="replace")
+
+
+@dataclass
+class ShellResult:
+    """The result of a shell command (``run_shell``, ``get_output``, the end of ``stream_shell``)."""
+
+    #: The command's number in its session.
+    cmd_id: int = 0
+    #: Exit code.
+    exit_code: int = 0
+    #: Raw stdout bytes returned by this call.
+    stdout_bytes: bytes = b""
+    #: Raw stderr bytes returned by this call.
+    stderr_bytes: bytes = b""
+    #: Whether the command has ended.
+    done: bool = False
+    #: Whether it was killed by its timeout.
+    timed_out: bool = False
+    #: Run time (seconds).
+    duration: float = 0.0
+    #: The output exceeds what one call returns and was not all returned.
+    truncated: bool = False
+    #: Bytes dropped past the per-stream record limit.
+    dropped_bytes: int = 0
+    #: Where the returned stdout starts in the command's stdout.
+    stdout_offset: int = 0
+    #: Where the returned stderr starts in the command's stderr.
+    stderr_offset: int = 0
+    #: Stdout bytes recorded so far.
+    stdout_total: int = 0
+    #: Stderr bytes recorded so far.
+    stderr_total: int = 0
+
+    @property
+    def stdout(self) -> str:
+        """Stdout decoded as UTF-8 (undecodable bytes become U+FFFD)."""
+        return _decode(self.stdout_bytes)
+
+    @property
+    def stderr(self) -> str:
+        """Stderr decoded as UTF-8 (undecodable bytes become U+FFFD)."""
+        return _decode(self.stderr_bytes)
+
+    @property
+    def ok(self) -> bool:
+        """``done and exit_code == 0 and not timed_out``."""
+        return self.done and self.exit_code == 0 and not self.timed_out
+
+    @classmethod
+    def from_pb(cls, m: runtime_pb2.ShellResult) -> "ShellResult":
+        """Builds a result from the protobuf message."""
+        return cls(
+            cmd_id=m.cmd_id,
+            exit_code=m.exit_code,
+            stdout_bytes=bytes(m.stdout),
+            stderr_bytes=bytes(m.stderr),
+            done=m.done,
+            timed_out=m.timed_out,
+            duration=m.duration,
+            truncated=m.truncated,
+            dropped_bytes=m.dropped_bytes,
+            stdout_offset=m.stdout_offset,
+            stderr_offset=m.stderr_offset,
+            stdout_total=m.stdout_total,
+            stderr_total=m.stderr_total,
+        )
+
+
+@dataclass
+class FileInfo:
+    """A file's information (``stat``, ``list_dir``, ``write_file``)."""
+
+    #: Base name.
+    name: str = ""
+    #: ``file``, ``dir``, ``symlink`` or ``other``.
+    type: str = ""
+    #: Size in bytes.
+    size: int = 0
+    #: Permission bits, e.g. ``0o644``.
+    mode: int = 0
+    #: Modification time (unix seconds).
+    mtime: int = 0
+    #: Absolute path, when the server sends it.
+    path: str = ""
+
+    @classmethod
+    def from_pb(cls, m: runtime_pb2.FileInfo) -> "FileInfo":
+        """Builds a FileInfo from the protobuf message."""
+        return cls(name=m.name, type=m.type, size=m.size, mode=m.mode, mtime=m.mtime, path=m.path)
+
+
+@dataclass
+class HttpResult:
+    """The response to :meth:`Sandbox.http`."""
+
+    #: HTTP status code.
+    status: int = 0
+    #: Response headers.
+    headers: dict[str, str] = field(default_factory=dict)
+    #: Response body.
+    body: bytes = b""
+
+
+@dataclass
+class TaskActionResult:
+    """The result of ``pause_task``, ``resume_task`` and ``stop_task``."""
+
+    #: Sandboxes the action succeeded on.
+    affected: int = 0
+    #: Sandboxes it failed on.
+    failed: int = 0
+    #: The failures, ``"<sandbox-id>: <reason>: <message>"`` each.
+    errors: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_pb(cls, m: opendsec_pb2.TaskActionResult) -> "TaskActionResult":
+        """Builds a result from the protobuf message."""
+        return cls(affected=m.affected, failed=m.failed, errors=list(m.errors))
+
+
+@dataclass
+class Project:
+    """A project: its quota, current usage, direct grants and subprojects."""
+
+    #: Path, e.g. ``root/team-a``.
+    path: str = ""
+    #: Quota per key (``sandboxes``, ``cpu_cores``, ``memory_mb``, ``gpus``).
+    quota: dict[str, float] = field(default_factory=dict)
+    #: Current usage per key.
+    usage: dict[str, float] = field(default_factory=dict)
+    #: Principal -> permissions held directly on this project.
+    policies: dict[str, list[str]] = field(default_factory=dict)
+    #: Subproject paths.
+    children: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_pb(cls, m: opendsec_pb2.Project) -> "Project":
+        """Builds a Project from the protobuf message."""
+        return cls(
+            path=m.path,
+            quota=dict(m.quota),
+            usage=dict(m.usage),
+            policies={k: list(v.permissions) for k, v in m.policies.items()},
+            children=list(m.children),
+        )
+
+
+@dataclass
+class TokenInfo:
+    """A token's record, without its secret."""
+
+    #: Token id.
+    id: str = ""
+    #: The principal it belongs to.
+    principal: str = ""
+    #: Creation time (unix seconds).
+    created_at: int = 0
+    #: Expiry (unix seconds); 0: never.
+    expires_at: int = 0
+    #: Free text given at creation.
+    description: str = ""
+    #: The principal that created it.
+    created_by: str = ""
+
+    @classmethod
+    def from_pb(cls, m: opendsec_pb2.TokenInfo) -> "TokenInfo":
+        """Builds a TokenInfo from the protobuf message."""
+        return cls(
+            id=m.id,
+            principal=m.principal,
+            created_at=m.created_at,
+            expires_at=m.expires_at,
+            description=m.description,
+            created_by=m.created_by,
+        )
+
+
+@dataclass
+class UsageRow:
+    """One project's usage on one UTC day (or ``day == "total"``)."""
+
+    #: Project path.
+    project: str = ""
+    #: ``YYYY-MM-DD`` or ``total``.
+    day: str = ""
+    #: Sandboxes started.
+    sandboxes_started: int = 0
+    #: Sandbox-hours (quota held, running and paused).
+    sandbox_hours: float = 0.0
+    #: CPU core-hours.
+    cpu_core_hours: float = 0.0
+    #: Memory GB-hours.
+    memory_gb_hours: float = 0.0
+    #: GPU-hours.
+    gpu_hours: float = 0.0
+
+    @classmethod
+    def from_pb(cls, m: opendsec_pb2.UsageRow) -> "UsageRow":
+        """Builds a row from the protobuf message."""
+        return cls(
+            project=m.project,
+            day=m.day,
+            sandboxes_started=m.sandboxes_started,
+            sandbox_hours=m.sandbox_hours,
+            cpu_core_hours=m.cpu_core_hours,
+            memory_gb_hours=m.memory_gb_hours,
+            gpu_hours=m.gpu_hours,
+        )
+
+
+@dataclass
+class UsageReport:
+    """The result of :meth:`DSecClient.get_usage`."""
+
+    #: One row per project and day.
+    rows: list[UsageRow] = field(default_factory=list)
+
+    @classmethod
+    def from_pb(cls, m: opendsec_pb2.UsageReport) -> "UsageReport":
+        """Builds a report from the protobuf message."""
+        return cls(rows=[UsageRow.from_pb(r) for r in m.rows])

@@ -1,0 +1,323 @@
+"""The sandbox handle: :class:`Sandbox`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, AsyncIterator, Optional, Union
+
+import grpc
+import grpc.aio
+
+from opendsec._pb import opendsec_pb2, runtime_pb2, types_pb2
+from opendsec.errors import UNAVAILABLE, DSecError, error_from_rpc
+from opendsec.models import FileInfo, HttpResult, ShellResult
+
+if TYPE_CHECKING:
+    from opendsec.client import DSecClient
+
+__all__ = ["Sandbox", "StreamItem"]
+
+#: What :meth:`Sandbox.stream_shell` yields: ``("stdout", bytes)``, ``("stderr", bytes)``,
+#: then ``("exit", ShellResult)``.
+StreamItem = tuple[str, Union[bytes, ShellResult]]
+
+
+def _new_key() -> str:
+    from opendsec.client import new_key
+
+    return new_key()
+
+
+class Sandbox:
+    """A handle on one sandbox, returned by ``run_sandbox``, ``get_sandbox`` and the others.
+
+    Attributes:
+        info: The full record (protobuf ``Sandbox``) as last seen: ``project``,
+            ``principal``, ``spec``, ``created_at``, ``last_active_at``, ``ended_at``,
+            ``message``.
+    """
+
+    def __init__(self, client: "DSecClient", info: types_pb2.Sandbox) -> None:
+        self._client = client
+        self.info: types_pb2.Sandbox = info
+
+    # ---------------------------------------------------------------- attributes
+
+    @property
+    def id(self) -> str:
+        """The sandbox id, ``<edge-id>.<random>``."""
+        return self.info.id
+
+    @property
+    def state(self) -> str:
+        """The last seen state's name, e.g. ``"RUNNING"``; :meth:`refresh` updates it."""
+        try:
+            return types_pb2.SandboxState.Name(self.info.state)
+        except ValueError:  # a state newer than this SDK
+            return str(self.info.state)
+
+    @property
+    def edge_id(self) -> str:
+        """The node it runs on now."""
+        return self.info.edge_id
+
+    def __repr__(self) -> str:
+        return f"Sandbox(id={self.id!r}, state={self.state!r}, edge_id={self.edge_id!r})"
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def _lifecycle(self, method: str) -> "Sandbox":
+        self.info = await self._client._unary(method, opendsec_pb2.SandboxRef(id=self.id), retry=True)
+        return self
+
+    async def refresh(self) -> "Sandbox":
+        """Fetches the record again; returns ``self``."""
+        return await self._lifecycle("GetSandbox")
+
+    async def stop(self) -> "Sandbox":
+        """Stops the sandbox and cleans it up; its quota comes back at once."""
+        return await self._lifecycle("StopSandbox")
+
+    async def pause(self) -> "Sandbox":
+        """Pauses the sandbox (a runtime call to it later resumes it)."""
+        return await self._lifecycle("PauseSandbox")
+
+    async def resume(self) -> "Sandbox":
+        """Resumes a paused sandbox."""
+        return await self._lifecycle("ResumeSandbox")
+
+    async def touch(self) -> "Sandbox":
+        """Resets the idle timer; resumes a paused sandbox."""
+        return await self._lifecycle("TouchSandbox")
+
+    async def set_timeout(self, timeout: int) -> "Sandbox":
+        """Sets the lifetime to the sandbox's current age plus ``timeout`` seconds."""
+        req = opendsec_pb2.SetSandboxTimeoutRequest(id=self.id, timeout_s=int(timeout))
+        self.info = await self._client._unary("SetSandboxTimeout", req, retry=True)
+        return self
+
+    # ---------------------------------------------------------------- commands
+
+    def _shell_request(
+        self,
+        cmd: str,
+        timeout: Optional[float],
+        session: str,
+        env: Optional[dict[str, str]],
+        cwd: Optional[str],
+        user: Optional[str],
+        background: bool,
+    ) -> runtime_pb2.RunShellRequest:
+        return runtime_pb2.RunShellRequest(
+            sandbox_id=self.id,
+            cmd=cmd,
+            timeout=float(timeout or 0),
+            session=session,
+            env={str(k): str(v) for k, v in (env or {}).items()},
+            cwd=cwd or "",
+            user=user or "",
+            request_id=_new_key(),
+            background=background,
+        )
+
+    async def run_shell(
+        self,
+        cmd: str,
+        timeout: Optional[float] = None,
+        session: str = "default",
+        env: Optional[dict[str, str]] = None,
+        cwd: Optional[str] = None,
+        user: Optional[str] = None,
+    ) -> ShellResult:
+        """Runs a shell command in a session and returns its result when it ends.
+
+        Args:
+            cmd: A whole shell command (pipes, ``&&`` and so on work).
+            timeout: Seconds; when it expires the command's processes are killed and
+                ``timed_out`` is set. ``None``: no limit.
+            session: Session name; ``cd`` and ``export`` carry over within a session.
+            env, cwd: Environment variables and working directory for this command only.
+            user: The session's user, fixed by its first command (name or ``uid[:gid]``).
+
+        The request carries a request id: a retry after a lost connection never runs the
+        command twice.
+        """
+        req = self._shell_request(cmd, timeout, session, env, cwd, user, background=False)
+        return ShellResult.from_pb(await self._client._unary("RunShell", req, retry=True))
+
+    async def run_shell_background(
+        self,
+        cmd: str,
+        timeout: Optional[float] = None,
+        session: str = "default",
+        env: Optional[dict[str, str]] = None,
+        cwd: Optional[str] = None,
+        user: Optional[str] = None,
+    ) -> int:
+        """Starts a command and returns its number (``cmd_id``) at once; see :meth:`get_output`."""
+        req = self._shell_request(cmd, timeout, session, env, cwd, user, background=True)
+        res = await self._client._unary("RunShell", req, retry=True)
+        return res.cmd_id
+
+    async def get_output(
+        self,
+        cmd_id: int,
+        session: str = "default",
+        wait: float = 0,
+        stdout_offset: int = 0,
+        stderr_offset: int = 0,
+    ) -> ShellResult:
+        """Returns a command's recorded output, waiting up to ``wait`` seconds for it to end.
+
+        ``stdout_offset`` and ``stderr_offset`` start from a byte position, for reading
+        incrementally.
+        """
+        req = runtime_pb2.GetOutputRequest(
+            sandbox_id=self.id,
+            session=session,
+            cmd_id=int(cmd_id),
+            wait=float(wait),
+            stdout_offset=int(stdout_offset),
+            stderr_offset=int(stderr_offset),
+        )
+        return ShellResult.from_pb(await self._client._unary("GetOutput", req, retry=True))
+
+    async def stream_shell(
+        self,
+        cmd: str,
+        timeout: Optional[float] = None,
+        session: str = "default",
+        env: Optional[dict[str, str]] = None,
+        cwd: Optional[str] = None,
+        user: Optional[str] = None,
+    ) -> AsyncIterator[StreamItem]:
+        """Runs a command and yields its output as it comes.
+
+        Yields ``("stdout", bytes)`` and ``("stderr", bytes)`` chunks, then
+        ``("exit", ShellResult)`` (a result without output). A broken connection resumes
+        where it broke (``StreamOutput`` from the byte offsets received so far): the command
+        keeps running in the sandbox and nothing is repeated or lost.
+        """
+        req = self._shell_request(cmd, timeout, session, env, cwd, user, background=False)
+        pos = {"stdout": 0, "stderr": 0}
+        cmd_id: Optional[int] = None
+        client = self._client
+        r = await client._retrier(True, None)
+        while True:
+            ep = r.pool.pick()
+            if cmd_id is None:
+                # Not started as far as we know: the same request id never runs it twice.
+                call = ep.stub.StreamShell(req, metadata=client._metadata)
+            else:
+                resume = runtime_pb2.GetOutputRequest(
+                    sandbox_id=self.id,
+                    session=session,
+                    cmd_id=cmd_id,
+                    stdout_offset=pos["stdout"],
+                    stderr_offset=pos["stderr"],
+                )
+                call = ep.stub.StreamOutput(resume, metadata=client._metadata)
+            try:
+                async for chunk in call:
+                    r.progress()
+                    kind = chunk.WhichOneof("kind")
+                    if kind == "started":
+                        cmd_id = chunk.started
+                    elif kind == "stdout" or kind == "stderr":
+                        data = bytes(getattr(chunk, kind))
+                        start, have = chunk.offset, pos[kind]
+                        end = start + len(data)
+                        if end <= have:
+                            continue  # already yielded
+                        if start < have:
+                            data = data[have - start:]
+                        pos[kind] = end
+                        yield kind, data
+                    elif kind == "exit":
+                        yield "exit", ShellResult.from_pb(chunk.exit)
+                        return
+                err = DSecError(UNAVAILABLE, "the output stream ended before the command's exit")
+            except grpc.aio.AioRpcError as e:
+                err = error_from_rpc(e)
+            finally:
+                call.cancel()
+            await r.failed(err, ep)
+
+    # ---------------------------------------------------------------- sessions
+
+    async def list_sessions(self) -> list[str]:
+        """The sandbox's session names."""
+        req = runtime_pb2.ListSessionsRequest(sandbox_id=self.id)
+        return list((await self._client._unary("ListSessions", req, retry=True)).sessions)
+
+    async def close_session(self, session: str) -> None:
+        """Ends a session, killing every process it started."""
+        req = runtime_pb2.CloseSessionRequest(sandbox_id=self.id, session=session)
+        await self._client._unary("CloseSession", req, retry=True)
+
+    # ---------------------------------------------------------------- files
+
+    async def read_file(self, path: str, offset: int = 0, length: int = 0, session: str = "default") -> bytes:
+        """Reads a file (at most 64 MB per call); ``length=0`` reads to the end. Past the end: ``b""``."""
+        req = runtime_pb2.ReadFileRequest(
+            sandbox_id=self.id, path=path, offset=int(offset), length=int(length), session=session
+        )
+        return bytes((await self._client._unary("ReadFile", req, retry=True)).data)
+
+    async def write_file(
+        self,
+        path: str,
+        data: Union[bytes, bytearray, memoryview, str],
+        mode: int = 0,
+        append: bool = False,
+        session: str = "default",
+    ) -> FileInfo:
+        """Writes a file (``str`` is encoded as UTF-8). Not retried automatically.
+
+        Args:
+            mode: Permission bits, e.g. ``0o755``; 0 for the default.
+            append: Append instead of replacing.
+        """
+        raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+        req = runtime_pb2.WriteFileRequest(
+            sandbox_id=self.id, path=path, data=raw, mode=int(mode), append=append, session=session
+        )
+        return FileInfo.from_pb(await self._client._unary("WriteFile", req, retry=False))
+
+    async def list_dir(self, path: str, session: str = "default") -> list[FileInfo]:
+        """Lists a directory."""
+        req = runtime_pb2.PathRequest(sandbox_id=self.id, path=path, session=session)
+        resp = await self._client._unary("ListDir", req, retry=True)
+        return [FileInfo.from_pb(e) for e in resp.entries]
+
+    async def stat(self, path: str, session: str = "default") -> FileInfo:
+        """A file's information."""
+        req = runtime_pb2.PathRequest(sandbox_id=self.id, path=path, session=session)
+        return FileInfo.from_pb(await self._client._unary("Stat", req, retry=True))
+
+    async def remove(self, path: str, recursive: bool = False, session: str = "default") -> None:
+        """Removes a file; ``recursive=True`` removes a directory and its contents. Not retried."""
+        req = runtime_pb2.RemoveRequest(sandbox_id=self.id, path=path, recursive=recursive, session=session)
+        await self._client._unary("Remove", req, retry=False)
+
+    # ---------------------------------------------------------------- HTTP
+
+    async def http(
+        self,
+        url: str,
+        method: str = "GET",
+        headers: Optional[dict[str, str]] = None,
+        body: Union[bytes, str] = b"",
+        timeout: float = 30,
+    ) -> HttpResult:
+        """Makes an HTTP request from inside the sandbox's network namespace. Not retried."""
+        raw = body.encode("utf-8") if isinstance(body, str) else bytes(body)
+        req = runtime_pb2.HttpRequest(
+            sandbox_id=self.id,
+            url=url,
+            method=method,
+            headers={str(k): str(v) for k, v in (headers or {}).items()},
+            body=raw,
+            timeout=float(timeout),
+        )
+        resp = await self._client._unary("Http", req, retry=False)
+        return HttpResult(status=resp.status, headers=dict(resp.headers), body=bytes(resp.body))
