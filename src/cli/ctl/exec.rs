@@ -23,8 +23,8 @@ const RESUMES: usize = 10;
 #[derive(FromArgs, Debug)]
 /// run a command in a sandbox, streaming its stdout and stderr, and exit with its exit code.
 /// One argument is a whole shell command ('cd /srv && make test | tail'); several are each
-/// quoted and joined, as ssh and docker exec do. Put -- before a command whose arguments
-/// start with -.
+/// quoted and joined, as ssh and docker exec do. opendsecctl's own options are recognized
+/// anywhere before --: put -- before a command with words like -timeout or -addr.
 #[argh(
     subcommand,
     name = "exec",

@@ -13,6 +13,7 @@ use argh::FromArgs;
 use crate::types::{Failure, Reason};
 
 mod admin;
+mod argv;
 mod conn;
 mod cp;
 mod exec;
@@ -147,15 +148,18 @@ enum Parsed {
 /// Parses the command line (without the program name).
 /// Errors: `Usage` with argh's message.
 fn parse(args: &[String]) -> Result<Parsed, CtlError> {
-    let normalized = crate::cli::flags::normalize(args);
+    let normalized = match args.first().map(String::as_str) {
+        // exec's command words stay exactly as typed (see argv::exec).
+        Some("exec") if args.len() == 2 && args[1] == "help" => vec!["exec".into(), "--help".into()],
+        Some("exec") => argv::exec(args),
+        _ => crate::cli::flags::normalize(args),
+    };
     let (flags, mut rest) = conn::split_flags(&normalized)?;
     if rest.is_empty() {
         return Err(CtlError::Usage("no command given".into()));
     }
-    // exec takes free text after its id, so a bare `help` there is only help right after
-    // `exec` (see exec::ExecArgs).
-    if rest.len() == 2 && rest[0] == "exec" && rest[1] == "help" {
-        rest[1] = "--help".into();
+    if rest[0] == "cp" {
+        rest = argv::cp(&rest);
     }
     let strs: Vec<&str> = rest.iter().map(String::as_str).collect();
     match Ctl::from_args(&["opendsecctl"], &strs) {
@@ -172,13 +176,7 @@ fn parse(args: &[String]) -> Result<Parsed, CtlError> {
         }
         Err(early) => match early.status {
             Ok(()) => Ok(Parsed::Help(output::single_dash(&early.output))),
-            Err(()) => {
-                let mut msg = early.output;
-                if strs.first() == Some(&"exec") && msg.contains("Unrecognized argument") {
-                    msg.push_str(" (put -- before a command whose arguments start with -)");
-                }
-                Err(CtlError::Usage(msg))
-            }
+            Err(()) => Err(CtlError::Usage(early.output)),
         },
     }
 }
@@ -268,19 +266,29 @@ mod tests {
     }
 
     #[test]
-    fn exec_double_dash_keeps_command_options() {
+    fn exec_command_words_and_double_dash() {
         let (_, cmd) = parsed(&["exec", "ID", "-session", "s1", "--", "ls", "-la", "-addr", "help"]);
         let Cmd::Exec(e) = cmd else { panic!() };
         assert_eq!(e.id, "ID");
         assert_eq!(e.session.as_deref(), Some("s1"));
         assert_eq!(e.cmd, s(&["ls", "-la", "-addr", "help"]));
         // Options after the command words are still the CLI's own (before any --).
-        let (_, cmd) = parsed(&["exec", "ID", "echo", "hi", "-timeout", "5"]);
+        let (flags, cmd) = parsed(&["exec", "ID", "echo", "hi", "-timeout", "5", "-addr", "a:1"]);
         let Cmd::Exec(e) = cmd else { panic!() };
         assert_eq!(e.cmd, s(&["echo", "hi"]));
         assert_eq!(e.timeout.as_deref(), Some("5"));
-        // Without --, an argument starting with - is an unknown option: a usage error.
-        assert!(matches!(parse(&s(&["exec", "ID", "ls", "-la"])), Err(CtlError::Usage(m)) if m.contains("put --")));
+        assert_eq!(flags.addr.as_deref(), Some("a:1"));
+        // The spec's example needs no --: unknown dash words belong to the command.
+        let (_, cmd) = parsed(&["exec", "ID", "python3", "-c", "print(6*7)"]);
+        let Cmd::Exec(e) = cmd else { panic!() };
+        assert_eq!(e.cmd, s(&["python3", "-c", "print(6*7)"]));
+    }
+
+    #[test]
+    fn cp_takes_dash_for_stdio() {
+        let (_, cmd) = parsed(&["cp", "-", "ID:/x", "-addr", "a:1"]);
+        let Cmd::Cp(c) = cmd else { panic!() };
+        assert_eq!((c.src.as_str(), c.dst.as_str()), ("-", "ID:/x"));
     }
 
     #[test]
@@ -293,6 +301,9 @@ mod tests {
             &["sandbox", "create", "-h"],
             &["exec", "help"],
             &["exec", "-help"],
+            &["exec", "ID", "-h"],
+            &["cp", "help"],
+            &["cp", "-h"],
             &["iam", "backup", "help"],
             &["token", "create", "--help"],
             &["usage", "help"],
