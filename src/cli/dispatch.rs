@@ -38,6 +38,8 @@ pub fn main(args: Vec<String>) -> ExitCode {
             ExitCode::SUCCESS
         }
         "ctl" => crate::cli::ctl::main(rest),
+        "iam" | "watcher" | "apiserver" | "edge" => crate::cli::roles::main(&role, &rest),
+        "cluster" => crate::roles::cluster::main(rest),
         other => {
             eprintln!("opendsec: unknown role {other:?}\n\n{USAGE}");
             ExitCode::from(2)

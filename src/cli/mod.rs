@@ -4,3 +4,4 @@
 pub mod ctl;
 pub mod dispatch;
 pub mod flags;
+pub mod roles;

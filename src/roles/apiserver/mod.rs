@@ -1,1 +1,150 @@
-//! The apiserver role.
+//! The apiserver role (22-components §1-2): the cluster's only entry. It authenticates and
+//! authorizes through IAM (cached), admits, places, creates on edges, forwards lifecycle and
+//! runtime calls to the edge named in the sandbox id, and forwards IAM management calls with
+//! the caller's own token. It keeps no state of its own: any apiserver serves any request.
+
+pub mod admission;
+mod audit;
+mod auth;
+mod create;
+mod edges;
+mod forward;
+pub mod placement;
+mod service;
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::{RwLock, Semaphore};
+
+use crate::config::Config;
+use crate::pb;
+use crate::shutdown::Shutdown;
+use crate::telemetry::Ready;
+use crate::types::now_s;
+
+/// Starting an apiserver failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiserverError {
+    #[error("apiserver: no entry {0} in the config's apiserver list")]
+    NoEntry(usize),
+    #[error("apiserver: IAM address: {0}")]
+    Client(#[from] crate::rpc::client::ClientError),
+    #[error("apiserver: audit log: {0}")]
+    Audit(#[from] audit::AuditError),
+}
+
+/// Shared state of one apiserver.
+pub(crate) struct Inner {
+    pub cfg: Arc<Config>,
+    pub auth: Arc<auth::AuthCache>,
+    pub iam: pb::iam_client::IamClient<tonic::transport::Channel>,
+    pub snapshot: RwLock<Arc<pb::Snapshot>>,
+    pub snapshot_at: std::sync::atomic::AtomicI64,
+    pub overlay: Mutex<placement::Overlay>,
+    pub params: placement::Params,
+    pub calls: admission::Limiter,
+    pub creates: admission::Limiter,
+    pub inflight: Option<Arc<Semaphore>>,
+    pub edges: edges::EdgeClients,
+    pub audit: Option<audit::Audit>,
+    pub audit_runtime: bool,
+    /// Sandbox id → project, so operations need not ask the edge first. Projects never change.
+    pub projects: Mutex<std::collections::HashMap<String, String>>,
+    /// Placement draws k candidates; `random` (k = 1) is the `bench -compare` baseline.
+    pub k: usize,
+}
+
+/// Serves the public DSec service for entry `index` of `cfg.apiserver` on `listener`.
+/// Ready while IAM and a watcher snapshot have answered within the last 15 s.
+pub async fn start(cfg: Arc<Config>, index: usize, listener: TcpListener, shutdown: Shutdown, ready: Ready) -> Result<tokio::task::JoinHandle<()>, ApiserverError> {
+    start_with(cfg, index, listener, shutdown, ready, None).await
+}
+
+/// As `start`, with the placement `k` overridden (benchmarks).
+pub async fn start_with(cfg: Arc<Config>, index: usize, listener: TcpListener, shutdown: Shutdown, ready: Ready, k: Option<usize>) -> Result<tokio::task::JoinHandle<()>, ApiserverError> {
+    let entry = cfg.apiserver.get(index).cloned().unwrap_or_default();
+    if cfg.apiserver.len() > 0 && index >= cfg.apiserver.len() {
+        return Err(ApiserverError::NoEntry(index));
+    }
+    let ch = crate::rpc::client::channel(&cfg.iam.addr, Duration::from_secs(2))?;
+    let iam = pb::iam_client::IamClient::new(ch).max_decoding_message_size(crate::rpc::MAX_MESSAGE).max_encoding_message_size(crate::rpc::MAX_MESSAGE);
+    let auth = Arc::new(auth::AuthCache::new(iam.clone(), cfg.service_token.clone()));
+    let audit = if entry.audit_dir.is_empty() { None } else { Some(audit::Audit::open(&entry.audit_dir, entry.audit_max_mb(), entry.audit_keep())?) };
+    let adm = &cfg.admission;
+    let params = placement::Params::from_config(&cfg.placement);
+    let inner = Arc::new(Inner {
+        auth: auth.clone(),
+        iam,
+        snapshot: RwLock::new(Arc::new(pb::Snapshot::default())),
+        snapshot_at: std::sync::atomic::AtomicI64::new(0),
+        overlay: Mutex::new(placement::Overlay::default()),
+        k: k.unwrap_or(params.k),
+        params,
+        calls: admission::Limiter::new(adm.request_rate(), adm.request_burst()),
+        creates: admission::Limiter::new(adm.create_rate(), adm.create_burst()),
+        inflight: adm.max_inflight_creates().map(|n| Arc::new(Semaphore::new(n))),
+        edges: edges::EdgeClients::new(cfg.service_token.clone()),
+        audit,
+        audit_runtime: entry.audit_runtime,
+        projects: Mutex::new(std::collections::HashMap::new()),
+        cfg: cfg.clone(),
+    });
+
+    let e = tokio::spawn(auth.clone().epoch_loop(shutdown.clone()));
+    let s = tokio::spawn(snapshot_loop(inner.clone(), entry.snapshot_refresh(), shutdown.clone(), ready.clone()));
+    let svc = pb::d_sec_server::DSecServer::from_arc(Arc::new(service::Api { inner: inner.clone() }))
+        .max_decoding_message_size(crate::rpc::MAX_MESSAGE)
+        .max_encoding_message_size(crate::rpc::MAX_MESSAGE);
+    let router = crate::rpc::serve::builder().add_service(svc);
+    let sd = shutdown.clone();
+    Ok(tokio::spawn(async move {
+        if let Err(err) = crate::rpc::serve::serve(router, listener, sd).await {
+            tracing::error!(error = %err, "apiserver failed");
+        }
+        ready.set(false, "apiserver");
+        let _ = e.await;
+        let _ = s.await;
+    }))
+}
+
+/// Fetches the cluster snapshot from the watchers every `every` seconds (the first that
+/// answers); keeps the last one when none does. Also drives readiness.
+async fn snapshot_loop(inner: Arc<Inner>, every: f64, shutdown: Shutdown, ready: Ready) {
+    let addrs = inner.cfg.watcher.addrs();
+    let clients: Vec<_> = addrs
+        .iter()
+        .filter_map(|a| crate::rpc::client::channel(a, Duration::from_secs(2)).ok())
+        .map(|c| pb::watcher_client::WatcherClient::new(c).max_decoding_message_size(crate::rpc::MAX_MESSAGE))
+        .collect();
+    let mut first = 0usize;
+    loop {
+        for i in 0..clients.len() {
+            let mut c = clients[(first + i) % clients.len()].clone();
+            let mut req = crate::rpc::client::internal(pb::GetSnapshotRequest { min_version: 0 }, &inner.cfg.service_token);
+            req.set_timeout(Duration::from_secs(2));
+            match c.get_snapshot(req).await {
+                Ok(r) => {
+                    let snap = r.into_inner();
+                    if snap.version > 0 {
+                        *inner.snapshot.write().await = Arc::new(snap);
+                        inner.snapshot_at.store(now_s(), Ordering::Relaxed);
+                    }
+                    first = (first + i) % clients.len();
+                    break;
+                }
+                Err(s) => tracing::debug!(error = %s.message(), "snapshot fetch failed"),
+            }
+        }
+        inner.overlay.lock().unwrap_or_else(|p| p.into_inner()).expire(inner.params.overlay_grace);
+        let now = now_s();
+        let ok = now - inner.snapshot_at.load(Ordering::Relaxed) <= 15 && now - inner.auth.last_iam_ok.load(Ordering::Relaxed) <= 15;
+        ready.set(ok, "apiserver");
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs_f64(every)) => {},
+            _ = shutdown.wait() => return,
+        }
+    }
+}

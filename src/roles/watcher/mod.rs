@@ -1,1 +1,72 @@
-//! The watcher role.
+//! The watcher role (22-components §4): probes every edge each `probe_interval`, serves a
+//! versioned cluster snapshot to the apiservers, accepts edge registrations, and drives quota
+//! reconciliation with IAM. It keeps no durable state: after a restart its view is rebuilt
+//! from the config's edge list, the edges' registrations and probing.
+
+mod probe;
+mod reconcile;
+mod service;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio::sync::RwLock;
+
+use crate::config::Config;
+use crate::pb;
+use crate::shutdown::Shutdown;
+use crate::telemetry::Ready;
+
+/// Starting the watcher failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WatcherError {
+    #[error("watcher: IAM address: {0}")]
+    IamClient(#[from] crate::rpc::client::ClientError),
+}
+
+/// What the watcher knows of one edge.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct EdgeEntry {
+    pub addr: String,
+    pub state: pb::EdgeState,
+    pub failures: u32,
+    pub healthy: bool,
+    /// Unix seconds when the edge last turned unhealthy (0 while healthy).
+    pub unhealthy_since: f64,
+}
+
+/// Shared state of the watcher's tasks.
+pub(crate) struct Inner {
+    pub cfg: Arc<Config>,
+    pub edges: RwLock<BTreeMap<String, EdgeEntry>>,
+    pub snapshot: RwLock<Arc<pb::Snapshot>>,
+}
+
+/// Serves the Watcher service on `listener` and spawns the probe and reconcile loops.
+/// Ready once the first probe round has produced a snapshot.
+pub async fn start(cfg: Arc<Config>, listener: TcpListener, shutdown: Shutdown, ready: Ready) -> Result<tokio::task::JoinHandle<()>, WatcherError> {
+    let mut edges = BTreeMap::new();
+    for e in &cfg.edges {
+        if !e.addr.is_empty() {
+            let addr = if e.advertise.is_empty() { e.addr.clone() } else { e.advertise.clone() };
+            edges.insert(e.id.clone(), EdgeEntry { addr, ..Default::default() });
+        }
+    }
+    let inner = Arc::new(Inner { cfg: cfg.clone(), edges: RwLock::new(edges), snapshot: RwLock::new(Arc::new(pb::Snapshot::default())) });
+    let iam = pb::iam_client::IamClient::new(crate::rpc::client::channel(&cfg.iam.addr, std::time::Duration::from_secs(2))?);
+
+    let p = tokio::spawn(probe::run(inner.clone(), shutdown.clone(), ready.clone()));
+    let r = tokio::spawn(reconcile::run(inner.clone(), iam, shutdown.clone()));
+    let svc = pb::watcher_server::WatcherServer::new(service::WatcherService { inner: inner.clone() });
+    let router = crate::rpc::serve::builder().add_service(svc);
+    let sd = shutdown.clone();
+    Ok(tokio::spawn(async move {
+        if let Err(e) = crate::rpc::serve::serve(router, listener, sd).await {
+            tracing::error!(error = %e, "watcher server failed");
+        }
+        ready.set(false, "watcher");
+        let _ = p.await;
+        let _ = r.await;
+    }))
+}

@@ -1,0 +1,158 @@
+//! Running one role as its own process from the shared config file (15-configuration
+//! "Command-line flags of the components"): `opendsec iam|watcher|apiserver|edge -config F`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Context};
+use argh::FromArgs;
+
+use crate::config::Config;
+use crate::shutdown::Shutdown;
+use crate::telemetry::Ready;
+
+/// Flags every server role takes.
+#[derive(FromArgs, Debug)]
+/// Run one OpenDsec role from the cluster config.
+pub struct RoleFlags {
+    /// the cluster config file (JSON)
+    #[argh(option, default = "PathBuf::from(\"/etc/opendsec/opendsec.json\")")]
+    pub config: PathBuf,
+    /// address for /metrics, /healthz and /readyz, e.g. 127.0.0.1:9463
+    #[argh(option, default = "String::new()")]
+    pub metrics: String,
+    /// log level: error, warn, info, debug
+    #[argh(option, default = "String::from(\"info\")")]
+    pub log: String,
+    /// apiserver: which entry of `apiserver` to run
+    #[argh(option, default = "0")]
+    pub index: usize,
+    /// edge: the edge id(s), comma separated, or `all`
+    #[argh(option, default = "String::new()")]
+    pub id: String,
+    /// edge: listen address overriding the config's
+    #[argh(option, default = "String::new()")]
+    pub addr: String,
+    /// edge: address registered with the watchers
+    #[argh(option, default = "String::new()")]
+    pub advertise: String,
+    /// iam/watcher: which replica to run (replicated mode; not built yet)
+    #[argh(option, default = "String::new()")]
+    pub replica: String,
+}
+
+/// Parses a role's flags; `Err(code)` after printing help or a usage error.
+fn parse(role: &str, args: &[String]) -> Result<RoleFlags, ExitCode> {
+    let args = super::flags::normalize(args);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    RoleFlags::from_args(&[&format!("opendsec {role}")], &refs).map_err(|e| {
+        if e.status.is_ok() {
+            println!("{}", e.output);
+            ExitCode::SUCCESS
+        } else {
+            eprintln!("{}", e.output);
+            ExitCode::from(2)
+        }
+    })
+}
+
+/// Entry for `opendsec <role> ...` of a server role.
+pub fn main(role: &str, args: &[String]) -> ExitCode {
+    let flags = match parse(role, args) {
+        Ok(f) => f,
+        Err(code) => return code,
+    };
+    crate::telemetry::init_logging(&flags.log);
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: internal: starting the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(run(role, flags)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn bind(addr: &str, what: &str) -> anyhow::Result<tokio::net::TcpListener> {
+    if addr.is_empty() {
+        bail!("{what}: no listen address in the config");
+    }
+    tokio::net::TcpListener::bind(addr).await.with_context(|| format!("{what}: binding {addr}"))
+}
+
+async fn run(role: &str, flags: RoleFlags) -> anyhow::Result<()> {
+    let mut cfg = Config::load(&flags.config).with_context(|| format!("loading {}", flags.config.display()))?;
+    if !flags.replica.is_empty() {
+        bail!("-replica: replicated IAM and watchers are not built yet; run a single one");
+    }
+    let shutdown = Shutdown::new();
+    shutdown.fire_on_signals();
+    let ready = Ready::default();
+    if !flags.metrics.is_empty() {
+        let l = bind(&flags.metrics, "metrics").await?;
+        tokio::spawn(crate::telemetry::serve_health(l, ready.clone(), shutdown.clone()));
+    }
+    let mut handles = Vec::new();
+    match role {
+        "iam" => {
+            let l = bind(&cfg.iam.addr, "iam.addr").await?;
+            handles.push(crate::roles::iam::start(Arc::new(cfg), l, shutdown.clone(), ready).await?);
+        }
+        "watcher" => {
+            let addr = cfg.watcher.addrs().first().cloned().unwrap_or_default();
+            let l = bind(&addr, "watcher.addr").await?;
+            handles.push(crate::roles::watcher::start(Arc::new(cfg), l, shutdown.clone(), ready).await?);
+        }
+        "apiserver" => {
+            let entry = cfg.apiserver.get(flags.index).ok_or_else(|| anyhow!("-index {}: the config has {} apiserver entries", flags.index, cfg.apiserver.len()))?;
+            let l = bind(&entry.addr, "apiserver.addr").await?;
+            handles.push(crate::roles::apiserver::start(Arc::new(cfg), flags.index, l, shutdown.clone(), ready).await?);
+        }
+        "edge" => {
+            let ids: Vec<String> = if flags.id == "all" {
+                cfg.edges.iter().map(|e| e.id.clone()).collect()
+            } else {
+                flags.id.split(',').filter(|s| !s.is_empty()).map(String::from).collect()
+            };
+            if ids.is_empty() {
+                bail!("-id is required (an edge id, several comma separated, or all)");
+            }
+            if ids.len() > 1 && (!flags.addr.is_empty() || !flags.advertise.is_empty()) {
+                bail!("-addr and -advertise apply to one edge only");
+            }
+            let mut listeners = Vec::new();
+            for id in &ids {
+                let mut e = cfg.edge(id).ok_or_else(|| anyhow!("no edge {id:?} in the config and no edge_template"))?;
+                if !flags.addr.is_empty() {
+                    e.addr = flags.addr.clone();
+                }
+                if !flags.advertise.is_empty() {
+                    e.advertise = flags.advertise.clone();
+                }
+                e.validate()?;
+                listeners.push((id.clone(), bind(&e.addr, &format!("edge {id}")).await?));
+                match cfg.edges.iter_mut().find(|x| &x.id == id) {
+                    Some(x) => *x = e,
+                    None => cfg.edges.push(e),
+                }
+            }
+            let cfg = Arc::new(cfg);
+            for (id, l) in listeners {
+                handles.push(crate::roles::edge::start(cfg.clone(), id, l, shutdown.clone(), ready.clone()).await?);
+            }
+        }
+        other => bail!("unknown role {other:?}"),
+    }
+    tracing::info!(role, "started");
+    for h in handles {
+        let _ = h.await;
+    }
+    Ok(())
+}

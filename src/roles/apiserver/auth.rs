@@ -1,0 +1,151 @@
+//! The apiserver's authentication and authorization caches (22-components §1): results are
+//! kept 30 s (never past the token's own expiry), and dropped whenever IAM's security epoch
+//! moves, which a background task checks every second — so a revocation bites within ~1 s.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+use tonic::transport::Channel;
+
+use crate::pb;
+use crate::pb::iam_client::IamClient;
+use crate::rpc::{client, failure_from_status};
+use crate::shutdown::Shutdown;
+use crate::types::{now_s, Failure};
+
+const TTL: Duration = Duration::from_secs(30);
+
+/// An authenticated caller.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    pub principal: String,
+    /// The principal's own project (`whoami`).
+    #[allow(dead_code)]
+    pub project: String,
+    pub token: String,
+    pub client_addr: String,
+}
+
+#[derive(Clone)]
+struct TokenEntry {
+    principal: String,
+    project: String,
+    expires_at: i64,
+    at: Instant,
+}
+
+/// Caches over IAM's Authenticate and Authorize.
+pub struct AuthCache {
+    iam: IamClient<Channel>,
+    service_token: String,
+    tokens: RwLock<HashMap<[u8; 32], TokenEntry>>,
+    authz: RwLock<HashMap<(String, String, String), (bool, Instant)>>,
+    epoch: AtomicU64,
+    /// Unix seconds of IAM's last answer (readiness).
+    pub last_iam_ok: AtomicI64,
+}
+
+fn key_of(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+impl AuthCache {
+    pub fn new(iam: IamClient<Channel>, service_token: String) -> AuthCache {
+        AuthCache {
+            iam,
+            service_token,
+            tokens: RwLock::new(HashMap::new()),
+            authz: RwLock::new(HashMap::new()),
+            epoch: AtomicU64::new(0),
+            last_iam_ok: AtomicI64::new(0),
+        }
+    }
+
+    fn note_epoch(&self, epoch: u64) {
+        let old = self.epoch.swap(epoch, Ordering::SeqCst);
+        if old != epoch {
+            self.clear();
+        }
+    }
+
+    /// Drops every cached result.
+    pub fn clear(&self) {
+        self.tokens.write().unwrap_or_else(|p| p.into_inner()).clear();
+        self.authz.write().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+
+    /// Token → caller. Errors: `unauthenticated` (bad, expired, revoked), `rate_limited`
+    /// (address locked out after failures), `unavailable` (IAM unreachable).
+    pub async fn authenticate(&self, token: &str, client_addr: &str) -> Result<Caller, Failure> {
+        if token.is_empty() {
+            return Err(Failure::unauthenticated("no token: send authorization: Bearer dsk.<principal>.<id>.<secret>"));
+        }
+        let k = key_of(token);
+        if let Some(e) = self.tokens.read().unwrap_or_else(|p| p.into_inner()).get(&k) {
+            if e.at.elapsed() < TTL && (e.expires_at == 0 || e.expires_at > now_s()) {
+                return Ok(Caller { principal: e.principal.clone(), project: e.project.clone(), token: token.to_string(), client_addr: client_addr.to_string() });
+            }
+        }
+        let req = client::internal(pb::AuthenticateRequest { token: token.to_string(), client_addr: client_addr.to_string() }, &self.service_token);
+        let r = self.iam.clone().authenticate(req).await.map_err(|s| failure_from_status(&s))?.into_inner();
+        self.last_iam_ok.store(now_s(), Ordering::Relaxed);
+        self.note_epoch(r.epoch);
+        let mut m = self.tokens.write().unwrap_or_else(|p| p.into_inner());
+        if m.len() > 200_000 {
+            m.clear();
+        }
+        m.insert(k, TokenEntry { principal: r.principal.clone(), project: r.project.clone(), expires_at: r.expires_at, at: Instant::now() });
+        Ok(Caller { principal: r.principal, project: r.project, token: token.to_string(), client_addr: client_addr.to_string() })
+    }
+
+    /// Checks `perm` for the caller on `project`. Errors: `forbidden` naming the permission
+    /// and project, `unavailable`.
+    pub async fn authorize(&self, caller: &Caller, project: &str, perm: &str) -> Result<(), Failure> {
+        let k = (caller.principal.clone(), project.to_string(), perm.to_string());
+        if let Some((ok, at)) = self.authz.read().unwrap_or_else(|p| p.into_inner()).get(&k) {
+            if at.elapsed() < TTL {
+                return if *ok { Ok(()) } else { Err(forbidden(caller, project, perm)) };
+            }
+        }
+        let req = client::internal(pb::AuthorizeRequest { principal: caller.principal.clone(), project: project.to_string(), permission: perm.to_string() }, &self.service_token);
+        let r = self.iam.clone().authorize(req).await.map_err(|s| failure_from_status(&s))?.into_inner();
+        self.last_iam_ok.store(now_s(), Ordering::Relaxed);
+        self.note_epoch(r.epoch);
+        let mut m = self.authz.write().unwrap_or_else(|p| p.into_inner());
+        if m.len() > 200_000 {
+            m.clear();
+        }
+        m.insert(k, (r.allowed, Instant::now()));
+        if r.allowed {
+            Ok(())
+        } else {
+            Err(forbidden(caller, project, perm))
+        }
+    }
+
+    /// Polls IAM's epoch every second; a change clears the caches.
+    pub async fn epoch_loop(self: Arc<Self>, shutdown: Shutdown) {
+        loop {
+            let req = client::internal(pb::Empty {}, &self.service_token);
+            match tokio::time::timeout(Duration::from_secs(2), self.iam.clone().get_epoch(req)).await {
+                Ok(Ok(r)) => {
+                    self.last_iam_ok.store(now_s(), Ordering::Relaxed);
+                    self.note_epoch(r.into_inner().epoch);
+                }
+                Ok(Err(s)) => tracing::debug!(error = %s.message(), "IAM epoch check failed"),
+                Err(_) => tracing::debug!("IAM epoch check timed out"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {},
+                _ = shutdown.wait() => return,
+            }
+        }
+    }
+}
+
+fn forbidden(c: &Caller, project: &str, perm: &str) -> Failure {
+    Failure::forbidden(format!("principal {:?} lacks permission {perm} on project {project:?}", c.principal))
+}

@@ -1,0 +1,279 @@
+//! Placement (22-components §2): filter the snapshot's edges, then power-of-k — draw k
+//! candidates at random and take the least loaded. Each apiserver overlays the sandboxes it
+//! just placed (not yet in the snapshot) and ranks edges that rejected a creation last for
+//! `reject_penalty` seconds. When nothing fits it tells `not_found` (no edge has the image or
+//! backend) from `no_capacity` (every edge that could run it is full), with skip reasons.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use rand::seq::IndexedRandom;
+use rand::Rng;
+
+use crate::config::PlacementConfig;
+use crate::pb;
+use crate::types::{Failure, Reason, Res};
+
+/// What placement needs to know of a request.
+#[derive(Debug, Clone)]
+pub struct Request<'a> {
+    pub backend: &'a str,
+    /// Edge-local image name (no `/`), checked against `EdgeState.images`; None = any edge.
+    pub local_image: Option<&'a str>,
+    pub res: Res,
+}
+
+/// Recent placements not yet visible in the snapshot, and recent rejections.
+#[derive(Default)]
+pub struct Overlay {
+    placed: HashMap<String, Vec<(Instant, Res)>>,
+    penalties: HashMap<String, Instant>,
+}
+
+impl Overlay {
+    /// Counts `res` toward `edge`'s load for `grace`.
+    pub fn add(&mut self, edge: &str, res: Res) {
+        self.placed.entry(edge.to_string()).or_default().push((Instant::now(), res));
+    }
+    /// Takes back a placement that did not happen (the edge rejected it).
+    pub fn remove(&mut self, edge: &str, res: &Res) {
+        if let Some(v) = self.placed.get_mut(edge) {
+            if let Some(i) = v.iter().rposition(|(_, r)| r == res) {
+                v.swap_remove(i);
+            }
+        }
+    }
+    /// Ranks `edge` last until `penalty` has passed.
+    pub fn penalize(&mut self, edge: &str, penalty: Duration) {
+        self.penalties.insert(edge.to_string(), Instant::now() + penalty);
+    }
+    /// Drops overlay entries older than `grace` and expired penalties.
+    pub fn expire(&mut self, grace: Duration) {
+        let now = Instant::now();
+        self.placed.retain(|_, v| {
+            v.retain(|(t, _)| now.duration_since(*t) < grace);
+            !v.is_empty()
+        });
+        self.penalties.retain(|_, until| *until > now);
+    }
+    fn extra(&self, edge: &str) -> Res {
+        let mut r = Res::default();
+        if let Some(v) = self.placed.get(edge) {
+            for (_, x) in v {
+                r.add(x);
+            }
+        }
+        r
+    }
+    fn penalized(&self, edge: &str) -> bool {
+        self.penalties.get(edge).is_some_and(|u| *u > Instant::now())
+    }
+}
+
+fn share(used: f64, cap: f64) -> f64 {
+    if cap <= 0.0 {
+        0.0
+    } else {
+        used / cap
+    }
+}
+
+/// The load of an edge: the highest of its allocated share and its actual CPU and memory use;
+/// actual use below `floor` does not count.
+pub fn load(e: &pb::EdgeState, extra: &Res, floor: f64) -> f64 {
+    let cap = Res::from_pb(e.capacity.as_ref());
+    let mut alloc = Res::from_pb(e.allocated.as_ref());
+    alloc.add(extra);
+    let a = share(alloc.cpu_cores, cap.cpu_cores).max(share(alloc.memory_mb as f64, cap.memory_mb as f64));
+    let cpu = if e.cpu_usage < floor { 0.0 } else { e.cpu_usage };
+    let mem = if e.mem_usage < floor { 0.0 } else { e.mem_usage };
+    a.max(cpu).max(mem)
+}
+
+/// Why an edge could not take the request; counted into the error message.
+fn skip_reason(e: &pb::EdgeState, req: &Request, extra: &Res) -> Option<&'static str> {
+    if !e.healthy {
+        return Some("unhealthy");
+    }
+    if e.draining {
+        return Some("draining");
+    }
+    if e.under_pressure {
+        return Some("pressure");
+    }
+    let cap = Res::from_pb(e.capacity.as_ref());
+    let mut alloc = Res::from_pb(e.allocated.as_ref());
+    alloc.add(extra);
+    if cap.cpu_cores > 0.0 && alloc.cpu_cores + req.res.cpu_cores > cap.cpu_cores + 1e-9 {
+        return Some("cpu");
+    }
+    if cap.memory_mb > 0 && alloc.memory_mb + req.res.memory_mb > cap.memory_mb {
+        return Some("memory");
+    }
+    if req.res.gpus > 0 && alloc.gpus + req.res.gpus > cap.gpus {
+        return Some("gpus");
+    }
+    if cap.disk_mb > 0 && alloc.disk_mb + req.res.disk_mb > cap.disk_mb {
+        return Some("disk");
+    }
+    let max = e.max_sandboxes.get(req.backend).copied().unwrap_or(0);
+    let have = e.sandboxes_by_backend.get(req.backend).copied().unwrap_or(0) + extra.sandboxes;
+    if max > 0 && have >= max {
+        return Some("max_sandboxes");
+    }
+    None
+}
+
+/// Picks an edge for `req` from `snap`, power-of-`k` over the edges that fit, non-penalized
+/// edges first. Errors: `not_found` when no edge offers the backend or image (`invalid` for a
+/// backend no edge knows), `no_capacity` naming the skip reasons otherwise.
+pub fn choose<R: Rng>(snap: &pb::Snapshot, overlay: &Overlay, req: &Request, k: usize, floor: f64, exclude: &[String], rng: &mut R) -> Result<String, Failure> {
+    let mut offers_backend = false;
+    let mut has_image = false;
+    let mut skips: BTreeMap<&'static str, usize> = BTreeMap::new();
+    let mut fit: Vec<(&pb::EdgeState, Res)> = Vec::new();
+    for e in &snap.edges {
+        if !e.backends.iter().any(|b| b == req.backend) {
+            continue;
+        }
+        offers_backend = true;
+        if let Some(img) = req.local_image {
+            if !e.images.iter().any(|i| i == img) {
+                continue;
+            }
+        }
+        has_image = true;
+        if exclude.iter().any(|x| x == &e.id) {
+            *skips.entry("rejected").or_default() += 1;
+            continue;
+        }
+        let extra = overlay.extra(&e.id);
+        match skip_reason(e, req, &extra) {
+            Some(why) => *skips.entry(why).or_default() += 1,
+            None => fit.push((e, extra)),
+        }
+    }
+    if !offers_backend {
+        return Err(Failure::invalid(format!("unknown backend {:?}: no edge offers it", req.backend)));
+    }
+    if !has_image {
+        let img = req.local_image.unwrap_or_default();
+        return Err(Failure::not_found(format!("image {img:?} does not exist on any edge offering backend {:?}", req.backend)));
+    }
+    if fit.is_empty() {
+        let why: Vec<String> = skips.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+        return Err(Failure::new(Reason::NoCapacity, format!("no edge can take the sandbox now (skipped {})", why.join(", "))));
+    }
+    let fresh: Vec<&(&pb::EdgeState, Res)> = fit.iter().filter(|(e, _)| !overlay.penalized(&e.id)).collect();
+    let pool: Vec<&(&pb::EdgeState, Res)> = if fresh.is_empty() { fit.iter().collect() } else { fresh };
+    let k = k.max(1).min(pool.len());
+    let picked: Vec<&&(&pb::EdgeState, Res)> = pool.choose_multiple(rng, k).collect();
+    let best = picked
+        .into_iter()
+        .min_by(|a, b| load(a.0, &a.1, floor).partial_cmp(&load(b.0, &b.1, floor)).unwrap_or(std::cmp::Ordering::Equal))
+        .map(|x| x.0.id.clone());
+    best.ok_or_else(|| Failure::new(Reason::NoCapacity, "no edge can take the sandbox now"))
+}
+
+/// Placement parameters read from the config once.
+#[derive(Debug, Clone)]
+pub struct Params {
+    pub k: usize,
+    pub max_attempts: u32,
+    pub reject_penalty: Duration,
+    pub overlay_grace: Duration,
+    pub usage_floor: f64,
+}
+
+impl Params {
+    pub fn from_config(p: &PlacementConfig) -> Params {
+        Params {
+            k: p.k(),
+            max_attempts: p.max_attempts(),
+            reject_penalty: Duration::from_secs_f64(p.reject_penalty()),
+            overlay_grace: Duration::from_secs_f64(p.overlay_grace()),
+            usage_floor: p.usage_floor(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    fn edge(id: &str, cpu: f64, alloc_cpu: f64) -> pb::EdgeState {
+        pb::EdgeState {
+            id: id.into(),
+            healthy: true,
+            backends: vec!["sim".into()],
+            capacity: Some(pb::Resources { cpu_cores: cpu, memory_mb: 1 << 20, ..Default::default() }),
+            allocated: Some(pb::Resources { cpu_cores: alloc_cpu, ..Default::default() }),
+            images: vec!["host".into()],
+            ..Default::default()
+        }
+    }
+
+    fn req(cpu: f64) -> Request<'static> {
+        Request { backend: "sim", local_image: None, res: Res { cpu_cores: cpu, memory_mb: 1, sandboxes: 1, ..Default::default() } }
+    }
+
+    #[test]
+    fn power_of_k_takes_the_least_loaded_of_all_when_k_covers_them() {
+        let snap = pb::Snapshot { edges: vec![edge("a", 10.0, 9.0), edge("b", 10.0, 1.0), edge("c", 10.0, 5.0)], ..Default::default() };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        for _ in 0..20 {
+            assert_eq!(choose(&snap, &Overlay::default(), &req(1.0), 3, 0.2, &[], &mut rng).unwrap(), "b");
+        }
+    }
+
+    #[test]
+    fn full_edges_are_skipped_with_reasons() {
+        let snap = pb::Snapshot { edges: vec![edge("a", 10.0, 10.0), edge("b", 10.0, 9.5)], ..Default::default() };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let e = choose(&snap, &Overlay::default(), &req(1.0), 2, 0.2, &[], &mut rng).unwrap_err();
+        assert_eq!(e.reason, Reason::NoCapacity);
+        assert!(e.message.contains("cpu: 2"), "{}", e.message);
+    }
+
+    #[test]
+    fn missing_image_is_not_found_and_unknown_backend_invalid() {
+        let snap = pb::Snapshot { edges: vec![edge("a", 10.0, 0.0)], ..Default::default() };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let r = Request { local_image: Some("nope"), ..req(1.0) };
+        assert_eq!(choose(&snap, &Overlay::default(), &r, 2, 0.2, &[], &mut rng).unwrap_err().reason, Reason::NotFound);
+        let r = Request { backend: "microvm", ..req(1.0) };
+        assert_eq!(choose(&snap, &Overlay::default(), &r, 2, 0.2, &[], &mut rng).unwrap_err().reason, Reason::Invalid);
+    }
+
+    #[test]
+    fn overlay_counts_until_the_snapshot_catches_up() {
+        let snap = pb::Snapshot { edges: vec![edge("a", 2.0, 0.0)], ..Default::default() };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let mut ov = Overlay::default();
+        ov.add("a", req(2.0).res);
+        assert_eq!(choose(&snap, &ov, &req(1.0), 2, 0.2, &[], &mut rng).unwrap_err().reason, Reason::NoCapacity);
+        ov.remove("a", &req(2.0).res);
+        assert!(choose(&snap, &ov, &req(1.0), 2, 0.2, &[], &mut rng).is_ok());
+    }
+
+    #[test]
+    fn penalized_edges_come_last_but_are_not_excluded() {
+        let snap = pb::Snapshot { edges: vec![edge("a", 10.0, 0.0), edge("b", 10.0, 5.0)], ..Default::default() };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let mut ov = Overlay::default();
+        ov.penalize("a", Duration::from_secs(60));
+        assert_eq!(choose(&snap, &ov, &req(1.0), 2, 0.2, &[], &mut rng).unwrap(), "b");
+        ov.penalize("b", Duration::from_secs(60));
+        assert_eq!(choose(&snap, &ov, &req(1.0), 2, 0.2, &[], &mut rng).unwrap(), "a");
+    }
+
+    #[test]
+    fn usage_below_the_floor_does_not_count() {
+        let mut a = edge("a", 10.0, 0.0);
+        a.cpu_usage = 0.15;
+        assert_eq!(load(&a, &Res::default(), 0.2), 0.0);
+        a.cpu_usage = 0.5;
+        assert_eq!(load(&a, &Res::default(), 0.2), 0.5);
+    }
+}

@@ -1,0 +1,393 @@
+//! The public `DSec` service: authentication, the per-principal call rate, auditing and
+//! metrics around every call, then the call itself (create, lifecycle, runtime, IAM).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::Stream;
+use tonic::{Request, Response, Status};
+
+use super::audit::{command_digest, Record};
+use super::auth::Caller;
+use super::create;
+use super::Inner;
+use crate::pb;
+use crate::rpc::{client, failure_from_status, to_status};
+use crate::types::{names, Failure, Reason};
+
+pub(crate) struct Api {
+    pub inner: Arc<Inner>,
+}
+
+pub(crate) type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+fn st(f: Failure) -> Status {
+    to_status(&f)
+}
+
+/// What one call leaves in the audit log and the metrics.
+pub(crate) struct Call {
+    method: &'static str,
+    started: Instant,
+    caller: Option<Caller>,
+    client: String,
+    pub project: String,
+    pub sandbox_id: String,
+    pub cmd: Option<(usize, String)>,
+    pub count: Option<u32>,
+    audited: bool,
+}
+
+impl Api {
+    /// Authenticates the caller and takes one token of its call rate.
+    async fn begin<T>(&self, req: &Request<T>, method: &'static str, audited: bool) -> Result<(Caller, Call), Status> {
+        let client = req.remote_addr().map(|a| a.ip().to_string()).unwrap_or_default();
+        let mut call = Call { method, started: Instant::now(), caller: None, client: client.clone(), project: String::new(), sandbox_id: String::new(), cmd: None, count: None, audited };
+        let token = crate::rpc::bearer(req);
+        let caller = match self.inner.auth.authenticate(&token, &client).await {
+            Ok(c) => c,
+            Err(f) => return Err(self.finish(call, Err::<(), _>(f)).unwrap_err()),
+        };
+        call.caller = Some(caller.clone());
+        if let Err(wait) = self.inner.calls.try_take(&caller.principal, 1.0) {
+            let f = Failure::new(Reason::RateLimited, format!("principal {:?} is over its call rate (admission.request_rate); retry in {} ms", caller.principal, wait.as_millis()));
+            return Err(self.finish(call, Err::<(), _>(f)).unwrap_err());
+        }
+        Ok((caller, call))
+    }
+
+    /// Records the call's outcome (metrics; audit when enabled) and converts the error.
+    fn finish<T>(&self, call: Call, r: Result<T, Failure>) -> Result<T, Status> {
+        let reason = match &r {
+            Ok(_) => "ok",
+            Err(f) => f.reason.as_str(),
+        };
+        let secs = call.started.elapsed().as_secs_f64();
+        metrics::counter!("opendsec_rpc_server_handled_total", "role" => "apiserver", "method" => call.method, "reason" => reason).increment(1);
+        metrics::histogram!("opendsec_rpc_server_handling_seconds", "role" => "apiserver", "method" => call.method).record(secs);
+        if let Some(a) = &self.inner.audit {
+            if call.audited || self.inner.audit_runtime {
+                let principal = call.caller.as_ref().map(|c| c.principal.as_str()).unwrap_or("");
+                a.write(&Record {
+                    ts: crate::types::now_f(),
+                    method: call.method,
+                    principal,
+                    client: &call.client,
+                    project: &call.project,
+                    sandbox_id: &call.sandbox_id,
+                    reason,
+                    duration_ms: secs * 1000.0,
+                    cmd_len: call.cmd.as_ref().map(|c| c.0),
+                    cmd_sha256: call.cmd.map(|c| c.1),
+                    count: call.count,
+                });
+            }
+        }
+        r.map_err(|f| st(f))
+    }
+
+    fn project_or_default(p: &str) -> Result<String, Failure> {
+        let p = if p.is_empty() { "root" } else { p };
+        names::check_project_path(p)?;
+        Ok(p.to_string())
+    }
+
+    async fn create_one(&self, caller: &Caller, req: pb::CreateSandboxRequest) -> Result<pb::Sandbox, Failure> {
+        let project = Self::project_or_default(&req.project)?;
+        let spec = super::admission::normalize_spec(&req.spec.unwrap_or_default(), &self.inner.cfg.admission)?;
+        if req.idempotency_key.len() > 256 {
+            return Err(Failure::invalid("idempotency_key longer than 256 characters"));
+        }
+        if let Err(wait) = self.inner.creates.try_take(&caller.principal, 1.0) {
+            return Err(Failure::new(Reason::RateLimited, format!("principal {:?} is over its creation rate (admission.create_rate); retry in {} ms", caller.principal, wait.as_millis())));
+        }
+        let _permit = match &self.inner.inflight {
+            Some(sem) => Some(sem.clone().try_acquire_owned().map_err(|_| Failure::new(Reason::RateLimited, "too many creations in flight on this apiserver (admission.max_inflight_creates)"))?),
+            None => None,
+        };
+        let key = if req.idempotency_key.is_empty() { hex::encode(rand::random::<[u8; 16]>()) } else { req.idempotency_key.clone() };
+        let items = create::items(caller, &project, &key, 0..1);
+        let started = Instant::now();
+        let job = create::Job { caller, project: &project, spec: &spec };
+        let r = match self.inner.create_items(&job, items).await {
+            Err(f) => Err(f),
+            Ok(mut v) => match v.pop() {
+                Some((_, r)) => r,
+                None => Err(Failure::internal("creation produced no result")),
+            },
+        };
+        let reason = r.as_ref().map(|_| "ok").unwrap_or_else(|f| f.reason.as_str());
+        metrics::histogram!("opendsec_apiserver_create_seconds", "reason" => reason).record(started.elapsed().as_secs_f64());
+        r
+    }
+}
+
+// async_trait does not see inside macro_rules expansions, so the macros spell out the
+// signature it would have produced.
+type Fut<'a, T> = Pin<Box<dyn std::future::Future<Output = Result<Response<T>, Status>> + Send + 'a>>;
+
+macro_rules! runtime_unary {
+    ($name:ident, $req:ty, $resp:ty) => {
+        fn $name<'life0, 'async_trait>(&'life0 self, req: Request<$req>) -> Fut<'async_trait, $resp>
+        where
+            'life0: 'async_trait,
+            Self: 'async_trait,
+        { Box::pin(async move {
+            let (caller, mut call) = self.begin(&req, stringify!($name), false).await?;
+            let msg = req.into_inner();
+            call.sandbox_id = msg.sandbox_id.clone();
+            let r = async {
+                let addr = self.inner.authorize_sandbox(&caller, &msg.sandbox_id).await?;
+                let mut c = self.inner.edges.runtime(&addr)?;
+                c.$name(self.inner.edges.req(msg)).await.map(|r| r.into_inner()).map_err(|s| failure_from_status(&s))
+            }
+            .await;
+            self.finish(call, r).map(Response::new)
+        }) }
+    };
+}
+
+macro_rules! runtime_stream {
+    ($name:ident, $req:ty, $item:ty) => {
+        fn $name<'life0, 'async_trait>(&'life0 self, req: Request<$req>) -> Fut<'async_trait, BoxStream<$item>>
+        where
+            'life0: 'async_trait,
+            Self: 'async_trait,
+        { Box::pin(async move {
+            let (caller, mut call) = self.begin(&req, stringify!($name), false).await?;
+            let msg = req.into_inner();
+            call.sandbox_id = msg.sandbox_id.clone();
+            let r = async {
+                let addr = self.inner.authorize_sandbox(&caller, &msg.sandbox_id).await?;
+                let mut c = self.inner.edges.runtime(&addr)?;
+                c.$name(self.inner.edges.req(msg)).await.map(|r| r.into_inner()).map_err(|s| failure_from_status(&s))
+            }
+            .await;
+            let s = self.finish(call, r)?;
+            Ok(Response::new(Box::pin(s) as BoxStream<$item>))
+        }) }
+    };
+}
+
+macro_rules! iam_call {
+    ($name:ident, $iam:ident, $req:ty, $resp:ty, $audited:expr) => {
+        fn $name<'life0, 'async_trait>(&'life0 self, req: Request<$req>) -> Fut<'async_trait, $resp>
+        where
+            'life0: 'async_trait,
+            Self: 'async_trait,
+        { Box::pin(async move {
+            let (caller, call) = self.begin(&req, stringify!($name), $audited).await?;
+            let msg = req.into_inner();
+            let r = self
+                .inner
+                .iam
+                .clone()
+                .$iam(client::on_behalf(msg, &self.inner.cfg.service_token, &caller.token, &caller.client_addr))
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|s| failure_from_status(&s));
+            self.finish(call, r).map(Response::new)
+        }) }
+    };
+}
+
+#[tonic::async_trait]
+impl pb::d_sec_server::DSec for Api {
+    async fn create_sandbox(&self, req: Request<pb::CreateSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        let (caller, mut call) = self.begin(&req, "CreateSandbox", true).await?;
+        let msg = req.into_inner();
+        call.project = msg.project.clone();
+        let r = self.create_one(&caller, msg).await;
+        if let Ok(sb) = &r {
+            call.sandbox_id = sb.id.clone();
+        }
+        self.finish(call, r).map(Response::new)
+    }
+
+    type CreateSandboxesStream = BoxStream<pb::CreateSandboxesItem>;
+
+    async fn create_sandboxes(&self, req: Request<pb::CreateSandboxesRequest>) -> Result<Response<Self::CreateSandboxesStream>, Status> {
+        let (caller, mut call) = self.begin(&req, "CreateSandboxes", true).await?;
+        let msg = req.into_inner();
+        call.project = msg.project.clone();
+        call.count = Some(msg.count);
+        let prep = (|| {
+            if msg.count == 0 || msg.count > 32768 {
+                return Err(Failure::invalid(format!("count {} must be within 1..32768", msg.count)));
+            }
+            if msg.idempotency_key.len() > 256 {
+                return Err(Failure::invalid("idempotency_key longer than 256 characters"));
+            }
+            let project = Self::project_or_default(&msg.project)?;
+            let spec = super::admission::normalize_spec(&msg.spec.clone().unwrap_or_default(), &self.inner.cfg.admission)?;
+            Ok((project, spec))
+        })();
+        let (project, spec) = self.finish(call, prep)?;
+        let key = if msg.idempotency_key.is_empty() { hex::encode(rand::random::<[u8; 16]>()) } else { msg.idempotency_key.clone() };
+        let items = create::items(&caller, &project, &key, 0..msg.count);
+        let (tx, rx) = tokio::sync::mpsc::channel(1024);
+        tokio::spawn(create::run_batch(self.inner.clone(), caller, project, spec, items, tx));
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+
+    async fn get_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+        let (caller, mut call) = self.begin(&req, "GetSandbox", false).await?;
+        let id = req.into_inner().id;
+        call.sandbox_id = id.clone();
+        let r = self.inner.lifecycle(&caller, &id, "get").await;
+        self.finish(call, r).map(Response::new)
+    }
+
+    async fn list_sandboxes(&self, req: Request<pb::ListSandboxesRequest>) -> Result<Response<pb::ListSandboxesResponse>, Status> {
+        let (caller, mut call) = self.begin(&req, "ListSandboxes", false).await?;
+        let msg = req.into_inner();
+        call.project = msg.project.clone();
+        let r = self.inner.list(&caller, msg).await;
+        self.finish(call, r).map(Response::new)
+    }
+
+    async fn stop_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+        let (caller, mut call) = self.begin(&req, "StopSandbox", true).await?;
+        let id = req.into_inner().id;
+        call.sandbox_id = id.clone();
+        let r = self.inner.lifecycle(&caller, &id, "stop").await;
+        self.finish(call, r).map(Response::new)
+    }
+
+    async fn pause_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+        let (caller, mut call) = self.begin(&req, "PauseSandbox", true).await?;
+        let id = req.into_inner().id;
+        call.sandbox_id = id.clone();
+        let r = self.inner.lifecycle(&caller, &id, "pause").await;
+        self.finish(call, r).map(Response::new)
+    }
+
+    async fn resume_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+        let (caller, mut call) = self.begin(&req, "ResumeSandbox", true).await?;
+        let id = req.into_inner().id;
+        call.sandbox_id = id.clone();
+        let r = self.inner.lifecycle(&caller, &id, "resume").await;
+        self.finish(call, r).map(Response::new)
+    }
+
+    async fn touch_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+        let (caller, mut call) = self.begin(&req, "TouchSandbox", false).await?;
+        let id = req.into_inner().id;
+        call.sandbox_id = id.clone();
+        let r = self.inner.lifecycle(&caller, &id, "touch").await;
+        self.finish(call, r).map(Response::new)
+    }
+
+    async fn set_sandbox_timeout(&self, req: Request<pb::SetSandboxTimeoutRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        let (caller, mut call) = self.begin(&req, "SetSandboxTimeout", true).await?;
+        let msg = req.into_inner();
+        call.sandbox_id = msg.id.clone();
+        let r = self.inner.set_timeout(&caller, msg).await;
+        self.finish(call, r).map(Response::new)
+    }
+
+    async fn pause_task(&self, req: Request<pb::TaskRequest>) -> Result<Response<pb::TaskActionResult>, Status> {
+        let (caller, mut call) = self.begin(&req, "PauseTask", true).await?;
+        let msg = req.into_inner();
+        call.project = msg.project.clone();
+        let r = self.inner.task_action(&caller, msg, "pause").await;
+        self.finish(call, r).map(Response::new)
+    }
+
+    async fn resume_task(&self, req: Request<pb::TaskRequest>) -> Result<Response<pb::TaskActionResult>, Status> {
+        let (caller, mut call) = self.begin(&req, "ResumeTask", true).await?;
+        let msg = req.into_inner();
+        call.project = msg.project.clone();
+        let r = self.inner.task_action(&caller, msg, "resume").await;
+        self.finish(call, r).map(Response::new)
+    }
+
+    async fn stop_task(&self, req: Request<pb::TaskRequest>) -> Result<Response<pb::TaskActionResult>, Status> {
+        let (caller, mut call) = self.begin(&req, "StopTask", true).await?;
+        let msg = req.into_inner();
+        call.project = msg.project.clone();
+        let r = self.inner.task_action(&caller, msg, "stop").await;
+        self.finish(call, r).map(Response::new)
+    }
+
+    async fn run_shell(&self, req: Request<pb::RunShellRequest>) -> Result<Response<pb::ShellResult>, Status> {
+        let (caller, mut call) = self.begin(&req, "RunShell", false).await?;
+        let msg = req.into_inner();
+        call.sandbox_id = msg.sandbox_id.clone();
+        call.cmd = Some(command_digest(&msg.cmd));
+        let r = async {
+            let addr = self.inner.authorize_sandbox(&caller, &msg.sandbox_id).await?;
+            let mut c = self.inner.edges.runtime(&addr)?;
+            c.run_shell(self.inner.edges.req(msg)).await.map(|r| r.into_inner()).map_err(|s| failure_from_status(&s))
+        }
+        .await;
+        self.finish(call, r).map(Response::new)
+    }
+
+    runtime_unary!(get_output, pb::GetOutputRequest, pb::ShellResult);
+
+    type StreamShellStream = BoxStream<pb::ShellChunk>;
+    async fn stream_shell(&self, req: Request<pb::RunShellRequest>) -> Result<Response<Self::StreamShellStream>, Status> {
+        let (caller, mut call) = self.begin(&req, "StreamShell", false).await?;
+        let msg = req.into_inner();
+        call.sandbox_id = msg.sandbox_id.clone();
+        call.cmd = Some(command_digest(&msg.cmd));
+        let r = async {
+            let addr = self.inner.authorize_sandbox(&caller, &msg.sandbox_id).await?;
+            let mut c = self.inner.edges.runtime(&addr)?;
+            c.stream_shell(self.inner.edges.req(msg)).await.map(|r| r.into_inner()).map_err(|s| failure_from_status(&s))
+        }
+        .await;
+        let s = self.finish(call, r)?;
+        Ok(Response::new(Box::pin(s)))
+    }
+
+    type StreamOutputStream = BoxStream<pb::ShellChunk>;
+    runtime_stream!(stream_output, pb::GetOutputRequest, pb::ShellChunk);
+    runtime_unary!(list_sessions, pb::ListSessionsRequest, pb::ListSessionsResponse);
+    runtime_unary!(close_session, pb::CloseSessionRequest, pb::Empty);
+    runtime_unary!(read_file, pb::ReadFileRequest, pb::ReadFileResponse);
+    runtime_unary!(write_file, pb::WriteFileRequest, pb::FileInfo);
+    runtime_unary!(list_dir, pb::PathRequest, pb::ListDirResponse);
+    runtime_unary!(stat, pb::PathRequest, pb::FileInfo);
+    runtime_unary!(remove, pb::RemoveRequest, pb::Empty);
+    runtime_unary!(http, pb::HttpRequest, pb::HttpResponse);
+    type StartProcessStream = BoxStream<pb::ProcessEvent>;
+    runtime_stream!(start_process, pb::StartProcessRequest, pb::ProcessEvent);
+    type ConnectProcessStream = BoxStream<pb::ProcessEvent>;
+    runtime_stream!(connect_process, pb::ConnectProcessRequest, pb::ProcessEvent);
+    runtime_unary!(send_process_input, pb::ProcessInputRequest, pb::Empty);
+    runtime_unary!(close_process_input, pb::ProcessRef, pb::Empty);
+    runtime_unary!(signal_process, pb::SignalProcessRequest, pb::Empty);
+    runtime_unary!(resize_process_pty, pb::ResizePtyRequest, pb::Empty);
+    runtime_unary!(list_processes, pb::ListProcessesRequest, pb::ListProcessesResponse);
+
+    iam_call!(who_am_i, who_am_i, pb::Empty, pb::WhoAmIResponse, false);
+    iam_call!(create_project, create_project, pb::CreateProjectRequest, pb::Project, true);
+    iam_call!(get_project, get_project, pb::ProjectRef, pb::Project, false);
+    iam_call!(set_quota, set_quota, pb::SetQuotaRequest, pb::Project, true);
+    iam_call!(delete_project, delete_project, pb::ProjectRef, pb::Empty, true);
+    iam_call!(create_principal, create_principal, pb::CreatePrincipalRequest, pb::CreatePrincipalResponse, true);
+    iam_call!(delete_principal, delete_principal, pb::PrincipalRef, pb::Empty, true);
+    iam_call!(grant, grant, pb::GrantRequest, pb::Project, true);
+    iam_call!(revoke, revoke, pb::GrantRequest, pb::Project, true);
+    iam_call!(create_token, create_token, pb::CreateTokenRequest, pb::CreateTokenResponse, true);
+    iam_call!(list_tokens, list_tokens, pb::PrincipalRef, pb::ListTokensResponse, false);
+    iam_call!(revoke_token, revoke_token, pb::RevokeTokenRequest, pb::Empty, true);
+    iam_call!(get_usage, get_usage, pb::GetUsageRequest, pb::UsageReport, false);
+    iam_call!(iam_backup, backup, pb::Empty, pb::IamBackupResponse, true);
+    iam_call!(iam_restore, restore, pb::IamRestoreRequest, pb::Empty, true);
+
+    async fn cluster_status(&self, req: Request<pb::Empty>) -> Result<Response<pb::Snapshot>, Status> {
+        let (_caller, call) = self.begin(&req, "ClusterStatus", false).await?;
+        let snap = self.inner.snapshot.read().await.clone();
+        self.finish(call, Ok((*snap).clone())).map(Response::new)
+    }
+
+    async fn drain_edge(&self, req: Request<pb::DrainEdgeRequest>) -> Result<Response<pb::EdgeState>, Status> {
+        let (caller, call) = self.begin(&req, "DrainEdge", true).await?;
+        let r = self.inner.drain(&caller, req.into_inner()).await;
+        self.finish(call, r).map(Response::new)
+    }
+}

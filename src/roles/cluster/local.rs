@@ -1,0 +1,248 @@
+//! Building and running a local cluster from options or from a config file.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use crate::config::{ApiserverConfig, BackendConfig, CapacityConfig, Config, EdgeConfig};
+use crate::shutdown::Shutdown;
+use crate::telemetry::Ready;
+
+/// Starting a local cluster failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("binding {what} on {addr}: {source}")]
+    Bind { what: String, addr: String, source: std::io::Error },
+    #[error("{0}")]
+    Unsupported(String),
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error(transparent)]
+    Iam(#[from] crate::roles::iam::IamError),
+    #[error(transparent)]
+    Watcher(#[from] crate::roles::watcher::WatcherError),
+    #[error(transparent)]
+    Apiserver(#[from] crate::roles::apiserver::ApiserverError),
+    #[error(transparent)]
+    Edge(#[from] crate::roles::edge::EdgeError),
+    #[error("the cluster did not become ready within {0} s")]
+    NotReady(u64),
+    #[error("state directory {path}: {source}")]
+    StateDir { path: String, source: std::io::Error },
+}
+
+/// What `cluster up` generates without `-config`.
+#[derive(Debug, Clone)]
+pub struct UpOptions {
+    pub sim_edges: usize,
+    pub apiservers: usize,
+    /// Runtime of the `container` backend: `sim` or `linux`.
+    pub runtime: String,
+    pub state_dir: String,
+    pub host_image: bool,
+    pub disk_reserve_mb: i64,
+    pub audit_dir: String,
+    /// Listen address of the first apiserver (`127.0.0.1:0` picks a free port).
+    pub addr: String,
+    /// Simulated creation latency of the sim backends (median, ms) and its spread.
+    pub create_latency_ms: f64,
+    pub latency_sigma: f64,
+    /// Placement's k override (1 = random placement).
+    pub k: Option<usize>,
+    /// Rates per principal; -1 disables the limit.
+    pub create_rate: f64,
+    pub request_rate: f64,
+    /// IAM state file (empty = memory).
+    pub iam_state: String,
+}
+
+impl Default for UpOptions {
+    fn default() -> Self {
+        UpOptions {
+            sim_edges: 4,
+            apiservers: 1,
+            runtime: "sim".into(),
+            state_dir: "/var/lib/opendsec".into(),
+            host_image: true,
+            disk_reserve_mb: 512,
+            audit_dir: String::new(),
+            addr: "127.0.0.1:7100".into(),
+            create_latency_ms: 0.0,
+            latency_sigma: 0.0,
+            k: None,
+            create_rate: 0.0,
+            request_rate: 0.0,
+            iam_state: String::new(),
+        }
+    }
+}
+
+/// A running local cluster.
+pub struct LocalCluster {
+    /// The effective config, with the bound addresses.
+    pub cfg: Arc<Config>,
+    /// Addresses of the apiservers.
+    pub api_addrs: Vec<String>,
+    /// The administrator's token.
+    pub admin_token: String,
+    pub shutdown: Shutdown,
+    handles: Vec<JoinHandle<()>>,
+    readies: Vec<Ready>,
+}
+
+async fn bind(addr: &str, what: &str) -> Result<TcpListener, ClusterError> {
+    TcpListener::bind(addr).await.map_err(|source| ClusterError::Bind { what: what.to_string(), addr: addr.to_string(), source })
+}
+
+fn local_addr(l: &TcpListener) -> String {
+    l.local_addr().map(|a| a.to_string()).unwrap_or_default()
+}
+
+fn secret() -> String {
+    hex::encode(rand::random::<[u8; 20]>())
+}
+
+impl LocalCluster {
+    /// Generates a config from `o`, binds every listener, and starts every role.
+    pub async fn up(o: &UpOptions) -> Result<LocalCluster, ClusterError> {
+        if o.runtime != "sim" {
+            return Err(ClusterError::Unsupported(format!("-runtime {:?}: only sim is built so far (linux containers come with the container backend)", o.runtime)));
+        }
+        std::fs::create_dir_all(&o.state_dir).map_err(|source| ClusterError::StateDir { path: o.state_dir.clone(), source })?;
+        let mut cfg = Config { service_token: secret(), ..Default::default() };
+        let admin_token = format!("dsk.admin.{}", secret());
+        cfg.iam.admin_token = admin_token.clone();
+        cfg.iam.state = o.iam_state.clone();
+        let iam_l = bind("127.0.0.1:0", "iam").await?;
+        cfg.iam.addr = local_addr(&iam_l);
+        let w_l = bind("127.0.0.1:0", "watcher").await?;
+        cfg.watcher.addr = local_addr(&w_l);
+        cfg.watcher.probe_interval = 0.25;
+        cfg.watcher.reconcile_interval = 5.0;
+        cfg.apiserver = Vec::new();
+        let mut api_ls = Vec::new();
+        for i in 0..o.apiservers.max(1) {
+            let addr = if i == 0 { o.addr.clone() } else { "127.0.0.1:0".to_string() };
+            let l = bind(&addr, "apiserver").await?;
+            cfg.apiserver.push(ApiserverConfig { addr: local_addr(&l), audit_dir: o.audit_dir.clone(), snapshot_refresh: 0.25, ..Default::default() });
+            api_ls.push(l);
+        }
+        cfg.admission.create_rate = o.create_rate;
+        cfg.admission.request_rate = o.request_rate;
+        let mut edge_ls = Vec::new();
+        for i in 0..o.sim_edges.max(1) {
+            let l = bind("127.0.0.1:0", "edge").await?;
+            let sim = BackendConfig { runtime: "sim".into(), create_latency_ms: o.create_latency_ms, latency_sigma: o.latency_sigma, default_disk_mb: 1024, ..Default::default() };
+            let mut backends = BTreeMap::new();
+            backends.insert("sim".to_string(), sim.clone());
+            backends.insert("container".to_string(), sim);
+            let mut images = BTreeMap::new();
+            if o.host_image {
+                images.insert("host".to_string(), vec!["/".to_string()]);
+            }
+            // Simulated edges run nothing, so their capacity is a scheduling fiction sized
+            // for benchmarks of tens of thousands of sandboxes.
+            let capacity = CapacityConfig { cpu_cores: 8192.0, memory_mb: 64 << 20, gpus: 0, disk_mb: 64 << 20 };
+            cfg.edges.push(EdgeConfig {
+                id: format!("sim-{i}"),
+                addr: local_addr(&l),
+                capacity,
+                backends,
+                images,
+                state_dir: o.state_dir.clone(),
+                disk_reserve_mb: o.disk_reserve_mb,
+                mem_reserve_mb: -1,
+                persist_state: Some(false),
+                ..Default::default()
+            });
+            edge_ls.push(l);
+        }
+        cfg.validate()?;
+        Self::start(cfg, admin_token, iam_l, w_l, api_ls, edge_ls, o.k).await
+    }
+
+    /// Starts every role of a config file in this process, on the configured addresses.
+    pub async fn from_config(mut cfg: Config) -> Result<LocalCluster, ClusterError> {
+        cfg.validate()?;
+        let admin_token = cfg.iam.admin_token()?;
+        let iam_l = bind(&cfg.iam.addr, "iam").await?;
+        let waddr = cfg.watcher.addrs().first().cloned().unwrap_or_default();
+        let w_l = bind(&waddr, "watcher").await?;
+        let mut api_ls = Vec::new();
+        for a in &cfg.apiserver {
+            api_ls.push(bind(&a.addr, "apiserver").await?);
+        }
+        let mut edge_ls = Vec::new();
+        for e in &cfg.edges {
+            edge_ls.push(bind(&e.addr, &format!("edge {}", e.id)).await?);
+        }
+        // Addresses with port 0 become the bound ones, so the config printed is usable.
+        cfg.iam.addr = local_addr(&iam_l);
+        cfg.watcher.addr = local_addr(&w_l);
+        cfg.watcher.replicas.clear();
+        for (a, l) in cfg.apiserver.iter_mut().zip(&api_ls) {
+            a.addr = local_addr(l);
+        }
+        for (e, l) in cfg.edges.iter_mut().zip(&edge_ls) {
+            e.addr = local_addr(l);
+        }
+        Self::start(cfg, admin_token, iam_l, w_l, api_ls, edge_ls, None).await
+    }
+
+    async fn start(cfg: Config, admin_token: String, iam_l: TcpListener, w_l: TcpListener, api_ls: Vec<TcpListener>, edge_ls: Vec<TcpListener>, k: Option<usize>) -> Result<LocalCluster, ClusterError> {
+        let cfg = Arc::new(cfg);
+        let shutdown = Shutdown::new();
+        let mut handles = Vec::new();
+        let mut readies = Vec::new();
+        let r = Ready::default();
+        handles.push(crate::roles::iam::start(cfg.clone(), iam_l, shutdown.clone(), r.clone()).await?);
+        readies.push(r);
+        for (e, l) in cfg.edges.clone().iter().zip(edge_ls) {
+            let r = Ready::default();
+            handles.push(crate::roles::edge::start(cfg.clone(), e.id.clone(), l, shutdown.clone(), r.clone()).await?);
+            readies.push(r);
+        }
+        let r = Ready::default();
+        handles.push(crate::roles::watcher::start(cfg.clone(), w_l, shutdown.clone(), r.clone()).await?);
+        readies.push(r);
+        let mut api_addrs = Vec::new();
+        for (i, l) in api_ls.into_iter().enumerate() {
+            api_addrs.push(local_addr(&l));
+            let r = Ready::default();
+            handles.push(crate::roles::apiserver::start_with(cfg.clone(), i, l, shutdown.clone(), r.clone(), k).await?);
+            readies.push(r);
+        }
+        let c = LocalCluster { cfg, api_addrs, admin_token, shutdown, handles, readies };
+        c.wait_ready(30).await?;
+        Ok(c)
+    }
+
+    /// Waits until every role reports ready and the watcher has seen every edge.
+    pub async fn wait_ready(&self, secs: u64) -> Result<(), ClusterError> {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(secs);
+        loop {
+            if self.readies.iter().all(|r| r.get()) {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(ClusterError::NotReady(secs));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+
+    /// A readiness flag that is true while every role is ready.
+    pub fn all_ready(&self) -> bool {
+        self.readies.iter().all(|r| r.get())
+    }
+
+    /// Stops every role and waits for them.
+    pub async fn down(self) {
+        self.shutdown.fire();
+        for h in self.handles {
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(10), h).await;
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! `opendsec cluster up`: flags, startup, the environment to export, and running until a
+//! signal.
+
+use std::process::ExitCode;
+
+use argh::FromArgs;
+
+use super::local::{LocalCluster, UpOptions};
+
+#[derive(FromArgs, Debug)]
+/// Run a whole OpenDsec cluster in this process (development and tests). Prints the
+/// environment to export, then serves until SIGINT or SIGTERM.
+struct UpFlags {
+    /// cluster config file; without it a simulated cluster is generated
+    #[argh(option, default = "String::new()")]
+    config: String,
+    /// simulated edges without -config
+    #[argh(option, default = "4")]
+    sim_edges: usize,
+    /// apiservers without -config
+    #[argh(option, default = "1")]
+    apiservers: usize,
+    /// runtime of the container backend in generated clusters: sim or linux
+    #[argh(option, default = "String::from(\"sim\")")]
+    runtime: String,
+    /// also offer the microvm backend with this guest kernel (not built yet)
+    #[argh(option, default = "String::new()")]
+    microvm_kernel: String,
+    /// shared image store directory (not built yet)
+    #[argh(option, default = "String::new()")]
+    image_store: String,
+    /// sandbox state directory
+    #[argh(option, default = "String::from(\"/var/lib/opendsec\")")]
+    state_dir: String,
+    /// offer the development image `host` (the host's / read-only; development only)
+    #[argh(option, default = "true")]
+    host_image: bool,
+    /// reject creations while the state directory has less free space (MB); -1 disables
+    #[argh(option, default = "512")]
+    disk_reserve_mb: i64,
+    /// create a CA and certificates and run with mTLS (not built yet)
+    #[argh(switch)]
+    tls: bool,
+    /// apiserver audit log directory
+    #[argh(option, default = "String::new()")]
+    audit_dir: String,
+    /// address for /metrics, /healthz and /readyz, e.g. :9464
+    #[argh(option, default = "String::new()")]
+    metrics: String,
+    /// write the effective config (with the bound addresses) to this file
+    #[argh(option, default = "String::new()")]
+    write_config: String,
+    /// log level
+    #[argh(option, default = "String::from(\"info\")")]
+    log: String,
+    /// listen address of the (first) apiserver
+    #[argh(option, default = "String::from(\"127.0.0.1:7100\")")]
+    addr: String,
+    /// IAM state file (default: memory only)
+    #[argh(option, default = "String::new()")]
+    iam_state: String,
+    /// median simulated creation time of the sim backends, ms
+    #[argh(option, default = "0.0")]
+    sim_latency_ms: f64,
+}
+
+/// Runs `cluster up` with `args` (after `up`).
+pub fn main(args: &[String]) -> ExitCode {
+    let args = crate::cli::flags::normalize(args);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let f = match UpFlags::from_args(&["opendsec cluster up"], &refs) {
+        Ok(f) => f,
+        Err(e) => {
+            return if e.status.is_ok() {
+                println!("{}", e.output);
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("{}", e.output);
+                ExitCode::from(2)
+            };
+        }
+    };
+    crate::telemetry::init_logging(&f.log);
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: internal: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(run(f)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn metrics_addr(a: &str) -> String {
+    if a.starts_with(':') {
+        format!("127.0.0.1{a}")
+    } else {
+        a.to_string()
+    }
+}
+
+async fn run(f: UpFlags) -> anyhow::Result<()> {
+    use anyhow::{bail, Context};
+    if f.tls {
+        bail!("invalid: -tls is not built yet; run without it (plaintext on loopback)");
+    }
+    if !f.microvm_kernel.is_empty() {
+        bail!("invalid: -microvm-kernel: the microvm backend is not built yet");
+    }
+    if !f.image_store.is_empty() {
+        bail!("invalid: -image-store: the shared image store is not built yet");
+    }
+    let cluster = if f.config.is_empty() {
+        let o = UpOptions {
+            sim_edges: f.sim_edges,
+            apiservers: f.apiservers,
+            runtime: f.runtime.clone(),
+            state_dir: f.state_dir.clone(),
+            host_image: f.host_image,
+            disk_reserve_mb: f.disk_reserve_mb,
+            audit_dir: f.audit_dir.clone(),
+            addr: f.addr.clone(),
+            iam_state: f.iam_state.clone(),
+            create_latency_ms: f.sim_latency_ms,
+            ..Default::default()
+        };
+        LocalCluster::up(&o).await?
+    } else {
+        let cfg = crate::config::Config::load(std::path::Path::new(&f.config))?;
+        LocalCluster::from_config(cfg).await?
+    };
+    if !f.write_config.is_empty() {
+        let text = serde_json::to_string_pretty(&*cluster.cfg)?;
+        write_private(&f.write_config, text.as_bytes()).with_context(|| format!("writing {}", f.write_config))?;
+    }
+    let ready = crate::telemetry::Ready::default();
+    if !f.metrics.is_empty() {
+        let addr = metrics_addr(&f.metrics);
+        let l = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding metrics {addr}"))?;
+        tokio::spawn(crate::telemetry::serve_health(l, ready.clone(), cluster.shutdown.clone()));
+    }
+    ready.set(true, "cluster");
+    println!("export OPENDSEC_ADDR={}", cluster.api_addrs.join(","));
+    println!("export OPENDSEC_TOKEN={}", cluster.admin_token);
+    println!("export OPENDSEC_PROJECT=root");
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    eprintln!("# cluster up: {} edge(s), {} apiserver(s); Ctrl-C stops it", cluster.cfg.edges.len(), cluster.api_addrs.len());
+    cluster.shutdown.fire_on_signals();
+    cluster.shutdown.wait().await;
+    cluster.down().await;
+    Ok(())
+}
+
+/// Writes a file readable by its owner only (it holds the admin token and service secret).
+fn write_private(path: &str, data: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new().create(true).truncate(true).write(true).mode(0o600).open(path)?;
+    f.write_all(data)?;
+    f.sync_all()
+}
