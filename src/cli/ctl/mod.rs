@@ -139,6 +139,7 @@ fn report(e: CtlError) -> ExitCode {
 
 /// A parsed command line.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // parsed once per process
 enum Parsed {
     /// Help was asked for: this text goes to stdout.
     Help(String),

@@ -27,6 +27,7 @@ pub struct SandboxArgs {
 
 #[derive(FromArgs, Debug)]
 #[argh(subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once per process
 pub enum SandboxCmd {
     Create(CreateArgs),
     Get(GetArgs),
@@ -417,7 +418,8 @@ mod tests {
 
     #[test]
     fn bad_options_are_invalid() {
-        let cases: Vec<(&str, Box<dyn Fn(&mut CreateArgs)>)> = vec![
+        type Change = Box<dyn Fn(&mut CreateArgs)>;
+        let cases: Vec<(&str, Change)> = vec![
             ("-backend", Box::new(|a| a.backend = "docker".into())),
             ("-cpu", Box::new(|a| a.cpu = Some("two".into()))),
             ("-mem", Box::new(|a| a.mem = Some("0".into()))),

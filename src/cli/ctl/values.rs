@@ -47,7 +47,7 @@ pub fn duration(name: &str, s: &str) -> Result<Duration, Failure> {
         return Err(bad());
     }
     if let Ok(secs) = t.parse::<f64>() {
-        return if secs.is_finite() && secs >= 0.0 && secs < 1e12 { Ok(Duration::from_secs_f64(secs)) } else { Err(bad()) };
+        return if (0.0..1e12).contains(&secs) { Ok(Duration::from_secs_f64(secs)) } else { Err(bad()) };
     }
     let mut total = 0f64;
     let mut rest = t;
@@ -295,11 +295,11 @@ mod tests {
     fn net_rules_parse_with_negation() {
         let r = net_rules("pypi,github.com:443,!npm").unwrap();
         assert_eq!(r.len(), 3);
-        assert_eq!(r["pypi"], true);
-        assert_eq!(r["github.com:443"], true);
-        assert_eq!(r["npm"], false);
+        assert!(r["pypi"]);
+        assert!(r["github.com:443"]);
+        assert!(!r["npm"]);
         let r = net_rules("!*").unwrap();
-        assert_eq!(r["*"], false);
+        assert!(!r["*"]);
         for ok in ["*:443", "10.0.0.0/8:5432/tcp", "example.com:8000-8080", "1.1.1.1:53/udp", "*.github.com", "203.0.113.7"] {
             assert!(net_rules(ok).is_ok(), "{ok}");
         }
