@@ -106,13 +106,9 @@ enum Cmd {
 /// 0 on success, 1 on a failure, 2 on a usage error, or exec's command's own code.
 pub fn main(args: Vec<String>) -> ExitCode {
     match args.first().map(String::as_str) {
-        // TODO(cluster): `cluster up` and `bench` belong to src/roles/cluster/; route them with
-        // `return crate::roles::cluster::ctl_main(args);` (the whole ctl argument list, starting
-        // with "cluster" or "bench") once that function exists.
-        Some("cluster") | Some("bench") => {
-            eprintln!("error: invalid: not built yet");
-            ExitCode::from(2)
-        }
+        // cluster up and bench live in src/roles/cluster/ (their own flags, connection
+        // options included); they get the whole ctl argument list, starting with the name.
+        Some("cluster") | Some("bench") => crate::roles::cluster::ctl_main(args),
         _ => match run(&args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => report(e),
