@@ -36,13 +36,15 @@ impl Drop for Cluster {
 fn cluster_up() -> Cluster {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
+    let log_path = dir.path().join("cluster.log");
+    let log = std::fs::File::create(&log_path).unwrap();
     let mut child = Command::new(BIN)
         .args(["cluster", "up", "-sim-edges", "1", "-addr", "127.0.0.1:0", "-disk-reserve-mb", "-1", "-log", "warn"])
         .arg("-state-dir")
         .arg(&state)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(log)
         .spawn()
         .unwrap();
     let stdout = child.stdout.take().unwrap();
@@ -62,7 +64,8 @@ fn cluster_up() -> Cluster {
             Err(e) => {
                 let _ = child.kill();
                 let status = child.wait();
-                panic!("cluster up printed no environment ({e}); exit: {status:?}");
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                panic!("cluster up printed no environment ({e}); exit: {status:?}; stderr:\n{log}");
             }
         };
         let Some((k, v)) = line.strip_prefix("export ").and_then(|kv| kv.split_once('=')) else { continue };
