@@ -2,9 +2,30 @@
 //! arguments are free text: `exec` (a command line) and `cp` (where `-` is stdin/stdout).
 //! argh takes every word starting with `-` as an option, so these words go after a `--`.
 
-/// The options `exec` (and every command) recognizes anywhere before `--`, in their
-/// normalized form; each takes a value.
-const EXEC_VALUE_OPTIONS: [&str; 8] = ["--session", "--user", "--timeout", "--addr", "--token", "--project", "--ca", "--deadline"];
+/// The connection options every command takes (normalized form); each takes a value.
+const CONN_OPTIONS: [&str; 5] = ["--addr", "--token", "--project", "--ca", "--deadline"];
+
+/// `exec`'s own options (normalized form); each takes a value.
+const EXEC_OPTIONS: [&str; 3] = ["--session", "--user", "--timeout"];
+
+fn takes_value(name: &str, also: &[&str]) -> bool {
+    CONN_OPTIONS.contains(&name) || also.contains(&name)
+}
+
+/// How many of the first words are connection options (with their values) before the
+/// command name, e.g. 2 for `-addr x exec ...`.
+pub fn leading_options(args: &[String]) -> usize {
+    let mut i = 0;
+    while let Some(a) = args.get(i) {
+        let n = crate::cli::flags::normalize(std::slice::from_ref(a)).pop().unwrap_or_default();
+        match n.split_once('=') {
+            Some((k, _)) if takes_value(k, &[]) => i += 1,
+            None if takes_value(&n, &[]) => i += 2,
+            _ => break,
+        }
+    }
+    i.min(args.len())
+}
 
 /// Reshapes original `exec ...` arguments (`args[0] == "exec"`) for argh: the CLI's own
 /// options (`-session`, `-user`, `-timeout`, the connection options, `-h`/`-help`) are taken
@@ -29,7 +50,7 @@ pub fn exec(args: &[String]) -> Vec<String> {
         }
         let n = crate::cli::flags::normalize(std::slice::from_ref(a)).pop().unwrap_or_default();
         let name = n.split_once('=').map(|(k, _)| k).unwrap_or(&n);
-        if EXEC_VALUE_OPTIONS.contains(&name) {
+        if takes_value(name, &EXEC_OPTIONS) {
             opts.push(n.clone());
             if !n.contains('=') {
                 if let Some(v) = it.next() {
@@ -101,6 +122,14 @@ mod tests {
         );
         assert_eq!(exec(&s(&["exec", "-h"])), s(&["exec", "-h"]));
         assert_eq!(exec(&s(&["exec", "ID"])), s(&["exec", "ID"]));
+    }
+
+    #[test]
+    fn leading_connection_options_are_counted() {
+        assert_eq!(leading_options(&s(&["-addr", "x", "-token=t", "exec", "ID"])), 3);
+        assert_eq!(leading_options(&s(&["exec", "-addr", "x"])), 0);
+        assert_eq!(leading_options(&s(&["-session", "s", "exec"])), 0);
+        assert_eq!(leading_options(&s(&["-addr"])), 1);
     }
 
     #[test]

@@ -145,12 +145,16 @@ enum Parsed {
 /// Parses the command line (without the program name).
 /// Errors: `Usage` with argh's message.
 fn parse(args: &[String]) -> Result<Parsed, CtlError> {
-    let normalized = match args.first().map(String::as_str) {
+    // Connection options may come before the command name.
+    let lead = argv::leading_options(args);
+    let mut normalized = crate::cli::flags::normalize(&args[..lead]);
+    let cmd_args = &args[lead..];
+    match cmd_args.first().map(String::as_str) {
         // exec's command words stay exactly as typed (see argv::exec).
-        Some("exec") if args.len() == 2 && args[1] == "help" => vec!["exec".into(), "--help".into()],
-        Some("exec") => argv::exec(args),
-        _ => crate::cli::flags::normalize(args),
-    };
+        Some("exec") if cmd_args.len() == 2 && cmd_args[1] == "help" => normalized.extend(["exec".into(), "--help".into()]),
+        Some("exec") => normalized.extend(argv::exec(cmd_args)),
+        _ => normalized.extend(crate::cli::flags::normalize(cmd_args)),
+    }
     let (flags, mut rest) = conn::split_flags(&normalized)?;
     if rest.is_empty() {
         return Err(CtlError::Usage("no command given".into()));
@@ -270,9 +274,10 @@ mod tests {
         assert_eq!(e.session.as_deref(), Some("s1"));
         assert_eq!(e.cmd, s(&["ls", "-la", "-addr", "help"]));
         // Options after the command words are still the CLI's own (before any --).
-        let (flags, cmd) = parsed(&["exec", "ID", "echo", "hi", "-timeout", "5", "-addr", "a:1"]);
+        let (flags, cmd) = parsed(&["-token", "t", "exec", "ID", "echo", "hi", "-timeout", "5", "-addr", "a:1", "-la"]);
+        assert_eq!(flags.token.as_deref(), Some("t"));
         let Cmd::Exec(e) = cmd else { panic!() };
-        assert_eq!(e.cmd, s(&["echo", "hi"]));
+        assert_eq!(e.cmd, s(&["echo", "hi", "-la"]));
         assert_eq!(e.timeout.as_deref(), Some("5"));
         assert_eq!(flags.addr.as_deref(), Some("a:1"));
         // The spec's example needs no --: unknown dash words belong to the command.
