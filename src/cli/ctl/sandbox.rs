@@ -1,0 +1,458 @@
+//! `sandbox create|get|stop|pause|resume|touch|list|timeout` (10-cli "Sandboxes").
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use argh::FromArgs;
+
+use super::conn::Conn;
+use super::{output, values, CtlError, Ctx};
+use crate::pb;
+use crate::types::{Failure, Reason};
+
+/// Most sandboxes one batch may create (09-python-sdk `run_sandboxes`).
+const MAX_COUNT: i64 = 32768;
+
+/// How many times a broken batch stream is started again (same idempotency key, so only
+/// what is still missing gets created).
+const BATCH_RESUMES: usize = 5;
+
+#[derive(FromArgs, Debug)]
+/// create and operate sandboxes
+#[argh(subcommand, name = "sandbox", help_triggers("-h", "--help", "help"))]
+pub struct SandboxArgs {
+    #[argh(subcommand)]
+    pub cmd: SandboxCmd,
+}
+
+#[derive(FromArgs, Debug)]
+#[argh(subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once per process
+pub enum SandboxCmd {
+    Create(CreateArgs),
+    Get(GetArgs),
+    Stop(StopArgs),
+    Pause(PauseArgs),
+    Resume(ResumeArgs),
+    Touch(TouchArgs),
+    List(ListArgs),
+    Timeout(TimeoutArgs),
+}
+
+#[derive(FromArgs, Debug)]
+/// create a sandbox, or -count of them. With -count 1 the sandbox's JSON is printed; with
+/// more, one line per sandbox in index order ("<index> <id>" or "<index> error <reason>:
+/// <message>", tab separated) and a summary; the exit code is then 1 if any failed.
+#[argh(
+    subcommand,
+    name = "create",
+    help_triggers("-h", "--help", "help"),
+    example = "{command_name} -backend microvm -image root/py:3.12 -net 'pypi,github.com:443,!npm'"
+)]
+pub struct CreateArgs {
+    /// microvm, container, fncall, fullvm or sim (default sim, which only simulates: always
+    /// set it)
+    #[argh(option, default = "String::from(\"sim\")")]
+    pub backend: String,
+    /// image, e.g. root/py:3.12
+    #[argh(option)]
+    pub image: Option<String>,
+    /// CPU cores, fractions allowed (default 1)
+    #[argh(option)]
+    pub cpu: Option<String>,
+    /// memory in MB (default 1024)
+    #[argh(option)]
+    pub mem: Option<String>,
+    /// writable disk in MB; 0 for the backend's default (default 0)
+    #[argh(option)]
+    pub disk: Option<String>,
+    /// GPUs (default 0)
+    #[argh(option)]
+    pub gpus: Option<String>,
+    /// task name, for task actions
+    #[argh(option)]
+    pub task: Option<String>,
+    /// idle timeout in seconds; 0 for the cluster default, -1 for none (default 0)
+    #[argh(option)]
+    pub ttl_idle: Option<String>,
+    /// lifetime in seconds; 0 for the cluster default (default 0)
+    #[argh(option)]
+    pub ttl_max: Option<String>,
+    /// network rules, comma separated; !rule takes back a cluster default
+    #[argh(option)]
+    pub net: Option<String>,
+    /// number of sandboxes, 1 to 32768 (default 1)
+    #[argh(option)]
+    pub count: Option<String>,
+}
+
+macro_rules! id_command {
+    ($ty:ident, $name:tt, $doc:tt) => {
+        #[derive(FromArgs, Debug)]
+        #[doc = $doc]
+        #[argh(subcommand, name = $name, help_triggers("-h", "--help", "help"))]
+        pub struct $ty {
+            /// sandbox id
+            #[argh(positional)]
+            pub id: String,
+        }
+    };
+}
+
+id_command!(GetArgs, "get", "print a sandbox");
+id_command!(StopArgs, "stop", "stop a sandbox and print it");
+id_command!(PauseArgs, "pause", "pause a sandbox and print it");
+id_command!(ResumeArgs, "resume", "resume a sandbox and print it");
+id_command!(TouchArgs, "touch", "reset a sandbox's idle timer (resumes a paused one) and print it");
+
+#[derive(FromArgs, Debug)]
+/// list the sandboxes of -project and its subprojects
+#[argh(subcommand, name = "list", help_triggers("-h", "--help", "help"))]
+pub struct ListArgs {
+    /// only this task's sandboxes
+    #[argh(option)]
+    pub task: Option<String>,
+    /// include recently ended sandboxes
+    #[argh(switch)]
+    pub all: bool,
+}
+
+#[derive(FromArgs, Debug)]
+/// set a sandbox's remaining lifetime: it ends <seconds> from now
+#[argh(subcommand, name = "timeout", help_triggers("-h", "--help", "help"))]
+pub struct TimeoutArgs {
+    /// sandbox id
+    #[argh(positional)]
+    pub id: String,
+    /// seconds from now
+    #[argh(positional)]
+    pub seconds: String,
+}
+
+impl SandboxArgs {
+    /// Runs the subcommand; prints the sandbox (or list) as JSON.
+    /// Errors: invalid input before any call; the server's failure otherwise.
+    pub async fn run(self, ctx: &Ctx) -> Result<(), CtlError> {
+        match self.cmd {
+            SandboxCmd::Create(a) => a.run(ctx).await,
+            SandboxCmd::Get(a) => lifecycle(ctx, &a.id, Op::Get).await,
+            SandboxCmd::Stop(a) => lifecycle(ctx, &a.id, Op::Stop).await,
+            SandboxCmd::Pause(a) => lifecycle(ctx, &a.id, Op::Pause).await,
+            SandboxCmd::Resume(a) => lifecycle(ctx, &a.id, Op::Resume).await,
+            SandboxCmd::Touch(a) => lifecycle(ctx, &a.id, Op::Touch).await,
+            SandboxCmd::List(a) => {
+                if let Some(t) = &a.task {
+                    values::plain("task", t)?;
+                }
+                let conn = ctx.connect()?;
+                let req = pb::ListSandboxesRequest {
+                    project: conn.project.clone(),
+                    task_id: a.task.unwrap_or_default(),
+                    include_ended: a.all,
+                };
+                let resp = conn.call(req, |mut c, r| async move { c.list_sandboxes(r).await }).await?;
+                output::json(&resp)
+            }
+            SandboxCmd::Timeout(a) => {
+                values::sandbox_id(&a.id)?;
+                let secs = values::int("seconds", &a.seconds, 0, i64::MAX)?;
+                let conn = ctx.connect()?;
+                let req = pb::SetSandboxTimeoutRequest { id: a.id, timeout_s: secs };
+                let sb = conn.call(req, |mut c, r| async move { c.set_sandbox_timeout(r).await }).await?;
+                output::json(&sb)
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Op {
+    Get,
+    Stop,
+    Pause,
+    Resume,
+    Touch,
+}
+
+async fn lifecycle(ctx: &Ctx, id: &str, op: Op) -> Result<(), CtlError> {
+    values::sandbox_id(id)?;
+    let conn = ctx.connect()?;
+    let req = pb::SandboxRef { id: id.to_string() };
+    let sb = conn
+        .call(req, |mut c, r| async move {
+            match op {
+                Op::Get => c.get_sandbox(r).await,
+                Op::Stop => c.stop_sandbox(r).await,
+                Op::Pause => c.pause_sandbox(r).await,
+                Op::Resume => c.resume_sandbox(r).await,
+                Op::Touch => c.touch_sandbox(r).await,
+            }
+        })
+        .await?;
+    output::json(&sb)
+}
+
+impl CreateArgs {
+    /// The spec and count these options ask for. Errors: `invalid` naming the option.
+    pub fn spec(&self) -> Result<(pb::SandboxSpec, u32), Failure> {
+        values::one_of("backend", &self.backend, &values::BACKENDS)?;
+        if let Some(i) = &self.image {
+            if i.is_empty() || i.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                return Err(Failure::invalid(format!("-image: bad image name {i:?}")));
+            }
+        }
+        if let Some(t) = &self.task {
+            values::plain("task", t)?;
+        }
+        let cpu = match &self.cpu {
+            Some(s) => values::number_above("cpu", s, 0.0)?,
+            None => 1.0,
+        };
+        let opt_int = |name: &str, v: &Option<String>, default: i64, min: i64, max: i64| -> Result<i64, Failure> {
+            v.as_deref().map(|s| values::int(name, s, min, max)).transpose().map(|x| x.unwrap_or(default))
+        };
+        let spec = pb::SandboxSpec {
+            backend: self.backend.clone(),
+            image: self.image.clone().unwrap_or_default(),
+            cpu_cores_limit: cpu,
+            memory_limit_mb: opt_int("mem", &self.mem, 1024, 1, i64::MAX)?,
+            disk_mb: opt_int("disk", &self.disk, 0, 0, i64::MAX)?,
+            gpus: opt_int("gpus", &self.gpus, 0, 0, i32::MAX as i64)? as i32,
+            task_id: self.task.clone().unwrap_or_default(),
+            ttl_running_stop: opt_int("ttl-idle", &self.ttl_idle, 0, -1, i64::MAX)?,
+            ttl_max: opt_int("ttl-max", &self.ttl_max, 0, 0, i64::MAX)?,
+            network_rules: self.net.as_deref().map(values::net_rules).transpose()?.unwrap_or_default(),
+            ..Default::default()
+        };
+        let count = opt_int("count", &self.count, 1, 1, MAX_COUNT)? as u32;
+        Ok((spec, count))
+    }
+
+    async fn run(self, ctx: &Ctx) -> Result<(), CtlError> {
+        let (spec, count) = self.spec()?;
+        let conn = ctx.connect()?;
+        let key = idempotency_key();
+        if count == 1 {
+            let req = pb::CreateSandboxRequest { spec: Some(spec), project: conn.project.clone(), idempotency_key: key };
+            let sb = conn.call(req, |mut c, r| async move { c.create_sandbox(r).await }).await?;
+            return output::json(&sb);
+        }
+        let req = pb::CreateSandboxesRequest { spec: Some(spec), project: conn.project.clone(), count, idempotency_key: key };
+        create_batch(&conn, req).await
+    }
+}
+
+/// A random idempotency key, so that a retry on another apiserver creates nothing twice.
+fn idempotency_key() -> String {
+    format!("ctl-{:032x}", rand::random::<u128>())
+}
+
+/// Results of a batch, printed in index order as soon as each prefix is complete.
+struct Batch {
+    results: Vec<Option<Result<String, pb::ErrorDetail>>>,
+    printed: usize,
+}
+
+impl Batch {
+    fn new(count: u32) -> Batch {
+        Batch { results: vec![None; count as usize], printed: 0 }
+    }
+
+    /// Records one item (unknown indexes and repeats are ignored); returns the lines now
+    /// ready to print.
+    fn record(&mut self, item: pb::CreateSandboxesItem) -> String {
+        let i = item.index as usize;
+        if i >= self.results.len() || self.results[i].is_some() {
+            return String::new();
+        }
+        let r = match (item.sandbox, item.error) {
+            (Some(sb), None) => Ok(sb.id),
+            (_, Some(e)) => Err(e),
+            (None, None) => Err(pb::ErrorDetail { reason: Reason::Internal.as_str().into(), message: "empty result".into() }),
+        };
+        self.results[i] = Some(r);
+        self.flush()
+    }
+
+    /// Gives every item still missing the failure `f`; returns the lines now ready.
+    fn fail_missing(&mut self, f: &Failure) -> String {
+        for r in self.results.iter_mut().filter(|r| r.is_none()) {
+            *r = Some(Err(crate::rpc::status::error_detail(f)));
+        }
+        self.flush()
+    }
+
+    fn complete(&self) -> bool {
+        self.results.iter().all(Option::is_some)
+    }
+
+    fn received(&self) -> usize {
+        self.results.iter().filter(|r| r.is_some()).count()
+    }
+
+    fn flush(&mut self) -> String {
+        let mut text = String::new();
+        while let Some(Some(r)) = self.results.get(self.printed) {
+            text.push_str(&output::batch_line(self.printed as u32, r));
+            text.push('\n');
+            self.printed += 1;
+        }
+        text
+    }
+
+    /// Successes, and failures counted by reason.
+    fn tally(&self) -> (usize, BTreeMap<String, usize>) {
+        let mut ok = 0;
+        let mut failures = BTreeMap::new();
+        for r in self.results.iter().flatten() {
+            match r {
+                Ok(_) => ok += 1,
+                Err(e) => *failures.entry(e.reason.clone()).or_insert(0) += 1,
+            }
+        }
+        (ok, failures)
+    }
+}
+
+/// `CreateSandboxes`: streams items, prints them in index order, then the summary. A stream
+/// that breaks with `unavailable` is started again with the same idempotency key.
+async fn create_batch(conn: &Conn, req: pb::CreateSandboxesRequest) -> Result<(), CtlError> {
+    let started = Instant::now();
+    let count = req.count;
+    let mut batch = Batch::new(count);
+    let mut resumes = 0;
+    loop {
+        let broke = match conn.call(req.clone(), |mut c, r| async move { c.create_sandboxes(r).await }).await {
+            // The request itself failed before any item: the whole command fails.
+            Err(f) if batch.received() == 0 => return Err(f.into()),
+            Err(f) => Some(f),
+            Ok(mut stream) => loop {
+                match stream.message().await {
+                    Ok(Some(item)) => output::out(batch.record(item).as_bytes())?,
+                    Ok(None) => break None,
+                    Err(s) => break Some(crate::rpc::failure_from_status(&s)),
+                }
+            },
+        };
+        if batch.complete() {
+            break;
+        }
+        match broke {
+            Some(f) if f.reason == Reason::Unavailable && resumes < BATCH_RESUMES => {
+                resumes += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(200 * resumes as u64)).await;
+            }
+            Some(f) if batch.received() == 0 => return Err(f.into()),
+            Some(f) => {
+                output::out(batch.fail_missing(&f).as_bytes())?;
+                break;
+            }
+            None => {
+                let f = Failure::internal("the server ended the batch without this item");
+                output::out(batch.fail_missing(&f).as_bytes())?;
+                break;
+            }
+        }
+    }
+    let (ok, failures) = batch.tally();
+    output::out(format!("{}\n", output::batch_summary(ok, count as usize, started.elapsed(), &failures)).as_bytes())?;
+    if ok == count as usize {
+        Ok(())
+    } else {
+        Err(CtlError::Exit(1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(f: impl FnOnce(&mut CreateArgs)) -> CreateArgs {
+        let mut a = CreateArgs {
+            backend: "sim".into(),
+            image: None,
+            cpu: None,
+            mem: None,
+            disk: None,
+            gpus: None,
+            task: None,
+            ttl_idle: None,
+            ttl_max: None,
+            net: None,
+            count: None,
+        };
+        f(&mut a);
+        a
+    }
+
+    #[test]
+    fn spec_defaults_follow_the_spec() {
+        let (s, n) = args(|_| {}).spec().unwrap();
+        assert_eq!(n, 1);
+        assert_eq!(s.backend, "sim");
+        assert_eq!(s.cpu_cores_limit, 1.0);
+        assert_eq!(s.memory_limit_mb, 1024);
+        assert_eq!((s.disk_mb, s.gpus, s.ttl_running_stop, s.ttl_max), (0, 0, 0, 0));
+        assert!(s.network_rules.is_empty());
+    }
+
+    #[test]
+    fn spec_from_options() {
+        let (s, n) = args(|a| {
+            a.backend = "microvm".into();
+            a.image = Some("root/py:3.12".into());
+            a.cpu = Some("0.5".into());
+            a.mem = Some("2048".into());
+            a.ttl_idle = Some("-1".into());
+            a.net = Some("pypi,!npm".into());
+            a.count = Some("3".into());
+            a.task = Some("job-1".into());
+        })
+        .spec()
+        .unwrap();
+        assert_eq!(n, 3);
+        assert_eq!((s.backend.as_str(), s.image.as_str(), s.task_id.as_str()), ("microvm", "root/py:3.12", "job-1"));
+        assert_eq!((s.cpu_cores_limit, s.memory_limit_mb, s.ttl_running_stop), (0.5, 2048, -1));
+        assert_eq!(s.network_rules.get("npm"), Some(&false));
+    }
+
+    #[test]
+    fn bad_options_are_invalid() {
+        type Change = Box<dyn Fn(&mut CreateArgs)>;
+        let cases: Vec<(&str, Change)> = vec![
+            ("-backend", Box::new(|a| a.backend = "docker".into())),
+            ("-cpu", Box::new(|a| a.cpu = Some("two".into()))),
+            ("-mem", Box::new(|a| a.mem = Some("0".into()))),
+            ("-disk", Box::new(|a| a.disk = Some("-5".into()))),
+            ("-gpus", Box::new(|a| a.gpus = Some("99999999999".into()))),
+            ("-ttl-idle", Box::new(|a| a.ttl_idle = Some("-2".into()))),
+            ("-ttl-max", Box::new(|a| a.ttl_max = Some("1h".into()))),
+            ("-net", Box::new(|a| a.net = Some("pypi,,npm".into()))),
+            ("-count", Box::new(|a| a.count = Some("32769".into()))),
+            ("-image", Box::new(|a| a.image = Some("root/py 3".into()))),
+        ];
+        for (name, f) in cases {
+            let e = args(|a| f(a)).spec().unwrap_err();
+            assert_eq!(e.reason, Reason::Invalid);
+            assert!(e.message.starts_with(name), "{name}: {}", e.message);
+        }
+    }
+
+    #[test]
+    fn batch_prints_in_index_order_and_tallies() {
+        let mut b = Batch::new(3);
+        let sb = |id: &str| Some(pb::Sandbox { id: id.into(), ..Default::default() });
+        assert_eq!(b.record(pb::CreateSandboxesItem { index: 2, sandbox: sb("c"), error: None }), "");
+        assert_eq!(b.record(pb::CreateSandboxesItem { index: 0, sandbox: sb("a"), error: None }), "0\ta\n");
+        assert_eq!(b.record(pb::CreateSandboxesItem { index: 9, sandbox: sb("x"), error: None }), "");
+        assert_eq!(b.record(pb::CreateSandboxesItem { index: 0, sandbox: sb("dup"), error: None }), "");
+        assert!(!b.complete());
+        assert_eq!(b.fail_missing(&Failure::new(Reason::NoCapacity, "full")), "1\terror\tno_capacity: full\n2\tc\n");
+        assert!(b.complete());
+        assert_eq!(b.printed, 3);
+        let (ok, f) = b.tally();
+        assert_eq!(ok, 2);
+        assert_eq!(f.get("no_capacity"), Some(&1));
+        assert_eq!(b.results[0], Some(Ok("a".to_string())));
+    }
+}
