@@ -63,6 +63,7 @@ fn item(lease: &str, project: &str, cpu: f64) -> pb::AdmitItem {
         resources: Some(pb::Resources { cpu_cores: cpu, memory_mb: 512, sandboxes: 1, ..Default::default() }),
         edge_id: "edge-1".into(),
         sandbox_id: format!("edge-1.{lease}"),
+        keep_binding: false,
     }
 }
 

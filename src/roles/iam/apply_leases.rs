@@ -356,6 +356,25 @@ mod tests {
     }
 
     #[test]
+    fn a_kept_binding_stays_where_it_is() {
+        let (mut st, t) = setup();
+        results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "e1")], NOW)));
+        let retry = AdmitItem { keep_binding: true, ..item("l1", "root/a", 1.0, "e2") };
+        let r = results(ok(&mut st, admit_cmd(&t, "", vec![retry], NOW + 1)));
+        let a = r[0].as_ref().unwrap();
+        assert!(a.existed);
+        assert_eq!(a.prev_edge_id, "e1");
+        assert_eq!(st.leases["l1"].edge_id, "e1", "a retry must not move the lease");
+        assert_eq!(st.leases_on("e1"), vec!["l1".to_string()]);
+        // An unbound lease is bound even when asked to keep its binding.
+        results(ok(&mut st, admit_cmd(&t, "", vec![item("l2", "root/a", 1.0, "")], NOW)));
+        let bind = AdmitItem { keep_binding: true, ..item("l2", "root/a", 1.0, "e3") };
+        results(ok(&mut st, admit_cmd(&t, "", vec![bind], NOW + 2)));
+        assert_eq!(st.leases["l2"].edge_id, "e3");
+        consistent(&st);
+    }
+
+    #[test]
     fn admit_is_idempotent_per_lease_and_rebinds() {
         let (mut st, t) = setup();
         results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "")], NOW)));
