@@ -20,7 +20,7 @@ fn admin() -> Actor {
 }
 
 fn admit(lease: String) -> Command {
-    let item = AdmitItem { lease_id: lease.clone(), project: "root".into(), resources: Res { cpu_cores: 0.5, ..Default::default() }, edge_id: "e1".into(), sandbox_id: format!("e1.{lease}") };
+    let item = AdmitItem { lease_id: lease.clone(), project: "root".into(), resources: Res { cpu_cores: 0.5, ..Default::default() }, edge_id: "e1".into(), sandbox_id: format!("e1.{lease}"), keep_binding: false };
     Command::Admit { actor: admin(), image_project: String::new(), items: vec![item], now: NOW }
 }
 
