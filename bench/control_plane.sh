@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -q
 B=target/x86_64-unknown-linux-gnu/release/opendsec
-"$B" ctl bench -compare -edges "${EDGES:-8}" -count "${COUNT:-20000}" -concurrency "${CONC:-64}" -batch "${BATCH:-32768}" -json
+"$B" ctl bench -compare -runs "${RUNS:-5}" -edges "${EDGES:-8}" -count "${COUNT:-20000}" -concurrency "${CONC:-64}" -batch "${BATCH:-32768}" -json

@@ -36,6 +36,9 @@ struct BenchFlags {
     /// emit one JSON object instead of text
     #[argh(switch)]
     json: bool,
+    /// repeat each placement mode this many times (fresh cluster each run) and report medians
+    #[argh(option, default = "1")]
+    runs: u32,
 }
 
 /// Results of one run.
@@ -158,6 +161,27 @@ fn tempfile_dir() -> anyhow::Result<String> {
     Ok(d.display().to_string())
 }
 
+/// Field-wise medians of several runs of one placement mode.
+fn median_of(runs: &[BenchResult]) -> BenchResult {
+    let med = |f: &dyn Fn(&BenchResult) -> f64| {
+        let mut v: Vec<f64> = runs.iter().map(f).collect();
+        pct(&mut v, 0.5)
+    };
+    BenchResult {
+        placement: runs.first().map(|r| r.placement.clone()).unwrap_or_default(),
+        single_count: runs.first().map(|r| r.single_count).unwrap_or(0),
+        single_failed: runs.iter().map(|r| r.single_failed).sum(),
+        single_per_s: med(&|r| r.single_per_s),
+        single_p50_ms: med(&|r| r.single_p50_ms),
+        single_p99_ms: med(&|r| r.single_p99_ms),
+        batch_count: runs.first().map(|r| r.batch_count).unwrap_or(0),
+        batch_failed: runs.iter().map(|r| r.batch_failed).sum(),
+        batch_s: med(&|r| r.batch_s),
+        batch_per_s: med(&|r| r.batch_per_s),
+        max_over_mean: med(&|r| r.max_over_mean),
+    }
+}
+
 fn print(r: &BenchResult) {
     println!(
         "{:<12} single: {} in total, {} failed, {:.0}/s, p50 {:.2} ms, p99 {:.2} ms | batch: {} ({} failed) in {:.2} s = {:.0}/s | max/mean per edge {:.3}",
@@ -191,22 +215,34 @@ pub fn main(args: &[String]) -> ExitCode {
     };
     let ks: Vec<usize> = if f.compare { vec![1, 2] } else { vec![2] };
     let mut results = Vec::new();
+    let mut medians = Vec::new();
     for k in ks {
-        match rt.block_on(run_once(f.edges, f.count, f.concurrency, f.batch, f.sim_latency_ms, k)) {
-            Ok(r) => {
-                if !f.json {
-                    print(&r);
+        let mut runs = Vec::new();
+        for _ in 0..f.runs.max(1) {
+            match rt.block_on(run_once(f.edges, f.count, f.concurrency, f.batch, f.sim_latency_ms, k)) {
+                Ok(r) => {
+                    if !f.json {
+                        print(&r);
+                    }
+                    runs.push(r);
                 }
-                results.push(r);
-            }
-            Err(e) => {
-                eprintln!("error: {e:#}");
-                return ExitCode::from(1);
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    return ExitCode::from(1);
+                }
             }
         }
+        let m = median_of(&runs);
+        if !f.json && runs.len() > 1 {
+            print!("median of {}: ", runs.len());
+            print(&m);
+        }
+        medians.push(m);
+        results.extend(runs);
     }
     if f.json {
-        println!("{}", serde_json::to_string_pretty(&results).unwrap_or_default());
+        let doc = serde_json::json!({ "runs": results, "medians": medians });
+        println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
     }
     ExitCode::SUCCESS
 }

@@ -15,6 +15,11 @@ impl Core {
         let press = pressures(&read(&self.reserves), &host);
         let alloc = lock(&self.alloc).clone();
         let mut allocated = alloc.total.to_pb();
+        // Simulated sandboxes use nothing: the host's load on a sim-only edge (several may share
+        // one machine, as in `cluster up`) says nothing about where the next one fits, and
+        // reporting it would herd placement onto whichever edge sampled lowest.
+        let simulated = !self.slots.is_empty() && self.slots.values().all(|s| s.backend.simulated());
+        let (cpu_usage, mem_usage) = if simulated { (0.0, 0.0) } else { (host.cpu_usage, host.mem_usage()) };
         allocated.sandboxes = alloc.by_backend.values().sum();
         pb::EdgeState {
             id: self.edge_id.clone(),
@@ -31,8 +36,8 @@ impl Core {
             disk_available_mb: host.disk_free_mb,
             under_pressure: !press.is_empty(),
             pressure_reason: press.iter().map(|p| p.message.as_str()).collect::<Vec<_>>().join("; "),
-            cpu_usage: host.cpu_usage,
-            mem_usage: host.mem_usage(),
+            cpu_usage,
+            mem_usage,
             images: self.cfg.images.keys().cloned().collect(),
             last_seen: 0,
             consecutive_failures: 0,

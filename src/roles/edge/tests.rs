@@ -319,3 +319,21 @@ async fn big_batches_and_duplicate_ids_create_each_sandbox_once() {
     assert!(again.iter().all(|r| r.sandbox.is_some()));
     assert_eq!(*lock(&backend.created), 2000);
 }
+
+#[tokio::test]
+async fn sim_only_edges_report_no_actual_use_while_real_ones_report_the_host() {
+    let real = core(Arc::new(TestBackend::default()), EdgeConfig::default(), None, Arc::new(Sink::default()));
+    super::loops::sample_into(&real, HostSample { cpu_usage: 0.7, mem_available_mb: 4000, ..host() });
+    let st = real.edge_state();
+    assert!((st.cpu_usage - 0.7).abs() < 1e-9);
+    assert!(st.mem_usage > 0.5);
+
+    let sim = core(Arc::new(TestBackend::default()), EdgeConfig::default(), None, Arc::new(Sink::default()));
+    let mut sim = Arc::try_unwrap(sim).unwrap_or_else(|_| panic!("core still shared"));
+    let b: Arc<dyn Backend> = Arc::new(crate::backends::sim::SimBackend::new("sim", &crate::config::BackendConfig::default()).unwrap());
+    sim.slots.clear();
+    sim.slots.insert("sim".to_string(), Slot { backend: b, max_sandboxes: 0, default_disk_mb: 1024 });
+    super::loops::sample_into(&sim, HostSample { cpu_usage: 0.7, mem_available_mb: 4000, ..host() });
+    let st = sim.edge_state();
+    assert_eq!((st.cpu_usage, st.mem_usage), (0.0, 0.0), "simulated sandboxes use nothing; the host's load must not steer placement");
+}
