@@ -1,7 +1,8 @@
 //! Go-style flags: the spec's commands take `-flag value` with one dash. argh wants two, so
 //! single-dash long flags are rewritten before parsing.
 
-/// Rewrites `-name` and `-name=value` to `--name`/`--name=value`, leaving `-x` (one letter),
+/// Rewrites `-name` and `-name=value` to `--name`/`--name=value` and `-h` to `--help`, leaving
+/// other one-letter flags,
 /// `--name`, `-` and everything after `--` as they are. Negative numbers stay values.
 pub fn normalize(args: &[String]) -> Vec<String> {
     let mut out = Vec::with_capacity(args.len());
@@ -14,6 +15,10 @@ pub fn normalize(args: &[String]) -> Vec<String> {
         if a == "--" {
             rest = true;
             out.push(a.clone());
+            continue;
+        }
+        if a == "-h" {
+            out.push("--help".to_string());
             continue;
         }
         let b = a.as_bytes();
@@ -37,6 +42,6 @@ mod tests {
 
     #[test]
     fn single_dash_becomes_double() {
-        assert_eq!(normalize(&s(&["-addr", "x", "-h", "--log", "-5", "--", "-la"])), s(&["--addr", "x", "-h", "--log", "-5", "--", "-la"]));
+        assert_eq!(normalize(&s(&["-addr", "x", "-h", "--log", "-5", "--", "-la"])), s(&["--addr", "x", "--help", "--log", "-5", "--", "-la"]));
     }
 }

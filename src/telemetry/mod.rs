@@ -13,6 +13,9 @@ use crate::shutdown::Shutdown;
 pub fn init_logging(level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_new(level).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+    // Metrics recorded before a recorder exists are dropped, and some gauges are set only once
+    // at start: install it together with logging, before any role runs.
+    let _ = metrics_handle();
 }
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
