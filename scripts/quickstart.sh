@@ -23,4 +23,6 @@ for _ in $(seq 1 300); do
 done
 # shellcheck disable=SC1090
 . "$OUT"
-.venv/bin/python sdk/python/examples/quickstart.py
+# The container quickstart (sdk/python/examples/quickstart.py, which prints 42) needs the
+# container backend, which is not built yet; until then this runs the control-plane tour.
+.venv/bin/python sdk/python/examples/control_plane.py
