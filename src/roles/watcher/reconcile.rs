@@ -28,7 +28,8 @@ async fn leases_of(cfg: &crate::config::Config, addr: &str) -> Result<(String, V
 /// One reconciliation round over every known edge.
 pub(crate) async fn round(inner: &Inner, iam: &mut pb::iam_client::IamClient<Channel>) {
     let cfg = &inner.cfg;
-    let min_age = cfg.watcher.reconcile_min_age() as i64;
+    // IAM counts whole seconds; rounding down could release a lease created this second.
+    let min_age = cfg.watcher.reconcile_min_age().ceil() as i64;
     let now = now_f();
     let edges: Vec<(String, String, bool, f64)> =
         inner.edges.read().await.iter().map(|(id, e)| (id.clone(), e.addr.clone(), e.healthy, e.unhealthy_since)).collect();
