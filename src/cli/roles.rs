@@ -40,6 +40,34 @@ pub struct RoleFlags {
     /// iam/watcher: which replica to run (replicated mode; not built yet)
     #[argh(option, default = "String::new()")]
     pub replica: String,
+    /// apiserver: on SIGTERM, fail /readyz and keep serving this long (e.g. 6s) so a load
+    /// balancer takes the instance out first
+    #[argh(option, default = "String::from(\"6s\")")]
+    pub drain_delay: String,
+    /// then give calls in flight this long (e.g. 30s) before exiting
+    #[argh(option, default = "String::from(\"30s\")")]
+    pub grace: String,
+}
+
+/// Parses `6s`, `500ms`, `2m`, `1h` or plain seconds.
+pub fn parse_duration(s: &str) -> anyhow::Result<std::time::Duration> {
+    let s = s.trim();
+    let (num, mult) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = s.strip_suffix('m') {
+        (n, 60.0)
+    } else if let Some(n) = s.strip_suffix('h') {
+        (n, 3600.0)
+    } else {
+        (s, 1.0)
+    };
+    let v: f64 = num.parse().map_err(|_| anyhow!("bad duration {s:?}: use e.g. 6s, 500ms, 2m"))?;
+    if !v.is_finite() || v < 0.0 || v * mult > 86400.0 {
+        bail!("bad duration {s:?}: must be within 0..24h");
+    }
+    Ok(std::time::Duration::from_secs_f64(v * mult))
 }
 
 /// Parses a role's flags; `Err(code)` after printing help or a usage error.
@@ -93,8 +121,25 @@ async fn run(role: &str, flags: RoleFlags) -> anyhow::Result<()> {
         bail!("-replica: replicated IAM and watchers are not built yet; run a single one");
     }
     let shutdown = Shutdown::new();
-    shutdown.fire_on_signals();
     let ready = Ready::default();
+    let drain_delay = parse_duration(&flags.drain_delay)?;
+    let grace = parse_duration(&flags.grace)?;
+    if role == "apiserver" {
+        // Fail readiness first and keep serving, so the load balancer moves traffic away
+        // before the listener closes.
+        let signals = Shutdown::new();
+        signals.fire_on_signals();
+        let (sd, r) = (shutdown.clone(), ready.clone());
+        tokio::spawn(async move {
+            signals.wait().await;
+            r.drain("apiserver");
+            tracing::info!(delay_s = drain_delay.as_secs_f64(), "draining: /readyz fails, still serving");
+            tokio::time::sleep(drain_delay).await;
+            sd.fire();
+        });
+    } else {
+        shutdown.fire_on_signals();
+    }
     if !flags.metrics.is_empty() {
         let l = bind(&flags.metrics, "metrics").await?;
         tokio::spawn(crate::telemetry::serve_health(l, ready.clone(), shutdown.clone()));
@@ -111,6 +156,7 @@ async fn run(role: &str, flags: RoleFlags) -> anyhow::Result<()> {
             handles.push(crate::roles::watcher::start(Arc::new(cfg), l, shutdown.clone(), ready).await?);
         }
         "apiserver" => {
+            let _ = &ready;
             let entry = cfg.apiserver.get(flags.index).ok_or_else(|| anyhow!("-index {}: the config has {} apiserver entries", flags.index, cfg.apiserver.len()))?;
             let l = bind(&entry.addr, "apiserver.addr").await?;
             handles.push(crate::roles::apiserver::start(Arc::new(cfg), flags.index, l, shutdown.clone(), ready).await?);
@@ -151,8 +197,27 @@ async fn run(role: &str, flags: RoleFlags) -> anyhow::Result<()> {
         other => bail!("unknown role {other:?}"),
     }
     tracing::info!(role, "started");
-    for h in handles {
-        let _ = h.await;
+    shutdown.wait().await;
+    // Calls in flight get `grace` to finish; then the process exits regardless.
+    let all = futures::future::join_all(handles);
+    if tokio::time::timeout(grace, all).await.is_err() {
+        tracing::warn!(grace_s = grace.as_secs_f64(), "calls still in flight after the grace period; exiting");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("6s").unwrap(), std::time::Duration::from_secs(6));
+        assert_eq!(parse_duration("500ms").unwrap(), std::time::Duration::from_millis(500));
+        assert_eq!(parse_duration("2m").unwrap(), std::time::Duration::from_secs(120));
+        assert_eq!(parse_duration("1.5").unwrap(), std::time::Duration::from_millis(1500));
+        for bad in ["", "x", "-1s", "25h", "NaNs"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+    }
 }

@@ -35,16 +35,23 @@ pub fn metrics_handle() -> PrometheusHandle {
 }
 
 /// Readiness of one role: set by the role, served on `/readyz`, exported as `opendsec_ready`.
+/// Once `drain` is called it stays false whatever the role reports (shutting down).
 #[derive(Clone, Default)]
-pub struct Ready(Arc<AtomicBool>);
+pub struct Ready(Arc<(AtomicBool, AtomicBool)>);
 
 impl Ready {
     pub fn set(&self, v: bool, role: &'static str) {
-        self.0.store(v, Ordering::Relaxed);
+        self.0 .0.store(v, Ordering::Relaxed);
+        let v = v && !self.0 .1.load(Ordering::Relaxed);
         metrics::gauge!("opendsec_ready", "role" => role).set(if v { 1.0 } else { 0.0 });
     }
+    /// Not ready from now on, for good.
+    pub fn drain(&self, role: &'static str) {
+        self.0 .1.store(true, Ordering::Relaxed);
+        metrics::gauge!("opendsec_ready", "role" => role).set(0.0);
+    }
     pub fn get(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
+        self.0 .0.load(Ordering::Relaxed) && !self.0 .1.load(Ordering::Relaxed)
     }
 }
 
