@@ -175,3 +175,37 @@ async fn quotas_and_permissions_through_the_apiserver() {
     assert_eq!(failure_from_status(&e).reason, Reason::Forbidden);
     cluster.down().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_audit_log_records_calls_and_only_digests_of_commands() {
+    let dir = tempfile::tempdir().unwrap();
+    let audit = dir.path().join("audit");
+    let o = UpOptions { sim_edges: 1, addr: "127.0.0.1:0".into(), state_dir: dir.path().display().to_string(), disk_reserve_mb: -1, audit_dir: audit.display().to_string(), audit_runtime: true, ..Default::default() };
+    let cluster = LocalCluster::up(&o).await.unwrap();
+    let mut c = DSecClient::new(channel(&cluster.api_addrs[0], Duration::from_secs(2)).unwrap());
+    let t = cluster.admin_token.clone();
+    let sb = c.create_sandbox(with_token(pb::CreateSandboxRequest { spec: Some(spec()), ..Default::default() }, &t)).await.unwrap().into_inner();
+    let secret_cmd = "echo the-secret-password";
+    // The sim backend runs nothing, so the command fails; it is audited all the same.
+    let e = c.run_shell(with_token(pb::RunShellRequest { sandbox_id: sb.id.clone(), cmd: secret_cmd.into(), ..Default::default() }, &t)).await.unwrap_err();
+    assert_eq!(failure_from_status(&e).reason, Reason::Invalid);
+    c.stop_sandbox(with_token(pb::SandboxRef { id: sb.id.clone() }, &t)).await.unwrap();
+    let _ = c.create_sandbox(with_token(pb::CreateSandboxRequest { spec: Some(spec()), ..Default::default() }, "dsk.admin.wrong")).await.unwrap_err();
+    let text = std::fs::read_to_string(audit.join("audit.log")).unwrap();
+    assert!(!text.contains("the-secret-password"), "commands must never be written in clear");
+    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let find = |m: &str| lines.iter().find(|l| l["method"] == m).cloned().unwrap_or_else(|| panic!("no {m} line in {text}"));
+    let create = find("CreateSandbox");
+    assert_eq!(create["principal"], "admin");
+    assert_eq!(create["sandbox_id"], sb.id);
+    assert_eq!(create["reason"], "ok");
+    let run = find("RunShell");
+    assert_eq!(run["cmd_len"], secret_cmd.len());
+    assert_eq!(run["cmd_sha256"].as_str().unwrap().len(), 64);
+    assert_eq!(run["reason"], "invalid");
+    assert_eq!(find("StopSandbox")["reason"], "ok");
+    assert!(lines.iter().any(|l| l["reason"] == "unauthenticated"), "failed authentications are audited");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(audit.join("audit.log")).unwrap().permissions().mode() & 0o777, 0o600);
+    cluster.down().await;
+}

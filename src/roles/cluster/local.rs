@@ -44,6 +44,8 @@ pub struct UpOptions {
     pub host_image: bool,
     pub disk_reserve_mb: i64,
     pub audit_dir: String,
+    /// Also audit runtime calls and queries (`apiserver[].audit_runtime`).
+    pub audit_runtime: bool,
     /// Listen address of the first apiserver (`127.0.0.1:0` picks a free port).
     pub addr: String,
     /// Simulated creation latency of the sim backends (median, ms) and its spread.
@@ -68,6 +70,7 @@ impl Default for UpOptions {
             host_image: true,
             disk_reserve_mb: 512,
             audit_dir: String::new(),
+            audit_runtime: false,
             addr: "127.0.0.1:7100".into(),
             create_latency_ms: 0.0,
             latency_sigma: 0.0,
@@ -126,7 +129,7 @@ impl LocalCluster {
         for i in 0..o.apiservers.max(1) {
             let addr = if i == 0 { o.addr.clone() } else { "127.0.0.1:0".to_string() };
             let l = bind(&addr, "apiserver").await?;
-            cfg.apiserver.push(ApiserverConfig { addr: local_addr(&l), audit_dir: o.audit_dir.clone(), snapshot_refresh: 0.25, ..Default::default() });
+            cfg.apiserver.push(ApiserverConfig { addr: local_addr(&l), audit_dir: o.audit_dir.clone(), audit_runtime: o.audit_runtime, snapshot_refresh: 0.25, ..Default::default() });
             api_ls.push(l);
         }
         cfg.admission.create_rate = o.create_rate;
