@@ -2,10 +2,12 @@
 //! `probe_timeout`; `unhealthy_after` consecutive failures (or an unexpected id) make an edge
 //! unhealthy. Each round publishes a new snapshot version.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::join_all;
+use tonic::transport::Channel;
 
 use super::Inner;
 use crate::pb;
@@ -14,8 +16,7 @@ use crate::telemetry::Ready;
 use crate::types::now_f;
 
 /// Probes one edge; `Err` carries why the probe counts as failed.
-async fn probe_one(cfg: &crate::config::Config, id: &str, addr: &str, timeout: Duration) -> Result<pb::EdgeState, String> {
-    let ch = crate::rpc::client::channel(addr, timeout).map_err(|e| e.to_string())?;
+async fn probe_one(cfg: &crate::config::Config, id: &str, ch: Channel, timeout: Duration) -> Result<pb::EdgeState, String> {
     let mut c = pb::edge_client::EdgeClient::new(ch);
     let mut req = crate::rpc::client::internal(pb::StatusRequest { with_leases: false }, &cfg.service_token);
     req.set_timeout(timeout);
@@ -32,13 +33,30 @@ pub(crate) async fn run(inner: Arc<Inner>, shutdown: Shutdown, ready: Ready) {
     let timeout = Duration::from_secs_f64(cfg.watcher.probe_timeout());
     let mut version: u64 = 0;
     // Channels are kept per address: reconnecting every second would cost a TCP handshake each.
+    let mut channels: HashMap<String, Channel> = HashMap::new();
     loop {
         let targets: Vec<(String, String)> = inner.edges.read().await.iter().map(|(id, e)| (id.clone(), e.addr.clone())).collect();
-        let results = join_all(targets.iter().map(|(id, addr)| {
+        channels.retain(|a, _| targets.iter().any(|(_, t)| t == a));
+        let mut probes = Vec::with_capacity(targets.len());
+        for (id, addr) in &targets {
+            let ch = match channels.get(addr) {
+                Some(c) => Ok(c.clone()),
+                None => crate::rpc::client::channel(addr, timeout).map(|c| {
+                    channels.insert(addr.clone(), c.clone());
+                    c
+                }),
+            };
             let cfg = cfg.clone();
-            async move { (id.clone(), probe_one(&cfg, id, addr, timeout).await) }
-        }))
-        .await;
+            let id = id.clone();
+            probes.push(async move {
+                let r = match ch {
+                    Ok(ch) => probe_one(&cfg, &id, ch, timeout).await,
+                    Err(e) => Err(e.to_string()),
+                };
+                (id, r)
+            });
+        }
+        let results = join_all(probes).await;
         let now = now_f();
         {
             let mut edges = inner.edges.write().await;
