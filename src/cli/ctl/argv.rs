@@ -120,7 +120,7 @@ mod tests {
             exec(&s(&["exec", "-session", "s", "ID", "echo", "-timeout=5", "hi", "-addr", "a:1", "--", "-user", "x"])),
             s(&["exec", "--session", "s", "ID", "--timeout=5", "--addr", "a:1", "--", "echo", "hi", "-user", "x"])
         );
-        assert_eq!(exec(&s(&["exec", "-h"])), s(&["exec", "-h"]));
+        assert_eq!(exec(&s(&["exec", "-h"])), s(&["exec", "--help"]));
         assert_eq!(exec(&s(&["exec", "ID"])), s(&["exec", "ID"]));
     }
 
