@@ -127,12 +127,13 @@ class RoleCluster:
     ) -> None:
         self.binary = binary
         self.dir = workdir
-        ports = iter(free_ports(4 + apiservers + 4 + apiservers))
+        # Listen addresses of IAM, the watcher, the edge and the apiservers, then one metrics
+        # port (/readyz) for each of those processes.
+        ports = iter(free_ports(2 * (3 + apiservers)))
         self.admin_token = f"dsk.admin.{secrets.token_hex(20)}"
         iam_addr = f"127.0.0.1:{next(ports)}"
         watcher_addr = f"127.0.0.1:{next(ports)}"
         edge_addr = f"127.0.0.1:{next(ports)}"
-        _spare = next(ports)
         self.api_addrs = [f"127.0.0.1:{next(ports)}" for _ in range(apiservers)]
         self.config: dict[str, Any] = {
             "service_token": secrets.token_hex(20),
