@@ -142,7 +142,7 @@ impl Inner {
         let res = Res::of_spec(job.spec);
         let local_image = if job.spec.image.is_empty() || job.spec.image.contains('/') { None } else { Some(job.spec.image.as_str()) };
         let req = Request { backend: &job.spec.backend, local_image, res };
-        let snap = self.snapshot.read().await.clone();
+        let snap = self.current_snapshot().await?;
         let mut done = Vec::with_capacity(items.len());
         let mut live = Vec::with_capacity(items.len());
         for it in items {
@@ -199,7 +199,7 @@ impl Inner {
                             self.unplace(&edge, &res, again);
                             if again && attempt < self.params.max_attempts {
                                 l.tried.push(edge.clone());
-                                retry.push(l);
+                                retry.push((l, f.clone()));
                             } else {
                                 release.push(l.item.lease_id.clone());
                                 done.push((l.item.index, Err(f.clone())));
@@ -223,7 +223,7 @@ impl Inner {
                                     self.unplace(&edge, &res, again);
                                     if again && attempt < self.params.max_attempts {
                                         l.tried.push(edge.clone());
-                                        retry.push(l);
+                                        retry.push((l, f));
                                     } else {
                                         release.push(l.item.lease_id.clone());
                                         done.push((l.item.index, Err(f)));
@@ -238,7 +238,7 @@ impl Inner {
             if !retry.is_empty() {
                 metrics::counter!("opendsec_apiserver_placement_retries_total").increment(retry.len() as u64);
                 let snap_now = self.snapshot.read().await.clone();
-                for mut l in retry {
+                for (mut l, last) in retry {
                     match self.place(&snap_now, &req, &l.tried) {
                         Ok(edge) => {
                             l.edge = edge;
@@ -246,7 +246,7 @@ impl Inner {
                         }
                         Err(f) => {
                             release.push(l.item.lease_id.clone());
-                            done.push((l.item.index, Err(f)));
+                            done.push((l.item.index, Err(replacement_failure(f, last))));
                         }
                     }
                 }
@@ -262,6 +262,18 @@ impl Inner {
         }
         Ok(done)
     }
+}
+
+/// The failure of an item whose edge failed with `last` and for which no other edge was
+/// found (`placing`). An edge that was unreachable (restarting) is not a lack of capacity:
+/// the item fails `unavailable`, which callers retry, unless placement failed for a reason
+/// of its own (`invalid`, `not_found`). An edge that was full stays `no_capacity`.
+fn replacement_failure(placing: Failure, last: Failure) -> Failure {
+    let transient = matches!(last.reason, Reason::Unavailable | Reason::Timeout);
+    if transient && placing.reason == Reason::NoCapacity {
+        return Failure::new(Reason::Unavailable, format!("{}; no other edge could take it ({})", last.message, placing.message));
+    }
+    placing
 }
 
 /// Runs a creation of `items` in chunks, at most `parallel` chunks at once, sending each
@@ -298,7 +310,9 @@ pub(crate) async fn run_batch(inner: Arc<Inner>, caller: Caller, project: String
                 None
             }
             Err(f) => {
-                if matches!(f.reason, Reason::Unauthenticated | Reason::Forbidden | Reason::Invalid | Reason::NotFound) {
+                // `unavailable` (no snapshot yet, IAM unreachable) ends the stream too: the SDK
+                // then asks again with the same key, instead of taking per-item errors as final.
+                if matches!(f.reason, Reason::Unauthenticated | Reason::Forbidden | Reason::Invalid | Reason::NotFound | Reason::Unavailable) {
                     return Some(f);
                 }
                 for index in indices {
@@ -329,6 +343,18 @@ mod tests {
 
     fn caller(p: &str) -> Caller {
         Caller { principal: p.into(), project: "root".into(), token: String::new(), client_addr: String::new() }
+    }
+
+    #[test]
+    fn an_unreachable_edge_with_nowhere_else_to_go_is_unavailable_not_no_capacity() {
+        let placing = Failure::new(Reason::NoCapacity, "no edge can take the sandbox now (skipped rejected: 1)");
+        let f = replacement_failure(placing.clone(), Failure::unavailable("edge e1: connection refused"));
+        assert_eq!(f.reason, Reason::Unavailable);
+        assert!(f.message.contains("connection refused") && f.message.contains("skipped rejected: 1"), "{}", f.message);
+        assert_eq!(replacement_failure(placing.clone(), Failure::new(Reason::Timeout, "t")).reason, Reason::Unavailable);
+        // A full edge stays no_capacity; placement's own verdicts stay as they are.
+        assert_eq!(replacement_failure(placing, Failure::new(Reason::NoCapacity, "edge e1: full")).reason, Reason::NoCapacity);
+        assert_eq!(replacement_failure(Failure::invalid("bad"), Failure::unavailable("x")).reason, Reason::Invalid);
     }
 
     #[test]

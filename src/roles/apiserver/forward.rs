@@ -20,9 +20,20 @@ pub(crate) fn edge_of(id: &str) -> Result<&str, Failure> {
 }
 
 impl Inner {
+    /// The cluster snapshot; `unavailable` until the first one arrived from a watcher (a
+    /// freshly started apiserver): without it every edge would look unknown, and callers
+    /// would be told `not_found` or `invalid` instead of retrying.
+    pub(crate) async fn current_snapshot(&self) -> Result<std::sync::Arc<pb::Snapshot>, Failure> {
+        let snap = self.snapshot.read().await.clone();
+        if snap.version == 0 {
+            return Err(Failure::unavailable("this apiserver has no cluster snapshot from a watcher yet; retry"));
+        }
+        Ok(snap)
+    }
+
     /// The address of `edge` from the snapshot; `not_found` when the cluster has no such edge.
     pub(crate) async fn addr_of(&self, edge: &str) -> Result<String, Failure> {
-        let snap = self.snapshot.read().await.clone();
+        let snap = self.current_snapshot().await?;
         match snap.edges.iter().find(|e| e.id == edge) {
             Some(e) => Ok(e.addr.clone()),
             None => Err(Failure::not_found(format!("no edge {edge:?} in the cluster"))),
@@ -81,7 +92,7 @@ impl Inner {
         let project = if req.project.is_empty() { "root".to_string() } else { req.project.clone() };
         names::check_project_path(&project)?;
         self.auth.authorize(caller, &project, "sandbox.operate").await?;
-        let snap = self.snapshot.read().await.clone();
+        let snap = self.current_snapshot().await?;
         let calls = snap.edges.iter().filter(|e| e.healthy).map(|e| {
             let r = pb::EdgeListRequest { project: project.clone(), task_id: req.task_id.clone(), include_ended: req.include_ended };
             let client = self.edges.edge(&e.addr);
@@ -105,7 +116,7 @@ impl Inner {
             return Err(Failure::invalid("task_id must be 1 to 256 characters"));
         }
         self.auth.authorize(caller, &project, "sandbox.operate").await?;
-        let snap = self.snapshot.read().await.clone();
+        let snap = self.current_snapshot().await?;
         let calls = snap.edges.iter().filter(|e| e.healthy).map(|e| {
             let r = pb::EdgeTaskRequest { project: project.clone(), task_id: req.task_id.clone(), action: action.to_string() };
             let client = self.edges.edge(&e.addr);

@@ -76,6 +76,7 @@ impl Core {
         let press = pressures(&read(&self.reserves), &read(&self.host));
         let cap = read(&self.capacity);
         let draining = self.draining.load(Ordering::Relaxed);
+        let mut redo = self.redo_checks(&items).await;
 
         // 1. Idempotency and admission, item by item.
         let mut slots: Vec<Item> = Vec::with_capacity(items.len());
@@ -87,8 +88,18 @@ impl Core {
                     continue;
                 }
                 if let Some(e) = map.get(&it.sandbox_id) {
-                    slots.push(Item::Existing(e.clone()));
-                    continue;
+                    match redo.remove(&it.sandbox_id) {
+                        // Interrupted by a restart: created again below (the new record replaces it).
+                        Some((old, Ok(()))) if Arc::ptr_eq(&old, e) => {}
+                        Some((old, Err(f))) if Arc::ptr_eq(&old, e) => {
+                            slots.push(Item::Done(Err(f)));
+                            continue;
+                        }
+                        _ => {
+                            slots.push(Item::Existing(e.clone()));
+                            continue;
+                        }
+                    }
                 }
                 let verdict = if draining {
                     Err(("draining", format!("edge {} is draining", self.edge_id)))
@@ -226,6 +237,40 @@ impl Core {
             tokio::spawn(async move { me.check_lease(&id).await });
         }
         Ok(out)
+    }
+
+    /// Retries of creations that an edge restart interrupted (recovery marked them FAILED,
+    /// `interrupted`, and queued their leases for release). The caller is still waiting for
+    /// them, so a retry with the same sandbox and lease id creates the sandbox again, once
+    /// (a) that release has settled, so it cannot take back the lease the retry was admitted
+    /// with, and (b) IAM binds the lease to this sandbox here. Until then the item is
+    /// `unavailable` and the apiserver or the SDK retries it. Returns, per sandbox id, the
+    /// entry checked and whether it may be created again.
+    async fn redo_checks(&self, items: &[pb::EdgeCreateItem]) -> std::collections::HashMap<String, (Arc<Entry>, Result<(), Failure>)> {
+        let candidates: std::collections::HashMap<String, (String, Arc<Entry>)> = {
+            let map = lock(&self.entries);
+            items
+                .iter()
+                .filter_map(|it| {
+                    let e = map.get(&it.sandbox_id)?;
+                    let r = lock(&e.rec);
+                    (r.interrupted && r.is_ended() && r.sandbox.lease_id == it.lease_id && !it.lease_id.is_empty()).then(|| (it.sandbox_id.clone(), (it.lease_id.clone(), e.clone())))
+                })
+                .collect()
+        };
+        let checks = candidates.into_iter().map(|(id, (lease, entry))| async move {
+            let verdict = if self.releaser.is_pending(&lease) {
+                Err(Failure::unavailable(format!("sandbox {id}: its creation was interrupted by an edge restart and its lease is still being released; retry")))
+            } else {
+                match self.leases.lookup(&lease).await {
+                    Ok(Some(info)) if info.edge_id == self.edge_id && info.sandbox_id == id => Ok(()),
+                    Ok(_) => Err(Failure::unavailable(format!("sandbox {id}: its creation was interrupted by an edge restart and IAM does not bind lease {lease} to it; retry"))),
+                    Err(f) => Err(Failure::unavailable(format!("sandbox {id}: its creation was interrupted by an edge restart and IAM could not be asked about lease {lease}: {}", f.message))),
+                }
+            };
+            (id, (entry, verdict))
+        });
+        futures::future::join_all(checks).await.into_iter().collect()
     }
 
     /// Checks one item's ids: `<this-edge>.<suffix>` with a suffix of 1..64 characters of

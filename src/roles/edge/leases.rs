@@ -113,18 +113,41 @@ impl Default for BatchConfig {
     }
 }
 
+/// Lease ids queued or in flight, with how many times each (shared with the task).
+type Pending = Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>;
+
+fn settle(pending: &Pending, ids: impl IntoIterator<Item = String>) {
+    let mut p = pending.lock().unwrap_or_else(|e| e.into_inner());
+    for id in ids {
+        if let Some(n) = p.get_mut(&id) {
+            *n -= 1;
+            if *n == 0 {
+                p.remove(&id);
+            }
+        }
+    }
+}
+
 /// The queue of leases to release; cheap to clone.
 #[derive(Clone)]
 pub struct Releaser {
     tx: mpsc::UnboundedSender<Msg>,
+    pending: Pending,
 }
 
 impl Releaser {
     /// Starts the batching task.
     pub fn spawn(sink: Arc<dyn LeaseSink>, cfg: BatchConfig) -> (Releaser, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        let h = tokio::spawn(run(sink, cfg, rx));
-        (Releaser { tx }, h)
+        let pending = Pending::default();
+        let h = tokio::spawn(run(sink, cfg, rx, pending.clone()));
+        (Releaser { tx, pending }, h)
+    }
+
+    /// Whether a release of `lease_id` is queued or in flight: not yet done, refused, or
+    /// found unnecessary (bound elsewhere, already released).
+    pub fn is_pending(&self, lease_id: &str) -> bool {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner()).contains_key(lease_id)
     }
 
     /// Queues one lease (empty ids are ignored).
@@ -132,7 +155,10 @@ impl Releaser {
         if item.lease_id.is_empty() {
             return;
         }
+        let id = item.lease_id.clone();
+        *self.pending.lock().unwrap_or_else(|e| e.into_inner()).entry(id.clone()).or_default() += 1;
         if self.tx.send(Msg::Item(item)).is_err() {
+            settle(&self.pending, [id]);
             tracing::warn!("lease releaser already stopped; reconciliation will release the lease");
         }
     }
@@ -153,7 +179,7 @@ struct Closing {
     reply: oneshot::Sender<usize>,
 }
 
-async fn run(sink: Arc<dyn LeaseSink>, cfg: BatchConfig, mut rx: mpsc::UnboundedReceiver<Msg>) {
+async fn run(sink: Arc<dyn LeaseSink>, cfg: BatchConfig, mut rx: mpsc::UnboundedReceiver<Msg>, pending_ids: Pending) {
     let mut pending: Vec<ReleaseItem> = Vec::new();
     let mut closing: Option<Closing> = None;
     let mut backoff = Duration::from_millis(100);
@@ -202,7 +228,17 @@ async fn run(sink: Arc<dyn LeaseSink>, cfg: BatchConfig, mut rx: mpsc::Unbounded
         }
         let n = pending.len().min(cfg.max);
         let batch: Vec<ReleaseItem> = pending.drain(..n).collect();
+        let mut settled: std::collections::HashMap<String, usize> = Default::default();
+        for i in &batch {
+            *settled.entry(i.lease_id.clone()).or_default() += 1;
+        }
         let retry = send(sink.as_ref(), batch).await;
+        for i in &retry {
+            if let Some(n) = settled.get_mut(&i.lease_id) {
+                *n = n.saturating_sub(1);
+            }
+        }
+        settle(&pending_ids, settled.into_iter().flat_map(|(id, n)| std::iter::repeat_n(id, n)));
         if retry.is_empty() {
             backoff = Duration::from_millis(100);
             continue;

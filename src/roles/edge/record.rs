@@ -23,6 +23,10 @@ pub struct SandboxRecord {
     /// never release it.
     #[serde(default)]
     pub lease_foreign: bool,
+    /// FAILED because the edge restarted during its creation (not a backend failure): a
+    /// retry of the same creation may create it again (`create_batch`).
+    #[serde(default)]
+    pub interrupted: bool,
 }
 
 impl SandboxRecord {
@@ -45,6 +49,7 @@ impl SandboxRecord {
             backend_state: BackendState::Null,
             ttl_paused_at: 0,
             lease_foreign: false,
+            interrupted: false,
         }
     }
 

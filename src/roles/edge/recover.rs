@@ -2,7 +2,8 @@
 //! records; hand RUNNING and PAUSED sandboxes (and ones caught mid-pause or mid-resume) to
 //! their backends to adopt; mark CREATING ones FAILED and STOPPING ones STOPPED and release
 //! their leases; keep ended records for their retention; then let each backend clean up
-//! leftovers that match no record.
+//! leftovers that match no record. A CREATING one is marked `interrupted`: the caller's
+//! retry of that creation creates it again (`create_batch`).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
@@ -85,6 +86,7 @@ impl Core {
             SandboxState::Paused | SandboxState::Resuming => Recorded::Paused,
             SandboxState::Creating => {
                 rec.end(SandboxState::Failed, now, "the edge restarted during creation");
+                rec.interrupted = true;
                 return (rec, true, true);
             }
             SandboxState::Stopping => {

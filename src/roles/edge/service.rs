@@ -22,6 +22,14 @@ fn answer<T>(r: Result<T, Failure>) -> Result<Response<T>, Status> {
     r.map(Response::new).map_err(|f| to_status(&f))
 }
 
+/// Runs `work` to the end in a task of its own. tonic drops a handler's future when the
+/// caller goes away (an apiserver killed mid-call); a creation or lifecycle operation cut
+/// off there would stay CREATING or STOPPING for good, and a retry of it would find it
+/// stuck. Detached, it finishes and records its outcome, and the retry gets that.
+async fn detached<T: Send + 'static>(work: impl std::future::Future<Output = Result<T, Failure>> + Send + 'static) -> Result<T, Failure> {
+    tokio::spawn(work).await.unwrap_or_else(|e| Err(Failure::internal(format!("edge task failed: {e}"))))
+}
+
 impl EdgeService {
     fn span(&self, method: &'static str, sandbox_id: &str) -> tracing::Span {
         tracing::info_span!("edge", method, edge_id = %self.core.edge_id, sandbox_id = %sandbox_id)
@@ -31,7 +39,8 @@ impl EdgeService {
         check_service_token(&req, &self.core.service_token)?;
         let id = req.into_inner().id;
         let span = self.span(method, &id);
-        answer(self.core.lifecycle(&id, op, Cause::Caller).instrument(span).await)
+        let core = self.core.clone();
+        answer(detached(async move { core.lifecycle(&id, op, Cause::Caller).await }.instrument(span)).await)
     }
 }
 
@@ -46,7 +55,8 @@ impl pb::edge_server::Edge for EdgeService {
         check_service_token(&req, &self.core.service_token)?;
         let r = req.into_inner();
         let span = self.span("CreateSandboxes", r.items.first().map(|i| i.sandbox_id.as_str()).unwrap_or(""));
-        answer(self.core.create_batch(r.spec, r.items).instrument(span).await.map(|results| pb::EdgeCreateResponse { results }))
+        let core = self.core.clone();
+        answer(detached(async move { core.create_batch(r.spec, r.items).await }.instrument(span)).await.map(|results| pb::EdgeCreateResponse { results }))
     }
 
     async fn get_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {

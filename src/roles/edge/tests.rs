@@ -27,6 +27,8 @@ struct TestBackend {
     adopted: Mutex<Vec<(String, Recorded)>>,
     cleaned: Mutex<Vec<HashSet<String>>>,
     created: Mutex<usize>,
+    /// When set, each creation waits for a permit.
+    gate: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 #[async_trait]
@@ -41,6 +43,11 @@ impl Backend for Arc<TestBackend> {
         self.frees
     }
     async fn create(&self, req: &CreateRequest) -> Result<BackendState, BackendError> {
+        if let Some(g) = &self.gate {
+            if let Ok(p) = g.acquire().await {
+                p.forget();
+            }
+        }
         *lock(&self.created) += 1;
         Ok(serde_json::json!({ "for": req.sandbox_id }))
     }
@@ -72,17 +79,38 @@ impl Backend for Arc<TestBackend> {
 #[derive(Default)]
 struct Sink {
     released: Mutex<Vec<String>>,
+    /// IAM's lease bindings; `None`: lookups fail (no IAM). Releases remove them.
+    bindings: Option<Mutex<BTreeMap<String, pb::LeaseInfo>>>,
+    /// When set, each release waits for a permit.
+    gate: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 #[async_trait]
 impl LeaseSink for Sink {
     async fn release(&self, ids: Vec<String>, _at: i64) -> Result<(), Failure> {
+        if let Some(g) = &self.gate {
+            if let Ok(p) = g.acquire().await {
+                p.forget();
+            }
+        }
+        if let Some(b) = &self.bindings {
+            for id in &ids {
+                lock(b).remove(id);
+            }
+        }
         lock(&self.released).extend(ids);
         Ok(())
     }
-    async fn lookup(&self, _id: &str) -> Result<Option<pb::LeaseInfo>, Failure> {
-        Err(Failure::unavailable("no IAM in unit tests"))
+    async fn lookup(&self, id: &str) -> Result<Option<pb::LeaseInfo>, Failure> {
+        match &self.bindings {
+            Some(b) => Ok(lock(b).get(id).cloned()),
+            None => Err(Failure::unavailable("no IAM in unit tests")),
+        }
     }
+}
+
+fn bound(edge: &str, sandbox: &str) -> pb::LeaseInfo {
+    pb::LeaseInfo { edge_id: edge.into(), sandbox_id: sandbox.into(), ..Default::default() }
 }
 
 fn host() -> HostSample {
@@ -336,4 +364,85 @@ async fn sim_only_edges_report_no_actual_use_while_real_ones_report_the_host() {
     super::loops::sample_into(&sim, HostSample { cpu_usage: 0.7, mem_available_mb: 4000, ..host() });
     let st = sim.edge_state();
     assert_eq!((st.cpu_usage, st.mem_usage), (0.0, 0.0), "simulated sandboxes use nothing; the host's load must not steer placement");
+async fn a_caller_that_goes_away_does_not_leave_a_creation_halfway() {
+    use pb::edge_server::Edge;
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let backend = Arc::new(TestBackend { gate: Some(gate.clone()), ..Default::default() });
+    let c = core(backend.clone(), EdgeConfig::default(), None, Arc::new(Sink::default()));
+    let svc = super::service::EdgeService { core: c.clone() };
+    let call = svc.create_sandboxes(tonic::Request::new(pb::EdgeCreateRequest { spec: Some(spec()), items: vec![item("a")] }));
+    // The apiserver goes away while the backend is still creating: its call is dropped.
+    assert!(tokio::time::timeout(Duration::from_millis(200), call).await.is_err());
+    assert_eq!(c.get("e1.a").map(|e| e.snapshot().state()), Some(SandboxState::Creating));
+    gate.add_permits(1);
+    for _ in 0..200 {
+        if c.get("e1.a").is_some_and(|e| e.snapshot().state() != SandboxState::Creating) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(c.get("e1.a").map(|e| e.snapshot().state()), Some(SandboxState::Running), "the creation went on to the end");
+    // The retry finds it RUNNING and creates nothing more.
+    let again = svc.create_sandboxes(tonic::Request::new(pb::EdgeCreateRequest { spec: Some(spec()), items: vec![item("a")] }));
+    let out = tokio::time::timeout(Duration::from_secs(5), again).await.unwrap_or_else(|_| panic!("retry hung")).unwrap_or_else(|s| panic!("{s}")).into_inner();
+    assert_eq!(out.results[0].sandbox.as_ref().map(|s| s.state), Some(SandboxState::Running as i32));
+    assert_eq!(*lock(&backend.created), 1);
+}
+
+#[tokio::test]
+async fn a_retry_creates_again_what_a_restart_interrupted_once_its_lease_is_settled() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let store = Store::open(dir.path(), "e1").unwrap_or_else(|e| panic!("{e}"));
+    let mut broken = rec("broken", SandboxState::Failed);
+    broken.sandbox.message = "the backend failed".into();
+    assert!(store.write_many(&[rec("cut", SandboxState::Creating), broken]).await.iter().all(|r| r.is_ok()));
+    let bindings: BTreeMap<String, pb::LeaseInfo> = [("L-cut".to_string(), bound("e1", "e1.cut"))].into_iter().collect();
+    let release_gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let sink = Arc::new(Sink { bindings: Some(Mutex::new(bindings)), gate: Some(release_gate.clone()), ..Default::default() });
+    let backend = Arc::new(TestBackend::default());
+    let c = core(backend.clone(), EdgeConfig::default(), Some(store.clone()), sink.clone());
+    let report = c.recover().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(report.failed, 1);
+    let create = |s: &'static str| {
+        let c = c.clone();
+        async move { c.create_batch(Some(spec()), vec![item(s)]).await.unwrap_or_else(|f| panic!("{f}")).remove(0) }
+    };
+
+    // While the interrupted creation's lease is being released: unavailable (retry).
+    let r = create("cut").await;
+    assert_eq!(r.error.as_ref().map(|e| e.reason.as_str()), Some("unavailable"), "{r:?}");
+    assert!(r.error.as_ref().is_some_and(|e| e.message.contains("still being released")), "{r:?}");
+    release_gate.add_permits(1);
+    assert_eq!(released_eventually(&sink, 1).await, vec!["L-cut"]);
+    for _ in 0..200 {
+        if !c.releaser.is_pending("L-cut") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!c.releaser.is_pending("L-cut"));
+    // Released, and not admitted again yet: still unavailable.
+    let r = create("cut").await;
+    assert_eq!(r.error.as_ref().map(|e| e.reason.as_str()), Some("unavailable"), "{r:?}");
+    assert_eq!(*lock(&backend.created), 0);
+
+    // The apiserver's retry admits the lease again, bound here: created again, once.
+    if let Some(b) = &sink.bindings {
+        lock(b).insert("L-cut".into(), bound("e1", "e1.cut"));
+    }
+    let r = create("cut").await;
+    let sb = r.sandbox.unwrap_or_else(|| panic!("{:?}", r.error));
+    assert_eq!((sb.state, sb.ended_at), (SandboxState::Running as i32, 0));
+    assert_eq!(*lock(&backend.created), 1);
+    assert!(c.get("e1.cut").is_some_and(|e| !e.snapshot().interrupted));
+    let r = create("cut").await;
+    assert_eq!(r.sandbox.map(|s| s.state), Some(SandboxState::Running as i32));
+    assert_eq!(*lock(&backend.created), 1);
+    let (back, _) = store.load_all().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(back.iter().find(|r| r.id() == "e1.cut").map(|r| r.state()), Some(SandboxState::Running));
+
+    // A creation that failed on its own is not tried again: the retry gets the failure.
+    let r = create("broken").await;
+    assert_eq!(r.sandbox.map(|s| (s.state, s.message)), Some((SandboxState::Failed as i32, "the backend failed".to_string())));
+    assert_eq!(*lock(&backend.created), 1);
 }
