@@ -44,8 +44,9 @@ async fn lost_edges_turn_unhealthy_and_their_quota_is_released() {
     cfg.watcher.probe_timeout = 0.5;
     cfg.watcher.unhealthy_after = 2;
     cfg.watcher.reconcile_interval = 0.3;
-    // Leases younger than this are never released: creations in flight are not on the edge yet.
-    cfg.watcher.reconcile_min_age = 1.0;
+    // Leases younger than this are never released: creations in flight are not on the edge yet
+    // (IAM counts whole seconds, so 2 means at least one full second).
+    cfg.watcher.reconcile_min_age = 2.0;
     cfg.watcher.lost_edge_grace = 0.5;
     cfg.apiserver = vec![ApiserverConfig { addr: api_a.clone(), snapshot_refresh: 0.1, ..Default::default() }];
     // e2 is not listed: it is known only through its registration.

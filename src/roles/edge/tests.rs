@@ -364,6 +364,9 @@ async fn sim_only_edges_report_no_actual_use_while_real_ones_report_the_host() {
     super::loops::sample_into(&sim, HostSample { cpu_usage: 0.7, mem_available_mb: 4000, ..host() });
     let st = sim.edge_state();
     assert_eq!((st.cpu_usage, st.mem_usage), (0.0, 0.0), "simulated sandboxes use nothing; the host's load must not steer placement");
+}
+
+#[tokio::test]
 async fn a_caller_that_goes_away_does_not_leave_a_creation_halfway() {
     use pb::edge_server::Edge;
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
