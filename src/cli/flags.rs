@@ -32,6 +32,41 @@ pub fn normalize(args: &[String]) -> Vec<String> {
     out
 }
 
+/// Parses Go-style `args` into `T`; `Err(code)` after printing help (exit 0) or a usage
+/// error (exit 2).
+pub fn parse<T: argh::FromArgs>(command: &str, args: &[String]) -> Result<T, std::process::ExitCode> {
+    let args = normalize(args);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    T::from_args(&[command], &refs).map_err(|e| {
+        if e.status.is_ok() {
+            println!("{}", e.output);
+            std::process::ExitCode::SUCCESS
+        } else {
+            eprintln!("{}", e.output);
+            std::process::ExitCode::from(2)
+        }
+    })
+}
+
+/// Runs `fut` on a new multi-threaded runtime; an error prints its whole cause chain as
+/// `error: ...` and exits 1.
+pub fn block_on<F: std::future::Future<Output = anyhow::Result<()>>>(fut: F) -> std::process::ExitCode {
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: internal: starting the runtime: {e}");
+            return std::process::ExitCode::from(1);
+        }
+    };
+    match rt.block_on(fut) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -70,42 +70,14 @@ pub fn parse_duration(s: &str) -> anyhow::Result<std::time::Duration> {
     Ok(std::time::Duration::from_secs_f64(v * mult))
 }
 
-/// Parses a role's flags; `Err(code)` after printing help or a usage error.
-fn parse(role: &str, args: &[String]) -> Result<RoleFlags, ExitCode> {
-    let args = super::flags::normalize(args);
-    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    RoleFlags::from_args(&[&format!("opendsec {role}")], &refs).map_err(|e| {
-        if e.status.is_ok() {
-            println!("{}", e.output);
-            ExitCode::SUCCESS
-        } else {
-            eprintln!("{}", e.output);
-            ExitCode::from(2)
-        }
-    })
-}
-
 /// Entry for `opendsec <role> ...` of a server role.
 pub fn main(role: &str, args: &[String]) -> ExitCode {
-    let flags = match parse(role, args) {
+    let flags: RoleFlags = match super::flags::parse(&format!("opendsec {role}"), args) {
         Ok(f) => f,
         Err(code) => return code,
     };
     crate::telemetry::init_logging(&flags.log);
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: internal: starting the runtime: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    match rt.block_on(run(role, flags)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::from(1)
-        }
-    }
+    super::flags::block_on(run(role, flags))
 }
 
 async fn bind(addr: &str, what: &str) -> anyhow::Result<tokio::net::TcpListener> {

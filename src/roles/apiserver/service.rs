@@ -87,6 +87,24 @@ impl Api {
         r.map_err(|f| st(f))
     }
 
+    /// A lifecycle call (`op`: get, stop, pause, resume, touch) on one sandbox.
+    async fn on_sandbox(&self, req: Request<pb::SandboxRef>, method: &'static str, audited: bool, op: &str) -> Result<Response<pb::Sandbox>, Status> {
+        let (caller, mut call) = self.begin(&req, method, audited).await?;
+        let id = req.into_inner().id;
+        call.sandbox_id = id.clone();
+        let r = self.inner.lifecycle(&caller, &id, op).await;
+        self.finish(call, r).map(Response::new)
+    }
+
+    /// A task action (`action`: pause, resume, stop) over every edge.
+    async fn on_task(&self, req: Request<pb::TaskRequest>, method: &'static str, action: &str) -> Result<Response<pb::TaskActionResult>, Status> {
+        let (caller, mut call) = self.begin(&req, method, true).await?;
+        let msg = req.into_inner();
+        call.project = msg.project.clone();
+        let r = self.inner.task_action(&caller, msg, action).await;
+        self.finish(call, r).map(Response::new)
+    }
+
     fn project_or_default(p: &str) -> Result<String, Failure> {
         let p = if p.is_empty() { "root" } else { p };
         names::check_project_path(p)?;
@@ -232,11 +250,7 @@ impl pb::d_sec_server::DSec for Api {
     }
 
     async fn get_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
-        let (caller, mut call) = self.begin(&req, "GetSandbox", false).await?;
-        let id = req.into_inner().id;
-        call.sandbox_id = id.clone();
-        let r = self.inner.lifecycle(&caller, &id, "get").await;
-        self.finish(call, r).map(Response::new)
+        self.on_sandbox(req, "GetSandbox", false, "get").await
     }
 
     async fn list_sandboxes(&self, req: Request<pb::ListSandboxesRequest>) -> Result<Response<pb::ListSandboxesResponse>, Status> {
@@ -248,35 +262,19 @@ impl pb::d_sec_server::DSec for Api {
     }
 
     async fn stop_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
-        let (caller, mut call) = self.begin(&req, "StopSandbox", true).await?;
-        let id = req.into_inner().id;
-        call.sandbox_id = id.clone();
-        let r = self.inner.lifecycle(&caller, &id, "stop").await;
-        self.finish(call, r).map(Response::new)
+        self.on_sandbox(req, "StopSandbox", true, "stop").await
     }
 
     async fn pause_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
-        let (caller, mut call) = self.begin(&req, "PauseSandbox", true).await?;
-        let id = req.into_inner().id;
-        call.sandbox_id = id.clone();
-        let r = self.inner.lifecycle(&caller, &id, "pause").await;
-        self.finish(call, r).map(Response::new)
+        self.on_sandbox(req, "PauseSandbox", true, "pause").await
     }
 
     async fn resume_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
-        let (caller, mut call) = self.begin(&req, "ResumeSandbox", true).await?;
-        let id = req.into_inner().id;
-        call.sandbox_id = id.clone();
-        let r = self.inner.lifecycle(&caller, &id, "resume").await;
-        self.finish(call, r).map(Response::new)
+        self.on_sandbox(req, "ResumeSandbox", true, "resume").await
     }
 
     async fn touch_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
-        let (caller, mut call) = self.begin(&req, "TouchSandbox", false).await?;
-        let id = req.into_inner().id;
-        call.sandbox_id = id.clone();
-        let r = self.inner.lifecycle(&caller, &id, "touch").await;
-        self.finish(call, r).map(Response::new)
+        self.on_sandbox(req, "TouchSandbox", false, "touch").await
     }
 
     async fn set_sandbox_timeout(&self, req: Request<pb::SetSandboxTimeoutRequest>) -> Result<Response<pb::Sandbox>, Status> {
@@ -288,27 +286,15 @@ impl pb::d_sec_server::DSec for Api {
     }
 
     async fn pause_task(&self, req: Request<pb::TaskRequest>) -> Result<Response<pb::TaskActionResult>, Status> {
-        let (caller, mut call) = self.begin(&req, "PauseTask", true).await?;
-        let msg = req.into_inner();
-        call.project = msg.project.clone();
-        let r = self.inner.task_action(&caller, msg, "pause").await;
-        self.finish(call, r).map(Response::new)
+        self.on_task(req, "PauseTask", "pause").await
     }
 
     async fn resume_task(&self, req: Request<pb::TaskRequest>) -> Result<Response<pb::TaskActionResult>, Status> {
-        let (caller, mut call) = self.begin(&req, "ResumeTask", true).await?;
-        let msg = req.into_inner();
-        call.project = msg.project.clone();
-        let r = self.inner.task_action(&caller, msg, "resume").await;
-        self.finish(call, r).map(Response::new)
+        self.on_task(req, "ResumeTask", "resume").await
     }
 
     async fn stop_task(&self, req: Request<pb::TaskRequest>) -> Result<Response<pb::TaskActionResult>, Status> {
-        let (caller, mut call) = self.begin(&req, "StopTask", true).await?;
-        let msg = req.into_inner();
-        call.project = msg.project.clone();
-        let r = self.inner.task_action(&caller, msg, "stop").await;
-        self.finish(call, r).map(Response::new)
+        self.on_task(req, "StopTask", "stop").await
     }
 
     async fn run_shell(&self, req: Request<pb::RunShellRequest>) -> Result<Response<pb::ShellResult>, Status> {

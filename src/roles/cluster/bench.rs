@@ -191,19 +191,9 @@ fn print(r: &BenchResult) {
 
 /// Entry for `bench`.
 pub fn main(args: &[String]) -> ExitCode {
-    let args = crate::cli::flags::normalize(args);
-    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    let f = match BenchFlags::from_args(&["opendsec ctl bench"], &refs) {
+    let f: BenchFlags = match crate::cli::flags::parse("opendsec ctl bench", args) {
         Ok(f) => f,
-        Err(e) => {
-            return if e.status.is_ok() {
-                println!("{}", e.output);
-                ExitCode::SUCCESS
-            } else {
-                eprintln!("{}", e.output);
-                ExitCode::from(2)
-            };
-        }
+        Err(code) => return code,
     };
     crate::telemetry::init_logging("warn");
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {

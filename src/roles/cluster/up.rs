@@ -66,35 +66,12 @@ struct UpFlags {
 
 /// Runs `cluster up` with `args` (after `up`).
 pub fn main(args: &[String]) -> ExitCode {
-    let args = crate::cli::flags::normalize(args);
-    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    let f = match UpFlags::from_args(&["opendsec cluster up"], &refs) {
+    let f: UpFlags = match crate::cli::flags::parse("opendsec cluster up", args) {
         Ok(f) => f,
-        Err(e) => {
-            return if e.status.is_ok() {
-                println!("{}", e.output);
-                ExitCode::SUCCESS
-            } else {
-                eprintln!("{}", e.output);
-                ExitCode::from(2)
-            };
-        }
+        Err(code) => return code,
     };
     crate::telemetry::init_logging(&f.log);
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: internal: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    match rt.block_on(run(f)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::from(1)
-        }
-    }
+    crate::cli::flags::block_on(run(f))
 }
 
 fn metrics_addr(a: &str) -> String {
