@@ -36,6 +36,9 @@ struct BenchFlags {
     /// emit one JSON object instead of text
     #[argh(switch)]
     json: bool,
+    /// keep IAM's state in a file (every change fsynced) instead of in memory
+    #[argh(switch)]
+    durable: bool,
     /// repeat each placement mode this many times (fresh cluster each run) and report medians
     #[argh(option, default = "1")]
     runs: u32,
@@ -45,6 +48,8 @@ struct BenchFlags {
 #[derive(Debug, Default, serde::Serialize)]
 pub struct BenchResult {
     pub placement: String,
+    /// Where IAM kept its state: `memory` or `state file` (fsynced group commits).
+    pub iam: String,
     pub single_count: u32,
     pub single_failed: u32,
     pub single_per_s: f64,
@@ -72,8 +77,9 @@ fn with_token<T>(m: T, token: &str) -> tonic::Request<T> {
 }
 
 /// Runs one benchmark round on a fresh cluster with placement `k`.
-pub async fn run_once(f_edges: usize, count: u32, concurrency: u32, batch: u32, latency: f64, k: usize) -> anyhow::Result<BenchResult> {
+pub async fn run_once(f_edges: usize, count: u32, concurrency: u32, batch: u32, latency: f64, k: usize, durable: bool) -> anyhow::Result<BenchResult> {
     let state = tempfile_dir()?;
+    let iam_state = if durable { format!("{state}/iam.state") } else { String::new() };
     let o = UpOptions {
         sim_edges: f_edges,
         addr: "127.0.0.1:0".into(),
@@ -84,6 +90,7 @@ pub async fn run_once(f_edges: usize, count: u32, concurrency: u32, batch: u32, 
         k: Some(k),
         create_rate: -1.0,
         request_rate: -1.0,
+        iam_state,
         ..Default::default()
     };
     let cluster = LocalCluster::up(&o).await?;
@@ -91,7 +98,7 @@ pub async fn run_once(f_edges: usize, count: u32, concurrency: u32, batch: u32, 
     let client = pb::d_sec_client::DSecClient::new(ch).max_decoding_message_size(crate::rpc::MAX_MESSAGE);
     let token = cluster.admin_token.clone();
     let spec = pb::SandboxSpec { backend: "sim".into(), cpu_cores_limit: 1.0, memory_limit_mb: 512, ..Default::default() };
-    let mut out = BenchResult { placement: if k == 1 { "random".into() } else { format!("power-of-{k}") }, ..Default::default() };
+    let mut out = BenchResult { placement: if k == 1 { "random".into() } else { format!("power-of-{k}") }, iam: if durable { "state file".into() } else { "memory".into() }, ..Default::default() };
 
     // Single creations from `concurrency` callers.
     let next = Arc::new(AtomicU32::new(0));
@@ -169,6 +176,7 @@ fn median_of(runs: &[BenchResult]) -> BenchResult {
     };
     BenchResult {
         placement: runs.first().map(|r| r.placement.clone()).unwrap_or_default(),
+        iam: runs.first().map(|r| r.iam.clone()).unwrap_or_default(),
         single_count: runs.first().map(|r| r.single_count).unwrap_or(0),
         single_failed: runs.iter().map(|r| r.single_failed).sum(),
         single_per_s: med(&|r| r.single_per_s),
@@ -209,7 +217,7 @@ pub fn main(args: &[String]) -> ExitCode {
     for k in ks {
         let mut runs = Vec::new();
         for _ in 0..f.runs.max(1) {
-            match rt.block_on(run_once(f.edges, f.count, f.concurrency, f.batch, f.sim_latency_ms, k)) {
+            match rt.block_on(run_once(f.edges, f.count, f.concurrency, f.batch, f.sim_latency_ms, k, f.durable)) {
                 Ok(r) => {
                     if !f.json {
                         print(&r);
