@@ -336,6 +336,18 @@ impl pb::iam_server::Iam for FakeIam {
             _ => Ok(Response::new(pb::LeaseInfo { lease_id: id, edge_id: "e1".into(), ..Default::default() })),
         }
     }
+    async fn get_leases(&self, r: Request<pb::GetLeasesRequest>) -> R<pb::GetLeasesResponse> {
+        let mut leases = Vec::new();
+        for id in r.into_inner().lease_ids {
+            self.lookups.lock().unwrap_or_else(|p| p.into_inner()).push(id.clone());
+            match id.as_str() {
+                "L-gone" => {}
+                "L-moved" => leases.push(pb::LeaseInfo { lease_id: id, edge_id: "e2".into(), sandbox_id: "e2.zz".into(), ..Default::default() }),
+                _ => leases.push(pb::LeaseInfo { lease_id: id, edge_id: "e1".into(), ..Default::default() }),
+            }
+        }
+        Ok(Response::new(pb::GetLeasesResponse { leases }))
+    }
     async fn authenticate(&self, _: Request<pb::AuthenticateRequest>) -> R<pb::AuthenticateResponse> { unimpl() }
     async fn authorize(&self, _: Request<pb::AuthorizeRequest>) -> R<pb::AuthorizeResponse> { unimpl() }
     async fn admit(&self, _: Request<pb::AdmitRequest>) -> R<pb::AdmitResponse> { unimpl() }

@@ -153,6 +153,12 @@ async fn state_survives_a_restart_and_reasons_reach_the_caller() {
     assert_eq!(epoch(c).await, e1);
     let lease = c.get_lease(internal(pb::GetLeaseRequest { lease_id: "l1".into() }, SVC)).await.unwrap().into_inner();
     assert_eq!((lease.project.as_str(), lease.principal.as_str(), lease.edge_id.as_str()), ("root/team-a", "trainer", "edge-1"));
+    // Batched lookups return only the leases held.
+    let many = c.get_leases(internal(pb::GetLeasesRequest { lease_ids: vec!["l1".into(), "never-admitted".into()] }, SVC)).await.unwrap().into_inner();
+    assert_eq!(many.leases.iter().map(|l| l.lease_id.as_str()).collect::<Vec<_>>(), vec!["l1"]);
+    let too_many = c.get_leases(internal(pb::GetLeasesRequest { lease_ids: (0..4097).map(|i| i.to_string()).collect() }, SVC)).await;
+    assert_eq!(failure_from_status(&too_many.unwrap_err()).reason, Reason::Invalid);
+    assert!(c.get_leases(pb::GetLeasesRequest { lease_ids: vec!["l1".into()] }).await.is_err(), "internal calls need the service token");
     // A retried admission finds the lease and charges nothing.
     let out = admit(c, &trainer, vec![item("l1", "root/team-a", 1.0)]).await;
     assert!(out.results[0].existed && out.results[0].error.is_none());

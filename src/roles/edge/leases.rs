@@ -1,7 +1,9 @@
 //! Leases of ended sandboxes go back to IAM (22-components §3 "Reconciliation"): queued and
 //! sent with `Iam.ReleaseLeases` after 1000 of them or 50 ms, one call per batch (per
 //! distinct end time), retried with backoff while IAM is unreachable, so none is lost while
-//! the edge runs. Also the `Iam.GetLease` lookup the edge makes after a creation.
+//! the edge runs. Also the lookup the edge makes after each creation: concurrent lookups are
+//! coalesced into one `Iam.GetLeases` call, so a burst of creations costs IAM a few calls
+//! rather than one per sandbox.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,6 +32,43 @@ pub struct IamLeases {
     client: Option<IamClient<Channel>>,
     token: String,
     timeout: Duration,
+    lookups: std::sync::OnceLock<mpsc::Sender<Lookup>>,
+}
+
+type Lookup = (String, oneshot::Sender<Result<Option<pb::LeaseInfo>, Failure>>);
+
+/// Most lease ids one `GetLeases` call carries (IAM accepts up to 4096).
+const LOOKUP_BATCH: usize = 1024;
+
+/// Answers queued lookups: takes the first waiting one and everything queued behind it, asks
+/// IAM once, and answers each. No waiting to fill a batch: under load the queue fills itself.
+async fn coalesce_lookups(client: IamClient<Channel>, token: String, timeout: Duration, mut rx: mpsc::Receiver<Lookup>) {
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < LOOKUP_BATCH {
+            match rx.try_recv() {
+                Ok(l) => batch.push(l),
+                Err(_) => break,
+            }
+        }
+        let ids: Vec<String> = batch.iter().map(|(id, _)| id.clone()).collect();
+        let mut req = rpc::client::internal(pb::GetLeasesRequest { lease_ids: ids }, &token);
+        req.set_timeout(timeout);
+        match client.clone().get_leases(req).await {
+            Ok(r) => {
+                let mut found: std::collections::HashMap<String, pb::LeaseInfo> = r.into_inner().leases.into_iter().map(|l| (l.lease_id.clone(), l)).collect();
+                for (id, tx) in batch {
+                    let _ = tx.send(Ok(found.remove(&id)));
+                }
+            }
+            Err(s) => {
+                let f = rpc::failure_from_status(&s);
+                for (_, tx) in batch {
+                    let _ = tx.send(Err(f.clone()));
+                }
+            }
+        }
+    }
 }
 
 impl IamLeases {
@@ -37,7 +76,7 @@ impl IamLeases {
     pub fn new(addr: &str, service_token: &str) -> Result<IamLeases, rpc::client::ClientError> {
         let timeout = Duration::from_secs(2);
         let client = if addr.is_empty() { None } else { Some(IamClient::new(rpc::client::channel(addr, timeout)?)) };
-        Ok(IamLeases { client, token: service_token.to_string(), timeout })
+        Ok(IamLeases { client, token: service_token.to_string(), timeout, lookups: std::sync::OnceLock::new() })
     }
 
     fn request<T>(&self, msg: T) -> tonic::Request<T> {
@@ -60,18 +99,15 @@ impl LeaseSink for IamLeases {
 
     async fn lookup(&self, lease_id: &str) -> Result<Option<pb::LeaseInfo>, Failure> {
         let Some(c) = &self.client else { return Err(Failure::unavailable("no IAM configured")) };
-        let mut c = c.clone();
-        match c.get_lease(self.request(pb::GetLeaseRequest { lease_id: lease_id.to_string() })).await {
-            Ok(r) => Ok(Some(r.into_inner())),
-            Err(s) => {
-                let f = rpc::failure_from_status(&s);
-                if f.reason == Reason::NotFound {
-                    Ok(None)
-                } else {
-                    Err(f)
-                }
-            }
-        }
+        // Started on first use, inside the edge's runtime.
+        let q = self.lookups.get_or_init(|| {
+            let (tx, rx) = mpsc::channel(8192);
+            tokio::spawn(coalesce_lookups(c.clone(), self.token.clone(), self.timeout, rx));
+            tx
+        });
+        let (tx, rx) = oneshot::channel();
+        q.send((lease_id.to_string(), tx)).await.map_err(|_| Failure::unavailable("lease lookups stopped"))?;
+        rx.await.map_err(|_| Failure::unavailable("lease lookup dropped"))?
     }
 }
 

@@ -147,6 +147,10 @@ impl pb::iam_server::Iam for IamService {
         self.internal(&req)?;
         reply(self.rpc_get_lease(req.into_inner()))
     }
+    async fn get_leases(&self, req: Request<pb::GetLeasesRequest>) -> Result<Response<pb::GetLeasesResponse>, Status> {
+        self.internal(&req)?;
+        reply(self.rpc_get_leases(req.into_inner()))
+    }
     async fn reconcile(&self, req: Request<pb::ReconcileRequest>) -> Result<Response<pb::ReconcileResponse>, Status> {
         self.internal(&req)?;
         reply(self.rpc_reconcile(req.into_inner()).await)

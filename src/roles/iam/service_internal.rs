@@ -104,6 +104,16 @@ impl IamService {
         st.leases.get(&r.lease_id).map(|l| views::lease_info(&r.lease_id, l)).ok_or_else(|| Failure::not_found(format!("lease {:?} not found", r.lease_id)))
     }
 
+    /// The leases among `lease_ids` that IAM holds; `invalid` past 4096 ids.
+    pub(super) fn rpc_get_leases(&self, r: pb::GetLeasesRequest) -> Result<pb::GetLeasesResponse, Failure> {
+        if r.lease_ids.len() > 4096 {
+            return Err(Failure::invalid(format!("{} lease ids asked; at most 4096 per call", r.lease_ids.len())));
+        }
+        let st = self.store().read();
+        let leases = r.lease_ids.iter().filter_map(|id| st.leases.get(id).map(|l| views::lease_info(id, l))).collect();
+        Ok(pb::GetLeasesResponse { leases })
+    }
+
     #[tracing::instrument(name = "iam.reconcile", skip_all, fields(edge_id = %r.edge_id, leases = r.leases.len()))]
     pub(super) async fn rpc_reconcile(&self, r: pb::ReconcileRequest) -> Result<pb::ReconcileResponse, Failure> {
         let leases: Vec<_> = r.leases.iter().map(views::lease_report).collect();
