@@ -37,12 +37,15 @@ struct TokenEntry {
     at: Instant,
 }
 
+/// (principal, project, permission).
+type AuthzKey = (String, String, String);
+
 /// Caches over IAM's Authenticate and Authorize.
 pub struct AuthCache {
     iam: IamClient<Channel>,
     service_token: String,
     tokens: RwLock<HashMap<[u8; 32], TokenEntry>>,
-    authz: RwLock<HashMap<(String, String, String), (bool, Instant)>>,
+    authz: RwLock<HashMap<AuthzKey, (bool, Instant)>>,
     epoch: AtomicU64,
     /// Unix seconds of IAM's last answer (readiness).
     pub last_iam_ok: AtomicI64,

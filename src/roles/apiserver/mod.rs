@@ -66,7 +66,7 @@ pub async fn start(cfg: Arc<Config>, index: usize, listener: TcpListener, shutdo
 /// As `start`, with the placement `k` overridden (benchmarks).
 pub async fn start_with(cfg: Arc<Config>, index: usize, listener: TcpListener, shutdown: Shutdown, ready: Ready, k: Option<usize>) -> Result<tokio::task::JoinHandle<()>, ApiserverError> {
     let entry = cfg.apiserver.get(index).cloned().unwrap_or_default();
-    if cfg.apiserver.len() > 0 && index >= cfg.apiserver.len() {
+    if !cfg.apiserver.is_empty() && index >= cfg.apiserver.len() {
         return Err(ApiserverError::NoEntry(index));
     }
     let ch = crate::rpc::client::channel(&cfg.iam.addr, Duration::from_secs(2))?;

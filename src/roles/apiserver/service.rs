@@ -84,7 +84,7 @@ impl Api {
                 });
             }
         }
-        r.map_err(|f| st(f))
+        r.map_err(st)
     }
 
     /// A lifecycle call (`op`: get, stop, pause, resume, touch) on one sandbox.

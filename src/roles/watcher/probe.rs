@@ -41,9 +41,8 @@ pub(crate) async fn run(inner: Arc<Inner>, shutdown: Shutdown, ready: Ready) {
         for (id, addr) in &targets {
             let ch = match channels.get(addr) {
                 Some(c) => Ok(c.clone()),
-                None => crate::rpc::client::channel(addr, timeout).map(|c| {
+                None => crate::rpc::client::channel(addr, timeout).inspect(|c| {
                     channels.insert(addr.clone(), c.clone());
-                    c
                 }),
             };
             let cfg = cfg.clone();
