@@ -209,3 +209,20 @@ async fn the_audit_log_records_calls_and_only_digests_of_commands() {
     assert_eq!(std::fs::metadata(audit.join("audit.log")).unwrap().permissions().mode() & 0o777, 0o600);
     cluster.down().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_whose_caller_went_away_stops_creating() {
+    let (cluster, mut c, _d) = up(2).await;
+    let t = cluster.admin_token.clone();
+    let req = pb::CreateSandboxesRequest { spec: Some(spec()), project: "root".into(), count: 30000, idempotency_key: "gone".into() };
+    let mut s = c.create_sandboxes(with_token(req, &t)).await.unwrap().into_inner();
+    for _ in 0..10 {
+        s.message().await.unwrap().unwrap();
+    }
+    drop(s);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let n = count(&mut c, &t, "root").await;
+    // Chunks already started (4 × 512) finish; nothing after them starts.
+    assert!(n <= 4 * 512 + 512, "{n} sandboxes created after the caller left");
+    cluster.down().await;
+}

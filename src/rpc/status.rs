@@ -23,10 +23,24 @@ fn code_of(r: Reason) -> Code {
 }
 
 /// Builds the gRPC status for a failure: a matching code, the message, and ErrorInfo.reason.
+/// Longest message put on the wire: clients cap the trailers' size (16 KB in grpc), and a
+/// message echoing a huge input would otherwise turn into a transport error with the wrong
+/// reason.
+pub const MAX_MESSAGE_LEN: usize = 2048;
+
 pub fn to_status(f: &Failure) -> Status {
+    let mut msg = f.message.clone();
+    if msg.len() > MAX_MESSAGE_LEN {
+        let mut cut = MAX_MESSAGE_LEN;
+        while !msg.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        msg.truncate(cut);
+        msg.push_str("... (truncated)");
+    }
     Status::with_error_details(
         code_of(f.reason),
-        f.message.clone(),
+        msg,
         ErrorDetails::with_error_info(f.reason.as_str(), DOMAIN, std::collections::HashMap::new()),
     )
 }
@@ -51,6 +65,8 @@ pub fn failure_from_status(s: &Status) -> Failure {
         Code::NotFound => Reason::NotFound,
         Code::ResourceExhausted => Reason::RateLimited,
         Code::InvalidArgument | Code::OutOfRange => Reason::Invalid,
+        // tonic reports a client-side deadline as Cancelled "Timeout expired".
+        Code::Cancelled if s.message().contains("Timeout expired") => Reason::Timeout,
         Code::Unavailable | Code::Cancelled | Code::Unknown => Reason::Unavailable,
         Code::DeadlineExceeded => Reason::Timeout,
         Code::AlreadyExists | Code::FailedPrecondition | Code::Aborted => Reason::Conflict,
@@ -82,6 +98,13 @@ mod tests {
             assert_eq!(f.reason, r);
             assert_eq!(f.message, "why");
         }
+    }
+
+    #[test]
+    fn huge_messages_are_cut_and_keep_their_reason() {
+        let s = to_status(&Failure::invalid("é".repeat(10_000)));
+        assert!(s.message().len() < MAX_MESSAGE_LEN + 32);
+        assert_eq!(failure_from_status(&s).reason, Reason::Invalid);
     }
 
     #[test]

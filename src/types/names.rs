@@ -19,13 +19,27 @@ pub const QUOTA_KEYS: [&str; 4] = ["sandboxes", "cpu_cores", "memory_mb", "gpus"
 
 const MAX_NAME: usize = 128;
 
+/// A user-supplied value for an error message: quoted, and cut to 64 characters so a huge
+/// input cannot make a huge error.
+pub fn shown(v: &str) -> String {
+    let cut: String = v.chars().take(64).collect();
+    if cut.len() < v.len() {
+        format!("{cut:?}... ({} bytes)", v.len())
+    } else {
+        format!("{cut:?}")
+    }
+}
+
 /// Checks one path segment of a project (`team-a`): no `/`, no whitespace, not empty.
 pub fn check_project_name(name: &str) -> Result<(), Failure> {
     if name.is_empty() || name.len() > MAX_NAME {
-        return Err(Failure::invalid(format!("project name {name:?} must be 1 to {MAX_NAME} characters")));
+        return Err(Failure::invalid(format!("project name {} must be 1 to {MAX_NAME} characters", shown(name))));
     }
-    if name.contains('/') || name.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(Failure::invalid(format!("project name {name:?} may not contain '/' or spaces")));
+    // Printable ASCII only: names travel in headers and logs, and look-alike or invisible
+    // characters (a zero-width space shows `root/` for `root/\u{200b}`) invite confusion.
+    // `:` is refused too: `<project>/<name>:<tag>` image names would become ambiguous.
+    if name.contains('/') || name.contains(':') || !name.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(Failure::invalid(format!("project name {} may hold only printable ASCII without '/', ':' or spaces", shown(name))));
     }
     if name == "." || name == ".." {
         return Err(Failure::invalid(format!("project name {name:?} is reserved")));
@@ -37,10 +51,10 @@ pub fn check_project_name(name: &str) -> Result<(), Failure> {
 pub fn check_project_path(path: &str) -> Result<(), Failure> {
     let mut parts = path.split('/');
     if parts.next() != Some("root") {
-        return Err(Failure::invalid(format!("project {path:?} must start with \"root\"")));
+        return Err(Failure::invalid(format!("project {} must start with \"root\"", shown(path))));
     }
     for p in parts {
-        check_project_name(p).map_err(|_| Failure::invalid(format!("project path {path:?} has a bad segment {p:?}")))?;
+        check_project_name(p).map_err(|e| Failure::invalid(format!("project path {}: {}", shown(path), e.message)))?;
     }
     if path.len() > 1024 {
         return Err(Failure::invalid("project path longer than 1024 characters"));
@@ -75,10 +89,11 @@ pub fn project_within(path: &str, ancestor: &str) -> bool {
 /// Checks a principal id: 1..128 characters, no `.`, `/` or whitespace.
 pub fn check_principal_id(id: &str) -> Result<(), Failure> {
     if id.is_empty() || id.len() > MAX_NAME {
-        return Err(Failure::invalid(format!("principal id {id:?} must be 1 to {MAX_NAME} characters")));
+        return Err(Failure::invalid(format!("principal id {} must be 1 to {MAX_NAME} characters", shown(id))));
     }
-    if id.chars().any(|c| c == '.' || c == '/' || c.is_whitespace() || c.is_control()) {
-        return Err(Failure::invalid(format!("principal id {id:?} may not contain '.', '/' or spaces")));
+    // Tokens carry the id in an HTTP header, so it must be header-safe: printable ASCII.
+    if id.contains('.') || id.contains('/') || !id.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(Failure::invalid(format!("principal id {} may hold only printable ASCII without '.', '/' or spaces", shown(id))));
     }
     Ok(())
 }
@@ -157,6 +172,15 @@ mod tests {
         assert!(check_principal_id("a.b").is_err());
         assert!(check_principal_id("a/b").is_err());
         assert!(check_principal_id("").is_err());
+        for bad in ["ümlaut", "a\u{200b}", "x\ny", "a\x01"] {
+            assert!(check_principal_id(bad).is_err(), "{bad:?}");
+        }
+        for bad in ["a:b", "\u{200b}", "ctl\x07", "ünï"] {
+            assert!(check_project_name(bad).is_err(), "{bad:?}");
+        }
+        assert!(check_project_name("$(id)").is_ok());
+        let long = "z".repeat(20000);
+        assert!(check_project_path(&long).unwrap_err().message.len() < 300);
         assert!(check_edge_id("node-a1").is_ok());
         assert!(check_edge_id("Node").is_err());
         assert!(check_edge_id(&"a".repeat(33)).is_err());

@@ -45,6 +45,18 @@ def _env(name: str) -> Optional[str]:
     return v if v else None
 
 
+#: Most sandboxes one batch creation may ask for (02-concepts §5).
+MAX_BATCH = 32768
+
+
+def _perm_list(perms: Union[str, Sequence[str]]) -> list[str]:
+    """Permissions as a list; one string is one permission (or a comma-separated list), never
+    a sequence of letters."""
+    if isinstance(perms, str):
+        return [p.strip() for p in perms.split(",") if p.strip()]
+    return list(perms)
+
+
 class DSecClient:
     """An asynchronous connection to an OpenDsec cluster (its apiservers).
 
@@ -214,8 +226,9 @@ class DSecClient:
             DSecError: when the batch request itself fails (no permission, say) before any
                 item arrived.
         """
-        if count < 1:
-            raise DSecError(INVALID, f"count must be at least 1, got {count}")
+        if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_BATCH:
+            # Checked here too: the result list is allocated before the server could refuse.
+            raise DSecError(INVALID, f"count must be within 1..{MAX_BATCH}, got {count!r}")
         req = opendsec_pb2.CreateSandboxesRequest(
             spec=args.to_spec(), project=self._project(args.project), count=count, idempotency_key=new_key()
         )
@@ -359,12 +372,12 @@ class DSecClient:
 
     async def grant(self, project: str, principal: str, perms: Sequence[str]) -> Project:
         """Grants permissions (e.g. ``["sandbox.create", "sandbox.operate"]``) on ``project``."""
-        req = opendsec_pb2.GrantRequest(project=project, principal=principal, permissions=list(perms))
+        req = opendsec_pb2.GrantRequest(project=project, principal=principal, permissions=_perm_list(perms))
         return Project.from_pb(await self._unary("Grant", req, retry=False))
 
     async def revoke(self, project: str, principal: str, perms: Sequence[str] = ()) -> Project:
         """Revokes permissions on ``project``; all of them when ``perms`` is empty."""
-        req = opendsec_pb2.GrantRequest(project=project, principal=principal, permissions=list(perms))
+        req = opendsec_pb2.GrantRequest(project=project, principal=principal, permissions=_perm_list(perms))
         return Project.from_pb(await self._unary("Revoke", req, retry=False))
 
     async def create_token(

@@ -541,3 +541,25 @@ async def test_tls_server_name(tmp_path):
             assert ei.value.reason == opendsec.UNAVAILABLE
     finally:
         await srv.stop(None)
+
+
+async def test_batch_count_is_checked_before_anything_is_allocated_or_sent():
+    from opendsec import DSecClient, DSecError, DSecRunArgs, INVALID
+
+    # No server at all: the check must come first.
+    async with DSecClient(endpoint="127.0.0.1:1", token="dsk.a.b", retry_timeout=0) as c:
+        for bad in (0, 32769, 10**9, 2**40, -1):
+            try:
+                await c.run_sandboxes(DSecRunArgs(backend="sim"), bad)
+            except DSecError as e:
+                assert e.reason == INVALID
+            else:
+                raise AssertionError(f"count {bad} accepted")
+
+
+def test_one_permission_string_is_not_split_into_letters():
+    from opendsec.client import _perm_list
+
+    assert _perm_list("sandbox.create") == ["sandbox.create"]
+    assert _perm_list("sandbox.create,layer.use") == ["sandbox.create", "layer.use"]
+    assert _perm_list(["a", "b"]) == ["a", "b"]

@@ -289,7 +289,15 @@ pub(crate) async fn run_batch(inner: Arc<Inner>, caller: Caller, project: String
     let tx = &tx;
     let mut fatal: Option<Failure> = None;
     let mut s = futures::stream::iter(chunks.into_iter().map(|chunk| async move {
+        // The caller has gone (a deadline, a broken connection): create nothing more. Its retry
+        // with the same key creates what is missing; chunks already started finish.
+        if tx.is_closed() {
+            return None;
+        }
         inner.creates.take(&caller.principal, chunk.len() as f64).await;
+        if tx.is_closed() {
+            return None;
+        }
         let _permits = match &inner.inflight {
             Some(sem) => sem.clone().acquire_many_owned(chunk.len() as u32).await.ok(),
             None => None,

@@ -178,6 +178,14 @@ pub(super) fn revoke_token(st: &mut IamState, a: &Actor, principal: &str, token_
     if !p.tokens.contains_key(token_id) {
         return Err(Failure::not_found(format!("principal {principal} has no token {token_id:?}")));
     }
+    // The administrator cannot be deleted; losing its last working token would lock everyone
+    // out of IAM just the same.
+    if principal == st.admin_id {
+        let live = p.tokens.iter().filter(|(id, t)| id.as_str() != token_id && (t.expires_at == 0 || t.expires_at > now)).count();
+        if live == 0 {
+            return Err(Failure::invalid(format!("token {token_id:?} is the administrator's last working token; issue another one before revoking it")));
+        }
+    }
     if let Some(p) = st.principals.get_mut(principal) {
         p.tokens.remove(token_id);
     }
@@ -193,6 +201,18 @@ mod tests {
     use super::super::tokens::hash_secret;
     use super::*;
     use crate::types::Reason;
+
+    #[test]
+    fn the_administrators_last_token_cannot_be_revoked() {
+        let mut st = booted();
+        let before = st.clone();
+        refused(&mut st, Command::RevokeToken { actor: admin(), principal: "admin".into(), token_id: "primary".into(), now: NOW }, Reason::Invalid);
+        assert_eq!(st, before);
+        // With a second token it can go; then the second is the last one.
+        ok(&mut st, Command::CreateToken { actor: admin(), principal: "admin".into(), token: new_token("t2"), ttl: 0, description: String::new(), now: NOW });
+        ok(&mut st, Command::RevokeToken { actor: admin(), principal: "admin".into(), token_id: "primary".into(), now: NOW });
+        assert!(!st.principals["admin"].tokens.contains_key("primary"));
+    }
 
     fn new_token(id: &str) -> NewToken {
         NewToken { id: id.into(), hash: hash_secret(&format!("secret-{id}")) }
