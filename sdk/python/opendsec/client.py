@@ -14,7 +14,7 @@ import grpc.aio
 from opendsec import _transport
 from opendsec._pb import opendsec_pb2, types_pb2
 from opendsec._version import __version__
-from opendsec.errors import INTERNAL, INVALID, UNAVAILABLE, DSecError, error_from_rpc
+from opendsec.errors import INTERNAL, INVALID, UNAVAILABLE, DSecError, bad_arguments_are_invalid, error_from_rpc
 from opendsec.models import (
     DSecRunArgs,
     Project,
@@ -57,6 +57,7 @@ def _perm_list(perms: Union[str, Sequence[str]]) -> list[str]:
     return list(perms)
 
 
+@bad_arguments_are_invalid
 class DSecClient:
     """An asynchronous connection to an OpenDsec cluster (its apiservers).
 

@@ -158,3 +158,28 @@ def error_from_rpc(err: grpc.RpcError) -> DSecError:
         if not message and code is not None:
             message = code.name
     return DSecError(reason, message)
+
+
+def bad_arguments_are_invalid(cls: type) -> type:
+    """Class decorator: in every public coroutine method, a ``TypeError`` or ``ValueError``
+    raised while building the request (a string where a number belongs, an int too large for
+    its field) becomes ``DSecError(INVALID)``, like any other bad input the server refuses."""
+    import functools
+    import inspect
+
+    for name, fn in list(vars(cls).items()):
+        if name.startswith("_") or not inspect.iscoroutinefunction(fn):
+            continue
+
+        def wrap(f):  # type: ignore[no-untyped-def]
+            @functools.wraps(f)
+            async def method(*args, **kwargs):  # type: ignore[no-untyped-def]
+                try:
+                    return await f(*args, **kwargs)
+                except (TypeError, ValueError) as e:
+                    raise DSecError(INVALID, f"bad argument to {f.__name__}: {e}") from e
+
+            return method
+
+        setattr(cls, name, wrap(fn))
+    return cls

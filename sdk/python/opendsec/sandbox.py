@@ -8,7 +8,7 @@ import grpc
 import grpc.aio
 
 from opendsec._pb import opendsec_pb2, runtime_pb2, types_pb2
-from opendsec.errors import UNAVAILABLE, DSecError, error_from_rpc
+from opendsec.errors import UNAVAILABLE, DSecError, bad_arguments_are_invalid, error_from_rpc
 from opendsec.models import FileInfo, HttpResult, ShellResult
 
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ def _new_key() -> str:
     return new_key()
 
 
+@bad_arguments_are_invalid
 class Sandbox:
     """A handle on one sandbox, returned by ``run_sandbox``, ``get_sandbox`` and the others.
 

@@ -563,3 +563,21 @@ def test_one_permission_string_is_not_split_into_letters():
     assert _perm_list("sandbox.create") == ["sandbox.create"]
     assert _perm_list("sandbox.create,layer.use") == ["sandbox.create", "layer.use"]
     assert _perm_list(["a", "b"]) == ["a", "b"]
+
+
+async def test_wrong_argument_types_are_invalid_not_python_exceptions():
+    from opendsec import DSecClient, DSecError, DSecRunArgs, INVALID
+
+    async with DSecClient(endpoint="127.0.0.1:1", token="dsk.a.b", retry_timeout=0) as c:
+        for call in (
+            lambda: c.run_sandbox(DSecRunArgs(backend="sim", memory_limit_mb="lots")),
+            lambda: c.run_sandbox(DSecRunArgs(backend="sim", memory_limit_mb=2**63)),
+            lambda: c.create_project("root", "x", {"sandboxes": "ten"}),
+            lambda: c.create_project("root", 123),
+        ):
+            try:
+                await call()
+            except DSecError as e:
+                assert e.reason == INVALID, e
+            else:
+                raise AssertionError("accepted")
