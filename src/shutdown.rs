@@ -18,7 +18,10 @@ impl Default for Shutdown {
 impl Shutdown {
     pub fn new() -> Self {
         let (tx, rx) = watch::channel(false);
-        Shutdown { tx: std::sync::Arc::new(tx), rx }
+        Shutdown {
+            tx: std::sync::Arc::new(tx),
+            rx,
+        }
     }
 
     pub fn fire(&self) {
@@ -44,7 +47,10 @@ impl Shutdown {
         let me = self.clone();
         tokio::spawn(async move {
             use tokio::signal::unix::{signal, SignalKind};
-            let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+            let (Ok(mut term), Ok(mut int)) = (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::interrupt()),
+            ) else {
                 return;
             };
             tokio::select! {

@@ -9,11 +9,34 @@ const BIN: &str = env!("CARGO_BIN_EXE_opendsec");
 
 #[test]
 fn bench_compares_random_with_power_of_two() {
-    let out = Command::new(BIN).args(["ctl", "bench", "-compare", "-edges", "3", "-count", "300", "-concurrency", "8", "-batch", "600", "-json"]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(BIN)
+        .args([
+            "ctl",
+            "bench",
+            "-compare",
+            "-edges",
+            "3",
+            "-count",
+            "300",
+            "-concurrency",
+            "8",
+            "-batch",
+            "600",
+            "-json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let medians = v["medians"].as_array().unwrap();
-    let modes: Vec<&str> = medians.iter().map(|m| m["placement"].as_str().unwrap()).collect();
+    let modes: Vec<&str> = medians
+        .iter()
+        .map(|m| m["placement"].as_str().unwrap())
+        .collect();
     assert_eq!(modes, vec!["random", "power-of-2"]);
     for m in medians {
         assert_eq!(m["single_failed"], 0);
@@ -25,16 +48,28 @@ fn bench_compares_random_with_power_of_two() {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 fn get(port: u16, path: &str) -> (u16, String) {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
     let mut body = String::new();
     s.read_to_string(&mut body).unwrap();
-    let code = body.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let code = body
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
     (code, body)
 }
 
@@ -44,7 +79,18 @@ fn cluster_up_serves_health_and_metrics_and_writes_its_config() {
     let port = free_port();
     let cfg = dir.path().join("cluster.json");
     let mut child = Command::new(BIN)
-        .args(["cluster", "up", "-sim-edges", "2", "-addr", "127.0.0.1:0", "-log", "warn", "-disk-reserve-mb", "-1"])
+        .args([
+            "cluster",
+            "up",
+            "-sim-edges",
+            "2",
+            "-addr",
+            "127.0.0.1:0",
+            "-log",
+            "warn",
+            "-disk-reserve-mb",
+            "-1",
+        ])
         .arg("-state-dir")
         .arg(dir.path())
         .arg("-metrics")
@@ -65,8 +111,14 @@ fn cluster_up_serves_health_and_metrics_and_writes_its_config() {
         }
     }
     let result = std::panic::catch_unwind(|| {
-        assert!(env[0].starts_with("export OPENDSEC_ADDR=127.0.0.1:"), "{env:?}");
-        assert!(env[1].starts_with("export OPENDSEC_TOKEN=dsk.admin."), "{env:?}");
+        assert!(
+            env[0].starts_with("export OPENDSEC_ADDR=127.0.0.1:"),
+            "{env:?}"
+        );
+        assert!(
+            env[1].starts_with("export OPENDSEC_TOKEN=dsk.admin."),
+            "{env:?}"
+        );
         assert_eq!(env[2], "export OPENDSEC_PROJECT=root");
         let (code, _) = get(port, "/healthz");
         assert_eq!(code, 200);
@@ -74,16 +126,29 @@ fn cluster_up_serves_health_and_metrics_and_writes_its_config() {
         assert_eq!(code, 200);
         let (code, body) = get(port, "/metrics");
         assert_eq!(code, 200);
-        for name in ["opendsec_build_info", "opendsec_ready", "opendsec_watcher_edges_healthy", "opendsec_iam_leader", "opendsec_edge_sandboxes"] {
+        for name in [
+            "opendsec_build_info",
+            "opendsec_ready",
+            "opendsec_watcher_edges_healthy",
+            "opendsec_iam_leader",
+            "opendsec_edge_sandboxes",
+        ] {
             assert!(body.contains(name), "metric {name} missing");
         }
         let text = std::fs::read_to_string(&cfg).unwrap();
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["edges"].as_array().unwrap().len(), 2);
         use std::os::unix::fs::PermissionsExt;
-        assert_eq!(std::fs::metadata(&cfg).unwrap().permissions().mode() & 0o777, 0o600, "the config holds secrets");
+        assert_eq!(
+            std::fs::metadata(&cfg).unwrap().permissions().mode() & 0o777,
+            0o600,
+            "the config holds secrets"
+        );
     });
-    let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+    let _ = Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status();
     let _ = child.wait();
     if let Err(e) = result {
         std::panic::resume_unwind(e);

@@ -67,7 +67,11 @@ impl Fake {
     /// `slow` with a timeout times out.
     fn shell_result(req: &pb::RunShellRequest) -> (Vec<u8>, Vec<u8>, pb::ShellResult) {
         let out = format!("{}\n", req.cmd).into_bytes();
-        let err = if req.cmd.contains("fail7") { b"it failed\n".to_vec() } else { vec![] };
+        let err = if req.cmd.contains("fail7") {
+            b"it failed\n".to_vec()
+        } else {
+            vec![]
+        };
         let res = pb::ShellResult {
             cmd_id: 42,
             exit_code: if req.cmd.contains("fail7") { 7 } else { 0 },
@@ -80,7 +84,10 @@ impl Fake {
 }
 
 fn chunk(kind: Kind, offset: i64) -> Result<pb::ShellChunk, Status> {
-    Ok(pb::ShellChunk { kind: Some(kind), offset })
+    Ok(pb::ShellChunk {
+        kind: Some(kind),
+        offset,
+    })
 }
 
 fn sandbox_call<T>(f: &Fake, req: &Request<T>, id: &str) -> Result<Response<pb::Sandbox>, Status> {
@@ -391,10 +398,14 @@ async fn start() -> Server {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let fake = Arc::new(Fake::default());
-    let svc = DSecServer::from_arc(fake.clone()).max_decoding_message_size(rpc::MAX_MESSAGE).max_encoding_message_size(rpc::MAX_MESSAGE);
+    let svc = DSecServer::from_arc(fake.clone())
+        .max_decoding_message_size(rpc::MAX_MESSAGE)
+        .max_encoding_message_size(rpc::MAX_MESSAGE);
     let router = rpc::serve::builder().add_service(svc);
     tokio::spawn(async move {
-        let _ = router.serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)).await;
+        let _ = router
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+            .await;
     });
     Server { addr, fake }
 }
@@ -411,7 +422,8 @@ impl Run {
         String::from_utf8_lossy(&self.stdout).into_owned()
     }
     fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}\nstderr: {}", self.out(), self.stderr))
+        serde_json::from_slice(&self.stdout)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}\nstderr: {}", self.out(), self.stderr))
     }
 }
 
@@ -439,7 +451,11 @@ async fn ctl_env(addr: &str, token: &str, args: &[&str], stdin: Option<&[u8]>) -
     }
     drop(input);
     let out = child.wait_with_output().await.unwrap();
-    Run { code: out.status.code().unwrap_or(-1), stdout: out.stdout, stderr: String::from_utf8_lossy(&out.stderr).into_owned() }
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: out.stdout,
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -452,16 +468,31 @@ async fn sandbox_json_and_error_format() {
     assert_eq!(v["state"], "RUNNING");
     assert_eq!(v["created_at"], "1700000000");
     // Fields at their default value are left out.
-    assert!(v.get("ended_at").is_none() && v.get("message").is_none(), "{v}");
+    assert!(
+        v.get("ended_at").is_none() && v.get("message").is_none(),
+        "{v}"
+    );
 
     let r = ctl(&s.addr, &["sandbox", "get", "missing"]).await;
-    assert_eq!((r.code, r.stderr.as_str(), r.stdout.len()), (1, "error: not_found: sandbox missing not found\n", 0));
+    assert_eq!(
+        (r.code, r.stderr.as_str(), r.stdout.len()),
+        (1, "error: not_found: sandbox missing not found\n", 0)
+    );
 
     let r = ctl_env(&s.addr, "dsk.admin.t1.wrong", &["whoami"], None).await;
-    assert_eq!((r.code, r.stderr.as_str()), (1, "error: unauthenticated: unknown token\n"));
+    assert_eq!(
+        (r.code, r.stderr.as_str()),
+        (1, "error: unauthenticated: unknown token\n")
+    );
 
     // -token beats OPENDSEC_TOKEN, and may come after the command.
-    let r = ctl_env(&s.addr, "dsk.admin.t1.wrong", &["whoami", "-token", TOKEN], None).await;
+    let r = ctl_env(
+        &s.addr,
+        "dsk.admin.t1.wrong",
+        &["whoami", "-token", TOKEN],
+        None,
+    )
+    .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(r.json()["principal"], "admin");
 
@@ -469,8 +500,23 @@ async fn sandbox_json_and_error_format() {
     assert_eq!(r.json()["state"], "STOPPED");
     let r = ctl(&s.addr, &["sandbox", "timeout", "edge-1.abc", "600"]).await;
     assert_eq!(r.json()["message"], "timeout 600");
-    let r = ctl(&s.addr, &["sandbox", "list", "-all", "-task", "job-1", "-project", "root/team-a"]).await;
-    assert_eq!(r.json()["sandboxes"][0]["message"], "project=root/team-a task=job-1 ended=true");
+    let r = ctl(
+        &s.addr,
+        &[
+            "sandbox",
+            "list",
+            "-all",
+            "-task",
+            "job-1",
+            "-project",
+            "root/team-a",
+        ],
+    )
+    .await;
+    assert_eq!(
+        r.json()["sandboxes"][0]["message"],
+        "project=root/team-a task=job-1 ended=true"
+    );
     let r = ctl(&s.addr, &["status"]).await;
     assert_eq!(r.json()["edges"][0]["id"], "edge-1");
     let r = ctl(&s.addr, &["edge", "drain", "edge-1"]).await;
@@ -482,50 +528,113 @@ async fn sandbox_json_and_error_format() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn create_checks_input_before_calling() {
     let s = start().await;
-    let r = ctl(&s.addr, &["sandbox", "create", "-image", "root/py:3.12", "-backend", "microvm", "-net", "pypi,github.com:443,!npm", "-ttl-idle", "-1"]).await;
+    let r = ctl(
+        &s.addr,
+        &[
+            "sandbox",
+            "create",
+            "-image",
+            "root/py:3.12",
+            "-backend",
+            "microvm",
+            "-net",
+            "pypi,github.com:443,!npm",
+            "-ttl-idle",
+            "-1",
+        ],
+    )
+    .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     let v = r.json();
     assert_eq!(v["id"], "edge-1.new");
     assert_eq!(v["spec"]["network_rules"]["npm"], false);
     let sent = s.fake.last_create.lock().unwrap().clone().unwrap();
     let spec = sent.spec.unwrap();
-    assert_eq!((spec.backend.as_str(), spec.cpu_cores_limit, spec.memory_limit_mb, spec.ttl_running_stop), ("microvm", 1.0, 1024, -1));
+    assert_eq!(
+        (
+            spec.backend.as_str(),
+            spec.cpu_cores_limit,
+            spec.memory_limit_mb,
+            spec.ttl_running_stop
+        ),
+        ("microvm", 1.0, 1024, -1)
+    );
     assert_eq!(sent.project, "root");
     assert!(!sent.idempotency_key.is_empty());
 
     let before = s.fake.calls.load(Ordering::SeqCst);
     for (args, want) in [
-        (&["sandbox", "create", "-net", "pypi,,npm"][..], "error: invalid: -net: bad rule \"\""),
-        (&["sandbox", "create", "-mem", "lots"], "error: invalid: -mem: \"lots\" is not a whole number"),
-        (&["sandbox", "create", "-backend", "docker"], "error: invalid: -backend"),
-        (&["sandbox", "create", "-count", "0"], "error: invalid: -count"),
-        (&["project", "create", "root", "team-a", "-quota", "disk_gb=5"], "error: invalid: -quota: unknown key \"disk_gb\""),
-        (&["grant", "root", "trainer", "sandbox.fly"], "error: invalid: unknown permission"),
+        (
+            &["sandbox", "create", "-net", "pypi,,npm"][..],
+            "error: invalid: -net: bad rule \"\"",
+        ),
+        (
+            &["sandbox", "create", "-mem", "lots"],
+            "error: invalid: -mem: \"lots\" is not a whole number",
+        ),
+        (
+            &["sandbox", "create", "-backend", "docker"],
+            "error: invalid: -backend",
+        ),
+        (
+            &["sandbox", "create", "-count", "0"],
+            "error: invalid: -count",
+        ),
+        (
+            &["project", "create", "root", "team-a", "-quota", "disk_gb=5"],
+            "error: invalid: -quota: unknown key \"disk_gb\"",
+        ),
+        (
+            &["grant", "root", "trainer", "sandbox.fly"],
+            "error: invalid: unknown permission",
+        ),
         (&["usage", "-from", "2026-13-01"], "error: invalid: -from"),
-        (&["-deadline", "soon", "whoami"], "error: invalid: -deadline"),
+        (
+            &["-deadline", "soon", "whoami"],
+            "error: invalid: -deadline",
+        ),
     ] {
         let r = ctl(&s.addr, args).await;
         assert_eq!(r.code, 1, "{args:?}: {}", r.stderr);
         assert!(r.stderr.starts_with(want), "{args:?}: {}", r.stderr);
     }
-    assert_eq!(s.fake.calls.load(Ordering::SeqCst), before, "a bad input reached the server");
+    assert_eq!(
+        s.fake.calls.load(Ordering::SeqCst),
+        before,
+        "a bad input reached the server"
+    );
 
     // Usage errors exit 2.
     let r = ctl(&s.addr, &["sandbox", "create", "-bogus", "1"]).await;
     assert_eq!(r.code, 2, "{}", r.stderr);
-    assert!(r.stderr.starts_with("error: invalid: Unrecognized argument: -bogus"), "{}", r.stderr);
+    assert!(
+        r.stderr
+            .starts_with("error: invalid: Unrecognized argument: -bogus"),
+        "{}",
+        r.stderr
+    );
     let r = ctl(&s.addr, &["sandbox", "get"]).await;
     assert_eq!(r.code, 2, "{}", r.stderr);
     // Help exits 0 on stdout, in single-dash style.
     let r = ctl(&s.addr, &["sandbox", "create", "help"]).await;
     assert_eq!(r.code, 0);
-    assert!(r.out().contains("-ttl-idle") && !r.out().contains("--ttl-idle"), "{}", r.out());
+    assert!(
+        r.out().contains("-ttl-idle") && !r.out().contains("--ttl-idle"),
+        "{}",
+        r.out()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_lines_in_index_order_and_summary() {
     let s = start().await;
-    let r = ctl(&s.addr, &["sandbox", "create", "-count", "5", "-backend", "sim", "-task", "job-1"]).await;
+    let r = ctl(
+        &s.addr,
+        &[
+            "sandbox", "create", "-count", "5", "-backend", "sim", "-task", "job-1",
+        ],
+    )
+    .await;
     assert_eq!(r.code, 1, "{}", r.stderr);
     let out = r.out();
     let lines: Vec<&str> = out.lines().collect();
@@ -541,7 +650,11 @@ async fn batch_lines_in_index_order_and_summary() {
     );
     assert_eq!(lines.len(), 6, "{out}");
     assert!(lines[5].starts_with("created 3/5 in "), "{}", lines[5]);
-    assert!(lines[5].ends_with("; failures: map[no_capacity:1 quota_exceeded:1]"), "{}", lines[5]);
+    assert!(
+        lines[5].ends_with("; failures: map[no_capacity:1 quota_exceeded:1]"),
+        "{}",
+        lines[5]
+    );
 
     // All good: exit 0.
     let r = ctl(&s.addr, &["sandbox", "create", "-count", "1"]).await;
@@ -553,18 +666,43 @@ async fn batch_lines_in_index_order_and_summary() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_streams_quotes_and_passes_exit_codes() {
     let s = start().await;
-    let r = ctl(&s.addr, &["exec", "edge-1.a", "python3", "-c", "print(6*7)"]).await;
+    let r = ctl(
+        &s.addr,
+        &["exec", "edge-1.a", "python3", "-c", "print(6*7)"],
+    )
+    .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(r.out(), "python3 -c 'print(6*7)'\n");
     let shell = s.fake.last_shell.lock().unwrap().clone().unwrap();
-    assert_eq!((shell.session.as_str(), shell.sandbox_id.as_str()), ("default", "edge-1.a"));
+    assert_eq!(
+        (shell.session.as_str(), shell.sandbox_id.as_str()),
+        ("default", "edge-1.a")
+    );
     assert!(!shell.request_id.is_empty());
 
     // One argument is a whole shell command, sent as is; -- protects the command's options.
-    let r = ctl(&s.addr, &["exec", "edge-1.a", "-session", "s2", "-user", "1000", "--", "ls", "-la", "it's here"]).await;
+    let r = ctl(
+        &s.addr,
+        &[
+            "exec",
+            "edge-1.a",
+            "-session",
+            "s2",
+            "-user",
+            "1000",
+            "--",
+            "ls",
+            "-la",
+            "it's here",
+        ],
+    )
+    .await;
     assert_eq!(r.out(), "ls -la 'it'\\''s here'\n");
     let shell = s.fake.last_shell.lock().unwrap().clone().unwrap();
-    assert_eq!((shell.session.as_str(), shell.user.as_str()), ("s2", "1000"));
+    assert_eq!(
+        (shell.session.as_str(), shell.user.as_str()),
+        ("s2", "1000")
+    );
     let r = ctl(&s.addr, &["exec", "edge-1.a", "cd /srv && make | tail"]).await;
     assert_eq!(r.out(), "cd /srv && make | tail\n");
 
@@ -575,7 +713,10 @@ async fn exec_streams_quotes_and_passes_exit_codes() {
     let r = ctl(&s.addr, &["exec", "edge-1.a", "-timeout", "2", "slow"]).await;
     assert_eq!(r.code, 124);
     assert_eq!(r.stderr, "opendsecctl: command timed out\n");
-    assert_eq!(s.fake.last_shell.lock().unwrap().clone().unwrap().timeout, 2.0);
+    assert_eq!(
+        s.fake.last_shell.lock().unwrap().clone().unwrap().timeout,
+        2.0
+    );
 
     // A stream broken by `unavailable` resumes from where it was; nothing is repeated.
     let r = ctl(&s.addr, &["exec", "edge-1.a", "flaky output fail7"]).await;
@@ -585,7 +726,11 @@ async fn exec_streams_quotes_and_passes_exit_codes() {
 
     let r = ctl(&s.addr, &["exec", "missing"]).await;
     assert_eq!(r.code, 1);
-    assert!(r.stderr.starts_with("error: invalid: exec needs a command"), "{}", r.stderr);
+    assert!(
+        r.stderr.starts_with("error: invalid: exec needs a command"),
+        "{}",
+        r.stderr
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -593,39 +738,71 @@ async fn cp_both_ways_byte_for_byte() {
     let s = start().await;
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("blob.bin");
-    let data: Vec<u8> = (0..3_000_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let data: Vec<u8> = (0..3_000_000u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
     std::fs::write(&src, &data).unwrap();
     std::fs::set_permissions(&src, std::fs::Permissions::from_mode(0o750)).unwrap();
 
     let r = ctl(&s.addr, &["cp", src.to_str().unwrap(), "edge-1.a:/data/"]).await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(r.json()["path"], "/data/blob.bin");
-    let (stored, mode) = s.fake.files.lock().unwrap().get("edge-1.a:/data/blob.bin").cloned().unwrap();
+    let (stored, mode) = s
+        .fake
+        .files
+        .lock()
+        .unwrap()
+        .get("edge-1.a:/data/blob.bin")
+        .cloned()
+        .unwrap();
     assert!(stored == data, "upload changed the bytes");
     assert_eq!(mode, 0o750);
 
     let back = dir.path().join("back.bin");
-    let r = ctl(&s.addr, &["cp", "edge-1.a:/data/blob.bin", back.to_str().unwrap()]).await;
+    let r = ctl(
+        &s.addr,
+        &["cp", "edge-1.a:/data/blob.bin", back.to_str().unwrap()],
+    )
+    .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
-    assert!(std::fs::read(&back).unwrap() == data, "download changed the bytes");
+    assert!(
+        std::fs::read(&back).unwrap() == data,
+        "download changed the bytes"
+    );
 
     // Into a directory: the sandbox file's name is kept. `-` is stdin/stdout.
     let sub = dir.path().join("sub");
     std::fs::create_dir(&sub).unwrap();
-    let r = ctl(&s.addr, &["cp", "edge-1.a:/data/blob.bin", sub.to_str().unwrap()]).await;
+    let r = ctl(
+        &s.addr,
+        &["cp", "edge-1.a:/data/blob.bin", sub.to_str().unwrap()],
+    )
+    .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(std::fs::read(sub.join("blob.bin")).unwrap() == data);
-    let r = ctl_env(&s.addr, TOKEN, &["cp", "-", "edge-1.a:/in.txt"], Some(b"from stdin\x00\xff")).await;
+    let r = ctl_env(
+        &s.addr,
+        TOKEN,
+        &["cp", "-", "edge-1.a:/in.txt"],
+        Some(b"from stdin\x00\xff"),
+    )
+    .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     let r = ctl(&s.addr, &["cp", "edge-1.a:/in.txt", "-"]).await;
     assert_eq!(r.stdout, b"from stdin\x00\xff");
 
     let r = ctl(&s.addr, &["cp", "edge-1.a:/nope", back.to_str().unwrap()]).await;
-    assert_eq!((r.code, r.stderr.as_str()), (1, "error: not_found: /nope: no such file\n"));
+    assert_eq!(
+        (r.code, r.stderr.as_str()),
+        (1, "error: not_found: /nope: no such file\n")
+    );
 
     // Over 64 MB is refused before anything is sent (a sparse file costs no disk).
     let big = dir.path().join("big.bin");
-    std::fs::File::create(&big).unwrap().set_len(64 * 1024 * 1024 + 1).unwrap();
+    std::fs::File::create(&big)
+        .unwrap()
+        .set_len(64 * 1024 * 1024 + 1)
+        .unwrap();
     let before = s.fake.calls.load(Ordering::SeqCst);
     let r = ctl(&s.addr, &["cp", big.to_str().unwrap(), "edge-1.a:/big.bin"]).await;
     assert_eq!(r.code, 1);
@@ -641,7 +818,10 @@ async fn iam_backup_is_private_and_restore_sends_it() {
     let r = ctl(&s.addr, &["iam", "backup", "-out", out.to_str().unwrap()]).await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(std::fs::read(&out).unwrap(), BACKUP);
-    assert_eq!(std::fs::metadata(&out).unwrap().permissions().mode() & 0o777, 0o600);
+    assert_eq!(
+        std::fs::metadata(&out).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
 
     // Restore needs a whole gzip file; a real one goes through unchanged.
     let r = ctl(&s.addr, &["iam", "restore", out.to_str().unwrap()]).await;
@@ -674,16 +854,38 @@ async fn failover_from_a_dead_address_and_tls_refusal() {
 
     let r = ctl(&dead, &["whoami"]).await;
     assert_eq!(r.code, 1);
-    assert!(r.stderr.starts_with(&format!("error: unavailable: {dead}: ")), "{}", r.stderr);
+    assert!(
+        r.stderr
+            .starts_with(&format!("error: unavailable: {dead}: ")),
+        "{}",
+        r.stderr
+    );
 
     let r = ctl(&s.addr, &["whoami", "-ca", "/etc/opendsec/ca.crt"]).await;
-    assert_eq!((r.code, r.stderr.as_str()), (1, "error: invalid: TLS is not supported by this build yet\n"));
+    assert_eq!(
+        (r.code, r.stderr.as_str()),
+        (
+            1,
+            "error: invalid: TLS is not supported by this build yet\n"
+        )
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn iam_commands_tasks_and_usage() {
     let s = start().await;
-    let r = ctl(&s.addr, &["project", "create", "root", "team-a", "-quota", "sandboxes=1000,cpu_cores=4000,memory_mb=4096000"]).await;
+    let r = ctl(
+        &s.addr,
+        &[
+            "project",
+            "create",
+            "root",
+            "team-a",
+            "-quota",
+            "sandboxes=1000,cpu_cores=4000,memory_mb=4096000",
+        ],
+    )
+    .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(r.json()["path"], "root/team-a");
     let sent = s.fake.last_project.lock().unwrap().clone().unwrap();
@@ -692,39 +894,110 @@ async fn iam_commands_tasks_and_usage() {
     let r = ctl(&s.addr, &["project", "get", "-project", "root/x"]).await;
     assert_eq!(r.json()["path"], "root/x");
     let r = ctl(&s.addr, &["project", "delete", "root/team-a"]).await;
-    assert_eq!((r.code, r.stderr.as_str()), (1, "error: conflict: project root/team-a has subprojects\n"));
+    assert_eq!(
+        (r.code, r.stderr.as_str()),
+        (1, "error: conflict: project root/team-a has subprojects\n")
+    );
 
-    let r = ctl(&s.addr, &["principal", "create", "root/team-a", "trainer", "-kind", "service", "-ttl", "3600"]).await;
+    let r = ctl(
+        &s.addr,
+        &[
+            "principal",
+            "create",
+            "root/team-a",
+            "trainer",
+            "-kind",
+            "service",
+            "-ttl",
+            "3600",
+        ],
+    )
+    .await;
     let v = r.json();
     assert_eq!(v["token"], "dsk.trainer.t1.s3cret");
     assert_eq!(v["token_info"]["description"], "service");
     assert_eq!(v["token_info"]["expires_at"], "3600");
-    let r = ctl(&s.addr, &["principal", "create", "root/team-a", "trainer", "-kind", "robot"]).await;
+    let r = ctl(
+        &s.addr,
+        &[
+            "principal",
+            "create",
+            "root/team-a",
+            "trainer",
+            "-kind",
+            "robot",
+        ],
+    )
+    .await;
     assert_eq!(r.code, 1);
     let r = ctl(&s.addr, &["principal", "delete", "trainer"]).await;
     assert_eq!((r.code, r.out().trim()), (0, "{}"));
 
-    let r = ctl(&s.addr, &["grant", "root/team-a", "trainer", "sandbox.create,sandbox.operate"]).await;
-    assert_eq!(r.json()["policies"]["trainer"]["permissions"], serde_json::json!(["sandbox.create", "sandbox.operate"]));
+    let r = ctl(
+        &s.addr,
+        &[
+            "grant",
+            "root/team-a",
+            "trainer",
+            "sandbox.create,sandbox.operate",
+        ],
+    )
+    .await;
+    assert_eq!(
+        r.json()["policies"]["trainer"]["permissions"],
+        serde_json::json!(["sandbox.create", "sandbox.operate"])
+    );
     let r = ctl(&s.addr, &["revoke", "root/team-a", "trainer"]).await;
     assert_eq!(r.json()["policies"]["trainer"], serde_json::json!({}));
 
-    let r = ctl(&s.addr, &["token", "create", "-desc", "gpu-node-07", "-ttl", "60"]).await;
+    let r = ctl(
+        &s.addr,
+        &["token", "create", "-desc", "gpu-node-07", "-ttl", "60"],
+    )
+    .await;
     assert_eq!(r.json()["info"]["principal"], "admin");
     assert_eq!(r.json()["info"]["description"], "gpu-node-07");
     let r = ctl(&s.addr, &["token", "list", "trainer"]).await;
     assert_eq!(r.json()["tokens"][0]["principal"], "trainer");
     let r = ctl(&s.addr, &["token", "revoke", "trainer", "nope"]).await;
-    assert_eq!((r.code, r.stderr.as_str()), (1, "error: not_found: token nope not found\n"));
+    assert_eq!(
+        (r.code, r.stderr.as_str()),
+        (1, "error: not_found: token nope not found\n")
+    );
 
-    let r = ctl(&s.addr, &["task", "stop", "job-1", "-project", "root/team-a"]).await;
+    let r = ctl(
+        &s.addr,
+        &["task", "stop", "job-1", "-project", "root/team-a"],
+    )
+    .await;
     let v = r.json();
-    assert_eq!((v["affected"].as_str(), v["failed"].as_str()), (Some("2"), Some("1")));
-    assert!(v["errors"][0].as_str().unwrap().ends_with("(task job-1 in root/team-a)"));
+    assert_eq!(
+        (v["affected"].as_str(), v["failed"].as_str()),
+        (Some("2"), Some("1"))
+    );
+    assert!(v["errors"][0]
+        .as_str()
+        .unwrap()
+        .ends_with("(task job-1 in root/team-a)"));
     let r = ctl(&s.addr, &["task", "pause", "job-1"]).await;
-    assert_eq!(r.json(), serde_json::json!({"affected": "0", "failed": "0"}));
+    assert_eq!(
+        r.json(),
+        serde_json::json!({"affected": "0", "failed": "0"})
+    );
 
-    let r = ctl(&s.addr, &["usage", "root/team-a", "-from", "2026-10-01", "-to", "2026-10-31", "-csv"]).await;
+    let r = ctl(
+        &s.addr,
+        &[
+            "usage",
+            "root/team-a",
+            "-from",
+            "2026-10-01",
+            "-to",
+            "2026-10-31",
+            "-csv",
+        ],
+    )
+    .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(
         r.out(),
@@ -735,7 +1008,10 @@ async fn iam_commands_tasks_and_usage() {
     let r = ctl(&s.addr, &["usage", "-from", "2026-10-01", "-daily"]).await;
     let out = r.out();
     let lines: Vec<&str> = out.lines().collect();
-    assert!(lines[0].starts_with("day ") && lines[0].ends_with("gpu_hours"), "{out}");
+    assert!(
+        lines[0].starts_with("day ") && lines[0].ends_with("gpu_hours"),
+        "{out}"
+    );
     assert!(lines[1].starts_with("2026-10-01  root "), "{out}");
 
     let r = ctl(&s.addr, &["version"]).await;

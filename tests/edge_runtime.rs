@@ -9,7 +9,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::StreamExt;
-use opendsec::backends::{Adopted, Backend, BackendError, BackendState, CleanupReport, CreateRequest, Handle, Health, Recorded, Runtime};
+use opendsec::backends::{
+    Adopted, Backend, BackendError, BackendState, CleanupReport, CreateRequest, Handle, Health,
+    Recorded, Runtime,
+};
 use opendsec::config::Config;
 use opendsec::pb::{self, edge_client::EdgeClient, runtime_client::RuntimeClient, SandboxState};
 use opendsec::rpc::{self, failure_from_status};
@@ -43,26 +46,41 @@ impl Backend for Vm {
         "firecracker"
     }
     async fn create(&self, r: &CreateRequest) -> Result<BackendState, BackendError> {
-        self.ops.lock().unwrap_or_else(|p| p.into_inner()).push(format!("create {}", r.sandbox_id));
+        self.ops
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(format!("create {}", r.sandbox_id));
         Ok(BackendState::Null)
     }
     async fn stop(&self, s: &Handle<'_>) -> Result<(), BackendError> {
-        self.ops.lock().unwrap_or_else(|p| p.into_inner()).push(format!("stop {}", s.sandbox_id));
+        self.ops
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(format!("stop {}", s.sandbox_id));
         Ok(())
     }
     async fn pause(&self, s: &Handle<'_>) -> Result<BackendState, BackendError> {
-        self.ops.lock().unwrap_or_else(|p| p.into_inner()).push(format!("pause {}", s.sandbox_id));
+        self.ops
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(format!("pause {}", s.sandbox_id));
         Ok(BackendState::Null)
     }
     async fn resume(&self, s: &Handle<'_>) -> Result<BackendState, BackendError> {
-        self.ops.lock().unwrap_or_else(|p| p.into_inner()).push(format!("resume {}", s.sandbox_id));
+        self.ops
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(format!("resume {}", s.sandbox_id));
         Ok(BackendState::Null)
     }
     async fn probe(&self, _s: &Handle<'_>) -> Health {
         Health::Alive
     }
     async fn adopt(&self, s: &Handle<'_>, r: Recorded) -> Result<Adopted, BackendError> {
-        Ok(Adopted { state: s.state.clone(), paused: r == Recorded::Paused })
+        Ok(Adopted {
+            state: s.state.clone(),
+            paused: r == Recorded::Paused,
+        })
     }
     async fn cleanup(&self, _k: &HashSet<String>) -> Result<CleanupReport, BackendError> {
         Ok(CleanupReport::default())
@@ -88,38 +106,94 @@ impl pb::runtime_server::Runtime for Aether {
         if r.session == "missing" {
             return Err(rpc::to_status(&Failure::not_found("no session missing")));
         }
-        Ok(Response::new(pb::ShellResult { exit_code: 0, stdout: format!("{}:{}", r.sandbox_id, r.cmd).into_bytes(), done: true, ..Default::default() }))
+        Ok(Response::new(pb::ShellResult {
+            exit_code: 0,
+            stdout: format!("{}:{}", r.sandbox_id, r.cmd).into_bytes(),
+            done: true,
+            ..Default::default()
+        }))
     }
     type StreamShellStream = S<pb::ShellChunk>;
     async fn stream_shell(&self, _r: Request<pb::RunShellRequest>) -> R<Self::StreamShellStream> {
         let s = futures::stream::iter(0..5).then(|i| async move {
             tokio::time::sleep(Duration::from_millis(600)).await;
-            Ok(pb::ShellChunk { kind: Some(pb::shell_chunk::Kind::Stdout(vec![b'0' + i as u8])), offset: i })
+            Ok(pb::ShellChunk {
+                kind: Some(pb::shell_chunk::Kind::Stdout(vec![b'0' + i as u8])),
+                offset: i,
+            })
         });
         Ok(Response::new(Box::pin(s)))
     }
-    async fn get_output(&self, _: Request<pb::GetOutputRequest>) -> R<pb::ShellResult> { unimpl() }
+    async fn get_output(&self, _: Request<pb::GetOutputRequest>) -> R<pb::ShellResult> {
+        unimpl()
+    }
     type StreamOutputStream = S<pb::ShellChunk>;
-    async fn stream_output(&self, _: Request<pb::GetOutputRequest>) -> R<Self::StreamOutputStream> { unimpl() }
-    async fn list_sessions(&self, _: Request<pb::ListSessionsRequest>) -> R<pb::ListSessionsResponse> { unimpl() }
-    async fn close_session(&self, _: Request<pb::CloseSessionRequest>) -> R<pb::Empty> { unimpl() }
-    async fn read_file(&self, _: Request<pb::ReadFileRequest>) -> R<pb::ReadFileResponse> { unimpl() }
-    async fn write_file(&self, _: Request<pb::WriteFileRequest>) -> R<pb::FileInfo> { unimpl() }
-    async fn list_dir(&self, _: Request<pb::PathRequest>) -> R<pb::ListDirResponse> { unimpl() }
-    async fn stat(&self, _: Request<pb::PathRequest>) -> R<pb::FileInfo> { unimpl() }
-    async fn remove(&self, _: Request<pb::RemoveRequest>) -> R<pb::Empty> { unimpl() }
-    async fn http(&self, _: Request<pb::HttpRequest>) -> R<pb::HttpResponse> { unimpl() }
+    async fn stream_output(&self, _: Request<pb::GetOutputRequest>) -> R<Self::StreamOutputStream> {
+        unimpl()
+    }
+    async fn list_sessions(
+        &self,
+        _: Request<pb::ListSessionsRequest>,
+    ) -> R<pb::ListSessionsResponse> {
+        unimpl()
+    }
+    async fn close_session(&self, _: Request<pb::CloseSessionRequest>) -> R<pb::Empty> {
+        unimpl()
+    }
+    async fn read_file(&self, _: Request<pb::ReadFileRequest>) -> R<pb::ReadFileResponse> {
+        unimpl()
+    }
+    async fn write_file(&self, _: Request<pb::WriteFileRequest>) -> R<pb::FileInfo> {
+        unimpl()
+    }
+    async fn list_dir(&self, _: Request<pb::PathRequest>) -> R<pb::ListDirResponse> {
+        unimpl()
+    }
+    async fn stat(&self, _: Request<pb::PathRequest>) -> R<pb::FileInfo> {
+        unimpl()
+    }
+    async fn remove(&self, _: Request<pb::RemoveRequest>) -> R<pb::Empty> {
+        unimpl()
+    }
+    async fn http(&self, _: Request<pb::HttpRequest>) -> R<pb::HttpResponse> {
+        unimpl()
+    }
     type StartProcessStream = S<pb::ProcessEvent>;
-    async fn start_process(&self, _: Request<pb::StartProcessRequest>) -> R<Self::StartProcessStream> { unimpl() }
+    async fn start_process(
+        &self,
+        _: Request<pb::StartProcessRequest>,
+    ) -> R<Self::StartProcessStream> {
+        unimpl()
+    }
     type ConnectProcessStream = S<pb::ProcessEvent>;
-    async fn connect_process(&self, _: Request<pb::ConnectProcessRequest>) -> R<Self::ConnectProcessStream> { unimpl() }
-    async fn send_process_input(&self, _: Request<pb::ProcessInputRequest>) -> R<pb::Empty> { unimpl() }
-    async fn close_process_input(&self, _: Request<pb::ProcessRef>) -> R<pb::Empty> { unimpl() }
-    async fn signal_process(&self, _: Request<pb::SignalProcessRequest>) -> R<pb::Empty> { unimpl() }
-    async fn resize_process_pty(&self, _: Request<pb::ResizePtyRequest>) -> R<pb::Empty> { unimpl() }
-    async fn list_processes(&self, _: Request<pb::ListProcessesRequest>) -> R<pb::ListProcessesResponse> { unimpl() }
+    async fn connect_process(
+        &self,
+        _: Request<pb::ConnectProcessRequest>,
+    ) -> R<Self::ConnectProcessStream> {
+        unimpl()
+    }
+    async fn send_process_input(&self, _: Request<pb::ProcessInputRequest>) -> R<pb::Empty> {
+        unimpl()
+    }
+    async fn close_process_input(&self, _: Request<pb::ProcessRef>) -> R<pb::Empty> {
+        unimpl()
+    }
+    async fn signal_process(&self, _: Request<pb::SignalProcessRequest>) -> R<pb::Empty> {
+        unimpl()
+    }
+    async fn resize_process_pty(&self, _: Request<pb::ResizePtyRequest>) -> R<pb::Empty> {
+        unimpl()
+    }
+    async fn list_processes(
+        &self,
+        _: Request<pb::ListProcessesRequest>,
+    ) -> R<pb::ListProcessesResponse> {
+        unimpl()
+    }
     type WatchStream = S<pb::WatchEvent>;
-    async fn watch(&self, _: Request<pb::Empty>) -> R<Self::WatchStream> { unimpl() }
+    async fn watch(&self, _: Request<pb::Empty>) -> R<Self::WatchStream> {
+        unimpl()
+    }
 }
 
 fn req<T>(m: T) -> Request<T> {
@@ -127,7 +201,10 @@ fn req<T>(m: T) -> Request<T> {
 }
 
 async fn get(c: &mut EdgeClient<Channel>, id: &str) -> pb::Sandbox {
-    c.get_sandbox(req(pb::SandboxRef { id: id.into() })).await.unwrap_or_else(|s| panic!("{s:?}")).into_inner()
+    c.get_sandbox(req(pb::SandboxRef { id: id.into() }))
+        .await
+        .unwrap_or_else(|s| panic!("{s:?}"))
+        .into_inner()
 }
 
 fn state(s: &pb::Sandbox) -> SandboxState {
@@ -137,11 +214,24 @@ fn state(s: &pb::Sandbox) -> SandboxState {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn runtime_calls_resume_forward_and_hold_off_idle() {
     // The fake aether.
-    let al = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| panic!("{e}"));
-    let aether_addr = al.local_addr().unwrap_or_else(|e| panic!("{e}")).to_string();
+    let al = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let aether_addr = al
+        .local_addr()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .to_string();
     let aether_down = Shutdown::new();
-    let at = tokio::spawn(rpc::serve::serve(rpc::serve::builder().add_service(pb::runtime_server::RuntimeServer::new(Aether)), al, aether_down.clone()));
-    let vm = Arc::new(Vm { aether: rpc::client::channel(&aether_addr, Duration::from_secs(2)).unwrap_or_else(|e| panic!("{e}")), ops: Mutex::new(vec![]) });
+    let at = tokio::spawn(rpc::serve::serve(
+        rpc::serve::builder().add_service(pb::runtime_server::RuntimeServer::new(Aether)),
+        al,
+        aether_down.clone(),
+    ));
+    let vm = Arc::new(Vm {
+        aether: rpc::client::channel(&aether_addr, Duration::from_secs(2))
+            .unwrap_or_else(|e| panic!("{e}")),
+        ops: Mutex::new(vec![]),
+    });
 
     // The edge, with that backend.
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
@@ -151,39 +241,107 @@ async fn runtime_calls_resume_forward_and_hold_off_idle() {
                           "capacity": {"cpu_cores": 8, "memory_mb": 8192}, "backends": {"vm": {"runtime": "firecracker", "kernel": "/k"}}}
     }))
     .unwrap_or_else(|e| panic!("{e}"));
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| panic!("{e}"));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let addr = l.local_addr().unwrap_or_else(|e| panic!("{e}")).to_string();
     let shutdown = Shutdown::new();
     let mut backends: BTreeMap<String, Arc<dyn Backend>> = BTreeMap::new();
     backends.insert("vm".into(), vm.clone());
-    let edge = opendsec::roles::edge::start_with_backends(Arc::new(cfg), "e7".into(), backends, l, shutdown.clone(), Ready::default()).await.unwrap_or_else(|e| panic!("{e}"));
+    let edge = opendsec::roles::edge::start_with_backends(
+        Arc::new(cfg),
+        "e7".into(),
+        backends,
+        l,
+        shutdown.clone(),
+        Ready::default(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
     let ch = rpc::client::channel(&addr, Duration::from_secs(2)).unwrap_or_else(|e| panic!("{e}"));
     let mut c = EdgeClient::new(ch.clone());
     let mut rt = RuntimeClient::new(ch);
 
-    let spec = pb::SandboxSpec { backend: "vm".into(), memory_limit_mb: 512, ttl_running_stop: 1, ..Default::default() };
-    let item = pb::EdgeCreateItem { sandbox_id: "e7.a".into(), lease_id: "L".into(), project: "root".into(), principal: "p".into() };
-    let out = c.create_sandboxes(req(pb::EdgeCreateRequest { spec: Some(spec), items: vec![item] })).await.unwrap_or_else(|s| panic!("{s:?}")).into_inner();
+    let spec = pb::SandboxSpec {
+        backend: "vm".into(),
+        memory_limit_mb: 512,
+        ttl_running_stop: 1,
+        ..Default::default()
+    };
+    let item = pb::EdgeCreateItem {
+        sandbox_id: "e7.a".into(),
+        lease_id: "L".into(),
+        project: "root".into(),
+        principal: "p".into(),
+    };
+    let out = c
+        .create_sandboxes(req(pb::EdgeCreateRequest {
+            spec: Some(spec),
+            items: vec![item],
+        }))
+        .await
+        .unwrap_or_else(|s| panic!("{s:?}"))
+        .into_inner();
     assert!(out.results[0].error.is_none(), "{:?}", out.results[0]);
-    assert!(dir.path().join("edges/e7/sandboxes/e7.a.json").exists(), "persist_state defaults to on with a real backend");
+    assert!(
+        dir.path().join("edges/e7/sandboxes/e7.a.json").exists(),
+        "persist_state defaults to on with a real backend"
+    );
 
     // A call to a paused sandbox resumes it first, then is forwarded unchanged.
-    let p = c.pause_sandbox(req(pb::SandboxRef { id: "e7.a".into() })).await.unwrap_or_else(|s| panic!("{s:?}")).into_inner();
+    let p = c
+        .pause_sandbox(req(pb::SandboxRef { id: "e7.a".into() }))
+        .await
+        .unwrap_or_else(|s| panic!("{s:?}"))
+        .into_inner();
     assert_eq!(state(&p), SandboxState::Paused);
-    let r = rt.run_shell(req(pb::RunShellRequest { sandbox_id: "e7.a".into(), cmd: "echo hi".into(), ..Default::default() })).await.unwrap_or_else(|s| panic!("{s:?}")).into_inner();
+    let r = rt
+        .run_shell(req(pb::RunShellRequest {
+            sandbox_id: "e7.a".into(),
+            cmd: "echo hi".into(),
+            ..Default::default()
+        }))
+        .await
+        .unwrap_or_else(|s| panic!("{s:?}"))
+        .into_inner();
     assert_eq!(r.stdout, b"e7.a:echo hi");
     assert_eq!(state(&get(&mut c, "e7.a").await), SandboxState::Running);
     let ops = vm.ops.lock().unwrap_or_else(|p| p.into_inner()).clone();
     assert_eq!(ops, vec!["create e7.a", "pause e7.a", "resume e7.a"]);
 
     // The agent's errors reach the caller with their reason.
-    let e = rt.run_shell(req(pb::RunShellRequest { sandbox_id: "e7.a".into(), session: "missing".into(), ..Default::default() })).await;
-    assert_eq!(e.err().map(|s| failure_from_status(&s).reason), Some(Reason::NotFound));
-    let e = rt.run_shell(req(pb::RunShellRequest { sandbox_id: "e7.nope".into(), ..Default::default() })).await;
-    assert_eq!(e.err().map(|s| failure_from_status(&s).reason), Some(Reason::NotFound));
+    let e = rt
+        .run_shell(req(pb::RunShellRequest {
+            sandbox_id: "e7.a".into(),
+            session: "missing".into(),
+            ..Default::default()
+        }))
+        .await;
+    assert_eq!(
+        e.err().map(|s| failure_from_status(&s).reason),
+        Some(Reason::NotFound)
+    );
+    let e = rt
+        .run_shell(req(pb::RunShellRequest {
+            sandbox_id: "e7.nope".into(),
+            ..Default::default()
+        }))
+        .await;
+    assert_eq!(
+        e.err().map(|s| failure_from_status(&s).reason),
+        Some(Reason::NotFound)
+    );
 
     // A 3-second stream keeps the 1-second idle timeout from stopping the sandbox.
-    let mut s = rt.stream_shell(req(pb::RunShellRequest { sandbox_id: "e7.a".into(), cmd: "slow".into(), ..Default::default() })).await.unwrap_or_else(|s| panic!("{s:?}")).into_inner();
+    let mut s = rt
+        .stream_shell(req(pb::RunShellRequest {
+            sandbox_id: "e7.a".into(),
+            cmd: "slow".into(),
+            ..Default::default()
+        }))
+        .await
+        .unwrap_or_else(|s| panic!("{s:?}"))
+        .into_inner();
     let mut got = Vec::new();
     while let Some(m) = s.next().await {
         if let Some(pb::shell_chunk::Kind::Stdout(b)) = m.unwrap_or_else(|s| panic!("{s:?}")).kind {
@@ -196,7 +354,10 @@ async fn runtime_calls_resume_forward_and_hold_off_idle() {
 
     // Shutdown without keep_sandboxes_on_exit stops real sandboxes.
     shutdown.fire();
-    tokio::time::timeout(Duration::from_secs(30), edge).await.unwrap_or_else(|_| panic!("edge did not stop")).unwrap_or_else(|e| panic!("{e}"));
+    tokio::time::timeout(Duration::from_secs(30), edge)
+        .await
+        .unwrap_or_else(|_| panic!("edge did not stop"))
+        .unwrap_or_else(|e| panic!("{e}"));
     let ops = vm.ops.lock().unwrap_or_else(|p| p.into_inner()).clone();
     assert!(ops.last().is_some_and(|o| o == "stop e7.a"), "{ops:?}");
     aether_down.fire();

@@ -16,22 +16,48 @@ const CHILD_ENV: &str = "OPENDSEC_IAM_CRASH_CHILD";
 const NOW: i64 = 1_790_000_000;
 
 fn admin() -> Actor {
-    Actor { principal: "admin".into(), token_id: "primary".into(), secret_hash: hash_secret("s") }
+    Actor {
+        principal: "admin".into(),
+        token_id: "primary".into(),
+        secret_hash: hash_secret("s"),
+    }
 }
 
 fn admit(lease: String) -> Command {
-    let item = AdmitItem { lease_id: lease.clone(), project: "root".into(), resources: Res { cpu_cores: 0.5, ..Default::default() }, edge_id: "e1".into(), sandbox_id: format!("e1.{lease}"), keep_binding: false };
-    Command::Admit { actor: admin(), image_project: String::new(), items: vec![item], now: NOW }
+    let item = AdmitItem {
+        lease_id: lease.clone(),
+        project: "root".into(),
+        resources: Res {
+            cpu_cores: 0.5,
+            ..Default::default()
+        },
+        edge_id: "e1".into(),
+        sandbox_id: format!("e1.{lease}"),
+        keep_binding: false,
+    };
+    Command::Admit {
+        actor: admin(),
+        image_project: String::new(),
+        items: vec![item],
+        now: NOW,
+    }
 }
 
 /// The child: commits admissions from 4 tasks until killed, printing `ack <lease>` after each.
 fn child(path: &Path) {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(async {
         let store = Store::open(Some(path), StoreOptions { snapshot_every: 40 }).unwrap();
         let boot = Command::Bootstrap {
             admin_id: "admin".into(),
-            admin_token: Some(NewToken { id: "primary".into(), hash: hash_secret("s") }),
+            admin_token: Some(NewToken {
+                id: "primary".into(),
+                hash: hash_secret("s"),
+            }),
             root_quota: Default::default(),
             max_token_ttl_s: 0,
             now: NOW,
@@ -66,7 +92,12 @@ fn sigkill_loses_no_acknowledged_command() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("iam.json");
     let mut proc = Process::new(std::env::current_exe().unwrap())
-        .args(["--exact", "sigkill_loses_no_acknowledged_command", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "sigkill_loses_no_acknowledged_command",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD_ENV, &path)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -85,7 +116,11 @@ fn sigkill_loses_no_acknowledged_command() {
     }
     proc.kill().unwrap(); // SIGKILL
     proc.wait().unwrap();
-    assert!(acked.len() >= 400, "the child stopped early after {} acks", acked.len());
+    assert!(
+        acked.len() >= 400,
+        "the child stopped early after {} acks",
+        acked.len()
+    );
 
     let store = Store::open(Some(&path), StoreOptions::default()).unwrap();
     let st = store.read().clone();
@@ -93,5 +128,8 @@ fn sigkill_loses_no_acknowledged_command() {
         assert!(st.leases.contains_key(l), "acknowledged lease {l} lost");
     }
     // Usage agrees with the leases that survived.
-    assert_eq!(st.projects["root"].usage.sandboxes as usize, st.leases.len());
+    assert_eq!(
+        st.projects["root"].usage.sandboxes as usize,
+        st.leases.len()
+    );
 }

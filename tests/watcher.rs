@@ -19,13 +19,31 @@ async fn listener() -> (TcpListener, String) {
 
 fn edge(id: &str, addr: &str, dir: &std::path::Path) -> EdgeConfig {
     let mut backends = std::collections::BTreeMap::new();
-    backends.insert("sim".to_string(), BackendConfig { runtime: "sim".into(), ..Default::default() });
-    EdgeConfig { id: id.into(), addr: addr.into(), backends, state_dir: dir.display().to_string(), mem_reserve_mb: -1, disk_reserve_mb: -1, ..Default::default() }
+    backends.insert(
+        "sim".to_string(),
+        BackendConfig {
+            runtime: "sim".into(),
+            ..Default::default()
+        },
+    );
+    EdgeConfig {
+        id: id.into(),
+        addr: addr.into(),
+        backends,
+        state_dir: dir.display().to_string(),
+        mem_reserve_mb: -1,
+        disk_reserve_mb: -1,
+        ..Default::default()
+    }
 }
 
 async fn snapshot(addr: &str, token: &str) -> pb::Snapshot {
-    let mut w = pb::watcher_client::WatcherClient::new(channel(addr, Duration::from_secs(1)).unwrap());
-    w.get_snapshot(internal(pb::GetSnapshotRequest { min_version: 0 }, token)).await.unwrap().into_inner()
+    let mut w =
+        pb::watcher_client::WatcherClient::new(channel(addr, Duration::from_secs(1)).unwrap());
+    w.get_snapshot(internal(pb::GetSnapshotRequest { min_version: 0 }, token))
+        .await
+        .unwrap()
+        .into_inner()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -36,7 +54,10 @@ async fn lost_edges_turn_unhealthy_and_their_quota_is_released() {
     let (e1_l, e1_a) = listener().await;
     let (e2_l, e2_a) = listener().await;
     let (api_l, api_a) = listener().await;
-    let mut cfg = Config { service_token: "svc".into(), ..Default::default() };
+    let mut cfg = Config {
+        service_token: "svc".into(),
+        ..Default::default()
+    };
     cfg.iam.addr = iam_a;
     cfg.iam.admin_token = "dsk.admin.topsecret".into();
     cfg.watcher.addr = w_a.clone();
@@ -48,7 +69,11 @@ async fn lost_edges_turn_unhealthy_and_their_quota_is_released() {
     // (IAM counts whole seconds, so 2 means at least one full second).
     cfg.watcher.reconcile_min_age = 2.0;
     cfg.watcher.lost_edge_grace = 0.5;
-    cfg.apiserver = vec![ApiserverConfig { addr: api_a.clone(), snapshot_refresh: 0.1, ..Default::default() }];
+    cfg.apiserver = vec![ApiserverConfig {
+        addr: api_a.clone(),
+        snapshot_refresh: 0.1,
+        ..Default::default()
+    }];
     // e2 is not listed: it is known only through its registration.
     cfg.edges = vec![edge("e1", &e1_a, dir.path())];
     let mut tmpl = edge("tmpl", "", dir.path());
@@ -57,12 +82,34 @@ async fn lost_edges_turn_unhealthy_and_their_quota_is_released() {
     let cfg = Arc::new(cfg);
     let all = Shutdown::new();
     let e1_down = Shutdown::new();
-    opendsec::roles::iam::start(cfg.clone(), iam_l, all.clone(), Ready::default()).await.unwrap();
-    let e1 = opendsec::roles::edge::start(cfg.clone(), "e1".into(), e1_l, e1_down.clone(), Ready::default()).await.unwrap();
-    opendsec::roles::edge::start(cfg.clone(), "e2".into(), e2_l, all.clone(), Ready::default()).await.unwrap();
-    opendsec::roles::watcher::start(cfg.clone(), w_l, all.clone(), Ready::default()).await.unwrap();
+    opendsec::roles::iam::start(cfg.clone(), iam_l, all.clone(), Ready::default())
+        .await
+        .unwrap();
+    let e1 = opendsec::roles::edge::start(
+        cfg.clone(),
+        "e1".into(),
+        e1_l,
+        e1_down.clone(),
+        Ready::default(),
+    )
+    .await
+    .unwrap();
+    opendsec::roles::edge::start(
+        cfg.clone(),
+        "e2".into(),
+        e2_l,
+        all.clone(),
+        Ready::default(),
+    )
+    .await
+    .unwrap();
+    opendsec::roles::watcher::start(cfg.clone(), w_l, all.clone(), Ready::default())
+        .await
+        .unwrap();
     let api_ready = Ready::default();
-    opendsec::roles::apiserver::start(cfg.clone(), 0, api_l, all.clone(), api_ready.clone()).await.unwrap();
+    opendsec::roles::apiserver::start(cfg.clone(), 0, api_l, all.clone(), api_ready.clone())
+        .await
+        .unwrap();
 
     // Both edges become healthy; e2 through its registration.
     let mut both = false;
@@ -77,8 +124,12 @@ async fn lost_edges_turn_unhealthy_and_their_quota_is_released() {
     }
     assert!(both, "edges did not all become healthy");
     // The watcher refuses callers without the service token.
-    let mut w = pb::watcher_client::WatcherClient::new(channel(&w_a, Duration::from_secs(1)).unwrap());
-    assert!(w.get_snapshot(pb::GetSnapshotRequest { min_version: 0 }).await.is_err());
+    let mut w =
+        pb::watcher_client::WatcherClient::new(channel(&w_a, Duration::from_secs(1)).unwrap());
+    assert!(w
+        .get_snapshot(pb::GetSnapshotRequest { min_version: 0 })
+        .await
+        .is_err());
 
     while !api_ready.get() {
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -86,7 +137,18 @@ async fn lost_edges_turn_unhealthy_and_their_quota_is_released() {
     let mut c = pb::d_sec_client::DSecClient::new(channel(&api_a, Duration::from_secs(1)).unwrap());
     let t = "dsk.admin.topsecret";
     let mut s = c
-        .create_sandboxes(with_token(pb::CreateSandboxesRequest { spec: Some(pb::SandboxSpec { backend: "sim".into(), ..Default::default() }), project: "root".into(), count: 40, idempotency_key: String::new() }, t))
+        .create_sandboxes(with_token(
+            pb::CreateSandboxesRequest {
+                spec: Some(pb::SandboxSpec {
+                    backend: "sim".into(),
+                    ..Default::default()
+                }),
+                project: "root".into(),
+                count: 40,
+                idempotency_key: String::new(),
+            },
+            t,
+        ))
         .await
         .unwrap()
         .into_inner();
@@ -96,13 +158,42 @@ async fn lost_edges_turn_unhealthy_and_their_quota_is_released() {
             on_e1 += 1;
         }
     }
-    assert!(on_e1 > 0 && on_e1 < 40, "placement should use both edges, e1 got {on_e1}");
+    assert!(
+        on_e1 > 0 && on_e1 < 40,
+        "placement should use both edges, e1 got {on_e1}"
+    );
     let usage = |p: pb::Project| p.usage.get("sandboxes").copied().unwrap_or(0.0);
-    assert_eq!(usage(c.get_project(with_token(pb::ProjectRef { project: "root".into() }, t)).await.unwrap().into_inner()), 40.0);
+    assert_eq!(
+        usage(
+            c.get_project(with_token(
+                pb::ProjectRef {
+                    project: "root".into()
+                },
+                t
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+        ),
+        40.0
+    );
 
     // Reconciliation of healthy edges changes nothing.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert_eq!(usage(c.get_project(with_token(pb::ProjectRef { project: "root".into() }, t)).await.unwrap().into_inner()), 40.0);
+    assert_eq!(
+        usage(
+            c.get_project(with_token(
+                pb::ProjectRef {
+                    project: "root".into()
+                },
+                t
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+        ),
+        40.0
+    );
     // e1 dies: it turns unhealthy, then its quota comes back; e2's stays.
     e1_down.fire();
     let _ = e1.await;
@@ -110,7 +201,17 @@ async fn lost_edges_turn_unhealthy_and_their_quota_is_released() {
     for _ in 0..100 {
         let s = snapshot(&w_a, "svc").await;
         let e1_state = s.edges.iter().find(|e| e.id == "e1").unwrap();
-        let used = usage(c.get_project(with_token(pb::ProjectRef { project: "root".into() }, t)).await.unwrap().into_inner());
+        let used = usage(
+            c.get_project(with_token(
+                pb::ProjectRef {
+                    project: "root".into(),
+                },
+                t,
+            ))
+            .await
+            .unwrap()
+            .into_inner(),
+        );
         if !e1_state.healthy && used == (40 - on_e1) as f64 {
             released = true;
             break;

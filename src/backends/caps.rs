@@ -15,7 +15,10 @@ use super::{BackendError, BackendState, Handle};
 pub trait Runtime: Send + Sync {
     /// A channel to aether's `opendsec.v1.Runtime` service in this sandbox (over a unix
     /// socket for containers, vsock for VMs). Errors: `Lost` when the agent cannot be reached.
-    async fn channel(&self, sandbox: &Handle<'_>) -> Result<tonic::transport::Channel, BackendError>;
+    async fn channel(
+        &self,
+        sandbox: &Handle<'_>,
+    ) -> Result<tonic::transport::Channel, BackendError>;
 }
 
 /// One sandbox the backend noticed dying on its own (its agent connection broke).
@@ -58,7 +61,11 @@ pub struct SnapshotInfo {
 pub trait Snapshotter: Send + Sync {
     /// Writes a snapshot of the sandbox to `target`. Returns the backend's state after it
     /// (e.g. the new base of later diff snapshots) and what was written.
-    async fn snapshot(&self, sandbox: &Handle<'_>, target: &SnapshotTarget) -> Result<(BackendState, SnapshotInfo), BackendError>;
+    async fn snapshot(
+        &self,
+        sandbox: &Handle<'_>,
+        target: &SnapshotTarget,
+    ) -> Result<(BackendState, SnapshotInfo), BackendError>;
 }
 
 /// Builds an image layer from a sandbox's changes (`pack_diff`, containers).
@@ -66,7 +73,11 @@ pub trait Snapshotter: Send + Sync {
 pub trait Packer: Send + Sync {
     /// Writes the sandbox's file-system changes, minus build residue, as a layer in `dir`.
     /// Returns the layer's size in bytes.
-    async fn pack_diff(&self, sandbox: &Handle<'_>, dir: &std::path::Path) -> Result<u64, BackendError>;
+    async fn pack_diff(
+        &self,
+        sandbox: &Handle<'_>,
+        dir: &std::path::Path,
+    ) -> Result<u64, BackendError>;
 }
 
 /// The backend's sandboxes need sandbox networking (a netns with a veth pair).

@@ -16,7 +16,11 @@ pub enum BackendError {
     Create { sandbox_id: String, message: String },
     /// Stopping, pausing or resuming failed (`op` is `stop`, `pause`, `resume`).
     #[error("{op} of sandbox {sandbox_id}: {message}")]
-    Operation { op: &'static str, sandbox_id: String, message: String },
+    Operation {
+        op: &'static str,
+        sandbox_id: String,
+        message: String,
+    },
     /// The sandbox is gone on the node (its process, VM or agent died).
     #[error("sandbox {sandbox_id} is lost: {message}")]
     Lost { sandbox_id: String, message: String },
@@ -31,7 +35,11 @@ pub enum BackendError {
     Exhausted { backend: String, message: String },
     /// A file or device step failed.
     #[error("{step} {path}: {source}")]
-    Io { step: &'static str, path: String, source: std::io::Error },
+    Io {
+        step: &'static str,
+        path: String,
+        source: std::io::Error,
+    },
 }
 
 impl BackendError {
@@ -41,9 +49,10 @@ impl BackendError {
             BackendError::Config { .. } | BackendError::Unsupported { .. } => Reason::Invalid,
             BackendError::Lost { .. } => Reason::NotFound,
             BackendError::Exhausted { .. } => Reason::NoCapacity,
-            BackendError::Create { .. } | BackendError::Operation { .. } | BackendError::Adopt { .. } | BackendError::Io { .. } => {
-                Reason::Internal
-            }
+            BackendError::Create { .. }
+            | BackendError::Operation { .. }
+            | BackendError::Adopt { .. }
+            | BackendError::Io { .. } => Reason::Internal,
         }
     }
 
@@ -59,14 +68,26 @@ mod tests {
 
     #[test]
     fn reasons_follow_the_kind_of_error() {
-        let c = BackendError::Config { backend: "vm".into(), message: "runtime qemu is not built yet".into() };
+        let c = BackendError::Config {
+            backend: "vm".into(),
+            message: "runtime qemu is not built yet".into(),
+        };
         assert_eq!(c.reason(), Reason::Invalid);
         assert!(c.to_string().contains("not built yet"));
-        let e = BackendError::Exhausted { backend: "vm".into(), message: "no uid left".into() };
+        let e = BackendError::Exhausted {
+            backend: "vm".into(),
+            message: "no uid left".into(),
+        };
         assert_eq!(e.to_failure().reason, Reason::NoCapacity);
-        let l = BackendError::Lost { sandbox_id: "e.x".into(), message: "agent gone".into() };
+        let l = BackendError::Lost {
+            sandbox_id: "e.x".into(),
+            message: "agent gone".into(),
+        };
         assert_eq!(l.reason(), Reason::NotFound);
-        let k = BackendError::Create { sandbox_id: "e.x".into(), message: "boom".into() };
+        let k = BackendError::Create {
+            sandbox_id: "e.x".into(),
+            message: "boom".into(),
+        };
         assert_eq!(k.reason(), Reason::Internal);
         assert_eq!(k.to_failure().message, "creating sandbox e.x: boom");
     }

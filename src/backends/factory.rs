@@ -8,7 +8,11 @@ use crate::config::BackendConfig;
 /// Builds the backend `name` from `cfg`. Runtime `sim` is built; `linux`, `firecracker` and
 /// `qemu` fail with `BackendError::Config` ("runtime ... is not built yet"), as does an
 /// unknown runtime or a sim config out of range.
-pub fn build(name: &str, cfg: &BackendConfig, ctx: &BackendContext) -> Result<Arc<dyn Backend>, BackendError> {
+pub fn build(
+    name: &str,
+    cfg: &BackendConfig,
+    ctx: &BackendContext,
+) -> Result<Arc<dyn Backend>, BackendError> {
     let _ = ctx;
     match cfg.runtime() {
         "sim" => Ok(Arc::new(SimBackend::new(name, cfg)?)),
@@ -16,7 +20,10 @@ pub fn build(name: &str, cfg: &BackendConfig, ctx: &BackendContext) -> Result<Ar
             backend: name.to_string(),
             message: format!("runtime {r:?} is not built yet in this version; use runtime \"sim\""),
         }),
-        other => Err(BackendError::Config { backend: name.to_string(), message: format!("unknown runtime {other:?}") }),
+        other => Err(BackendError::Config {
+            backend: name.to_string(),
+            message: format!("unknown runtime {other:?}"),
+        }),
     }
 }
 
@@ -36,11 +43,20 @@ mod tests {
         assert_eq!(b.runtime_kind(), "sim");
         assert!(b.simulated());
         for r in ["linux", "firecracker", "qemu"] {
-            let cfg = BackendConfig { runtime: r.into(), ..Default::default() };
-            let err = build("x", &cfg, &ctx).err().map(|e| e.to_string()).unwrap_or_default();
+            let cfg = BackendConfig {
+                runtime: r.into(),
+                ..Default::default()
+            };
+            let err = build("x", &cfg, &ctx)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
             assert!(err.contains("not built yet"), "{r}: {err}");
         }
-        let cfg = BackendConfig { runtime: "docker".into(), ..Default::default() };
+        let cfg = BackendConfig {
+            runtime: "docker".into(),
+            ..Default::default()
+        };
         assert!(build("x", &cfg, &ctx).is_err());
     }
 }

@@ -23,7 +23,10 @@ use async_trait::async_trait;
 
 use crate::pb;
 
-pub use caps::{ImageLister, Loss, LossReporter, Networked, Packer, Runtime, SnapshotInfo, SnapshotTarget, Snapshotter, Versioned};
+pub use caps::{
+    ImageLister, Loss, LossReporter, Networked, Packer, Runtime, SnapshotInfo, SnapshotTarget,
+    Snapshotter, Versioned,
+};
 pub use error::BackendError;
 pub use factory::build;
 
@@ -127,7 +130,11 @@ pub trait Backend: Send + Sync {
     /// Takes over a sandbox recorded before an edge restart (reconnects to its process or
     /// VM and agent). Errors: `Adopt` or `Lost` when it cannot be taken over; the edge then
     /// marks it FAILED and releases it.
-    async fn adopt(&self, sandbox: &Handle<'_>, recorded: Recorded) -> Result<Adopted, BackendError>;
+    async fn adopt(
+        &self,
+        sandbox: &Handle<'_>,
+        recorded: Recorded,
+    ) -> Result<Adopted, BackendError>;
     /// Removes what is left on the node of sandboxes whose ids are not in `keep` (cgroups,
     /// processes, disks, networks). Called once at start, after adoption.
     async fn cleanup(&self, keep: &HashSet<String>) -> Result<CleanupReport, BackendError>;

@@ -22,7 +22,8 @@ pub fn normalize(args: &[String]) -> Vec<String> {
             continue;
         }
         let b = a.as_bytes();
-        let is_long_single = b.len() > 2 && b[0] == b'-' && b[1] != b'-' && !b[1].is_ascii_digit() && b[1] != b'.';
+        let is_long_single =
+            b.len() > 2 && b[0] == b'-' && b[1] != b'-' && !b[1].is_ascii_digit() && b[1] != b'.';
         if is_long_single {
             out.push(format!("-{a}"));
         } else {
@@ -34,7 +35,10 @@ pub fn normalize(args: &[String]) -> Vec<String> {
 
 /// Parses Go-style `args` into `T`; `Err(code)` after printing help (exit 0) or a usage
 /// error (exit 2).
-pub fn parse<T: argh::FromArgs>(command: &str, args: &[String]) -> Result<T, std::process::ExitCode> {
+pub fn parse<T: argh::FromArgs>(
+    command: &str,
+    args: &[String],
+) -> Result<T, std::process::ExitCode> {
     let args = normalize(args);
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     T::from_args(&[command], &refs).map_err(|e| {
@@ -50,8 +54,13 @@ pub fn parse<T: argh::FromArgs>(command: &str, args: &[String]) -> Result<T, std
 
 /// Runs `fut` on a new multi-threaded runtime; an error prints its whole cause chain as
 /// `error: ...` and exits 1.
-pub fn block_on<F: std::future::Future<Output = anyhow::Result<()>>>(fut: F) -> std::process::ExitCode {
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+pub fn block_on<F: std::future::Future<Output = anyhow::Result<()>>>(
+    fut: F,
+) -> std::process::ExitCode {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: internal: starting the runtime: {e}");
@@ -77,6 +86,9 @@ mod tests {
 
     #[test]
     fn single_dash_becomes_double() {
-        assert_eq!(normalize(&s(&["-addr", "x", "-h", "--log", "-5", "--", "-la"])), s(&["--addr", "x", "--help", "--log", "-5", "--", "-la"]));
+        assert_eq!(
+            normalize(&s(&["-addr", "x", "-h", "--log", "-5", "--", "-la"])),
+            s(&["--addr", "x", "--help", "--log", "-5", "--", "-la"])
+        );
     }
 }

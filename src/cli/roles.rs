@@ -63,7 +63,9 @@ pub fn parse_duration(s: &str) -> anyhow::Result<std::time::Duration> {
     } else {
         (s, 1.0)
     };
-    let v: f64 = num.parse().map_err(|_| anyhow!("bad duration {s:?}: use e.g. 6s, 500ms, 2m"))?;
+    let v: f64 = num
+        .parse()
+        .map_err(|_| anyhow!("bad duration {s:?}: use e.g. 6s, 500ms, 2m"))?;
     if !v.is_finite() || v < 0.0 || v * mult > 86400.0 {
         bail!("bad duration {s:?}: must be within 0..24h");
     }
@@ -84,11 +86,14 @@ async fn bind(addr: &str, what: &str) -> anyhow::Result<tokio::net::TcpListener>
     if addr.is_empty() {
         bail!("{what}: no listen address in the config");
     }
-    tokio::net::TcpListener::bind(addr).await.with_context(|| format!("{what}: binding {addr}"))
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("{what}: binding {addr}"))
 }
 
 async fn run(role: &str, flags: RoleFlags) -> anyhow::Result<()> {
-    let mut cfg = Config::load(&flags.config).with_context(|| format!("loading {}", flags.config.display()))?;
+    let mut cfg = Config::load(&flags.config)
+        .with_context(|| format!("loading {}", flags.config.display()))?;
     if !flags.replica.is_empty() {
         bail!("-replica: replicated IAM and watchers are not built yet; run a single one");
     }
@@ -105,7 +110,10 @@ async fn run(role: &str, flags: RoleFlags) -> anyhow::Result<()> {
         tokio::spawn(async move {
             signals.wait().await;
             r.drain("apiserver");
-            tracing::info!(delay_s = drain_delay.as_secs_f64(), "draining: /readyz fails, still serving");
+            tracing::info!(
+                delay_s = drain_delay.as_secs_f64(),
+                "draining: /readyz fails, still serving"
+            );
             tokio::time::sleep(drain_delay).await;
             sd.fire();
         });
@@ -114,30 +122,57 @@ async fn run(role: &str, flags: RoleFlags) -> anyhow::Result<()> {
     }
     if !flags.metrics.is_empty() {
         let l = bind(&flags.metrics, "metrics").await?;
-        tokio::spawn(crate::telemetry::serve_health(l, ready.clone(), shutdown.clone()));
+        tokio::spawn(crate::telemetry::serve_health(
+            l,
+            ready.clone(),
+            shutdown.clone(),
+        ));
     }
     let mut handles = Vec::new();
     match role {
         "iam" => {
             let l = bind(&cfg.iam.addr, "iam.addr").await?;
-            handles.push(crate::roles::iam::start(Arc::new(cfg), l, shutdown.clone(), ready).await?);
+            handles
+                .push(crate::roles::iam::start(Arc::new(cfg), l, shutdown.clone(), ready).await?);
         }
         "watcher" => {
             let addr = cfg.watcher.addrs().first().cloned().unwrap_or_default();
             let l = bind(&addr, "watcher.addr").await?;
-            handles.push(crate::roles::watcher::start(Arc::new(cfg), l, shutdown.clone(), ready).await?);
+            handles.push(
+                crate::roles::watcher::start(Arc::new(cfg), l, shutdown.clone(), ready).await?,
+            );
         }
         "apiserver" => {
             let _ = &ready;
-            let entry = cfg.apiserver.get(flags.index).ok_or_else(|| anyhow!("-index {}: the config has {} apiserver entries", flags.index, cfg.apiserver.len()))?;
+            let entry = cfg.apiserver.get(flags.index).ok_or_else(|| {
+                anyhow!(
+                    "-index {}: the config has {} apiserver entries",
+                    flags.index,
+                    cfg.apiserver.len()
+                )
+            })?;
             let l = bind(&entry.addr, "apiserver.addr").await?;
-            handles.push(crate::roles::apiserver::start(Arc::new(cfg), flags.index, l, shutdown.clone(), ready).await?);
+            handles.push(
+                crate::roles::apiserver::start(
+                    Arc::new(cfg),
+                    flags.index,
+                    l,
+                    shutdown.clone(),
+                    ready,
+                )
+                .await?,
+            );
         }
         "edge" => {
             let ids: Vec<String> = if flags.id == "all" {
                 cfg.edges.iter().map(|e| e.id.clone()).collect()
             } else {
-                flags.id.split(',').filter(|s| !s.is_empty()).map(String::from).collect()
+                flags
+                    .id
+                    .split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(String::from)
+                    .collect()
             };
             if ids.is_empty() {
                 bail!("-id is required (an edge id, several comma separated, or all)");
@@ -147,7 +182,9 @@ async fn run(role: &str, flags: RoleFlags) -> anyhow::Result<()> {
             }
             let mut listeners = Vec::new();
             for id in &ids {
-                let mut e = cfg.edge(id).ok_or_else(|| anyhow!("no edge {id:?} in the config and no edge_template"))?;
+                let mut e = cfg
+                    .edge(id)
+                    .ok_or_else(|| anyhow!("no edge {id:?} in the config and no edge_template"))?;
                 if !flags.addr.is_empty() {
                     e.addr = flags.addr.clone();
                 }
@@ -163,7 +200,10 @@ async fn run(role: &str, flags: RoleFlags) -> anyhow::Result<()> {
             }
             let cfg = Arc::new(cfg);
             for (id, l) in listeners {
-                handles.push(crate::roles::edge::start(cfg.clone(), id, l, shutdown.clone(), ready.clone()).await?);
+                handles.push(
+                    crate::roles::edge::start(cfg.clone(), id, l, shutdown.clone(), ready.clone())
+                        .await?,
+                );
             }
         }
         other => bail!("unknown role {other:?}"),
@@ -173,7 +213,10 @@ async fn run(role: &str, flags: RoleFlags) -> anyhow::Result<()> {
     // Calls in flight get `grace` to finish; then the process exits regardless.
     let all = futures::future::join_all(handles);
     if tokio::time::timeout(grace, all).await.is_err() {
-        tracing::warn!(grace_s = grace.as_secs_f64(), "calls still in flight after the grace period; exiting");
+        tracing::warn!(
+            grace_s = grace.as_secs_f64(),
+            "calls still in flight after the grace period; exiting"
+        );
     }
     Ok(())
 }
@@ -184,10 +227,22 @@ mod tests {
 
     #[test]
     fn durations() {
-        assert_eq!(parse_duration("6s").unwrap(), std::time::Duration::from_secs(6));
-        assert_eq!(parse_duration("500ms").unwrap(), std::time::Duration::from_millis(500));
-        assert_eq!(parse_duration("2m").unwrap(), std::time::Duration::from_secs(120));
-        assert_eq!(parse_duration("1.5").unwrap(), std::time::Duration::from_millis(1500));
+        assert_eq!(
+            parse_duration("6s").unwrap(),
+            std::time::Duration::from_secs(6)
+        );
+        assert_eq!(
+            parse_duration("500ms").unwrap(),
+            std::time::Duration::from_millis(500)
+        );
+        assert_eq!(
+            parse_duration("2m").unwrap(),
+            std::time::Duration::from_secs(120)
+        );
+        assert_eq!(
+            parse_duration("1.5").unwrap(),
+            std::time::Duration::from_millis(1500)
+        );
         for bad in ["", "x", "-1s", "25h", "NaNs"] {
             assert!(parse_duration(bad).is_err(), "{bad}");
         }

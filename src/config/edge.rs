@@ -82,17 +82,65 @@ pub struct BackendConfig {
 }
 
 impl BackendConfig {
-    pub fn runtime(&self) -> &str { if self.runtime.is_empty() { "sim" } else { &self.runtime } }
-    pub fn default_disk_mb(&self) -> i64 { if self.default_disk_mb <= 0 { 10240 } else { self.default_disk_mb } }
+    pub fn runtime(&self) -> &str {
+        if self.runtime.is_empty() {
+            "sim"
+        } else {
+            &self.runtime
+        }
+    }
+    pub fn default_disk_mb(&self) -> i64 {
+        if self.default_disk_mb <= 0 {
+            10240
+        } else {
+            self.default_disk_mb
+        }
+    }
 }
 
 impl EdgeConfig {
-    pub fn zone(&self) -> &str { if self.zone.is_empty() { "onprem" } else { &self.zone } }
-    pub fn cpu_overcommit(&self) -> f64 { if self.cpu_overcommit > 0.0 { self.cpu_overcommit } else { 8.0 } }
-    pub fn mem_overcommit(&self) -> f64 { if self.mem_overcommit > 0.0 { self.mem_overcommit } else { 1.0 } }
-    pub fn disk_overcommit(&self) -> f64 { if self.disk_overcommit > 0.0 { self.disk_overcommit } else { 1.0 } }
-    pub fn stopped_retention(&self) -> f64 { if self.stopped_retention > 0.0 { self.stopped_retention } else { 600.0 } }
-    pub fn state_dir(&self) -> &str { if self.state_dir.is_empty() { "/var/lib/opendsec" } else { &self.state_dir } }
+    pub fn zone(&self) -> &str {
+        if self.zone.is_empty() {
+            "onprem"
+        } else {
+            &self.zone
+        }
+    }
+    pub fn cpu_overcommit(&self) -> f64 {
+        if self.cpu_overcommit > 0.0 {
+            self.cpu_overcommit
+        } else {
+            8.0
+        }
+    }
+    pub fn mem_overcommit(&self) -> f64 {
+        if self.mem_overcommit > 0.0 {
+            self.mem_overcommit
+        } else {
+            1.0
+        }
+    }
+    pub fn disk_overcommit(&self) -> f64 {
+        if self.disk_overcommit > 0.0 {
+            self.disk_overcommit
+        } else {
+            1.0
+        }
+    }
+    pub fn stopped_retention(&self) -> f64 {
+        if self.stopped_retention > 0.0 {
+            self.stopped_retention
+        } else {
+            600.0
+        }
+    }
+    pub fn state_dir(&self) -> &str {
+        if self.state_dir.is_empty() {
+            "/var/lib/opendsec"
+        } else {
+            &self.state_dir
+        }
+    }
     /// The backends, `{"sim": {}}` when none are configured.
     pub fn backends(&self) -> BTreeMap<String, BackendConfig> {
         if self.backends.is_empty() {
@@ -105,29 +153,43 @@ impl EdgeConfig {
     }
     /// Whether records are written to disk: on by default when any backend is real.
     pub fn persist_state(&self) -> bool {
-        self.persist_state.unwrap_or_else(|| self.backends().values().any(|b| b.runtime() != "sim"))
+        self.persist_state
+            .unwrap_or_else(|| self.backends().values().any(|b| b.runtime() != "sim"))
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        names::check_edge_id(&self.id).map_err(|e| ConfigError::Invalid(format!("edges: {}", e.message)))?;
+        names::check_edge_id(&self.id)
+            .map_err(|e| ConfigError::Invalid(format!("edges: {}", e.message)))?;
         let id = &self.id;
         if !matches!(self.zone(), "onprem" | "cloud") {
-            return Err(ConfigError::Invalid(format!("edge {id}: zone must be onprem or cloud, not {:?}", self.zone)));
+            return Err(ConfigError::Invalid(format!(
+                "edge {id}: zone must be onprem or cloud, not {:?}",
+                self.zone
+            )));
         }
         for (name, b) in self.backends() {
             if !matches!(b.runtime(), "sim" | "linux" | "firecracker" | "qemu") {
-                return Err(ConfigError::Invalid(format!("edge {id}: backend {name}: unknown runtime {:?}", b.runtime)));
+                return Err(ConfigError::Invalid(format!(
+                    "edge {id}: backend {name}: unknown runtime {:?}",
+                    b.runtime
+                )));
             }
             if !(0.0..=1.0).contains(&b.failure_rate) {
-                return Err(ConfigError::Invalid(format!("edge {id}: backend {name}: failure_rate must be within 0..1")));
+                return Err(ConfigError::Invalid(format!(
+                    "edge {id}: backend {name}: failure_rate must be within 0..1"
+                )));
             }
             if b.create_latency_ms < 0.0 || b.latency_sigma < 0.0 {
-                return Err(ConfigError::Invalid(format!("edge {id}: backend {name}: latencies may not be negative")));
+                return Err(ConfigError::Invalid(format!(
+                    "edge {id}: backend {name}: latencies may not be negative"
+                )));
             }
         }
         if let Some(c) = self.paused_mem_charge {
             if !(0.0..=1.0).contains(&c) {
-                return Err(ConfigError::Invalid(format!("edge {id}: paused_mem_charge must be within 0..1")));
+                return Err(ConfigError::Invalid(format!(
+                    "edge {id}: paused_mem_charge must be within 0..1"
+                )));
             }
         }
         Ok(())

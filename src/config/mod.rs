@@ -16,9 +16,15 @@ use crate::types::names;
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("reading config {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("parsing config {path}: {source}")]
-    Parse { path: String, source: serde_json::Error },
+    Parse {
+        path: String,
+        source: serde_json::Error,
+    },
     #[error("invalid config: {0}")]
     Invalid(String),
 }
@@ -142,17 +148,39 @@ fn or(v: f64, d: f64) -> f64 {
 }
 
 impl WatcherConfig {
-    pub fn probe_interval(&self) -> f64 { or(self.probe_interval, 1.0) }
-    pub fn probe_timeout(&self) -> f64 { or(self.probe_timeout, 0.5) }
-    pub fn unhealthy_after(&self) -> u32 { if self.unhealthy_after == 0 { 3 } else { self.unhealthy_after } }
-    pub fn reconcile_interval(&self) -> f64 { or(self.reconcile_interval, 30.0) }
-    pub fn reconcile_min_age(&self) -> f64 { or(self.reconcile_min_age, 60.0) }
-    pub fn lost_edge_grace(&self) -> f64 { or(self.lost_edge_grace, 120.0) }
-    pub fn unbound_max_age(&self) -> f64 { or(self.unbound_max_age, 600.0) }
+    pub fn probe_interval(&self) -> f64 {
+        or(self.probe_interval, 1.0)
+    }
+    pub fn probe_timeout(&self) -> f64 {
+        or(self.probe_timeout, 0.5)
+    }
+    pub fn unhealthy_after(&self) -> u32 {
+        if self.unhealthy_after == 0 {
+            3
+        } else {
+            self.unhealthy_after
+        }
+    }
+    pub fn reconcile_interval(&self) -> f64 {
+        or(self.reconcile_interval, 30.0)
+    }
+    pub fn reconcile_min_age(&self) -> f64 {
+        or(self.reconcile_min_age, 60.0)
+    }
+    pub fn lost_edge_grace(&self) -> f64 {
+        or(self.lost_edge_grace, 120.0)
+    }
+    pub fn unbound_max_age(&self) -> f64 {
+        or(self.unbound_max_age, 600.0)
+    }
     /// The watcher addresses, single or replicated.
     pub fn addrs(&self) -> Vec<String> {
         if self.replicas.is_empty() {
-            if self.addr.is_empty() { vec![] } else { vec![self.addr.clone()] }
+            if self.addr.is_empty() {
+                vec![]
+            } else {
+                vec![self.addr.clone()]
+            }
         } else {
             self.replicas.iter().map(|r| r.addr.clone()).collect()
         }
@@ -160,34 +188,102 @@ impl WatcherConfig {
 }
 
 impl ApiserverConfig {
-    pub fn audit_max_mb(&self) -> u64 { if self.audit_max_mb == 0 { 256 } else { self.audit_max_mb } }
-    pub fn audit_keep(&self) -> u32 { if self.audit_keep == 0 { 8 } else { self.audit_keep } }
-    pub fn snapshot_refresh(&self) -> f64 { or(self.snapshot_refresh, 1.0) }
+    pub fn audit_max_mb(&self) -> u64 {
+        if self.audit_max_mb == 0 {
+            256
+        } else {
+            self.audit_max_mb
+        }
+    }
+    pub fn audit_keep(&self) -> u32 {
+        if self.audit_keep == 0 {
+            8
+        } else {
+            self.audit_keep
+        }
+    }
+    pub fn snapshot_refresh(&self) -> f64 {
+        or(self.snapshot_refresh, 1.0)
+    }
 }
 
 impl PlacementConfig {
-    pub fn k(&self) -> usize { if self.k == 0 { 2 } else { self.k as usize } }
-    pub fn max_attempts(&self) -> u32 { if self.max_attempts == 0 { 3 } else { self.max_attempts } }
-    pub fn reject_penalty(&self) -> f64 { or(self.reject_penalty, 2.0) }
-    pub fn overlay_grace(&self) -> f64 { or(self.overlay_grace, 2.0) }
+    pub fn k(&self) -> usize {
+        if self.k == 0 {
+            2
+        } else {
+            self.k as usize
+        }
+    }
+    pub fn max_attempts(&self) -> u32 {
+        if self.max_attempts == 0 {
+            3
+        } else {
+            self.max_attempts
+        }
+    }
+    pub fn reject_penalty(&self) -> f64 {
+        or(self.reject_penalty, 2.0)
+    }
+    pub fn overlay_grace(&self) -> f64 {
+        or(self.overlay_grace, 2.0)
+    }
     /// -1 counts actual use always (floor 0).
     pub fn usage_floor(&self) -> f64 {
-        if self.usage_floor < 0.0 { 0.0 } else { or(self.usage_floor, 0.2) }
+        if self.usage_floor < 0.0 {
+            0.0
+        } else {
+            or(self.usage_floor, 0.2)
+        }
     }
 }
 
 impl AdmissionConfig {
-    pub fn default_ttl_running_stop_s(&self) -> i64 { if self.default_ttl_running_stop_s == 0 { 3600 } else { self.default_ttl_running_stop_s } }
-    pub fn default_ttl_max_s(&self) -> i64 { if self.default_ttl_max_s == 0 { 86400 } else { self.default_ttl_max_s } }
-    pub fn max_ttl_max_s(&self) -> i64 { if self.max_ttl_max_s == 0 { 604800 } else { self.max_ttl_max_s } }
+    pub fn default_ttl_running_stop_s(&self) -> i64 {
+        if self.default_ttl_running_stop_s == 0 {
+            3600
+        } else {
+            self.default_ttl_running_stop_s
+        }
+    }
+    pub fn default_ttl_max_s(&self) -> i64 {
+        if self.default_ttl_max_s == 0 {
+            86400
+        } else {
+            self.default_ttl_max_s
+        }
+    }
+    pub fn max_ttl_max_s(&self) -> i64 {
+        if self.max_ttl_max_s == 0 {
+            604800
+        } else {
+            self.max_ttl_max_s
+        }
+    }
     /// Calls per second per principal; `None` = unlimited.
-    pub fn request_rate(&self) -> Option<f64> { rate(self.request_rate, 10000.0) }
-    pub fn request_burst(&self) -> f64 { or(self.request_burst, 2.0 * self.request_rate().unwrap_or(0.0)) }
-    pub fn create_rate(&self) -> Option<f64> { rate(self.create_rate, 2000.0) }
-    pub fn create_burst(&self) -> f64 { or(self.create_burst, 32768.0) }
-    pub fn auth_fail_rate(&self) -> Option<f64> { rate(self.auth_fail_rate, 5.0) }
+    pub fn request_rate(&self) -> Option<f64> {
+        rate(self.request_rate, 10000.0)
+    }
+    pub fn request_burst(&self) -> f64 {
+        or(self.request_burst, 2.0 * self.request_rate().unwrap_or(0.0))
+    }
+    pub fn create_rate(&self) -> Option<f64> {
+        rate(self.create_rate, 2000.0)
+    }
+    pub fn create_burst(&self) -> f64 {
+        or(self.create_burst, 32768.0)
+    }
+    pub fn auth_fail_rate(&self) -> Option<f64> {
+        rate(self.auth_fail_rate, 5.0)
+    }
     pub fn max_inflight_creates(&self) -> Option<usize> {
-        if self.max_inflight_creates < 0 { None } else if self.max_inflight_creates == 0 { Some(2048) } else { Some(self.max_inflight_creates as usize) }
+        if self.max_inflight_creates < 0 {
+            None
+        } else if self.max_inflight_creates == 0 {
+            Some(2048)
+        } else {
+            Some(self.max_inflight_creates as usize)
+        }
     }
 }
 
@@ -202,7 +298,13 @@ fn rate(v: f64, d: f64) -> Option<f64> {
 }
 
 impl IamConfig {
-    pub fn admin_id(&self) -> &str { if self.admin_id.is_empty() { "admin" } else { &self.admin_id } }
+    pub fn admin_id(&self) -> &str {
+        if self.admin_id.is_empty() {
+            "admin"
+        } else {
+            &self.admin_id
+        }
+    }
     /// The admin token, from `admin_token` or `admin_token_file`.
     pub fn admin_token(&self) -> Result<String, ConfigError> {
         if !self.admin_token.is_empty() {
@@ -211,7 +313,10 @@ impl IamConfig {
         if !self.admin_token_file.is_empty() {
             return std::fs::read_to_string(&self.admin_token_file)
                 .map(|s| s.trim().to_string())
-                .map_err(|source| ConfigError::Read { path: self.admin_token_file.clone(), source });
+                .map_err(|source| ConfigError::Read {
+                    path: self.admin_token_file.clone(),
+                    source,
+                });
         }
         Ok(String::new())
     }
@@ -220,8 +325,14 @@ impl IamConfig {
 impl Config {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
-        let cfg: Config = serde_json::from_str(&text).map_err(|source| ConfigError::Parse { path: path.display().to_string(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let cfg: Config = serde_json::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: path.display().to_string(),
+            source,
+        })?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -237,12 +348,17 @@ impl Config {
         }
         let tok = self.iam.admin_token()?;
         if tok.contains("change-me") {
-            return bad("iam.admin_token still holds the placeholder \"change-me\"; set a real secret".into());
+            return bad(
+                "iam.admin_token still holds the placeholder \"change-me\"; set a real secret"
+                    .into(),
+            );
         }
         if !tok.is_empty() {
-            names::parse_token(&tok).map_err(|e| ConfigError::Invalid(format!("iam.admin_token: {}", e.message)))?;
+            names::parse_token(&tok)
+                .map_err(|e| ConfigError::Invalid(format!("iam.admin_token: {}", e.message)))?;
         }
-        names::check_principal_id(self.iam.admin_id()).map_err(|e| ConfigError::Invalid(format!("iam.admin_id: {}", e.message)))?;
+        names::check_principal_id(self.iam.admin_id())
+            .map_err(|e| ConfigError::Invalid(format!("iam.admin_id: {}", e.message)))?;
         for k in self.iam.root_quota.keys() {
             if !names::QUOTA_KEYS.contains(&k.as_str()) {
                 return bad(format!("iam.root_quota: unknown key {k:?}"));

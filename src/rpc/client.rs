@@ -10,15 +10,25 @@ use tonic::transport::{Channel, Endpoint};
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     #[error("bad address {addr:?}: {source}")]
-    BadAddress { addr: String, source: tonic::transport::Error },
+    BadAddress {
+        addr: String,
+        source: tonic::transport::Error,
+    },
 }
 
 /// Builds a lazily connecting channel to `addr` (`host:port`). Connection failures surface
 /// as `unavailable` on the first call, so callers can retry elsewhere.
 pub fn channel(addr: &str, connect_timeout: Duration) -> Result<Channel, ClientError> {
-    let uri = if addr.starts_with("http://") || addr.starts_with("https://") { addr.to_string() } else { format!("http://{addr}") };
+    let uri = if addr.starts_with("http://") || addr.starts_with("https://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    };
     let ep = Endpoint::from_shared(uri)
-        .map_err(|source| ClientError::BadAddress { addr: addr.to_string(), source })?
+        .map_err(|source| ClientError::BadAddress {
+            addr: addr.to_string(),
+            source,
+        })?
         .connect_timeout(connect_timeout)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(10))
@@ -41,7 +51,12 @@ pub fn internal<T>(msg: T, service_token: &str) -> tonic::Request<T> {
 }
 
 /// Wraps a message for a call on behalf of a caller: its bearer token and address go along.
-pub fn on_behalf<T>(msg: T, service_token: &str, bearer: &str, client_addr: &str) -> tonic::Request<T> {
+pub fn on_behalf<T>(
+    msg: T,
+    service_token: &str,
+    bearer: &str,
+    client_addr: &str,
+) -> tonic::Request<T> {
     let mut req = internal(msg, service_token);
     if let Ok(v) = MetadataValue::try_from(format!("Bearer {bearer}")) {
         req.metadata_mut().insert(super::AUTHORIZATION, v);

@@ -22,30 +22,51 @@ pub fn bearer<T>(req: &tonic::Request<T>) -> String {
     req.metadata()
         .get(AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .map(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")).unwrap_or(v).trim().to_string())
+        .map(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+                .unwrap_or(v)
+                .trim()
+                .to_string()
+        })
         .unwrap_or_default()
 }
 
 /// The peer address of a request as text, or the forwarded client address when a trusted
 /// component (checked by the caller of this function) set one.
 pub fn peer_addr<T>(req: &tonic::Request<T>) -> String {
-    if let Some(v) = req.metadata().get(CLIENT_ADDR).and_then(|v| v.to_str().ok()) {
+    if let Some(v) = req
+        .metadata()
+        .get(CLIENT_ADDR)
+        .and_then(|v| v.to_str().ok())
+    {
         return v.to_string();
     }
-    req.remote_addr().map(|a| a.ip().to_string()).unwrap_or_default()
+    req.remote_addr()
+        .map(|a| a.ip().to_string())
+        .unwrap_or_default()
 }
 
 /// Checks the component secret on an internal call. With no `service_token` configured every
 /// caller is accepted (TLS would authenticate components; see 15-configuration `tls`).
-pub fn check_service_token<T>(req: &tonic::Request<T>, expected: &str) -> Result<(), tonic::Status> {
+pub fn check_service_token<T>(
+    req: &tonic::Request<T>,
+    expected: &str,
+) -> Result<(), tonic::Status> {
     if expected.is_empty() {
         return Ok(());
     }
-    let got = req.metadata().get(SERVICE_TOKEN).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let got = req
+        .metadata()
+        .get(SERVICE_TOKEN)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
     if constant_time_eq(got.as_bytes(), expected.as_bytes()) {
         Ok(())
     } else {
-        Err(to_status(&crate::types::Failure::unauthenticated("missing or wrong service token")))
+        Err(to_status(&crate::types::Failure::unauthenticated(
+            "missing or wrong service token",
+        )))
     }
 }
 

@@ -6,10 +6,16 @@ use tokio_stream::wrappers::TcpListenerStream;
 use crate::shutdown::Shutdown;
 
 /// Runs `router` on `listener` until `shutdown` fires; in-flight calls finish first.
-pub async fn serve(router: tonic::transport::server::Router, listener: TcpListener, shutdown: Shutdown) -> Result<(), tonic::transport::Error> {
+pub async fn serve(
+    router: tonic::transport::server::Router,
+    listener: TcpListener,
+    shutdown: Shutdown,
+) -> Result<(), tonic::transport::Error> {
     let _ = listener.set_ttl(64);
     let incoming = TcpListenerStream::new(listener);
-    router.serve_with_incoming_shutdown(incoming, async move { shutdown.wait().await }).await
+    router
+        .serve_with_incoming_shutdown(incoming, async move { shutdown.wait().await })
+        .await
 }
 
 /// A server builder with the settings every role uses (keepalive, nodelay, no limits on

@@ -72,18 +72,28 @@ pub fn failure_from_status(s: &Status) -> Failure {
         Code::AlreadyExists | Code::FailedPrecondition | Code::Aborted => Reason::Conflict,
         _ => Reason::Internal,
     };
-    let msg = if s.message().is_empty() { format!("{:?}", s.code()) } else { s.message().to_string() };
+    let msg = if s.message().is_empty() {
+        format!("{:?}", s.code())
+    } else {
+        s.message().to_string()
+    };
     Failure::new(reason, msg)
 }
 
 /// Converts a failure into the per-item error of batch results.
 pub fn error_detail(f: &Failure) -> crate::pb::ErrorDetail {
-    crate::pb::ErrorDetail { reason: f.reason.as_str().to_string(), message: f.message.clone() }
+    crate::pb::ErrorDetail {
+        reason: f.reason.as_str().to_string(),
+        message: f.message.clone(),
+    }
 }
 
 /// Reads a per-item error back.
 pub fn failure_from_detail(d: &crate::pb::ErrorDetail) -> Failure {
-    Failure::new(Reason::parse(&d.reason).unwrap_or(Reason::Internal), d.message.clone())
+    Failure::new(
+        Reason::parse(&d.reason).unwrap_or(Reason::Internal),
+        d.message.clone(),
+    )
 }
 
 #[cfg(test)]
@@ -109,7 +119,13 @@ mod tests {
 
     #[test]
     fn bare_statuses_map_by_code() {
-        assert_eq!(failure_from_status(&Status::unavailable("down")).reason, Reason::Unavailable);
-        assert_eq!(failure_from_status(&Status::deadline_exceeded("slow")).reason, Reason::Timeout);
+        assert_eq!(
+            failure_from_status(&Status::unavailable("down")).reason,
+            Reason::Unavailable
+        );
+        assert_eq!(
+            failure_from_status(&Status::deadline_exceeded("slow")).reason,
+            Reason::Timeout
+        );
     }
 }

@@ -11,8 +11,13 @@ use crate::shutdown::Shutdown;
 
 /// Starts logging to stderr at `level` (`error`, `warn`, `info`, `debug`, or a filter).
 pub fn init_logging(level: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_new(level).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+    let filter = tracing_subscriber::EnvFilter::try_new(level)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
     // Metrics recorded before a recorder exists are dropped, and some gauges are set only once
     // at start: install it together with logging, before any role runs.
     let _ = metrics_handle();
@@ -56,11 +61,21 @@ impl Ready {
 }
 
 /// Serves `/metrics`, `/healthz` and `/readyz` on `listener` until shutdown.
-pub async fn serve_health(listener: tokio::net::TcpListener, ready: Ready, shutdown: Shutdown) -> std::io::Result<()> {
+pub async fn serve_health(
+    listener: tokio::net::TcpListener,
+    ready: Ready,
+    shutdown: Shutdown,
+) -> std::io::Result<()> {
     let handle = metrics_handle();
     let r2 = ready.clone();
     let app = Router::new()
-        .route("/metrics", get(move || { let h = handle.clone(); async move { h.render() } }))
+        .route(
+            "/metrics",
+            get(move || {
+                let h = handle.clone();
+                async move { h.render() }
+            }),
+        )
         .route("/healthz", get(|| async { "ok\n" }))
         .route(
             "/readyz",
@@ -75,5 +90,7 @@ pub async fn serve_health(listener: tokio::net::TcpListener, ready: Ready, shutd
                 }
             }),
         );
-    axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.wait().await }).await
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move { shutdown.wait().await })
+        .await
 }

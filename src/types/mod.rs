@@ -4,7 +4,7 @@ pub mod names;
 pub mod reason;
 pub mod resources;
 
-pub use reason::{Reason, Failure};
+pub use reason::{Failure, Reason};
 pub use resources::Res;
 
 /// Seconds since the Unix epoch, as every record and API field counts time.

@@ -33,16 +33,24 @@ pub fn shown(v: &str) -> String {
 /// Checks one path segment of a project (`team-a`): no `/`, no whitespace, not empty.
 pub fn check_project_name(name: &str) -> Result<(), Failure> {
     if name.is_empty() || name.len() > MAX_NAME {
-        return Err(Failure::invalid(format!("project name {} must be 1 to {MAX_NAME} characters", shown(name))));
+        return Err(Failure::invalid(format!(
+            "project name {} must be 1 to {MAX_NAME} characters",
+            shown(name)
+        )));
     }
     // Printable ASCII only: names travel in headers and logs, and look-alike or invisible
     // characters (a zero-width space shows `root/` for `root/\u{200b}`) invite confusion.
     // `:` is refused too: `<project>/<name>:<tag>` image names would become ambiguous.
     if name.contains('/') || name.contains(':') || !name.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(Failure::invalid(format!("project name {} may hold only printable ASCII without '/', ':' or spaces", shown(name))));
+        return Err(Failure::invalid(format!(
+            "project name {} may hold only printable ASCII without '/', ':' or spaces",
+            shown(name)
+        )));
     }
     if name == "." || name == ".." {
-        return Err(Failure::invalid(format!("project name {name:?} is reserved")));
+        return Err(Failure::invalid(format!(
+            "project name {name:?} is reserved"
+        )));
     }
     Ok(())
 }
@@ -51,10 +59,15 @@ pub fn check_project_name(name: &str) -> Result<(), Failure> {
 pub fn check_project_path(path: &str) -> Result<(), Failure> {
     let mut parts = path.split('/');
     if parts.next() != Some("root") {
-        return Err(Failure::invalid(format!("project {} must start with \"root\"", shown(path))));
+        return Err(Failure::invalid(format!(
+            "project {} must start with \"root\"",
+            shown(path)
+        )));
     }
     for p in parts {
-        check_project_name(p).map_err(|e| Failure::invalid(format!("project path {}: {}", shown(path), e.message)))?;
+        check_project_name(p).map_err(|e| {
+            Failure::invalid(format!("project path {}: {}", shown(path), e.message))
+        })?;
     }
     if path.len() > 1024 {
         return Err(Failure::invalid("project path longer than 1024 characters"));
@@ -83,25 +96,41 @@ pub fn project_parent(path: &str) -> Option<&str> {
 
 /// True when `path` is `ancestor` or lies under it.
 pub fn project_within(path: &str, ancestor: &str) -> bool {
-    path == ancestor || (path.len() > ancestor.len() && path.starts_with(ancestor) && path.as_bytes()[ancestor.len()] == b'/')
+    path == ancestor
+        || (path.len() > ancestor.len()
+            && path.starts_with(ancestor)
+            && path.as_bytes()[ancestor.len()] == b'/')
 }
 
 /// Checks a principal id: 1..128 characters, no `.`, `/` or whitespace.
 pub fn check_principal_id(id: &str) -> Result<(), Failure> {
     if id.is_empty() || id.len() > MAX_NAME {
-        return Err(Failure::invalid(format!("principal id {} must be 1 to {MAX_NAME} characters", shown(id))));
+        return Err(Failure::invalid(format!(
+            "principal id {} must be 1 to {MAX_NAME} characters",
+            shown(id)
+        )));
     }
     // Tokens carry the id in an HTTP header, so it must be header-safe: printable ASCII.
     if id.contains('.') || id.contains('/') || !id.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(Failure::invalid(format!("principal id {} may hold only printable ASCII without '.', '/' or spaces", shown(id))));
+        return Err(Failure::invalid(format!(
+            "principal id {} may hold only printable ASCII without '.', '/' or spaces",
+            shown(id)
+        )));
     }
     Ok(())
 }
 
 /// Checks an edge id: `[a-z0-9-]`, 1 to 32 characters (15-configuration `edges[].id`).
 pub fn check_edge_id(id: &str) -> Result<(), Failure> {
-    if id.is_empty() || id.len() > 32 || !id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') {
-        return Err(Failure::invalid(format!("edge id {id:?} must be 1 to 32 characters of [a-z0-9-]")));
+    if id.is_empty()
+        || id.len() > 32
+        || !id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+    {
+        return Err(Failure::invalid(format!(
+            "edge id {id:?} must be 1 to 32 characters of [a-z0-9-]"
+        )));
     }
     Ok(())
 }
@@ -111,7 +140,10 @@ pub fn check_permission(p: &str) -> Result<(), Failure> {
     if PERMISSIONS.contains(&p) {
         Ok(())
     } else {
-        Err(Failure::invalid(format!("unknown permission {p:?}; known: {}", PERMISSIONS.join(", "))))
+        Err(Failure::invalid(format!(
+            "unknown permission {p:?}; known: {}",
+            PERMISSIONS.join(", ")
+        )))
     }
 }
 
@@ -126,16 +158,23 @@ pub struct TokenParts<'a> {
 
 /// Splits a token; any other shape is `unauthenticated` (the token cannot be valid).
 pub fn parse_token(token: &str) -> Result<TokenParts<'_>, Failure> {
-    let bad = || Failure::unauthenticated("malformed token: expected dsk.<principal>.<id>.<secret>");
+    let bad =
+        || Failure::unauthenticated("malformed token: expected dsk.<principal>.<id>.<secret>");
     if token.len() > 512 {
         return Err(bad());
     }
     let parts: Vec<&str> = token.split('.').collect();
     match parts.as_slice() {
-        ["dsk", p, s] if !p.is_empty() && !s.is_empty() => Ok(TokenParts { principal: p, id: "primary", secret: s }),
-        ["dsk", p, i, s] if !p.is_empty() && !i.is_empty() && !s.is_empty() => {
-            Ok(TokenParts { principal: p, id: i, secret: s })
-        }
+        ["dsk", p, s] if !p.is_empty() && !s.is_empty() => Ok(TokenParts {
+            principal: p,
+            id: "primary",
+            secret: s,
+        }),
+        ["dsk", p, i, s] if !p.is_empty() && !i.is_empty() && !s.is_empty() => Ok(TokenParts {
+            principal: p,
+            id: i,
+            secret: s,
+        }),
         _ => Err(bad()),
     }
 }
@@ -158,7 +197,10 @@ mod tests {
         assert!(check_project_path("root//x").is_err());
         assert!(check_project_path("root/a b").is_err());
         assert!(check_project_path("root/..").is_err());
-        assert_eq!(project_chain("root/a/b"), vec!["root", "root/a", "root/a/b"]);
+        assert_eq!(
+            project_chain("root/a/b"),
+            vec!["root", "root/a", "root/a/b"]
+        );
         assert_eq!(project_parent("root/a/b"), Some("root/a"));
         assert_eq!(project_parent("root"), None);
         assert!(project_within("root/a/b", "root/a"));
@@ -189,10 +231,20 @@ mod tests {
     #[test]
     fn tokens() {
         let t = parse_token("dsk.admin.s3cret").unwrap();
-        assert_eq!((t.principal, t.id, t.secret), ("admin", "primary", "s3cret"));
+        assert_eq!(
+            (t.principal, t.id, t.secret),
+            ("admin", "primary", "s3cret")
+        );
         let t = parse_token("dsk.bob.t1.xyz").unwrap();
         assert_eq!((t.principal, t.id, t.secret), ("bob", "t1", "xyz"));
-        for bad in ["", "dsk", "dsk..x", "abc.bob.x", "dsk.bob.t1.x.y", "dsk.bob..x"] {
+        for bad in [
+            "",
+            "dsk",
+            "dsk..x",
+            "abc.bob.x",
+            "dsk.bob.t1.x.y",
+            "dsk.bob..x",
+        ] {
             assert!(parse_token(bad).is_err(), "{bad}");
         }
     }

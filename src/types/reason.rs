@@ -88,7 +88,10 @@ pub struct Failure {
 
 impl Failure {
     pub fn new(reason: Reason, message: impl Into<String>) -> Self {
-        Failure { reason, message: message.into() }
+        Failure {
+            reason,
+            message: message.into(),
+        }
     }
     pub fn invalid(m: impl Into<String>) -> Self {
         Self::new(Reason::Invalid, m)

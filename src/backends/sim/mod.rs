@@ -12,7 +12,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, LogNormal};
 
-use super::{Adopted, Backend, BackendError, BackendState, CleanupReport, CreateRequest, Handle, Health, Recorded};
+use super::{
+    Adopted, Backend, BackendError, BackendState, CleanupReport, CreateRequest, Handle, Health,
+    Recorded,
+};
 use crate::config::BackendConfig;
 
 /// Longest simulated creation, whatever the distribution draws.
@@ -34,8 +37,15 @@ impl SimBackend {
     }
 
     /// As `new`, with a given random source (tests pass a seeded one).
-    pub fn with_rng(name: &str, cfg: &BackendConfig, rng: StdRng) -> Result<SimBackend, BackendError> {
-        let bad = |m: &str| BackendError::Config { backend: name.to_string(), message: m.to_string() };
+    pub fn with_rng(
+        name: &str,
+        cfg: &BackendConfig,
+        rng: StdRng,
+    ) -> Result<SimBackend, BackendError> {
+        let bad = |m: &str| BackendError::Config {
+            backend: name.to_string(),
+            message: m.to_string(),
+        };
         if !(0.0..=1.0).contains(&cfg.failure_rate) {
             return Err(bad("failure_rate must be within 0..1"));
         }
@@ -46,11 +56,19 @@ impl SimBackend {
             return Err(bad("latency_sigma must be a number ≥ 0"));
         }
         let latency = if cfg.create_latency_ms > 0.0 {
-            Some(LogNormal::new(cfg.create_latency_ms.ln(), cfg.latency_sigma).map_err(|e| bad(&format!("latency distribution: {e}")))?)
+            Some(
+                LogNormal::new(cfg.create_latency_ms.ln(), cfg.latency_sigma)
+                    .map_err(|e| bad(&format!("latency distribution: {e}")))?,
+            )
         } else {
             None
         };
-        Ok(SimBackend { name: name.to_string(), latency, failure_rate: cfg.failure_rate, rng: Mutex::new(rng) })
+        Ok(SimBackend {
+            name: name.to_string(),
+            latency,
+            failure_rate: cfg.failure_rate,
+            rng: Mutex::new(rng),
+        })
     }
 
     /// Draws one creation: how long it takes and whether it fails.
@@ -62,7 +80,9 @@ impl SimBackend {
         let delay = match &self.latency {
             Some(d) => {
                 let ms: f64 = d.sample(&mut *rng);
-                Duration::try_from_secs_f64(ms / 1000.0).unwrap_or(MAX_DELAY).min(MAX_DELAY)
+                Duration::try_from_secs_f64(ms / 1000.0)
+                    .unwrap_or(MAX_DELAY)
+                    .min(MAX_DELAY)
             }
             None => Duration::ZERO,
         };
@@ -89,7 +109,10 @@ impl Backend for SimBackend {
             tokio::time::sleep(delay).await;
         }
         if fail {
-            return Err(BackendError::Create { sandbox_id: req.sandbox_id.clone(), message: "simulated failure (failure_rate)".into() });
+            return Err(BackendError::Create {
+                sandbox_id: req.sandbox_id.clone(),
+                message: "simulated failure (failure_rate)".into(),
+            });
         }
         Ok(BackendState::Null)
     }
@@ -105,8 +128,15 @@ impl Backend for SimBackend {
     async fn probe(&self, _sandbox: &Handle<'_>) -> Health {
         Health::Alive
     }
-    async fn adopt(&self, sandbox: &Handle<'_>, recorded: Recorded) -> Result<Adopted, BackendError> {
-        Ok(Adopted { state: sandbox.state.clone(), paused: recorded == Recorded::Paused })
+    async fn adopt(
+        &self,
+        sandbox: &Handle<'_>,
+        recorded: Recorded,
+    ) -> Result<Adopted, BackendError> {
+        Ok(Adopted {
+            state: sandbox.state.clone(),
+            paused: recorded == Recorded::Paused,
+        })
     }
     async fn cleanup(&self, _keep: &HashSet<String>) -> Result<CleanupReport, BackendError> {
         Ok(CleanupReport::default())
@@ -119,11 +149,20 @@ mod tests {
     use crate::pb;
 
     fn cfg(latency: f64, sigma: f64, fail: f64) -> BackendConfig {
-        BackendConfig { create_latency_ms: latency, latency_sigma: sigma, failure_rate: fail, ..Default::default() }
+        BackendConfig {
+            create_latency_ms: latency,
+            latency_sigma: sigma,
+            failure_rate: fail,
+            ..Default::default()
+        }
     }
 
     fn req() -> CreateRequest {
-        CreateRequest { sandbox_id: "e1.a".into(), project: "root".into(), spec: pb::SandboxSpec::default() }
+        CreateRequest {
+            sandbox_id: "e1.a".into(),
+            project: "root".into(),
+            spec: pb::SandboxSpec::default(),
+        }
     }
 
     #[test]
@@ -136,28 +175,51 @@ mod tests {
 
     #[test]
     fn latency_draws_have_the_configured_median() {
-        let b = SimBackend::with_rng("sim", &cfg(100.0, 0.5, 0.0), StdRng::seed_from_u64(7)).map_err(|e| e.to_string());
+        let b = SimBackend::with_rng("sim", &cfg(100.0, 0.5, 0.0), StdRng::seed_from_u64(7))
+            .map_err(|e| e.to_string());
         let Ok(b) = b else { panic!("build") };
-        let mut v: Vec<f64> = (0..2001).map(|_| b.draw().0.as_secs_f64() * 1000.0).collect();
+        let mut v: Vec<f64> = (0..2001)
+            .map(|_| b.draw().0.as_secs_f64() * 1000.0)
+            .collect();
         v.sort_by(|a, b| a.total_cmp(b));
         let median = v[1000];
         assert!((80.0..125.0).contains(&median), "median {median}");
-        assert!(v[0] < median && v[2000] > median, "sigma 0.5 spreads the draws");
+        assert!(
+            v[0] < median && v[2000] > median,
+            "sigma 0.5 spreads the draws"
+        );
         // sigma 0: every draw is the median.
-        let Ok(fixed) = SimBackend::with_rng("sim", &cfg(40.0, 0.0, 0.0), StdRng::seed_from_u64(1)) else { panic!("build") };
+        let Ok(fixed) = SimBackend::with_rng("sim", &cfg(40.0, 0.0, 0.0), StdRng::seed_from_u64(1))
+        else {
+            panic!("build")
+        };
         assert!((fixed.draw().0.as_secs_f64() * 1000.0 - 40.0).abs() < 1e-6);
         // 0 = instant.
-        let Ok(instant) = SimBackend::new("sim", &cfg(0.0, 3.0, 0.0)) else { panic!("build") };
+        let Ok(instant) = SimBackend::new("sim", &cfg(0.0, 3.0, 0.0)) else {
+            panic!("build")
+        };
         assert_eq!(instant.draw().0, Duration::ZERO);
     }
 
     #[tokio::test]
     async fn failure_rate_decides_creations() {
-        let Ok(always) = SimBackend::new("sim", &cfg(0.0, 0.0, 1.0)) else { panic!("build") };
-        let err = always.create(&req()).await.err().map(|e| e.to_string()).unwrap_or_default();
+        let Ok(always) = SimBackend::new("sim", &cfg(0.0, 0.0, 1.0)) else {
+            panic!("build")
+        };
+        let err = always
+            .create(&req())
+            .await
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert!(err.contains("simulated failure"), "{err}");
-        let Ok(never) = SimBackend::new("sim", &cfg(0.0, 0.0, 0.0)) else { panic!("build") };
-        let Ok(half) = SimBackend::with_rng("sim", &cfg(0.0, 0.0, 0.5), StdRng::seed_from_u64(3)) else { panic!("build") };
+        let Ok(never) = SimBackend::new("sim", &cfg(0.0, 0.0, 0.0)) else {
+            panic!("build")
+        };
+        let Ok(half) = SimBackend::with_rng("sim", &cfg(0.0, 0.0, 0.5), StdRng::seed_from_u64(3))
+        else {
+            panic!("build")
+        };
         for _ in 0..20 {
             assert!(never.create(&req()).await.is_ok());
         }
@@ -167,22 +229,40 @@ mod tests {
                 failed += 1;
             }
         }
-        assert!((120..280).contains(&failed), "{failed} of 400 failed at rate 0.5");
+        assert!(
+            (120..280).contains(&failed),
+            "{failed} of 400 failed at rate 0.5"
+        );
     }
 
     #[tokio::test]
     async fn lifecycle_calls_succeed_and_keep_state() {
-        let Ok(b) = SimBackend::new("sim", &cfg(0.0, 0.0, 0.0)) else { panic!("build") };
+        let Ok(b) = SimBackend::new("sim", &cfg(0.0, 0.0, 0.0)) else {
+            panic!("build")
+        };
         let spec = pb::SandboxSpec::default();
         let st = serde_json::json!({"k": 1});
-        let h = Handle { sandbox_id: "e1.a", spec: &spec, state: &st };
+        let h = Handle {
+            sandbox_id: "e1.a",
+            spec: &spec,
+            state: &st,
+        };
         assert_eq!(b.pause(&h).await.ok(), Some(st.clone()));
         assert_eq!(b.resume(&h).await.ok(), Some(st.clone()));
         assert!(b.stop(&h).await.is_ok());
         assert_eq!(b.probe(&h).await, Health::Alive);
         let a = b.adopt(&h, Recorded::Paused).await.ok();
-        assert_eq!(a, Some(Adopted { state: st.clone(), paused: true }));
+        assert_eq!(
+            a,
+            Some(Adopted {
+                state: st.clone(),
+                paused: true
+            })
+        );
         assert!(b.runtime().is_none() && b.snapshotter().is_none() && b.versioned().is_none());
-        assert_eq!(b.cleanup(&HashSet::new()).await.ok(), Some(CleanupReport::default()));
+        assert_eq!(
+            b.cleanup(&HashSet::new()).await.ok(),
+            Some(CleanupReport::default())
+        );
     }
 }

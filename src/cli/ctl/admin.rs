@@ -85,7 +85,14 @@ impl StatusArgs {
     /// Prints the cluster `Snapshot`. Errors: the server's failure.
     pub async fn run(self, ctx: &Ctx) -> Result<(), CtlError> {
         let conn = ctx.connect()?;
-        output::json(&conn.call(pb::Empty {}, |mut c, r| async move { c.cluster_status(r).await }).await?)
+        output::json(
+            &conn
+                .call(
+                    pb::Empty {},
+                    |mut c, r| async move { c.cluster_status(r).await },
+                )
+                .await?,
+        )
     }
 }
 
@@ -96,8 +103,15 @@ impl EdgeArgs {
         let EdgeCmd::Drain(a) = self.cmd;
         names::check_edge_id(&a.edge)?;
         let conn = ctx.connect()?;
-        let req = pb::DrainEdgeRequest { edge_id: a.edge, undo: a.undo };
-        output::json(&conn.call(req, |mut c, r| async move { c.drain_edge(r).await }).await?)
+        let req = pb::DrainEdgeRequest {
+            edge_id: a.edge,
+            undo: a.undo,
+        };
+        output::json(
+            &conn
+                .call(req, |mut c, r| async move { c.drain_edge(r).await })
+                .await?,
+        )
     }
 }
 
@@ -111,17 +125,29 @@ impl IamArgs {
                     return Err(Failure::invalid("-out: give a file name").into());
                 }
                 let conn = ctx.connect()?;
-                let data = conn.call(pb::Empty {}, |mut c, r| async move { c.iam_backup(r).await }).await?.data;
+                let data = conn
+                    .call(
+                        pb::Empty {},
+                        |mut c, r| async move { c.iam_backup(r).await },
+                    )
+                    .await?
+                    .data;
                 write_private(Path::new(&a.out), &data)?;
                 output::err(format!("wrote {} bytes to {}\n", data.len(), a.out).as_bytes())
             }
             IamCmd::Restore(a) => {
                 let path = Path::new(&a.file);
                 let data = std::fs::read(path).map_err(|e| file_failure("reading", path, e))?;
-                check_backup(&data).map_err(|why| Failure::invalid(format!("{} is not an IAM backup: {why}", a.file)))?;
+                check_backup(&data).map_err(|why| {
+                    Failure::invalid(format!("{} is not an IAM backup: {why}", a.file))
+                })?;
                 let conn = ctx.connect()?;
                 let req = pb::IamRestoreRequest { data };
-                output::json(&conn.call(req, |mut c, r| async move { c.iam_restore(r).await }).await?)
+                output::json(
+                    &conn
+                        .call(req, |mut c, r| async move { c.iam_restore(r).await })
+                        .await?,
+                )
             }
         }
     }
@@ -168,10 +194,21 @@ pub fn write_private(path: &Path, data: &[u8]) -> Result<(), Failure> {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => std::path::PathBuf::from("."),
     };
-    let name = path.file_name().ok_or_else(|| Failure::invalid(format!("-out: {} is not a file name", path.display())))?;
-    let tmp = dir.join(format!(".{}.tmp-{}-{:x}", name.to_string_lossy(), std::process::id(), rand::random::<u64>()));
+    let name = path
+        .file_name()
+        .ok_or_else(|| Failure::invalid(format!("-out: {} is not a file name", path.display())))?;
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}-{:x}",
+        name.to_string_lossy(),
+        std::process::id(),
+        rand::random::<u64>()
+    ));
     let write = || -> std::io::Result<()> {
-        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
         f.write_all(data)?;
         f.sync_all()
     };
@@ -203,7 +240,10 @@ mod tests {
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
         write_private(&p, b"new bytes").unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), b"new bytes");
-        assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
         // No temp files are left behind.
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
         let e = write_private(&dir.path().join("missing/x.gz"), b"x").unwrap_err();

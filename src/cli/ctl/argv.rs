@@ -17,7 +17,9 @@ fn takes_value(name: &str, also: &[&str]) -> bool {
 pub fn leading_options(args: &[String]) -> usize {
     let mut i = 0;
     while let Some(a) = args.get(i) {
-        let n = crate::cli::flags::normalize(std::slice::from_ref(a)).pop().unwrap_or_default();
+        let n = crate::cli::flags::normalize(std::slice::from_ref(a))
+            .pop()
+            .unwrap_or_default();
         match n.split_once('=') {
             Some((k, _)) if takes_value(k, &[]) => i += 1,
             None if takes_value(&n, &[]) => i += 2,
@@ -48,7 +50,9 @@ pub fn exec(args: &[String]) -> Vec<String> {
             ended = true;
             continue;
         }
-        let n = crate::cli::flags::normalize(std::slice::from_ref(a)).pop().unwrap_or_default();
+        let n = crate::cli::flags::normalize(std::slice::from_ref(a))
+            .pop()
+            .unwrap_or_default();
         let name = n.split_once('=').map(|(k, _)| k).unwrap_or(&n);
         if takes_value(name, &EXEC_OPTIONS) {
             opts.push(n.clone());
@@ -114,11 +118,40 @@ mod tests {
             exec(&s(&["exec", "ID", "python3", "-c", "print(6*7)"])),
             s(&["exec", "ID", "--", "python3", "-c", "print(6*7)"])
         );
-        assert_eq!(exec(&s(&["exec", "ID", "ls", "-la", "-"])), s(&["exec", "ID", "--", "ls", "-la", "-"]));
+        assert_eq!(
+            exec(&s(&["exec", "ID", "ls", "-la", "-"])),
+            s(&["exec", "ID", "--", "ls", "-la", "-"])
+        );
         // The CLI's options anywhere before --, normalized; after --, all command.
         assert_eq!(
-            exec(&s(&["exec", "-session", "s", "ID", "echo", "-timeout=5", "hi", "-addr", "a:1", "--", "-user", "x"])),
-            s(&["exec", "--session", "s", "ID", "--timeout=5", "--addr", "a:1", "--", "echo", "hi", "-user", "x"])
+            exec(&s(&[
+                "exec",
+                "-session",
+                "s",
+                "ID",
+                "echo",
+                "-timeout=5",
+                "hi",
+                "-addr",
+                "a:1",
+                "--",
+                "-user",
+                "x"
+            ])),
+            s(&[
+                "exec",
+                "--session",
+                "s",
+                "ID",
+                "--timeout=5",
+                "--addr",
+                "a:1",
+                "--",
+                "echo",
+                "hi",
+                "-user",
+                "x"
+            ])
         );
         assert_eq!(exec(&s(&["exec", "-h"])), s(&["exec", "--help"]));
         assert_eq!(exec(&s(&["exec", "ID"])), s(&["exec", "ID"]));
@@ -126,7 +159,10 @@ mod tests {
 
     #[test]
     fn leading_connection_options_are_counted() {
-        assert_eq!(leading_options(&s(&["-addr", "x", "-token=t", "exec", "ID"])), 3);
+        assert_eq!(
+            leading_options(&s(&["-addr", "x", "-token=t", "exec", "ID"])),
+            3
+        );
         assert_eq!(leading_options(&s(&["exec", "-addr", "x"])), 0);
         assert_eq!(leading_options(&s(&["-session", "s", "exec"])), 0);
         assert_eq!(leading_options(&s(&["-addr"])), 1);
@@ -134,9 +170,18 @@ mod tests {
 
     #[test]
     fn cp_dash_is_a_positional() {
-        assert_eq!(cp(&s(&["cp", "-", "id:/x"])), s(&["cp", "--", "-", "id:/x"]));
-        assert_eq!(cp(&s(&["cp", "id:/x", "-", "--help"])), s(&["cp", "--help", "--", "id:/x", "-"]));
-        assert_eq!(cp(&s(&["cp", "--", "--weird", "id:/x"])), s(&["cp", "--", "--weird", "id:/x"]));
+        assert_eq!(
+            cp(&s(&["cp", "-", "id:/x"])),
+            s(&["cp", "--", "-", "id:/x"])
+        );
+        assert_eq!(
+            cp(&s(&["cp", "id:/x", "-", "--help"])),
+            s(&["cp", "--help", "--", "id:/x", "-"])
+        );
+        assert_eq!(
+            cp(&s(&["cp", "--", "--weird", "id:/x"])),
+            s(&["cp", "--", "--weird", "id:/x"])
+        );
         assert_eq!(cp(&s(&["cp", "help"])), s(&["cp", "help"]));
     }
 }

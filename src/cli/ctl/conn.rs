@@ -67,7 +67,9 @@ pub fn split_flags(args: &[String]) -> Result<(ConnFlags, Vec<String>), CtlError
         };
         let value = match inline {
             Some(v) => v,
-            None => it.next().cloned().ok_or_else(|| CtlError::Usage(format!("No value provided for option '{name}'.")))?,
+            None => it.next().cloned().ok_or_else(|| {
+                CtlError::Usage(format!("No value provided for option '{name}'."))
+            })?,
         };
         *slot = Some(value);
     }
@@ -92,12 +94,20 @@ pub struct Settings {
 impl Settings {
     /// Resolves `flags` against the environment (`env` looks a variable up; empty counts as
     /// unset). Errors: `invalid` for a bad `-deadline`.
-    pub fn resolve(flags: &ConnFlags, env: impl Fn(&str) -> Option<String>) -> Result<Settings, Failure> {
+    pub fn resolve(
+        flags: &ConnFlags,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Settings, Failure> {
         let pick = |flag: &Option<String>, var: &str| -> Option<String> {
             flag.clone().or_else(|| env(var)).filter(|v| !v.is_empty())
         };
         let addrs = pick(&flags.addr, "OPENDSEC_ADDR")
-            .map(|a| a.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect())
+            .map(|a| {
+                a.split(',')
+                    .map(|s| s.trim().to_string())
+                    .filter(|s| !s.is_empty())
+                    .collect()
+            })
             .unwrap_or_default();
         let deadline = match &flags.deadline {
             None => Some(DEFAULT_DEADLINE),
@@ -120,13 +130,19 @@ impl Settings {
             return Err(Failure::invalid("TLS is not supported by this build yet"));
         }
         if self.addrs.is_empty() {
-            return Err(Failure::invalid("no apiserver address: set -addr or OPENDSEC_ADDR"));
+            return Err(Failure::invalid(
+                "no apiserver address: set -addr or OPENDSEC_ADDR",
+            ));
         }
-        names::check_project_path(&self.project).map_err(|f| Failure::invalid(format!("-project: {}", f.message)))?;
+        names::check_project_path(&self.project)
+            .map_err(|f| Failure::invalid(format!("-project: {}", f.message)))?;
         let mut clients = Vec::with_capacity(self.addrs.len());
         for addr in &self.addrs {
-            let ch = rpc::client::channel(addr, CONNECT_TIMEOUT).map_err(|e| Failure::invalid(format!("-addr: {e}")))?;
-            let c = DSecClient::new(ch).max_decoding_message_size(rpc::MAX_MESSAGE).max_encoding_message_size(rpc::MAX_MESSAGE);
+            let ch = rpc::client::channel(addr, CONNECT_TIMEOUT)
+                .map_err(|e| Failure::invalid(format!("-addr: {e}")))?;
+            let c = DSecClient::new(ch)
+                .max_decoding_message_size(rpc::MAX_MESSAGE)
+                .max_encoding_message_size(rpc::MAX_MESSAGE);
             clients.push((addr.clone(), c));
         }
         Ok(Conn {
@@ -150,9 +166,16 @@ pub struct Conn {
 impl Conn {
     /// Wraps a message with the bearer token and the time left before the deadline.
     pub fn request<T>(&self, msg: T) -> tonic::Request<T> {
-        let mut req = if self.token.is_empty() { tonic::Request::new(msg) } else { rpc::client::with_token(msg, &self.token) };
+        let mut req = if self.token.is_empty() {
+            tonic::Request::new(msg)
+        } else {
+            rpc::client::with_token(msg, &self.token)
+        };
         if let Some(at) = self.deadline_at {
-            req.set_timeout(at.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)));
+            req.set_timeout(
+                at.saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(1)),
+            );
         }
         req
     }
@@ -211,7 +234,17 @@ mod tests {
     #[test]
     fn connection_flags_anywhere_before_dashdash() {
         let args = crate::cli::flags::normalize(&s(&[
-            "sandbox", "stop", "-addr", "a:1,b:2", "ID", "-token=tok", "-deadline", "30s", "--", "-project", "x",
+            "sandbox",
+            "stop",
+            "-addr",
+            "a:1,b:2",
+            "ID",
+            "-token=tok",
+            "-deadline",
+            "30s",
+            "--",
+            "-project",
+            "x",
         ]));
         let (f, rest) = split_flags(&args).unwrap();
         assert_eq!(f.addr.as_deref(), Some("a:1,b:2"));
@@ -223,9 +256,13 @@ mod tests {
 
     #[test]
     fn other_inline_values_are_split_for_argh() {
-        let args = crate::cli::flags::normalize(&s(&["sandbox", "create", "-cpu=2", "-net=pypi,!npm"]));
+        let args =
+            crate::cli::flags::normalize(&s(&["sandbox", "create", "-cpu=2", "-net=pypi,!npm"]));
         let (_, rest) = split_flags(&args).unwrap();
-        assert_eq!(rest, s(&["sandbox", "create", "--cpu", "2", "--net", "pypi,!npm"]));
+        assert_eq!(
+            rest,
+            s(&["sandbox", "create", "--cpu", "2", "--net", "pypi,!npm"])
+        );
     }
 
     #[test]
@@ -242,16 +279,37 @@ mod tests {
             "OPENDSEC_CA" => Some(String::new()),
             _ => None,
         };
-        let st = Settings::resolve(&ConnFlags { token: Some("flagtok".into()), ..Default::default() }, env).unwrap();
+        let st = Settings::resolve(
+            &ConnFlags {
+                token: Some("flagtok".into()),
+                ..Default::default()
+            },
+            env,
+        )
+        .unwrap();
         assert_eq!(st.addrs, vec!["e:1", "e:2"]);
         assert_eq!(st.token, "flagtok");
         assert_eq!(st.project, "root");
         assert_eq!(st.ca, None);
         assert_eq!(st.deadline, Some(DEFAULT_DEADLINE));
         assert!(!st.deadline_given);
-        let st = Settings::resolve(&ConnFlags { deadline: Some("0".into()), ..Default::default() }, |_| None).unwrap();
+        let st = Settings::resolve(
+            &ConnFlags {
+                deadline: Some("0".into()),
+                ..Default::default()
+            },
+            |_| None,
+        )
+        .unwrap();
         assert_eq!(st.deadline, None);
-        assert!(Settings::resolve(&ConnFlags { deadline: Some("soon".into()), ..Default::default() }, |_| None).is_err());
+        assert!(Settings::resolve(
+            &ConnFlags {
+                deadline: Some("soon".into()),
+                ..Default::default()
+            },
+            |_| None
+        )
+        .is_err());
     }
 
     #[test]
@@ -259,9 +317,23 @@ mod tests {
         let base = Settings::resolve(&ConnFlags::default(), |_| None).unwrap();
         let e = base.connect(Instant::now()).err().unwrap();
         assert!(e.message.contains("OPENDSEC_ADDR"), "{}", e.message);
-        let tls = Settings { ca: Some("/ca.crt".into()), addrs: vec!["127.0.0.1:1".into()], ..base.clone() };
-        assert_eq!(tls.connect(Instant::now()).err().unwrap().message, "TLS is not supported by this build yet");
-        let proj = Settings { project: "team-a".into(), addrs: vec!["127.0.0.1:1".into()], ..base };
-        assert_eq!(proj.connect(Instant::now()).err().unwrap().reason, Reason::Invalid);
+        let tls = Settings {
+            ca: Some("/ca.crt".into()),
+            addrs: vec!["127.0.0.1:1".into()],
+            ..base.clone()
+        };
+        assert_eq!(
+            tls.connect(Instant::now()).err().unwrap().message,
+            "TLS is not supported by this build yet"
+        );
+        let proj = Settings {
+            project: "team-a".into(),
+            addrs: vec!["127.0.0.1:1".into()],
+            ..base
+        };
+        assert_eq!(
+            proj.connect(Instant::now()).err().unwrap().reason,
+            Reason::Invalid
+        );
     }
 }

@@ -43,25 +43,51 @@ pub fn remote(arg: &str) -> Option<(&str, &str)> {
 /// Which way a copy goes, with the sandbox id and path checked.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Direction<'a> {
-    Download { id: &'a str, path: &'a str, local: &'a str },
-    Upload { local: &'a str, id: &'a str, path: &'a str },
+    Download {
+        id: &'a str,
+        path: &'a str,
+        local: &'a str,
+    },
+    Upload {
+        local: &'a str,
+        id: &'a str,
+        path: &'a str,
+    },
 }
 
 /// Works out the direction. Errors: `invalid` unless exactly one side is a sandbox path,
 /// for a bad id, or for a sandbox path that is not absolute.
 pub fn direction<'a>(src: &'a str, dst: &'a str) -> Result<Direction<'a>, Failure> {
     let d = match (remote(src), remote(dst)) {
-        (Some((id, path)), None) => Direction::Download { id, path, local: dst },
-        (None, Some((id, path))) => Direction::Upload { local: src, id, path },
-        (Some(_), Some(_)) => return Err(Failure::invalid("cp copies between this machine and a sandbox, not between sandboxes")),
-        (None, None) => return Err(Failure::invalid("one side of cp must be a sandbox path <id>:<path>")),
+        (Some((id, path)), None) => Direction::Download {
+            id,
+            path,
+            local: dst,
+        },
+        (None, Some((id, path))) => Direction::Upload {
+            local: src,
+            id,
+            path,
+        },
+        (Some(_), Some(_)) => {
+            return Err(Failure::invalid(
+                "cp copies between this machine and a sandbox, not between sandboxes",
+            ))
+        }
+        (None, None) => {
+            return Err(Failure::invalid(
+                "one side of cp must be a sandbox path <id>:<path>",
+            ))
+        }
     };
     let (id, path) = match &d {
         Direction::Download { id, path, .. } | Direction::Upload { id, path, .. } => (*id, *path),
     };
     values::sandbox_id(id)?;
     if !path.starts_with('/') || path.contains('\0') {
-        return Err(Failure::invalid(format!("sandbox path {path:?} must be absolute")));
+        return Err(Failure::invalid(format!(
+            "sandbox path {path:?} must be absolute"
+        )));
     }
     Ok(d)
 }
@@ -99,12 +125,25 @@ impl CpArgs {
 
 async fn download(ctx: &Ctx, id: &str, path: &str, local: &str) -> Result<(), CtlError> {
     let conn = ctx.connect()?;
-    let req = pb::ReadFileRequest { sandbox_id: id.to_string(), path: path.to_string(), ..Default::default() };
-    let data = conn.call(req, |mut c, r| async move { c.read_file(r).await }).await?.data;
+    let req = pb::ReadFileRequest {
+        sandbox_id: id.to_string(),
+        path: path.to_string(),
+        ..Default::default()
+    };
+    let data = conn
+        .call(req, |mut c, r| async move { c.read_file(r).await })
+        .await?
+        .data;
     if data.len() as u64 >= MAX_FILE {
         // One read returns at most 64 MB: make sure nothing was cut off.
-        let req = pb::PathRequest { sandbox_id: id.to_string(), path: path.to_string(), ..Default::default() };
-        let info = conn.call(req, |mut c, r| async move { c.stat(r).await }).await?;
+        let req = pb::PathRequest {
+            sandbox_id: id.to_string(),
+            path: path.to_string(),
+            ..Default::default()
+        };
+        let info = conn
+            .call(req, |mut c, r| async move { c.stat(r).await })
+            .await?;
         if info.size as u64 > data.len() as u64 {
             return Err(too_big(path, info.size as u64).into());
         }
@@ -147,15 +186,26 @@ async fn upload(ctx: &Ctx, local: &str, id: &str, path: &str) -> Result<(), CtlE
     };
     let mut target = path.to_string();
     if target.ends_with('/') {
-        let name = Path::new(local).file_name().and_then(|n| n.to_str()).filter(|_| local != "-");
+        let name = Path::new(local)
+            .file_name()
+            .and_then(|n| n.to_str())
+            .filter(|_| local != "-");
         let Some(name) = name else {
             return Err(Failure::invalid(format!("give a file name after {path}")).into());
         };
         target.push_str(name);
     }
     let conn = ctx.connect()?;
-    let req = pb::WriteFileRequest { sandbox_id: id.to_string(), path: target, data, mode, ..Default::default() };
-    let info = conn.call(req, |mut c, r| async move { c.write_file(r).await }).await?;
+    let req = pb::WriteFileRequest {
+        sandbox_id: id.to_string(),
+        path: target,
+        data,
+        mode,
+        ..Default::default()
+    };
+    let info = conn
+        .call(req, |mut c, r| async move { c.write_file(r).await })
+        .await?;
     output::json(&info)
 }
 
@@ -167,16 +217,27 @@ mod tests {
     fn sides_are_told_apart_like_scp() {
         assert_eq!(
             direction("node-a.x1:/etc/hosts", "./hosts").unwrap(),
-            Direction::Download { id: "node-a.x1", path: "/etc/hosts", local: "./hosts" }
+            Direction::Download {
+                id: "node-a.x1",
+                path: "/etc/hosts",
+                local: "./hosts"
+            }
         );
         assert_eq!(
             direction("/tmp/a:b", "node-a.x1:/srv/a").unwrap(),
-            Direction::Upload { local: "/tmp/a:b", id: "node-a.x1", path: "/srv/a" }
+            Direction::Upload {
+                local: "/tmp/a:b",
+                id: "node-a.x1",
+                path: "/srv/a"
+            }
         );
         assert_eq!(direction("./x:y", "-").unwrap_err().reason, Reason::Invalid);
         assert!(direction("a:/x", "b:/y").is_err());
         assert!(direction("local", "other").is_err());
-        assert!(direction("id:relative/path", "out").unwrap_err().message.contains("absolute"));
+        assert!(direction("id:relative/path", "out")
+            .unwrap_err()
+            .message
+            .contains("absolute"));
         assert!(direction(":/x", "out").is_err());
     }
 

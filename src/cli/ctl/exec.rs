@@ -68,16 +68,25 @@ pub fn shell_quote(word: &str) -> String {
 /// empty one.
 pub fn command_line(words: &[String]) -> Result<String, Failure> {
     match words {
-        [] => Err(Failure::invalid("exec needs a command after the sandbox id")),
+        [] => Err(Failure::invalid(
+            "exec needs a command after the sandbox id",
+        )),
         [one] if one.trim().is_empty() => Err(Failure::invalid("empty command")),
         [one] => Ok(one.clone()),
-        many => Ok(many.iter().map(|w| shell_quote(w)).collect::<Vec<_>>().join(" ")),
+        many => Ok(many
+            .iter()
+            .map(|w| shell_quote(w))
+            .collect::<Vec<_>>()
+            .join(" ")),
     }
 }
 
 impl ExecArgs {
     fn timeout_s(&self) -> Result<Option<f64>, Failure> {
-        self.timeout.as_deref().map(|t| values::number_above("timeout", t, 0.0)).transpose()
+        self.timeout
+            .as_deref()
+            .map(|t| values::number_above("timeout", t, 0.0))
+            .transpose()
     }
 
     /// The whole command's time limit: `-deadline` if given, else the default stretched to
@@ -85,7 +94,9 @@ impl ExecArgs {
     pub fn deadline(&self, s: &Settings) -> Result<Option<Duration>, Failure> {
         let timeout = self.timeout_s()?;
         Ok(match (s.deadline_given, s.deadline, timeout) {
-            (false, Some(d), Some(t)) if t < 1e9 => Some(d.max(Duration::from_secs_f64(t) + DEADLINE_SLACK)),
+            (false, Some(d), Some(t)) if t < 1e9 => {
+                Some(d.max(Duration::from_secs_f64(t) + DEADLINE_SLACK))
+            }
             _ => s.deadline,
         })
     }
@@ -144,7 +155,11 @@ impl Progress {
     /// a chunk that starts earlier (re-sent after a resume) is trimmed.
     fn fresh<'a>(written: &mut i64, offset: i64, data: &'a [u8]) -> &'a [u8] {
         let len = data.len() as i64;
-        let skip = if offset > 0 && offset < *written { (*written - offset).min(len) } else { 0 };
+        let skip = if offset > 0 && offset < *written {
+            (*written - offset).min(len)
+        } else {
+            0
+        };
         let end_by_offset = if offset > 0 { offset + len } else { 0 };
         *written = (*written + len - skip).max(end_by_offset);
         &data[skip as usize..]
@@ -159,7 +174,13 @@ async fn stream(conn: &Conn, req: pb::RunShellRequest) -> Result<pb::ShellResult
     let mut resumes = 0;
     loop {
         let opened = match p.cmd_id {
-            None => conn.call(req.clone(), |mut c, r| async move { c.stream_shell(r).await }).await,
+            None => {
+                conn.call(
+                    req.clone(),
+                    |mut c, r| async move { c.stream_shell(r).await },
+                )
+                .await
+            }
             Some(cmd_id) => {
                 let again = pb::GetOutputRequest {
                     sandbox_id: req.sandbox_id.clone(),
@@ -169,7 +190,8 @@ async fn stream(conn: &Conn, req: pb::RunShellRequest) -> Result<pb::ShellResult
                     stdout_offset: p.stdout,
                     stderr_offset: p.stderr,
                 };
-                conn.call(again, |mut c, r| async move { c.stream_output(r).await }).await
+                conn.call(again, |mut c, r| async move { c.stream_output(r).await })
+                    .await
             }
         };
         let broke = match opened {
@@ -178,12 +200,20 @@ async fn stream(conn: &Conn, req: pb::RunShellRequest) -> Result<pb::ShellResult
                 match s.message().await {
                     Ok(Some(chunk)) => match chunk.kind {
                         Some(Kind::Started(id)) => p.cmd_id = Some(id),
-                        Some(Kind::Stdout(d)) => output::out(Progress::fresh(&mut p.stdout, chunk.offset, &d))?,
-                        Some(Kind::Stderr(d)) => output::err(Progress::fresh(&mut p.stderr, chunk.offset, &d))?,
+                        Some(Kind::Stdout(d)) => {
+                            output::out(Progress::fresh(&mut p.stdout, chunk.offset, &d))?
+                        }
+                        Some(Kind::Stderr(d)) => {
+                            output::err(Progress::fresh(&mut p.stderr, chunk.offset, &d))?
+                        }
                         Some(Kind::Exit(r)) => return Ok(r),
                         None => {}
                     },
-                    Ok(None) => break Failure::unavailable("the output stream ended before the command's exit status"),
+                    Ok(None) => {
+                        break Failure::unavailable(
+                            "the output stream ended before the command's exit status",
+                        )
+                    }
                     Err(status) => break crate::rpc::failure_from_status(&status),
                 }
             },
@@ -210,8 +240,14 @@ mod tests {
         assert_eq!(shell_quote("print(6*7)"), "'print(6*7)'");
         assert_eq!(shell_quote(""), "''");
         assert_eq!(shell_quote("it's"), r"'it'\''s'");
-        assert_eq!(command_line(&s(&["python3", "-c", "print(6*7)"])).unwrap(), "python3 -c 'print(6*7)'");
-        assert_eq!(command_line(&s(&["cd /srv && make | tail"])).unwrap(), "cd /srv && make | tail");
+        assert_eq!(
+            command_line(&s(&["python3", "-c", "print(6*7)"])).unwrap(),
+            "python3 -c 'print(6*7)'"
+        );
+        assert_eq!(
+            command_line(&s(&["cd /srv && make | tail"])).unwrap(),
+            "cd /srv && make | tail"
+        );
         assert!(command_line(&[]).is_err());
         assert!(command_line(&s(&["  "])).is_err());
     }
@@ -251,7 +287,11 @@ mod tests {
             .env("HOME", "/should/not/expand")
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let text = String::from_utf8(out.stdout).unwrap();
         let got: Vec<&str> = text.strip_suffix('\0').unwrap().split('\0').collect();
         assert_eq!(got, words.iter().map(String::as_str).collect::<Vec<_>>());
@@ -285,11 +325,20 @@ mod tests {
     #[test]
     fn deadline_stretches_to_the_timeout_unless_given() {
         let mut st = Settings::resolve(&Default::default(), |_| None).unwrap();
-        let a = ExecArgs { id: "x".into(), cmd: vec![], session: None, user: None, timeout: Some("600".into()) };
+        let a = ExecArgs {
+            id: "x".into(),
+            cmd: vec![],
+            session: None,
+            user: None,
+            timeout: Some("600".into()),
+        };
         assert_eq!(a.deadline(&st).unwrap(), Some(Duration::from_secs(660)));
         st.deadline_given = true;
         assert_eq!(a.deadline(&st).unwrap(), st.deadline);
-        let bad = ExecArgs { timeout: Some("-1".into()), ..a };
+        let bad = ExecArgs {
+            timeout: Some("-1".into()),
+            ..a
+        };
         assert!(bad.deadline(&st).is_err());
     }
 }

@@ -120,8 +120,15 @@ pub fn main(args: Vec<String>) -> ExitCode {
 fn report(e: CtlError) -> ExitCode {
     match e {
         CtlError::Usage(msg) => {
-            let one_line: Vec<&str> = msg.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
-            eprintln!("error: invalid: {}", output::single_dash(&one_line.join(" ")));
+            let one_line: Vec<&str> = msg
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect();
+            eprintln!(
+                "error: invalid: {}",
+                output::single_dash(&one_line.join(" "))
+            );
             eprintln!("Run 'opendsecctl help' or 'opendsecctl <command> help' for usage.");
             ExitCode::from(2)
         }
@@ -151,7 +158,9 @@ fn parse(args: &[String]) -> Result<Parsed, CtlError> {
     let cmd_args = &args[lead..];
     match cmd_args.first().map(String::as_str) {
         // exec's command words stay exactly as typed (see argv::exec).
-        Some("exec") if cmd_args.len() == 2 && cmd_args[1] == "help" => normalized.extend(["exec".into(), "--help".into()]),
+        Some("exec") if cmd_args.len() == 2 && cmd_args[1] == "help" => {
+            normalized.extend(["exec".into(), "--help".into()])
+        }
         Some("exec") => normalized.extend(argv::exec(cmd_args)),
         _ => normalized.extend(crate::cli::flags::normalize(cmd_args)),
     }
@@ -192,7 +201,10 @@ fn run(args: &[String]) -> Result<(), CtlError> {
         settings.deadline = e.deadline(&settings)?;
     }
     let limit = settings.deadline;
-    let ctx = Ctx { settings, started: Instant::now() };
+    let ctx = Ctx {
+        settings,
+        started: Instant::now(),
+    };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -203,7 +215,14 @@ fn run(args: &[String]) -> Result<(), CtlError> {
             None => fut.await,
             Some(d) => match tokio::time::timeout(d, fut).await {
                 Ok(r) => r,
-                Err(_) => Err(Failure::new(Reason::Timeout, format!("the command ran past its -deadline of {}", output::go_duration(d))).into()),
+                Err(_) => Err(Failure::new(
+                    Reason::Timeout,
+                    format!(
+                        "the command ran past its -deadline of {}",
+                        output::go_duration(d)
+                    ),
+                )
+                .into()),
             },
         }
     })
@@ -249,7 +268,12 @@ mod tests {
     fn single_dash_options_after_positionals() {
         let (flags, cmd) = parsed(&["sandbox", "stop", "node-a.1", "-addr", "x:1"]);
         assert_eq!(flags.addr.as_deref(), Some("x:1"));
-        let Cmd::Sandbox(sandbox::SandboxArgs { cmd: sandbox::SandboxCmd::Stop(a) }) = cmd else { panic!("{cmd:?}") };
+        let Cmd::Sandbox(sandbox::SandboxArgs {
+            cmd: sandbox::SandboxCmd::Stop(a),
+        }) = cmd
+        else {
+            panic!("{cmd:?}")
+        };
         assert_eq!(a.id, "node-a.1");
         // The same with the option first.
         let (flags, _) = parsed(&["-addr", "x:1", "sandbox", "stop", "node-a.1"]);
@@ -258,8 +282,24 @@ mod tests {
 
     #[test]
     fn create_options_in_any_order_with_negative_values() {
-        let (_, cmd) = parsed(&["sandbox", "create", "-count", "3", "-backend", "microvm", "-ttl-idle", "-1", "-net", "pypi,!npm"]);
-        let Cmd::Sandbox(sandbox::SandboxArgs { cmd: sandbox::SandboxCmd::Create(c) }) = cmd else { panic!() };
+        let (_, cmd) = parsed(&[
+            "sandbox",
+            "create",
+            "-count",
+            "3",
+            "-backend",
+            "microvm",
+            "-ttl-idle",
+            "-1",
+            "-net",
+            "pypi,!npm",
+        ]);
+        let Cmd::Sandbox(sandbox::SandboxArgs {
+            cmd: sandbox::SandboxCmd::Create(c),
+        }) = cmd
+        else {
+            panic!()
+        };
         assert_eq!(c.backend, "microvm");
         assert_eq!(c.count.as_deref(), Some("3"));
         assert_eq!(c.ttl_idle.as_deref(), Some("-1"));
@@ -268,13 +308,17 @@ mod tests {
 
     #[test]
     fn exec_command_words_and_double_dash() {
-        let (_, cmd) = parsed(&["exec", "ID", "-session", "s1", "--", "ls", "-la", "-addr", "help"]);
+        let (_, cmd) = parsed(&[
+            "exec", "ID", "-session", "s1", "--", "ls", "-la", "-addr", "help",
+        ]);
         let Cmd::Exec(e) = cmd else { panic!() };
         assert_eq!(e.id, "ID");
         assert_eq!(e.session.as_deref(), Some("s1"));
         assert_eq!(e.cmd, s(&["ls", "-la", "-addr", "help"]));
         // Options after the command words are still the CLI's own (before any --).
-        let (flags, cmd) = parsed(&["-token", "t", "exec", "ID", "echo", "hi", "-timeout", "5", "-addr", "a:1", "-la"]);
+        let (flags, cmd) = parsed(&[
+            "-token", "t", "exec", "ID", "echo", "hi", "-timeout", "5", "-addr", "a:1", "-la",
+        ]);
         assert_eq!(flags.token.as_deref(), Some("t"));
         let Cmd::Exec(e) = cmd else { panic!() };
         assert_eq!(e.cmd, s(&["echo", "hi", "-la"]));
@@ -310,12 +354,19 @@ mod tests {
             &["token", "create", "--help"],
             &["usage", "help"],
         ] {
-            let Ok(Parsed::Help(text)) = parse(&s(v)) else { panic!("{v:?}") };
+            let Ok(Parsed::Help(text)) = parse(&s(v)) else {
+                panic!("{v:?}")
+            };
             assert!(text.starts_with("Usage: opendsecctl"), "{text}");
             assert!(!text.contains(" --h"), "{text}");
         }
-        assert!(matches!(parse(&s(&["sandbox", "fly"])), Err(CtlError::Usage(_))));
+        assert!(matches!(
+            parse(&s(&["sandbox", "fly"])),
+            Err(CtlError::Usage(_))
+        ));
         assert!(matches!(parse(&s(&[])), Err(CtlError::Usage(_))));
-        assert!(matches!(parse(&s(&["iam", "backup"])), Err(CtlError::Usage(m)) if m.contains("out")));
+        assert!(
+            matches!(parse(&s(&["iam", "backup"])), Err(CtlError::Usage(m)) if m.contains("out"))
+        );
     }
 }

@@ -13,7 +13,8 @@ use crate::types::Failure;
 /// enums by name, fields at default values left out), pretty, one trailing newline.
 /// Errors: `internal` if the message cannot be serialized; see [`out`] for write errors.
 pub fn json<T: serde::Serialize>(msg: &T) -> Result<(), CtlError> {
-    let text = serde_json::to_string_pretty(msg).map_err(|e| Failure::internal(format!("encoding JSON: {e}")))?;
+    let text = serde_json::to_string_pretty(msg)
+        .map_err(|e| Failure::internal(format!("encoding JSON: {e}")))?;
     out(format!("{text}\n").as_bytes())
 }
 
@@ -21,13 +22,17 @@ pub fn json<T: serde::Serialize>(msg: &T) -> Result<(), CtlError> {
 /// with exit code 141, as a shell reports a SIGPIPE death; other errors are `internal`.
 pub fn out(bytes: &[u8]) -> Result<(), CtlError> {
     let mut o = std::io::stdout().lock();
-    o.write_all(bytes).and_then(|_| o.flush()).map_err(write_error)
+    o.write_all(bytes)
+        .and_then(|_| o.flush())
+        .map_err(write_error)
 }
 
 /// Writes bytes to stderr and flushes (exec's streamed stderr). Errors as for [`out`].
 pub fn err(bytes: &[u8]) -> Result<(), CtlError> {
     let mut e = std::io::stderr().lock();
-    e.write_all(bytes).and_then(|_| e.flush()).map_err(write_error)
+    e.write_all(bytes)
+        .and_then(|_| e.flush())
+        .map_err(write_error)
 }
 
 fn write_error(e: std::io::Error) -> CtlError {
@@ -45,7 +50,17 @@ pub fn batch_line(index: u32, result: &Result<String, ErrorDetail>) -> String {
     match result {
         Ok(id) => format!("{index}\t{id}"),
         Err(e) => {
-            let msg: String = e.message.chars().map(|c| if c == '\n' || c == '\t' || c == '\r' { ' ' } else { c }).collect();
+            let msg: String = e
+                .message
+                .chars()
+                .map(|c| {
+                    if c == '\n' || c == '\t' || c == '\r' {
+                        ' '
+                    } else {
+                        c
+                    }
+                })
+                .collect();
             format!("{index}\terror\t{}: {msg}", e.reason)
         }
     }
@@ -53,9 +68,18 @@ pub fn batch_line(index: u32, result: &Result<String, ErrorDetail>) -> String {
 
 /// The summary after batch lines, as the Go tool printed it:
 /// `created 3/4 in 412ms; failures: map[no_capacity:1]` (reasons in sorted order).
-pub fn batch_summary(created: usize, total: usize, elapsed: Duration, failures: &BTreeMap<String, usize>) -> String {
+pub fn batch_summary(
+    created: usize,
+    total: usize,
+    elapsed: Duration,
+    failures: &BTreeMap<String, usize>,
+) -> String {
     let map: Vec<String> = failures.iter().map(|(r, n)| format!("{r}:{n}")).collect();
-    format!("created {created}/{total} in {}; failures: map[{}]", go_duration(elapsed), map.join(" "))
+    format!(
+        "created {created}/{total} in {}; failures: map[{}]",
+        go_duration(elapsed),
+        map.join(" ")
+    )
 }
 
 /// Formats a duration the way Go's `time.Duration` prints it, rounded to milliseconds:
@@ -98,7 +122,11 @@ pub fn single_dash(text: &str) -> String {
         }
         let (fixed, removed) = single_dash_line(line);
         // An options row ("  --cpu    CPU cores"): pad the gap before the description.
-        match (removed, line.starts_with("  -"), fixed[2.min(fixed.len())..].find("  ")) {
+        match (
+            removed,
+            line.starts_with("  -"),
+            fixed[2.min(fixed.len())..].find("  "),
+        ) {
             (r, true, Some(gap)) if r > 0 => {
                 let at = gap + 2;
                 out.push_str(&fixed[..at]);
@@ -118,7 +146,11 @@ fn single_dash_line(line: &str) -> (String, usize) {
     let mut i = 0;
     while i < line.len() {
         let at_word_start = i == 0 || matches!(b[i - 1], b' ' | b'[' | b'|' | b'(' | b'`' | b'\'');
-        if at_word_start && b[i] == b'-' && b.get(i + 1) == Some(&b'-') && b.get(i + 2).is_some_and(|c| c.is_ascii_lowercase()) {
+        if at_word_start
+            && b[i] == b'-'
+            && b.get(i + 1) == Some(&b'-')
+            && b.get(i + 2).is_some_and(|c| c.is_ascii_lowercase())
+        {
             out.push('-');
             removed += 1;
             i += 2;
@@ -139,14 +171,23 @@ mod tests {
     #[test]
     fn batch_lines_for_success_and_failure() {
         assert_eq!(batch_line(0, &Ok("node-a1.4k2m".into())), "0\tnode-a1.4k2m");
-        let e = ErrorDetail { reason: "quota_exceeded".into(), message: "project root/a: sandboxes\nover".into() };
-        assert_eq!(batch_line(7, &Err(e)), "7\terror\tquota_exceeded: project root/a: sandboxes over");
+        let e = ErrorDetail {
+            reason: "quota_exceeded".into(),
+            message: "project root/a: sandboxes\nover".into(),
+        };
+        assert_eq!(
+            batch_line(7, &Err(e)),
+            "7\terror\tquota_exceeded: project root/a: sandboxes over"
+        );
     }
 
     #[test]
     fn summary_like_go() {
         let mut f = BTreeMap::new();
-        assert_eq!(batch_summary(3, 3, Duration::from_millis(412), &f), "created 3/3 in 412ms; failures: map[]");
+        assert_eq!(
+            batch_summary(3, 3, Duration::from_millis(412), &f),
+            "created 3/3 in 412ms; failures: map[]"
+        );
         f.insert("quota_exceeded".to_string(), 2);
         f.insert("no_capacity".to_string(), 1);
         assert_eq!(
@@ -173,7 +214,10 @@ mod tests {
             "Usage: opendsecctl exec <id> [-session <session>] [--]\n  -timeout   seconds\n  -h, -help   display usage information\n  a--b"
                 .replace("exec <id> [", "exec <id> [<cmd...>] [")
         );
-        assert_eq!(single_dash("Unrecognized argument: --la"), "Unrecognized argument: -la");
+        assert_eq!(
+            single_dash("Unrecognized argument: --la"),
+            "Unrecognized argument: -la"
+        );
         assert_eq!(single_dash("ünï --x"), "ünï -x");
     }
 }

@@ -100,26 +100,55 @@ impl PrincipalArgs {
                 names::check_principal_id(&a.id)?;
                 let kind = a.kind.unwrap_or_else(|| "agent".into());
                 values::one_of("kind", &kind, &values::KINDS)?;
-                let ttl = a.ttl.as_deref().map(|t| values::int("ttl", t, 0, i64::MAX)).transpose()?.unwrap_or(0);
+                let ttl = a
+                    .ttl
+                    .as_deref()
+                    .map(|t| values::int("ttl", t, 0, i64::MAX))
+                    .transpose()?
+                    .unwrap_or(0);
                 let conn = ctx.connect()?;
-                let req = pb::CreatePrincipalRequest { project: a.project, principal_id: a.id, kind, ttl };
-                output::json(&conn.call(req, |mut c, r| async move { c.create_principal(r).await }).await?)
+                let req = pb::CreatePrincipalRequest {
+                    project: a.project,
+                    principal_id: a.id,
+                    kind,
+                    ttl,
+                };
+                output::json(
+                    &conn
+                        .call(req, |mut c, r| async move { c.create_principal(r).await })
+                        .await?,
+                )
             }
             PrincipalCmd::Delete(a) => {
                 names::check_principal_id(&a.id)?;
                 let conn = ctx.connect()?;
                 let req = pb::PrincipalRef { principal: a.id };
-                output::json(&conn.call(req, |mut c, r| async move { c.delete_principal(r).await }).await?)
+                output::json(
+                    &conn
+                        .call(req, |mut c, r| async move { c.delete_principal(r).await })
+                        .await?,
+                )
             }
         }
     }
 }
 
-fn grant_request(project: String, principal: String, perms: Option<&str>) -> Result<pb::GrantRequest, CtlError> {
+fn grant_request(
+    project: String,
+    principal: String,
+    perms: Option<&str>,
+) -> Result<pb::GrantRequest, CtlError> {
     names::check_project_path(&project)?;
     names::check_principal_id(&principal)?;
-    let permissions = perms.map(values::permissions).transpose()?.unwrap_or_default();
-    Ok(pb::GrantRequest { project, principal, permissions })
+    let permissions = perms
+        .map(values::permissions)
+        .transpose()?
+        .unwrap_or_default();
+    Ok(pb::GrantRequest {
+        project,
+        principal,
+        permissions,
+    })
 }
 
 impl GrantArgs {
@@ -127,7 +156,11 @@ impl GrantArgs {
     pub async fn run(self, ctx: &Ctx) -> Result<(), CtlError> {
         let req = grant_request(self.project, self.principal, Some(&self.perms))?;
         let conn = ctx.connect()?;
-        output::json(&conn.call(req, |mut c, r| async move { c.grant(r).await }).await?)
+        output::json(
+            &conn
+                .call(req, |mut c, r| async move { c.grant(r).await })
+                .await?,
+        )
     }
 }
 
@@ -136,7 +169,11 @@ impl RevokeArgs {
     pub async fn run(self, ctx: &Ctx) -> Result<(), CtlError> {
         let req = grant_request(self.project, self.principal, self.perms.as_deref())?;
         let conn = ctx.connect()?;
-        output::json(&conn.call(req, |mut c, r| async move { c.revoke(r).await }).await?)
+        output::json(
+            &conn
+                .call(req, |mut c, r| async move { c.revoke(r).await })
+                .await?,
+        )
     }
 }
 
@@ -146,7 +183,12 @@ mod tests {
 
     #[test]
     fn grant_requests_are_checked() {
-        let r = grant_request("root/team-a".into(), "trainer".into(), Some("sandbox.create,layer.use")).unwrap();
+        let r = grant_request(
+            "root/team-a".into(),
+            "trainer".into(),
+            Some("sandbox.create,layer.use"),
+        )
+        .unwrap();
         assert_eq!(r.permissions, vec!["sandbox.create", "layer.use"]);
         let r = grant_request("root/team-a".into(), "trainer".into(), None).unwrap();
         assert!(r.permissions.is_empty());

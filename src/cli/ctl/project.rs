@@ -69,24 +69,47 @@ impl ProjectArgs {
             ProjectCmd::Create(a) => {
                 names::check_project_path(&a.parent)?;
                 names::check_project_name(&a.name)?;
-                let quota = a.quota.as_deref().map(values::quota).transpose()?.unwrap_or_default();
+                let quota = a
+                    .quota
+                    .as_deref()
+                    .map(values::quota)
+                    .transpose()?
+                    .unwrap_or_default();
                 let conn = ctx.connect()?;
-                let req = pb::CreateProjectRequest { parent: a.parent, name: a.name, quota };
-                output::json(&conn.call(req, |mut c, r| async move { c.create_project(r).await }).await?)
+                let req = pb::CreateProjectRequest {
+                    parent: a.parent,
+                    name: a.name,
+                    quota,
+                };
+                output::json(
+                    &conn
+                        .call(req, |mut c, r| async move { c.create_project(r).await })
+                        .await?,
+                )
             }
             ProjectCmd::Get(a) => {
                 if let Some(p) = &a.project {
                     names::check_project_path(p)?;
                 }
                 let conn = ctx.connect()?;
-                let req = pb::ProjectRef { project: a.project.unwrap_or_else(|| conn.project.clone()) };
-                output::json(&conn.call(req, |mut c, r| async move { c.get_project(r).await }).await?)
+                let req = pb::ProjectRef {
+                    project: a.project.unwrap_or_else(|| conn.project.clone()),
+                };
+                output::json(
+                    &conn
+                        .call(req, |mut c, r| async move { c.get_project(r).await })
+                        .await?,
+                )
             }
             ProjectCmd::Delete(a) => {
                 names::check_project_path(&a.project)?;
                 let conn = ctx.connect()?;
                 let req = pb::ProjectRef { project: a.project };
-                output::json(&conn.call(req, |mut c, r| async move { c.delete_project(r).await }).await?)
+                output::json(
+                    &conn
+                        .call(req, |mut c, r| async move { c.delete_project(r).await })
+                        .await?,
+                )
             }
         }
     }

@@ -103,7 +103,11 @@ id_command!(GetArgs, "get", "print a sandbox");
 id_command!(StopArgs, "stop", "stop a sandbox and print it");
 id_command!(PauseArgs, "pause", "pause a sandbox and print it");
 id_command!(ResumeArgs, "resume", "resume a sandbox and print it");
-id_command!(TouchArgs, "touch", "reset a sandbox's idle timer (resumes a paused one) and print it");
+id_command!(
+    TouchArgs,
+    "touch",
+    "reset a sandbox's idle timer (resumes a paused one) and print it"
+);
 
 #[derive(FromArgs, Debug)]
 /// list the sandboxes of -project and its subprojects
@@ -150,15 +154,25 @@ impl SandboxArgs {
                     task_id: a.task.unwrap_or_default(),
                     include_ended: a.all,
                 };
-                let resp = conn.call(req, |mut c, r| async move { c.list_sandboxes(r).await }).await?;
+                let resp = conn
+                    .call(req, |mut c, r| async move { c.list_sandboxes(r).await })
+                    .await?;
                 output::json(&resp)
             }
             SandboxCmd::Timeout(a) => {
                 values::sandbox_id(&a.id)?;
                 let secs = values::int("seconds", &a.seconds, 0, i64::MAX)?;
                 let conn = ctx.connect()?;
-                let req = pb::SetSandboxTimeoutRequest { id: a.id, timeout_s: secs };
-                let sb = conn.call(req, |mut c, r| async move { c.set_sandbox_timeout(r).await }).await?;
+                let req = pb::SetSandboxTimeoutRequest {
+                    id: a.id,
+                    timeout_s: secs,
+                };
+                let sb = conn
+                    .call(
+                        req,
+                        |mut c, r| async move { c.set_sandbox_timeout(r).await },
+                    )
+                    .await?;
                 output::json(&sb)
             }
         }
@@ -208,8 +222,16 @@ impl CreateArgs {
             Some(s) => values::number_above("cpu", s, 0.0)?,
             None => 1.0,
         };
-        let opt_int = |name: &str, v: &Option<String>, default: i64, min: i64, max: i64| -> Result<i64, Failure> {
-            v.as_deref().map(|s| values::int(name, s, min, max)).transpose().map(|x| x.unwrap_or(default))
+        let opt_int = |name: &str,
+                       v: &Option<String>,
+                       default: i64,
+                       min: i64,
+                       max: i64|
+         -> Result<i64, Failure> {
+            v.as_deref()
+                .map(|s| values::int(name, s, min, max))
+                .transpose()
+                .map(|x| x.unwrap_or(default))
         };
         let spec = pb::SandboxSpec {
             backend: self.backend.clone(),
@@ -221,7 +243,12 @@ impl CreateArgs {
             task_id: self.task.clone().unwrap_or_default(),
             ttl_running_stop: opt_int("ttl-idle", &self.ttl_idle, 0, -1, i64::MAX)?,
             ttl_max: opt_int("ttl-max", &self.ttl_max, 0, 0, i64::MAX)?,
-            network_rules: self.net.as_deref().map(values::net_rules).transpose()?.unwrap_or_default(),
+            network_rules: self
+                .net
+                .as_deref()
+                .map(values::net_rules)
+                .transpose()?
+                .unwrap_or_default(),
             ..Default::default()
         };
         let count = opt_int("count", &self.count, 1, 1, MAX_COUNT)? as u32;
@@ -233,11 +260,22 @@ impl CreateArgs {
         let conn = ctx.connect()?;
         let key = idempotency_key();
         if count == 1 {
-            let req = pb::CreateSandboxRequest { spec: Some(spec), project: conn.project.clone(), idempotency_key: key };
-            let sb = conn.call(req, |mut c, r| async move { c.create_sandbox(r).await }).await?;
+            let req = pb::CreateSandboxRequest {
+                spec: Some(spec),
+                project: conn.project.clone(),
+                idempotency_key: key,
+            };
+            let sb = conn
+                .call(req, |mut c, r| async move { c.create_sandbox(r).await })
+                .await?;
             return output::json(&sb);
         }
-        let req = pb::CreateSandboxesRequest { spec: Some(spec), project: conn.project.clone(), count, idempotency_key: key };
+        let req = pb::CreateSandboxesRequest {
+            spec: Some(spec),
+            project: conn.project.clone(),
+            count,
+            idempotency_key: key,
+        };
         create_batch(&conn, req).await
     }
 }
@@ -255,7 +293,10 @@ struct Batch {
 
 impl Batch {
     fn new(count: u32) -> Batch {
-        Batch { results: vec![None; count as usize], printed: 0 }
+        Batch {
+            results: vec![None; count as usize],
+            printed: 0,
+        }
     }
 
     /// Records one item (unknown indexes and repeats are ignored); returns the lines now
@@ -268,7 +309,10 @@ impl Batch {
         let r = match (item.sandbox, item.error) {
             (Some(sb), None) => Ok(sb.id),
             (_, Some(e)) => Err(e),
-            (None, None) => Err(pb::ErrorDetail { reason: Reason::Internal.as_str().into(), message: "empty result".into() }),
+            (None, None) => Err(pb::ErrorDetail {
+                reason: Reason::Internal.as_str().into(),
+                message: "empty result".into(),
+            }),
         };
         self.results[i] = Some(r);
         self.flush()
@@ -322,7 +366,12 @@ async fn create_batch(conn: &Conn, req: pb::CreateSandboxesRequest) -> Result<()
     let mut batch = Batch::new(count);
     let mut resumes = 0;
     loop {
-        let broke = match conn.call(req.clone(), |mut c, r| async move { c.create_sandboxes(r).await }).await {
+        let broke = match conn
+            .call(req.clone(), |mut c, r| async move {
+                c.create_sandboxes(r).await
+            })
+            .await
+        {
             // The request itself failed before any item: the whole command fails.
             Err(f) if batch.received() == 0 => return Err(f.into()),
             Err(f) => Some(f),
@@ -355,7 +404,13 @@ async fn create_batch(conn: &Conn, req: pb::CreateSandboxesRequest) -> Result<()
         }
     }
     let (ok, failures) = batch.tally();
-    output::out(format!("{}\n", output::batch_summary(ok, count as usize, started.elapsed(), &failures)).as_bytes())?;
+    output::out(
+        format!(
+            "{}\n",
+            output::batch_summary(ok, count as usize, started.elapsed(), &failures)
+        )
+        .as_bytes(),
+    )?;
     if ok == count as usize {
         Ok(())
     } else {
@@ -392,7 +447,10 @@ mod tests {
         assert_eq!(s.backend, "sim");
         assert_eq!(s.cpu_cores_limit, 1.0);
         assert_eq!(s.memory_limit_mb, 1024);
-        assert_eq!((s.disk_mb, s.gpus, s.ttl_running_stop, s.ttl_max), (0, 0, 0, 0));
+        assert_eq!(
+            (s.disk_mb, s.gpus, s.ttl_running_stop, s.ttl_max),
+            (0, 0, 0, 0)
+        );
         assert!(s.network_rules.is_empty());
     }
 
@@ -411,8 +469,14 @@ mod tests {
         .spec()
         .unwrap();
         assert_eq!(n, 3);
-        assert_eq!((s.backend.as_str(), s.image.as_str(), s.task_id.as_str()), ("microvm", "root/py:3.12", "job-1"));
-        assert_eq!((s.cpu_cores_limit, s.memory_limit_mb, s.ttl_running_stop), (0.5, 2048, -1));
+        assert_eq!(
+            (s.backend.as_str(), s.image.as_str(), s.task_id.as_str()),
+            ("microvm", "root/py:3.12", "job-1")
+        );
+        assert_eq!(
+            (s.cpu_cores_limit, s.memory_limit_mb, s.ttl_running_stop),
+            (0.5, 2048, -1)
+        );
         assert_eq!(s.network_rules.get("npm"), Some(&false));
     }
 
@@ -441,13 +505,49 @@ mod tests {
     #[test]
     fn batch_prints_in_index_order_and_tallies() {
         let mut b = Batch::new(3);
-        let sb = |id: &str| Some(pb::Sandbox { id: id.into(), ..Default::default() });
-        assert_eq!(b.record(pb::CreateSandboxesItem { index: 2, sandbox: sb("c"), error: None }), "");
-        assert_eq!(b.record(pb::CreateSandboxesItem { index: 0, sandbox: sb("a"), error: None }), "0\ta\n");
-        assert_eq!(b.record(pb::CreateSandboxesItem { index: 9, sandbox: sb("x"), error: None }), "");
-        assert_eq!(b.record(pb::CreateSandboxesItem { index: 0, sandbox: sb("dup"), error: None }), "");
+        let sb = |id: &str| {
+            Some(pb::Sandbox {
+                id: id.into(),
+                ..Default::default()
+            })
+        };
+        assert_eq!(
+            b.record(pb::CreateSandboxesItem {
+                index: 2,
+                sandbox: sb("c"),
+                error: None
+            }),
+            ""
+        );
+        assert_eq!(
+            b.record(pb::CreateSandboxesItem {
+                index: 0,
+                sandbox: sb("a"),
+                error: None
+            }),
+            "0\ta\n"
+        );
+        assert_eq!(
+            b.record(pb::CreateSandboxesItem {
+                index: 9,
+                sandbox: sb("x"),
+                error: None
+            }),
+            ""
+        );
+        assert_eq!(
+            b.record(pb::CreateSandboxesItem {
+                index: 0,
+                sandbox: sb("dup"),
+                error: None
+            }),
+            ""
+        );
         assert!(!b.complete());
-        assert_eq!(b.fail_missing(&Failure::new(Reason::NoCapacity, "full")), "1\terror\tno_capacity: full\n2\tc\n");
+        assert_eq!(
+            b.fail_missing(&Failure::new(Reason::NoCapacity, "full")),
+            "1\terror\tno_capacity: full\n2\tc\n"
+        );
         assert!(b.complete());
         assert_eq!(b.printed, 3);
         let (ok, f) = b.tally();

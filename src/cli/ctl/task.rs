@@ -35,9 +35,21 @@ macro_rules! task_command {
     };
 }
 
-task_command!(PauseArgs, "pause", "pause every sandbox of the task; prints affected and failed");
-task_command!(ResumeArgs, "resume", "resume every sandbox of the task; prints affected and failed");
-task_command!(StopArgs, "stop", "stop every sandbox of the task; prints affected and failed");
+task_command!(
+    PauseArgs,
+    "pause",
+    "pause every sandbox of the task; prints affected and failed"
+);
+task_command!(
+    ResumeArgs,
+    "resume",
+    "resume every sandbox of the task; prints affected and failed"
+);
+task_command!(
+    StopArgs,
+    "stop",
+    "stop every sandbox of the task; prints affected and failed"
+);
 
 #[derive(Clone, Copy)]
 enum Op {
@@ -57,7 +69,10 @@ impl TaskArgs {
         };
         values::plain("task", &task)?;
         let conn = ctx.connect()?;
-        let req = pb::TaskRequest { project: conn.project.clone(), task_id: task };
+        let req = pb::TaskRequest {
+            project: conn.project.clone(),
+            task_id: task,
+        };
         let res = conn
             .call(req, |mut c, r| async move {
                 match op {
@@ -75,7 +90,8 @@ impl TaskArgs {
 /// (as int64 strings, `"0"` included): the command exists to print those two counts.
 /// Errors: `internal` if the message cannot be encoded.
 pub fn with_counts(res: &pb::TaskActionResult) -> Result<serde_json::Value, crate::types::Failure> {
-    let mut v = serde_json::to_value(res).map_err(|e| crate::types::Failure::internal(format!("encoding JSON: {e}")))?;
+    let mut v = serde_json::to_value(res)
+        .map_err(|e| crate::types::Failure::internal(format!("encoding JSON: {e}")))?;
     if let Some(obj) = v.as_object_mut() {
         obj.entry("affected").or_insert_with(|| "0".into());
         obj.entry("failed").or_insert_with(|| "0".into());
@@ -91,8 +107,15 @@ mod tests {
     fn counts_are_always_printed() {
         let v = with_counts(&pb::TaskActionResult::default()).unwrap();
         assert_eq!(v, serde_json::json!({"affected": "0", "failed": "0"}));
-        let r = pb::TaskActionResult { affected: 3, failed: 1, errors: vec!["node-a.1: not_found: gone".into()] };
+        let r = pb::TaskActionResult {
+            affected: 3,
+            failed: 1,
+            errors: vec!["node-a.1: not_found: gone".into()],
+        };
         let v = with_counts(&r).unwrap();
-        assert_eq!(v, serde_json::json!({"affected": "3", "failed": "1", "errors": ["node-a.1: not_found: gone"]}));
+        assert_eq!(
+            v,
+            serde_json::json!({"affected": "3", "failed": "1", "errors": ["node-a.1: not_found: gone"]})
+        );
     }
 }

@@ -83,26 +83,55 @@ impl TokenArgs {
         match self.cmd {
             TokenCmd::Create(a) => {
                 let principal = principal_or_self(a.principal)?;
-                let ttl = a.ttl.as_deref().map(|t| values::int("ttl", t, 0, i64::MAX)).transpose()?.unwrap_or(0);
+                let ttl = a
+                    .ttl
+                    .as_deref()
+                    .map(|t| values::int("ttl", t, 0, i64::MAX))
+                    .transpose()?
+                    .unwrap_or(0);
                 let description = a.desc.unwrap_or_default();
                 if description.len() > 1024 || description.chars().any(char::is_control) {
-                    return Err(crate::types::Failure::invalid("-desc: at most 1024 characters, no control characters").into());
+                    return Err(crate::types::Failure::invalid(
+                        "-desc: at most 1024 characters, no control characters",
+                    )
+                    .into());
                 }
                 let conn = ctx.connect()?;
-                let req = pb::CreateTokenRequest { principal, ttl, description };
-                output::json(&conn.call(req, |mut c, r| async move { c.create_token(r).await }).await?)
+                let req = pb::CreateTokenRequest {
+                    principal,
+                    ttl,
+                    description,
+                };
+                output::json(
+                    &conn
+                        .call(req, |mut c, r| async move { c.create_token(r).await })
+                        .await?,
+                )
             }
             TokenCmd::List(a) => {
-                let req = pb::PrincipalRef { principal: principal_or_self(a.principal)? };
+                let req = pb::PrincipalRef {
+                    principal: principal_or_self(a.principal)?,
+                };
                 let conn = ctx.connect()?;
-                output::json(&conn.call(req, |mut c, r| async move { c.list_tokens(r).await }).await?)
+                output::json(
+                    &conn
+                        .call(req, |mut c, r| async move { c.list_tokens(r).await })
+                        .await?,
+                )
             }
             TokenCmd::Revoke(a) => {
                 names::check_principal_id(&a.principal)?;
                 values::plain("token id", &a.token_id)?;
                 let conn = ctx.connect()?;
-                let req = pb::RevokeTokenRequest { principal: a.principal, token_id: a.token_id };
-                output::json(&conn.call(req, |mut c, r| async move { c.revoke_token(r).await }).await?)
+                let req = pb::RevokeTokenRequest {
+                    principal: a.principal,
+                    token_id: a.token_id,
+                };
+                output::json(
+                    &conn
+                        .call(req, |mut c, r| async move { c.revoke_token(r).await })
+                        .await?,
+                )
             }
         }
     }
@@ -112,6 +141,10 @@ impl WhoamiArgs {
     /// Prints `WhoAmIResponse`. Errors: the server's failure (`unauthenticated`, ...).
     pub async fn run(self, ctx: &Ctx) -> Result<(), CtlError> {
         let conn = ctx.connect()?;
-        output::json(&conn.call(pb::Empty {}, |mut c, r| async move { c.who_am_i(r).await }).await?)
+        output::json(
+            &conn
+                .call(pb::Empty {}, |mut c, r| async move { c.who_am_i(r).await })
+                .await?,
+        )
     }
 }

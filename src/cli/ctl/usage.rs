@@ -8,8 +8,15 @@ use crate::pb;
 use crate::types::{names, Failure};
 
 /// The columns, in order, of both the table and the CSV.
-pub const COLUMNS: [&str; 7] =
-    ["day", "project", "sandboxes_started", "sandbox_hours", "cpu_core_hours", "memory_gb_hours", "gpu_hours"];
+pub const COLUMNS: [&str; 7] = [
+    "day",
+    "project",
+    "sandboxes_started",
+    "sandbox_hours",
+    "cpu_core_hours",
+    "memory_gb_hours",
+    "gpu_hours",
+];
 
 #[derive(FromArgs, Debug)]
 /// usage of a project (default -project) and its subprojects, per UTC day; by default each
@@ -58,9 +65,20 @@ impl UsageArgs {
             return Err(Failure::invalid(format!("-from {start} is after -to {end}")).into());
         }
         let conn = ctx.connect()?;
-        let req = pb::GetUsageRequest { project: self.project.unwrap_or_else(|| conn.project.clone()), start, end, daily: self.daily };
-        let report = conn.call(req, |mut c, r| async move { c.get_usage(r).await }).await?;
-        let text = if self.csv { csv(&report.rows) } else { table(&report.rows) };
+        let req = pb::GetUsageRequest {
+            project: self.project.unwrap_or_else(|| conn.project.clone()),
+            start,
+            end,
+            daily: self.daily,
+        };
+        let report = conn
+            .call(req, |mut c, r| async move { c.get_usage(r).await })
+            .await?;
+        let text = if self.csv {
+            csv(&report.rows)
+        } else {
+            table(&report.rows)
+        };
         output::out(text.as_bytes())
     }
 }
@@ -68,7 +86,11 @@ impl UsageArgs {
 /// A number of hours, with up to `places` decimals and no trailing zeros (`1.5`, `2`).
 fn hours(v: f64, places: usize) -> String {
     let s = format!("{v:.places$}");
-    let s = if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.') } else { &s };
+    let s = if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.')
+    } else {
+        &s
+    };
     if s == "-0" {
         "0".into()
     } else {
@@ -124,7 +146,13 @@ pub fn table(rows: &[pb::UsageRow]) -> String {
         let cols: Vec<String> = row
             .iter()
             .enumerate()
-            .map(|(i, c)| if i < 2 { format!("{c:<w$}", w = width[i]) } else { format!("{c:>w$}", w = width[i]) })
+            .map(|(i, c)| {
+                if i < 2 {
+                    format!("{c:<w$}", w = width[i])
+                } else {
+                    format!("{c:>w$}", w = width[i])
+                }
+            })
             .collect();
         format!("{}\n", cols.join("  ").trim_end())
     };
@@ -151,7 +179,13 @@ mod tests {
                 memory_gb_hours: 0.1 + 0.2,
                 gpu_hours: 0.0,
             },
-            pb::UsageRow { project: "root/a,b \"x\"".into(), day: "total".into(), sandboxes_started: 1, sandbox_hours: 1.0 / 3.0, ..Default::default() },
+            pb::UsageRow {
+                project: "root/a,b \"x\"".into(),
+                day: "total".into(),
+                sandboxes_started: 1,
+                sandbox_hours: 1.0 / 3.0,
+                ..Default::default()
+            },
         ]
     }
 
@@ -171,10 +205,25 @@ mod tests {
         let t = table(&rows());
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(lines.len(), 3);
-        assert!(lines[0].starts_with("day         project       sandboxes_started  sandbox_hours  cpu_core_hours"), "{t}");
-        assert!(lines[1].starts_with("2026-10-01  root/team-a                  12            3.5               7"), "{t}");
+        assert!(
+            lines[0].starts_with(
+                "day         project       sandboxes_started  sandbox_hours  cpu_core_hours"
+            ),
+            "{t}"
+        );
+        assert!(
+            lines[1].starts_with(
+                "2026-10-01  root/team-a                  12            3.5               7"
+            ),
+            "{t}"
+        );
         assert!(lines[2].contains("0.333"), "{t}");
         // Every line ends at the same column: the numbers are right-aligned.
-        assert!(lines.iter().all(|l| l.chars().count() == lines[0].chars().count()), "{t}");
+        assert!(
+            lines
+                .iter()
+                .all(|l| l.chars().count() == lines[0].chars().count()),
+            "{t}"
+        );
     }
 }

@@ -20,9 +20,14 @@ pub const KINDS: [&str; 3] = ["agent", "user", "service"];
 /// Parses a whole number for option `name`, within `min..=max`.
 /// Errors: `invalid` naming the option, e.g. `-mem: "abc" is not a whole number`.
 pub fn int(name: &str, s: &str, min: i64, max: i64) -> Result<i64, Failure> {
-    let v: i64 = s.trim().parse().map_err(|_| Failure::invalid(format!("-{name}: {s:?} is not a whole number")))?;
+    let v: i64 = s
+        .trim()
+        .parse()
+        .map_err(|_| Failure::invalid(format!("-{name}: {s:?} is not a whole number")))?;
     if v < min || v > max {
-        return Err(Failure::invalid(format!("-{name}: {v} is out of range ({min} to {max})")));
+        return Err(Failure::invalid(format!(
+            "-{name}: {v} is out of range ({min} to {max})"
+        )));
     }
     Ok(v)
 }
@@ -30,9 +35,14 @@ pub fn int(name: &str, s: &str, min: i64, max: i64) -> Result<i64, Failure> {
 /// Parses a finite number (fractions allowed) for option `name`, greater than `above`.
 /// Errors: `invalid` naming the option.
 pub fn number_above(name: &str, s: &str, above: f64) -> Result<f64, Failure> {
-    let v: f64 = s.trim().parse().map_err(|_| Failure::invalid(format!("-{name}: {s:?} is not a number")))?;
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| Failure::invalid(format!("-{name}: {s:?} is not a number")))?;
     if !v.is_finite() || v <= above {
-        return Err(Failure::invalid(format!("-{name}: {s:?} must be a number above {above}")));
+        return Err(Failure::invalid(format!(
+            "-{name}: {s:?} must be a number above {above}"
+        )));
     }
     Ok(v)
 }
@@ -41,24 +51,36 @@ pub fn number_above(name: &str, s: &str, above: f64) -> Result<f64, Failure> {
 /// (`30`, `2.5`). Zero is allowed (callers give it a meaning, e.g. "no limit").
 /// Errors: `invalid` for anything else, negative values included.
 pub fn duration(name: &str, s: &str) -> Result<Duration, Failure> {
-    let bad = || Failure::invalid(format!("-{name}: {s:?} is not a duration (e.g. 30s, 5m, 1h, or seconds)"));
+    let bad = || {
+        Failure::invalid(format!(
+            "-{name}: {s:?} is not a duration (e.g. 30s, 5m, 1h, or seconds)"
+        ))
+    };
     let t = s.trim();
     if t.is_empty() {
         return Err(bad());
     }
     if let Ok(secs) = t.parse::<f64>() {
-        return if (0.0..1e12).contains(&secs) { Ok(Duration::from_secs_f64(secs)) } else { Err(bad()) };
+        return if (0.0..1e12).contains(&secs) {
+            Ok(Duration::from_secs_f64(secs))
+        } else {
+            Err(bad())
+        };
     }
     let mut total = 0f64;
     let mut rest = t;
     while !rest.is_empty() {
-        let num_len = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(rest.len());
+        let num_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
         if num_len == 0 {
             return Err(bad());
         }
         let value: f64 = rest[..num_len].parse().map_err(|_| bad())?;
         rest = &rest[num_len..];
-        let unit_len = rest.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(rest.len());
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
         let scale = match &rest[..unit_len] {
             "ns" => 1e-9,
             "us" | "µs" | "μs" => 1e-6,
@@ -88,9 +110,12 @@ pub fn net_rules(s: &str) -> Result<HashMap<String, bool>, Failure> {
             Some(r) => (r, false),
             None => (entry, true),
         };
-        check_rule(rule).map_err(|why| Failure::invalid(format!("-net: bad rule {entry:?}: {why}")))?;
+        check_rule(rule)
+            .map_err(|why| Failure::invalid(format!("-net: bad rule {entry:?}: {why}")))?;
         if out.insert(rule.to_string(), allow).is_some() {
-            return Err(Failure::invalid(format!("-net: rule {rule:?} is given more than once")));
+            return Err(Failure::invalid(format!(
+                "-net: rule {rule:?} is given more than once"
+            )));
         }
     }
     Ok(out)
@@ -120,7 +145,9 @@ fn check_destination(d: &str) -> Result<(), String> {
     }
     if let Some((ip, prefix)) = d.split_once('/') {
         check_ipv4(ip)?;
-        let bits: u8 = prefix.parse().map_err(|_| format!("bad network prefix {prefix:?}"))?;
+        let bits: u8 = prefix
+            .parse()
+            .map_err(|_| format!("bad network prefix {prefix:?}"))?;
         if bits > 32 {
             return Err(format!("network prefix /{bits} is over 32"));
         }
@@ -134,16 +161,27 @@ fn check_destination(d: &str) -> Result<(), String> {
         return Err("domain longer than 253 characters".into());
     }
     for label in domain.split('.') {
-        let ok_chars = label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-        if label.is_empty() || label.len() > 63 || !ok_chars || label.starts_with('-') || label.ends_with('-') {
-            return Err(format!("{d:?} is not a rule set name, domain, IPv4 address or network"));
+        let ok_chars = label
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        if label.is_empty()
+            || label.len() > 63
+            || !ok_chars
+            || label.starts_with('-')
+            || label.ends_with('-')
+        {
+            return Err(format!(
+                "{d:?} is not a rule set name, domain, IPv4 address or network"
+            ));
         }
     }
     Ok(())
 }
 
 fn check_ipv4(s: &str) -> Result<(), String> {
-    s.parse::<std::net::Ipv4Addr>().map(|_| ()).map_err(|_| format!("{s:?} is not an IPv4 address"))
+    s.parse::<std::net::Ipv4Addr>()
+        .map(|_| ())
+        .map_err(|_| format!("{s:?} is not an IPv4 address"))
 }
 
 fn check_ports(p: &str) -> Result<(), String> {
@@ -191,15 +229,24 @@ pub fn quota(s: &str) -> Result<HashMap<String, f64>, Failure> {
                 names::QUOTA_KEYS.join(", ")
             )));
         }
-        let n: f64 = v.trim().parse().map_err(|_| Failure::invalid(format!("-quota: {k}={v:?} is not a number")))?;
+        let n: f64 = v
+            .trim()
+            .parse()
+            .map_err(|_| Failure::invalid(format!("-quota: {k}={v:?} is not a number")))?;
         if !n.is_finite() || n < 0.0 {
-            return Err(Failure::invalid(format!("-quota: {k}={v} must be zero or more")));
+            return Err(Failure::invalid(format!(
+                "-quota: {k}={v} must be zero or more"
+            )));
         }
         if k != "cpu_cores" && n.fract() != 0.0 {
-            return Err(Failure::invalid(format!("-quota: {k}={v} must be a whole number")));
+            return Err(Failure::invalid(format!(
+                "-quota: {k}={v} must be a whole number"
+            )));
         }
         if out.insert(k.to_string(), n).is_some() {
-            return Err(Failure::invalid(format!("-quota: key {k:?} is given more than once")));
+            return Err(Failure::invalid(format!(
+                "-quota: key {k:?} is given more than once"
+            )));
         }
     }
     Ok(out)
@@ -237,7 +284,9 @@ pub fn date(name: &str, s: &str) -> Result<(), Failure> {
         part.parse().map_err(|_| bad())
     };
     let (y, m, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
-    chrono::NaiveDate::from_ymd_opt(y as i32, m, d).map(|_| ()).ok_or_else(bad)
+    chrono::NaiveDate::from_ymd_opt(y as i32, m, d)
+        .map(|_| ())
+        .ok_or_else(bad)
 }
 
 /// Checks a sandbox id as given on the command line: not empty, no spaces or control chars.
@@ -264,7 +313,10 @@ pub fn one_of(name: &str, value: &str, allowed: &[&str]) -> Result<(), Failure> 
     if allowed.contains(&value) {
         Ok(())
     } else {
-        Err(Failure::invalid(format!("-{name}: {value:?} is not one of {}", allowed.join(", "))))
+        Err(Failure::invalid(format!(
+            "-{name}: {value:?} is not one of {}",
+            allowed.join(", ")
+        )))
     }
 }
 
@@ -284,7 +336,9 @@ mod tests {
         assert_eq!(duration("d", "45").unwrap(), Duration::from_secs(45));
         assert_eq!(duration("d", "2.5").unwrap(), Duration::from_millis(2500));
         assert_eq!(duration("d", "0").unwrap(), Duration::ZERO);
-        for bad in ["", "5x", "m", "-5s", "-3", "1h-", "s5", "1..2s", "inf", "NaN"] {
+        for bad in [
+            "", "5x", "m", "-5s", "-3", "1h-", "s5", "1..2s", "inf", "NaN",
+        ] {
             let e = duration("deadline", bad).unwrap_err();
             assert_eq!(e.reason, Reason::Invalid, "{bad}");
             assert!(e.message.contains("-deadline"), "{}", e.message);
@@ -300,7 +354,14 @@ mod tests {
         assert!(!r["npm"]);
         let r = net_rules("!*").unwrap();
         assert!(!r["*"]);
-        for ok in ["*:443", "10.0.0.0/8:5432/tcp", "example.com:8000-8080", "1.1.1.1:53/udp", "*.github.com", "203.0.113.7"] {
+        for ok in [
+            "*:443",
+            "10.0.0.0/8:5432/tcp",
+            "example.com:8000-8080",
+            "1.1.1.1:53/udp",
+            "*.github.com",
+            "203.0.113.7",
+        ] {
             assert!(net_rules(ok).is_ok(), "{ok}");
         }
     }
@@ -308,8 +369,24 @@ mod tests {
     #[test]
     fn net_rules_reject_bad_syntax() {
         for bad in [
-            "", "pypi,", ",pypi", "!", "a b", "1.2.3.256", "10.0.0.0/33", "x:0", "x:65536", "x:80/icmp",
-            "x:90-80", "-bad.com", "pypi,!pypi", "x:", ":80", "a..b", "x:80/tcp/udp", "ex%ample.com",
+            "",
+            "pypi,",
+            ",pypi",
+            "!",
+            "a b",
+            "1.2.3.256",
+            "10.0.0.0/33",
+            "x:0",
+            "x:65536",
+            "x:80/icmp",
+            "x:90-80",
+            "-bad.com",
+            "pypi,!pypi",
+            "x:",
+            ":80",
+            "a..b",
+            "x:80/tcp/udp",
+            "ex%ample.com",
         ] {
             let e = net_rules(bad).unwrap_err();
             assert_eq!(e.reason, Reason::Invalid, "{bad}");
@@ -326,7 +403,16 @@ mod tests {
         assert_eq!(q["gpus"], 0.0);
         let e = quota("disk=5").unwrap_err();
         assert!(e.message.contains("unknown key \"disk\""), "{}", e.message);
-        for bad in ["sandboxes", "sandboxes=", "sandboxes=-1", "sandboxes=1.5", "cpu_cores=x", "gpus=1,gpus=2", "", "cpu_cores=inf"] {
+        for bad in [
+            "sandboxes",
+            "sandboxes=",
+            "sandboxes=-1",
+            "sandboxes=1.5",
+            "cpu_cores=x",
+            "gpus=1,gpus=2",
+            "",
+            "cpu_cores=inf",
+        ] {
             assert_eq!(quota(bad).unwrap_err().reason, Reason::Invalid, "{bad}");
         }
     }
@@ -334,13 +420,19 @@ mod tests {
     #[test]
     fn numbers_and_permissions() {
         assert_eq!(int("mem", "1024", 1, i64::MAX).unwrap(), 1024);
-        assert!(int("mem", "10x", 1, 100).unwrap_err().message.contains("-mem"));
+        assert!(int("mem", "10x", 1, 100)
+            .unwrap_err()
+            .message
+            .contains("-mem"));
         assert!(int("count", "0", 1, 32768).is_err());
         assert!(int("count", "32769", 1, 32768).is_err());
         assert_eq!(number_above("cpu", "0.5", 0.0).unwrap(), 0.5);
         assert!(number_above("cpu", "0", 0.0).is_err());
         assert!(number_above("cpu", "nan", 0.0).is_err());
-        assert_eq!(permissions("sandbox.create,sandbox.operate,sandbox.create").unwrap(), vec!["sandbox.create", "sandbox.operate"]);
+        assert_eq!(
+            permissions("sandbox.create,sandbox.operate,sandbox.create").unwrap(),
+            vec!["sandbox.create", "sandbox.operate"]
+        );
         assert!(permissions("sandbox.create,,layer.use").is_err());
         assert!(permissions("sandbox.fly").is_err());
     }
@@ -349,7 +441,14 @@ mod tests {
     fn dates() {
         assert!(date("from", "2026-10-01").is_ok());
         assert!(date("from", "2024-02-29").is_ok());
-        for bad in ["2026-13-01", "2026-02-30", "2026-1-01", "20261001", "2026-10-0x", "+026-10-01"] {
+        for bad in [
+            "2026-13-01",
+            "2026-02-30",
+            "2026-1-01",
+            "20261001",
+            "2026-10-0x",
+            "+026-10-01",
+        ] {
             assert!(date("from", bad).is_err(), "{bad}");
         }
     }

@@ -27,7 +27,11 @@ pub struct Limiter {
 
 impl Limiter {
     pub fn new(rate: Option<f64>, burst: f64) -> Limiter {
-        Limiter { rate, burst: burst.max(1.0), buckets: Mutex::new(HashMap::new()) }
+        Limiter {
+            rate,
+            burst: burst.max(1.0),
+            buckets: Mutex::new(HashMap::new()),
+        }
     }
 
     /// Takes `n` tokens now if the bucket holds them; otherwise takes nothing and returns
@@ -41,7 +45,10 @@ impl Limiter {
             let burst = self.burst;
             m.retain(|_, b| b.tokens + now.duration_since(b.last).as_secs_f64() * rate < burst);
         }
-        let b = m.entry(key.to_string()).or_insert(Bucket { tokens: self.burst, last: now });
+        let b = m.entry(key.to_string()).or_insert(Bucket {
+            tokens: self.burst,
+            last: now,
+        });
         b.tokens = (b.tokens + now.duration_since(b.last).as_secs_f64() * rate).min(self.burst);
         b.last = now;
         if b.tokens >= n {
@@ -75,45 +82,77 @@ const MAX_TEXT: usize = 256;
 
 /// Fills the defaults of 02-concepts §2.2/§2.4 into `spec` and checks every field.
 /// Errors are `invalid`, naming the field and value; nothing is changed on error.
-pub fn normalize_spec(spec: &pb::SandboxSpec, adm: &AdmissionConfig) -> Result<pb::SandboxSpec, Failure> {
+pub fn normalize_spec(
+    spec: &pb::SandboxSpec,
+    adm: &AdmissionConfig,
+) -> Result<pb::SandboxSpec, Failure> {
     let mut s = spec.clone();
     if s.backend.is_empty() {
-        return Err(Failure::invalid("backend is required (microvm, container, fncall, fullvm or sim)"));
+        return Err(Failure::invalid(
+            "backend is required (microvm, container, fncall, fullvm or sim)",
+        ));
     }
-    if s.backend.len() > 64 || !s.backend.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+    if s.backend.len() > 64
+        || !s
+            .backend
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
         return Err(Failure::invalid(format!("unknown backend {:?}", s.backend)));
     }
     if s.cpu_cores_limit == 0.0 {
         s.cpu_cores_limit = 1.0;
     }
     if !s.cpu_cores_limit.is_finite() || s.cpu_cores_limit < 0.0 || s.cpu_cores_limit > MAX_CPU {
-        return Err(Failure::invalid(format!("cpu_cores_limit {} must be within (0, {MAX_CPU}]", s.cpu_cores_limit)));
+        return Err(Failure::invalid(format!(
+            "cpu_cores_limit {} must be within (0, {MAX_CPU}]",
+            s.cpu_cores_limit
+        )));
     }
     if s.memory_limit_mb == 0 {
         s.memory_limit_mb = 2048;
     }
     if s.memory_limit_mb < 0 || s.memory_limit_mb > MAX_MEMORY_MB {
-        return Err(Failure::invalid(format!("memory_limit_mb {} must be within [1, {MAX_MEMORY_MB}]", s.memory_limit_mb)));
+        return Err(Failure::invalid(format!(
+            "memory_limit_mb {} must be within [1, {MAX_MEMORY_MB}]",
+            s.memory_limit_mb
+        )));
     }
     if s.disk_mb < 0 || s.disk_mb > MAX_DISK_MB {
-        return Err(Failure::invalid(format!("disk_mb {} must be within [0, {MAX_DISK_MB}]", s.disk_mb)));
+        return Err(Failure::invalid(format!(
+            "disk_mb {} must be within [0, {MAX_DISK_MB}]",
+            s.disk_mb
+        )));
     }
     if s.gpus < 0 || s.gpus > MAX_GPUS {
-        return Err(Failure::invalid(format!("gpus {} must be within [0, {MAX_GPUS}]", s.gpus)));
+        return Err(Failure::invalid(format!(
+            "gpus {} must be within [0, {MAX_GPUS}]",
+            s.gpus
+        )));
     }
     if !matches!(s.gpu_mode.as_str(), "" | "exclusive" | "shared") {
-        return Err(Failure::invalid(format!("gpu_mode {:?} must be exclusive or shared", s.gpu_mode)));
+        return Err(Failure::invalid(format!(
+            "gpu_mode {:?} must be exclusive or shared",
+            s.gpu_mode
+        )));
     }
     if s.qos.is_empty() {
         s.qos = "LS".into();
     }
     if !matches!(s.qos.as_str(), "LS" | "BE") {
-        return Err(Failure::invalid(format!("qos {:?} must be LS or BE", s.qos)));
+        return Err(Failure::invalid(format!(
+            "qos {:?} must be LS or BE",
+            s.qos
+        )));
     }
     match s.ttl_running_stop {
         0 => s.ttl_running_stop = adm.default_ttl_running_stop_s(),
         -1 => {}
-        t if t < 0 => return Err(Failure::invalid(format!("ttl_running_stop {t} must be >= 0 (or -1 for none)"))),
+        t if t < 0 => {
+            return Err(Failure::invalid(format!(
+                "ttl_running_stop {t} must be >= 0 (or -1 for none)"
+            )))
+        }
         _ => {}
     }
     let max = adm.max_ttl_max_s();
@@ -123,24 +162,48 @@ pub fn normalize_spec(spec: &pb::SandboxSpec, adm: &AdmissionConfig) -> Result<p
         _ => {}
     }
     if max > 0 && (s.ttl_max > max || s.ttl_max < 0) {
-        return Err(Failure::invalid(format!("ttl_max {} exceeds the limit of {max} s (admission.max_ttl_max_s)", s.ttl_max)));
+        return Err(Failure::invalid(format!(
+            "ttl_max {} exceeds the limit of {max} s (admission.max_ttl_max_s)",
+            s.ttl_max
+        )));
     }
     if s.ttl_paused_s < 0 || s.ttl_paused_s > 30 * 86400 {
-        return Err(Failure::invalid(format!("ttl_paused_s {} must be within [0, 2592000]", s.ttl_paused_s)));
+        return Err(Failure::invalid(format!(
+            "ttl_paused_s {} must be within [0, 2592000]",
+            s.ttl_paused_s
+        )));
     }
     if s.init_user.is_empty() {
         s.init_user = "root".into();
     }
-    for (what, v) in [("image", &s.image), ("init_user", &s.init_user), ("task_id", &s.task_id)] {
+    for (what, v) in [
+        ("image", &s.image),
+        ("init_user", &s.init_user),
+        ("task_id", &s.task_id),
+    ] {
         if v.len() > MAX_TEXT || v.chars().any(|c| c.is_control()) {
-            return Err(Failure::invalid(format!("{what} {v:?} is too long or holds control characters")));
+            return Err(Failure::invalid(format!(
+                "{what} {v:?} is too long or holds control characters"
+            )));
         }
     }
-    if s.labels.len() > MAX_LABELS || s.labels.iter().any(|(k, v)| k.is_empty() || k.len() > 128 || v.len() > MAX_TEXT) {
-        return Err(Failure::invalid(format!("labels: at most {MAX_LABELS}, keys 1..128 and values up to {MAX_TEXT} characters")));
+    if s.labels.len() > MAX_LABELS
+        || s.labels
+            .iter()
+            .any(|(k, v)| k.is_empty() || k.len() > 128 || v.len() > MAX_TEXT)
+    {
+        return Err(Failure::invalid(format!(
+            "labels: at most {MAX_LABELS}, keys 1..128 and values up to {MAX_TEXT} characters"
+        )));
     }
-    if s.network_rules.len() > 1024 || s.network_rules.keys().any(|k| k.is_empty() || k.len() > 253 || k.chars().any(|c| c.is_whitespace() || c.is_control())) {
-        return Err(Failure::invalid("network_rules: at most 1024 rules, each 1..253 characters without spaces"));
+    if s.network_rules.len() > 1024
+        || s.network_rules.keys().any(|k| {
+            k.is_empty() || k.len() > 253 || k.chars().any(|c| c.is_whitespace() || c.is_control())
+        })
+    {
+        return Err(Failure::invalid(
+            "network_rules: at most 1024 rules, each 1..253 characters without spaces",
+        ));
     }
     for p in s.readonly_paths.iter().chain(s.masked_paths.iter()) {
         if !p.starts_with('/') || p.len() > 4096 || p.contains('\0') {
@@ -149,7 +212,12 @@ pub fn normalize_spec(spec: &pb::SandboxSpec, adm: &AdmissionConfig) -> Result<p
     }
     if !s.image.is_empty() && s.image.contains('/') {
         let proj = names::image_project(&s.image).unwrap_or_default();
-        names::check_project_path(proj).map_err(|_| Failure::invalid(format!("image {:?}: its project {proj:?} is not a valid project path", s.image)))?;
+        names::check_project_path(proj).map_err(|_| {
+            Failure::invalid(format!(
+                "image {:?}: its project {proj:?} is not a valid project path",
+                s.image
+            ))
+        })?;
     }
     Ok(s)
 }
@@ -159,13 +227,24 @@ mod tests {
     use super::*;
 
     fn spec() -> pb::SandboxSpec {
-        pb::SandboxSpec { backend: "sim".into(), ..Default::default() }
+        pb::SandboxSpec {
+            backend: "sim".into(),
+            ..Default::default()
+        }
     }
 
     #[test]
     fn defaults_are_filled() {
         let s = normalize_spec(&spec(), &AdmissionConfig::default()).unwrap();
-        assert_eq!((s.cpu_cores_limit, s.memory_limit_mb, s.ttl_running_stop, s.ttl_max), (1.0, 2048, 3600, 86400));
+        assert_eq!(
+            (
+                s.cpu_cores_limit,
+                s.memory_limit_mb,
+                s.ttl_running_stop,
+                s.ttl_max
+            ),
+            (1.0, 2048, 3600, 86400)
+        );
         assert_eq!((s.qos.as_str(), s.init_user.as_str()), ("LS", "root"));
     }
 

@@ -13,7 +13,10 @@ use sha2::{Digest, Sha256};
 #[derive(Debug, thiserror::Error)]
 pub enum AuditError {
     #[error("opening audit log {path}: {source}")]
-    Open { path: String, source: std::io::Error },
+    Open {
+        path: String,
+        source: std::io::Error,
+    },
 }
 
 struct Current {
@@ -56,11 +59,19 @@ pub(crate) fn command_digest(cmd: &str) -> (usize, String) {
 impl Audit {
     pub fn open(dir: &str, max_mb: u64, keep: u32) -> Result<Audit, AuditError> {
         let dirp = PathBuf::from(dir);
-        std::fs::create_dir_all(&dirp).map_err(|source| AuditError::Open { path: dir.to_string(), source })?;
+        std::fs::create_dir_all(&dirp).map_err(|source| AuditError::Open {
+            path: dir.to_string(),
+            source,
+        })?;
         let path = dirp.join("audit.log");
         let file = open_log(&path)?;
         let size = file.metadata().map(|m| m.len()).unwrap_or(0);
-        Ok(Audit { dir: dirp, max_bytes: max_mb.max(1) * 1024 * 1024, keep: keep.max(1), cur: Mutex::new(Current { file, size }) })
+        Ok(Audit {
+            dir: dirp,
+            max_bytes: max_mb.max(1) * 1024 * 1024,
+            keep: keep.max(1),
+            cur: Mutex::new(Current { file, size }),
+        })
     }
 
     /// Appends one record; rotates first when the file would pass the size limit. Failures are
@@ -95,7 +106,10 @@ impl Audit {
         } else {
             let _ = std::fs::remove_file(self.dir.join(format!("audit.log.{keep}")));
             for i in (1..keep).rev() {
-                let _ = std::fs::rename(self.dir.join(format!("audit.log.{i}")), self.dir.join(format!("audit.log.{}", i + 1)));
+                let _ = std::fs::rename(
+                    self.dir.join(format!("audit.log.{i}")),
+                    self.dir.join(format!("audit.log.{}", i + 1)),
+                );
             }
             let _ = std::fs::rename(&base, self.dir.join("audit.log.1"));
         }
@@ -107,7 +121,15 @@ impl Audit {
 
 fn open_log(path: &PathBuf) -> Result<File, AuditError> {
     use std::os::unix::fs::OpenOptionsExt;
-    OpenOptions::new().create(true).append(true).mode(0o600).open(path).map_err(|source| AuditError::Open { path: path.display().to_string(), source })
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|source| AuditError::Open {
+            path: path.display().to_string(),
+            source,
+        })
 }
 
 #[cfg(test)]
@@ -115,7 +137,19 @@ mod tests {
     use super::*;
 
     fn rec<'a>(m: &'a str) -> Record<'a> {
-        Record { ts: 1.0, method: m, principal: "p", client: "c", project: "root", sandbox_id: "", reason: "ok", duration_ms: 1.0, cmd_len: None, cmd_sha256: None, count: None }
+        Record {
+            ts: 1.0,
+            method: m,
+            principal: "p",
+            client: "c",
+            project: "root",
+            sandbox_id: "",
+            reason: "ok",
+            duration_ms: 1.0,
+            cmd_len: None,
+            cmd_sha256: None,
+            count: None,
+        }
     }
 
     #[test]
@@ -126,7 +160,10 @@ mod tests {
         for _ in 0..20 {
             a.write(&rec(&big));
         }
-        let mut names: Vec<String> = std::fs::read_dir(d.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        let mut names: Vec<String> = std::fs::read_dir(d.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
         names.sort();
         assert_eq!(names, vec!["audit.log", "audit.log.1", "audit.log.2"]);
         let text = std::fs::read_to_string(d.path().join("audit.log")).unwrap();

@@ -76,45 +76,114 @@ impl AuthCache {
 
     /// Drops every cached result.
     pub fn clear(&self) {
-        self.tokens.write().unwrap_or_else(|p| p.into_inner()).clear();
-        self.authz.write().unwrap_or_else(|p| p.into_inner()).clear();
+        self.tokens
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        self.authz
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
     }
 
     /// Token → caller. Errors: `unauthenticated` (bad, expired, revoked), `rate_limited`
     /// (address locked out after failures), `unavailable` (IAM unreachable).
     pub async fn authenticate(&self, token: &str, client_addr: &str) -> Result<Caller, Failure> {
         if token.is_empty() {
-            return Err(Failure::unauthenticated("no token: send authorization: Bearer dsk.<principal>.<id>.<secret>"));
+            return Err(Failure::unauthenticated(
+                "no token: send authorization: Bearer dsk.<principal>.<id>.<secret>",
+            ));
         }
         let k = key_of(token);
-        if let Some(e) = self.tokens.read().unwrap_or_else(|p| p.into_inner()).get(&k) {
+        if let Some(e) = self
+            .tokens
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&k)
+        {
             if e.at.elapsed() < TTL && (e.expires_at == 0 || e.expires_at > now_s()) {
-                return Ok(Caller { principal: e.principal.clone(), project: e.project.clone(), token: token.to_string(), client_addr: client_addr.to_string() });
+                return Ok(Caller {
+                    principal: e.principal.clone(),
+                    project: e.project.clone(),
+                    token: token.to_string(),
+                    client_addr: client_addr.to_string(),
+                });
             }
         }
-        let req = client::internal(pb::AuthenticateRequest { token: token.to_string(), client_addr: client_addr.to_string() }, &self.service_token);
-        let r = self.iam.clone().authenticate(req).await.map_err(|s| failure_from_status(&s))?.into_inner();
+        let req = client::internal(
+            pb::AuthenticateRequest {
+                token: token.to_string(),
+                client_addr: client_addr.to_string(),
+            },
+            &self.service_token,
+        );
+        let r = self
+            .iam
+            .clone()
+            .authenticate(req)
+            .await
+            .map_err(|s| failure_from_status(&s))?
+            .into_inner();
         self.last_iam_ok.store(now_s(), Ordering::Relaxed);
         self.note_epoch(r.epoch);
         let mut m = self.tokens.write().unwrap_or_else(|p| p.into_inner());
         if m.len() > 200_000 {
             m.clear();
         }
-        m.insert(k, TokenEntry { principal: r.principal.clone(), project: r.project.clone(), expires_at: r.expires_at, at: Instant::now() });
-        Ok(Caller { principal: r.principal, project: r.project, token: token.to_string(), client_addr: client_addr.to_string() })
+        m.insert(
+            k,
+            TokenEntry {
+                principal: r.principal.clone(),
+                project: r.project.clone(),
+                expires_at: r.expires_at,
+                at: Instant::now(),
+            },
+        );
+        Ok(Caller {
+            principal: r.principal,
+            project: r.project,
+            token: token.to_string(),
+            client_addr: client_addr.to_string(),
+        })
     }
 
     /// Checks `perm` for the caller on `project`. Errors: `forbidden` naming the permission
     /// and project, `unavailable`.
-    pub async fn authorize(&self, caller: &Caller, project: &str, perm: &str) -> Result<(), Failure> {
-        let k = (caller.principal.clone(), project.to_string(), perm.to_string());
+    pub async fn authorize(
+        &self,
+        caller: &Caller,
+        project: &str,
+        perm: &str,
+    ) -> Result<(), Failure> {
+        let k = (
+            caller.principal.clone(),
+            project.to_string(),
+            perm.to_string(),
+        );
         if let Some((ok, at)) = self.authz.read().unwrap_or_else(|p| p.into_inner()).get(&k) {
             if at.elapsed() < TTL {
-                return if *ok { Ok(()) } else { Err(forbidden(caller, project, perm)) };
+                return if *ok {
+                    Ok(())
+                } else {
+                    Err(forbidden(caller, project, perm))
+                };
             }
         }
-        let req = client::internal(pb::AuthorizeRequest { principal: caller.principal.clone(), project: project.to_string(), permission: perm.to_string() }, &self.service_token);
-        let r = self.iam.clone().authorize(req).await.map_err(|s| failure_from_status(&s))?.into_inner();
+        let req = client::internal(
+            pb::AuthorizeRequest {
+                principal: caller.principal.clone(),
+                project: project.to_string(),
+                permission: perm.to_string(),
+            },
+            &self.service_token,
+        );
+        let r = self
+            .iam
+            .clone()
+            .authorize(req)
+            .await
+            .map_err(|s| failure_from_status(&s))?
+            .into_inner();
         self.last_iam_ok.store(now_s(), Ordering::Relaxed);
         self.note_epoch(r.epoch);
         let mut m = self.authz.write().unwrap_or_else(|p| p.into_inner());
@@ -133,7 +202,9 @@ impl AuthCache {
     pub async fn epoch_loop(self: Arc<Self>, shutdown: Shutdown) {
         loop {
             let req = client::internal(pb::Empty {}, &self.service_token);
-            match tokio::time::timeout(Duration::from_secs(2), self.iam.clone().get_epoch(req)).await {
+            match tokio::time::timeout(Duration::from_secs(2), self.iam.clone().get_epoch(req))
+                .await
+            {
                 Ok(Ok(r)) => {
                     self.last_iam_ok.store(now_s(), Ordering::Relaxed);
                     self.note_epoch(r.into_inner().epoch);
@@ -150,5 +221,8 @@ impl AuthCache {
 }
 
 fn forbidden(c: &Caller, project: &str, perm: &str) -> Failure {
-    Failure::forbidden(format!("principal {:?} lacks permission {perm} on project {project:?}", c.principal))
+    Failure::forbidden(format!(
+        "principal {:?} lacks permission {perm} on project {project:?}",
+        c.principal
+    ))
 }

@@ -29,17 +29,31 @@ pub(crate) struct Item {
 }
 
 /// Derives the items of a creation from its idempotency key.
-pub(crate) fn items(caller: &Caller, project: &str, key: &str, indices: impl Iterator<Item = u32>) -> Vec<Item> {
+pub(crate) fn items(
+    caller: &Caller,
+    project: &str,
+    key: &str,
+    indices: impl Iterator<Item = u32>,
+) -> Vec<Item> {
     indices
         .map(|i| {
             let mut h = Sha256::new();
-            for part in [caller.principal.as_bytes(), project.as_bytes(), key.as_bytes(), &i.to_le_bytes()] {
+            for part in [
+                caller.principal.as_bytes(),
+                project.as_bytes(),
+                key.as_bytes(),
+                &i.to_le_bytes(),
+            ] {
                 h.update((part.len() as u64).to_le_bytes());
                 h.update(part);
             }
             let lease_id = hex::encode(&h.finalize()[..16]);
             let suffix = lease_id[..16].to_string();
-            Item { index: i, lease_id, suffix }
+            Item {
+                index: i,
+                lease_id,
+                suffix,
+            }
         })
         .collect()
 }
@@ -63,10 +77,23 @@ fn sandbox_id(edge: &str, item: &Item) -> String {
 }
 
 impl Inner {
-    fn place(&self, snap: &pb::Snapshot, req: &Request, exclude: &[String]) -> Result<String, Failure> {
+    fn place(
+        &self,
+        snap: &pb::Snapshot,
+        req: &Request,
+        exclude: &[String],
+    ) -> Result<String, Failure> {
         let mut rng = rand::rng();
         let mut ov = self.overlay.lock().unwrap_or_else(|p| p.into_inner());
-        let edge = placement::choose(snap, &ov, req, self.k, self.params.usage_floor, exclude, &mut rng)?;
+        let edge = placement::choose(
+            snap,
+            &ov,
+            req,
+            self.k,
+            self.params.usage_floor,
+            exclude,
+            &mut rng,
+        )?;
         ov.add(&edge, req.res);
         Ok(edge)
     }
@@ -80,39 +107,80 @@ impl Inner {
     }
 
     fn edge_addr(snap: &pb::Snapshot, edge: &str) -> Option<String> {
-        snap.edges.iter().find(|e| e.id == edge).map(|e| e.addr.clone())
+        snap.edges
+            .iter()
+            .find(|e| e.id == edge)
+            .map(|e| e.addr.clone())
     }
 
     /// Admits `live` (bound to their current edges). Whole-call failures (authentication,
     /// IAM down) come back as `Err`; per-item failures are returned as failed items.
-    async fn admit(&self, job: &Job<'_>, live: &mut Vec<Live>, res: &Res, keep_binding: bool, done: &mut Vec<(u32, Result<pb::Sandbox, Failure>)>) -> Result<(), Failure> {
+    async fn admit(
+        &self,
+        job: &Job<'_>,
+        live: &mut Vec<Live>,
+        res: &Res,
+        keep_binding: bool,
+        done: &mut Vec<(u32, Result<pb::Sandbox, Failure>)>,
+    ) -> Result<(), Failure> {
         if live.is_empty() {
             return Ok(());
         }
-        let image_project = names::image_project(&job.spec.image).unwrap_or_default().to_string();
+        let image_project = names::image_project(&job.spec.image)
+            .unwrap_or_default()
+            .to_string();
         let items = live
             .iter()
-            .map(|l| pb::AdmitItem { lease_id: l.item.lease_id.clone(), project: job.project.to_string(), resources: Some(res.to_pb()), edge_id: l.edge.clone(), sandbox_id: sandbox_id(&l.edge, &l.item), keep_binding })
+            .map(|l| pb::AdmitItem {
+                lease_id: l.item.lease_id.clone(),
+                project: job.project.to_string(),
+                resources: Some(res.to_pb()),
+                edge_id: l.edge.clone(),
+                sandbox_id: sandbox_id(&l.edge, &l.item),
+                keep_binding,
+            })
             .collect();
-        let req = pb::AdmitRequest { token: job.caller.token.clone(), client_addr: job.caller.client_addr.clone(), image_project, items };
-        let resp = self.iam.clone().admit(client::internal(req, &self.cfg.service_token)).await.map_err(|s| failure_from_status(&s))?.into_inner();
-        let by_id: HashMap<String, pb::AdmitResult> = resp.results.into_iter().map(|r| (r.lease_id.clone(), r)).collect();
+        let req = pb::AdmitRequest {
+            token: job.caller.token.clone(),
+            client_addr: job.caller.client_addr.clone(),
+            image_project,
+            items,
+        };
+        let resp = self
+            .iam
+            .clone()
+            .admit(client::internal(req, &self.cfg.service_token))
+            .await
+            .map_err(|s| failure_from_status(&s))?
+            .into_inner();
+        let by_id: HashMap<String, pb::AdmitResult> = resp
+            .results
+            .into_iter()
+            .map(|r| (r.lease_id.clone(), r))
+            .collect();
         let mut keep = Vec::with_capacity(live.len());
         for mut l in live.drain(..) {
             match by_id.get(&l.item.lease_id) {
                 None => {
                     self.unplace(&l.edge, res, false);
-                    done.push((l.item.index, Err(Failure::internal("IAM did not answer for this lease"))));
+                    done.push((
+                        l.item.index,
+                        Err(Failure::internal("IAM did not answer for this lease")),
+                    ));
                 }
                 Some(r) => match &r.error {
                     Some(e) => {
                         self.unplace(&l.edge, res, false);
-                        done.push((l.item.index, Err(crate::rpc::status::failure_from_detail(e))));
+                        done.push((
+                            l.item.index,
+                            Err(crate::rpc::status::failure_from_detail(e)),
+                        ));
                     }
                     None => {
                         l.admitted = true;
                         // A retry: the lease stayed on the edge that holds it; go back there.
-                        if keep_binding && r.existed && !r.edge_id.is_empty() && r.edge_id != l.edge {
+                        if keep_binding && r.existed && !r.edge_id.is_empty() && r.edge_id != l.edge
+                        {
                             self.unplace(&l.edge, res, false);
                             l.edge = r.edge_id.clone();
                         }
@@ -129,7 +197,10 @@ impl Inner {
         if lease_ids.is_empty() {
             return;
         }
-        let req = client::internal(pb::ReleaseLeasesRequest { lease_ids, at: 0 }, &self.cfg.service_token);
+        let req = client::internal(
+            pb::ReleaseLeasesRequest { lease_ids, at: 0 },
+            &self.cfg.service_token,
+        );
         if let Err(s) = self.iam.clone().release_leases(req).await {
             // The watcher's reconciliation and SweepUnbound return them later.
             tracing::warn!(error = %s.message(), "releasing leases of failed creations failed");
@@ -138,16 +209,33 @@ impl Inner {
 
     /// Creates every item; returns one result per item (any order). `Err` only for a failure
     /// of the whole call before anything was created (authentication, permission, IAM down).
-    pub(crate) async fn create_items(&self, job: &Job<'_>, items: Vec<Item>) -> Result<Vec<(u32, Result<pb::Sandbox, Failure>)>, Failure> {
+    pub(crate) async fn create_items(
+        &self,
+        job: &Job<'_>,
+        items: Vec<Item>,
+    ) -> Result<Vec<(u32, Result<pb::Sandbox, Failure>)>, Failure> {
         let res = Res::of_spec(job.spec);
-        let local_image = if job.spec.image.is_empty() || job.spec.image.contains('/') { None } else { Some(job.spec.image.as_str()) };
-        let req = Request { backend: &job.spec.backend, local_image, res };
+        let local_image = if job.spec.image.is_empty() || job.spec.image.contains('/') {
+            None
+        } else {
+            Some(job.spec.image.as_str())
+        };
+        let req = Request {
+            backend: &job.spec.backend,
+            local_image,
+            res,
+        };
         let snap = self.current_snapshot().await?;
         let mut done = Vec::with_capacity(items.len());
         let mut live = Vec::with_capacity(items.len());
         for it in items {
             match self.place(&snap, &req, &[]) {
-                Ok(edge) => live.push(Live { item: it, edge, tried: Vec::new(), admitted: false }),
+                Ok(edge) => live.push(Live {
+                    item: it,
+                    edge,
+                    tried: Vec::new(),
+                    admitted: false,
+                }),
                 Err(f) => done.push((it.index, Err(f))),
             }
         }
@@ -172,14 +260,24 @@ impl Inner {
                 async move {
                     let items: Vec<pb::EdgeCreateItem> = group
                         .iter()
-                        .map(|l| pb::EdgeCreateItem { sandbox_id: sandbox_id(&edge, &l.item), lease_id: l.item.lease_id.clone(), project: job.project.to_string(), principal: job.caller.principal.clone() })
+                        .map(|l| pb::EdgeCreateItem {
+                            sandbox_id: sandbox_id(&edge, &l.item),
+                            lease_id: l.item.lease_id.clone(),
+                            project: job.project.to_string(),
+                            principal: job.caller.principal.clone(),
+                        })
                         .collect();
                     let outcome = match Self::edge_addr(&snap, &edge) {
-                        None => Err(Failure::unavailable(format!("edge {edge} is not in the cluster snapshot"))),
+                        None => Err(Failure::unavailable(format!(
+                            "edge {edge} is not in the cluster snapshot"
+                        ))),
                         Some(addr) => match self.edges.edge(&addr) {
                             Err(f) => Err(f),
                             Ok(mut c) => c
-                                .create_sandboxes(self.edges.req(pb::EdgeCreateRequest { spec: Some(job.spec.clone()), items }))
+                                .create_sandboxes(self.edges.req(pb::EdgeCreateRequest {
+                                    spec: Some(job.spec.clone()),
+                                    items,
+                                }))
                                 .await
                                 .map(|r| r.into_inner().results)
                                 .map_err(|s| failure_from_status(&s)),
@@ -194,7 +292,10 @@ impl Inner {
             for (edge, group, outcome) in outcomes {
                 match outcome {
                     Err(f) => {
-                        let again = matches!(f.reason, Reason::Unavailable | Reason::NoCapacity | Reason::Timeout);
+                        let again = matches!(
+                            f.reason,
+                            Reason::Unavailable | Reason::NoCapacity | Reason::Timeout
+                        );
                         for mut l in group {
                             self.unplace(&edge, &res, again);
                             if again && attempt < self.params.max_attempts {
@@ -210,16 +311,27 @@ impl Inner {
                         let mut results = results.into_iter();
                         for mut l in group {
                             match results.next() {
-                                Some(pb::EdgeCreateResult { sandbox: Some(sb), error: None }) => {
-                                    self.projects.lock().unwrap_or_else(|p| p.into_inner()).insert(sb.id.clone(), sb.project.clone());
+                                Some(pb::EdgeCreateResult {
+                                    sandbox: Some(sb),
+                                    error: None,
+                                }) => {
+                                    self.projects
+                                        .lock()
+                                        .unwrap_or_else(|p| p.into_inner())
+                                        .insert(sb.id.clone(), sb.project.clone());
                                     done.push((l.item.index, Ok(sb)));
                                 }
                                 other => {
                                     let f = match other.and_then(|r| r.error) {
                                         Some(e) => crate::rpc::status::failure_from_detail(&e),
-                                        None => Failure::internal("edge gave no result for this sandbox"),
+                                        None => Failure::internal(
+                                            "edge gave no result for this sandbox",
+                                        ),
                                     };
-                                    let again = matches!(f.reason, Reason::NoCapacity | Reason::Unavailable);
+                                    let again = matches!(
+                                        f.reason,
+                                        Reason::NoCapacity | Reason::Unavailable
+                                    );
                                     self.unplace(&edge, &res, again);
                                     if again && attempt < self.params.max_attempts {
                                         l.tried.push(edge.clone());
@@ -236,7 +348,8 @@ impl Inner {
             }
             attempt += 1;
             if !retry.is_empty() {
-                metrics::counter!("opendsec_apiserver_placement_retries_total").increment(retry.len() as u64);
+                metrics::counter!("opendsec_apiserver_placement_retries_total")
+                    .increment(retry.len() as u64);
                 let snap_now = self.snapshot.read().await.clone();
                 for (mut l, last) in retry {
                     match self.place(&snap_now, &req, &l.tried) {
@@ -271,14 +384,27 @@ impl Inner {
 fn replacement_failure(placing: Failure, last: Failure) -> Failure {
     let transient = matches!(last.reason, Reason::Unavailable | Reason::Timeout);
     if transient && placing.reason == Reason::NoCapacity {
-        return Failure::new(Reason::Unavailable, format!("{}; no other edge could take it ({})", last.message, placing.message));
+        return Failure::new(
+            Reason::Unavailable,
+            format!(
+                "{}; no other edge could take it ({})",
+                last.message, placing.message
+            ),
+        );
     }
     placing
 }
 
 /// Runs a creation of `items` in chunks, at most `parallel` chunks at once, sending each
 /// item's result as soon as it is known.
-pub(crate) async fn run_batch(inner: Arc<Inner>, caller: Caller, project: String, spec: pb::SandboxSpec, items: Vec<Item>, tx: tokio::sync::mpsc::Sender<Result<pb::CreateSandboxesItem, tonic::Status>>) {
+pub(crate) async fn run_batch(
+    inner: Arc<Inner>,
+    caller: Caller,
+    project: String,
+    spec: pb::SandboxSpec,
+    items: Vec<Item>,
+    tx: tokio::sync::mpsc::Sender<Result<pb::CreateSandboxesItem, tonic::Status>>,
+) {
     use futures::StreamExt;
     const CHUNK: usize = 512;
     let chunks: Vec<Vec<Item>> = items.chunks(CHUNK).map(|c| c.to_vec()).collect();
@@ -294,22 +420,41 @@ pub(crate) async fn run_batch(inner: Arc<Inner>, caller: Caller, project: String
         if tx.is_closed() {
             return None;
         }
-        inner.creates.take(&caller.principal, chunk.len() as f64).await;
+        inner
+            .creates
+            .take(&caller.principal, chunk.len() as f64)
+            .await;
         if tx.is_closed() {
             return None;
         }
         let _permits = match &inner.inflight {
-            Some(sem) => sem.clone().acquire_many_owned(chunk.len() as u32).await.ok(),
+            Some(sem) => sem
+                .clone()
+                .acquire_many_owned(chunk.len() as u32)
+                .await
+                .ok(),
             None => None,
         };
-        let job = Job { caller, project, spec };
+        let job = Job {
+            caller,
+            project,
+            spec,
+        };
         let indices: Vec<u32> = chunk.iter().map(|i| i.index).collect();
         match inner.create_items(&job, chunk).await {
             Ok(results) => {
                 for (index, r) in results {
                     let item = match r {
-                        Ok(sb) => pb::CreateSandboxesItem { index, sandbox: Some(sb), error: None },
-                        Err(f) => pb::CreateSandboxesItem { index, sandbox: None, error: Some(crate::rpc::status::error_detail(&f)) },
+                        Ok(sb) => pb::CreateSandboxesItem {
+                            index,
+                            sandbox: Some(sb),
+                            error: None,
+                        },
+                        Err(f) => pb::CreateSandboxesItem {
+                            index,
+                            sandbox: None,
+                            error: Some(crate::rpc::status::error_detail(&f)),
+                        },
                     };
                     if tx.send(Ok(item)).await.is_err() {
                         return None;
@@ -320,11 +465,22 @@ pub(crate) async fn run_batch(inner: Arc<Inner>, caller: Caller, project: String
             Err(f) => {
                 // `unavailable` (no snapshot yet, IAM unreachable) ends the stream too: the SDK
                 // then asks again with the same key, instead of taking per-item errors as final.
-                if matches!(f.reason, Reason::Unauthenticated | Reason::Forbidden | Reason::Invalid | Reason::NotFound | Reason::Unavailable) {
+                if matches!(
+                    f.reason,
+                    Reason::Unauthenticated
+                        | Reason::Forbidden
+                        | Reason::Invalid
+                        | Reason::NotFound
+                        | Reason::Unavailable
+                ) {
                     return Some(f);
                 }
                 for index in indices {
-                    let item = pb::CreateSandboxesItem { index, sandbox: None, error: Some(crate::rpc::status::error_detail(&f)) };
+                    let item = pb::CreateSandboxesItem {
+                        index,
+                        sandbox: None,
+                        error: Some(crate::rpc::status::error_detail(&f)),
+                    };
                     if tx.send(Ok(item)).await.is_err() {
                         return None;
                     }
@@ -350,19 +506,43 @@ mod tests {
     use super::*;
 
     fn caller(p: &str) -> Caller {
-        Caller { principal: p.into(), project: "root".into(), token: String::new(), client_addr: String::new() }
+        Caller {
+            principal: p.into(),
+            project: "root".into(),
+            token: String::new(),
+            client_addr: String::new(),
+        }
     }
 
     #[test]
     fn an_unreachable_edge_with_nowhere_else_to_go_is_unavailable_not_no_capacity() {
-        let placing = Failure::new(Reason::NoCapacity, "no edge can take the sandbox now (skipped rejected: 1)");
-        let f = replacement_failure(placing.clone(), Failure::unavailable("edge e1: connection refused"));
+        let placing = Failure::new(
+            Reason::NoCapacity,
+            "no edge can take the sandbox now (skipped rejected: 1)",
+        );
+        let f = replacement_failure(
+            placing.clone(),
+            Failure::unavailable("edge e1: connection refused"),
+        );
         assert_eq!(f.reason, Reason::Unavailable);
-        assert!(f.message.contains("connection refused") && f.message.contains("skipped rejected: 1"), "{}", f.message);
-        assert_eq!(replacement_failure(placing.clone(), Failure::new(Reason::Timeout, "t")).reason, Reason::Unavailable);
+        assert!(
+            f.message.contains("connection refused") && f.message.contains("skipped rejected: 1"),
+            "{}",
+            f.message
+        );
+        assert_eq!(
+            replacement_failure(placing.clone(), Failure::new(Reason::Timeout, "t")).reason,
+            Reason::Unavailable
+        );
         // A full edge stays no_capacity; placement's own verdicts stay as they are.
-        assert_eq!(replacement_failure(placing, Failure::new(Reason::NoCapacity, "edge e1: full")).reason, Reason::NoCapacity);
-        assert_eq!(replacement_failure(Failure::invalid("bad"), Failure::unavailable("x")).reason, Reason::Invalid);
+        assert_eq!(
+            replacement_failure(placing, Failure::new(Reason::NoCapacity, "edge e1: full")).reason,
+            Reason::NoCapacity
+        );
+        assert_eq!(
+            replacement_failure(Failure::invalid("bad"), Failure::unavailable("x")).reason,
+            Reason::Invalid
+        );
     }
 
     #[test]
@@ -373,6 +553,9 @@ mod tests {
         assert_eq!(a[1].lease_id, again[1].lease_id);
         assert_ne!(a[0].lease_id, a[1].lease_id);
         assert_ne!(a[0].lease_id, other[0].lease_id);
-        assert_eq!(sandbox_id("e1", &a[0]), format!("e1.{}", &a[0].lease_id[..16]));
+        assert_eq!(
+            sandbox_id("e1", &a[0]),
+            format!("e1.{}", &a[0].lease_id[..16])
+        );
     }
 }

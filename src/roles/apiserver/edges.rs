@@ -16,7 +16,10 @@ pub(crate) struct EdgeClients {
 
 impl EdgeClients {
     pub fn new(service_token: String) -> EdgeClients {
-        EdgeClients { service_token, channels: Mutex::new(HashMap::new()) }
+        EdgeClients {
+            service_token,
+            channels: Mutex::new(HashMap::new()),
+        }
     }
 
     fn channel(&self, addr: &str) -> Result<Channel, Failure> {
@@ -24,19 +27,27 @@ impl EdgeClients {
         if let Some(c) = m.get(addr) {
             return Ok(c.clone());
         }
-        let c = crate::rpc::client::channel(addr, Duration::from_secs(2)).map_err(|e| Failure::internal(e.to_string()))?;
+        let c = crate::rpc::client::channel(addr, Duration::from_secs(2))
+            .map_err(|e| Failure::internal(e.to_string()))?;
         m.insert(addr.to_string(), c.clone());
         Ok(c)
     }
 
     /// The Edge service at `addr`.
     pub fn edge(&self, addr: &str) -> Result<pb::edge_client::EdgeClient<Channel>, Failure> {
-        Ok(pb::edge_client::EdgeClient::new(self.channel(addr)?).max_decoding_message_size(crate::rpc::MAX_MESSAGE).max_encoding_message_size(crate::rpc::MAX_MESSAGE))
+        Ok(pb::edge_client::EdgeClient::new(self.channel(addr)?)
+            .max_decoding_message_size(crate::rpc::MAX_MESSAGE)
+            .max_encoding_message_size(crate::rpc::MAX_MESSAGE))
     }
 
     /// The Runtime service at `addr` (served by the edge, forwarded to aether).
-    pub fn runtime(&self, addr: &str) -> Result<pb::runtime_client::RuntimeClient<Channel>, Failure> {
-        Ok(pb::runtime_client::RuntimeClient::new(self.channel(addr)?).max_decoding_message_size(crate::rpc::MAX_MESSAGE).max_encoding_message_size(crate::rpc::MAX_MESSAGE))
+    pub fn runtime(
+        &self,
+        addr: &str,
+    ) -> Result<pb::runtime_client::RuntimeClient<Channel>, Failure> {
+        Ok(pb::runtime_client::RuntimeClient::new(self.channel(addr)?)
+            .max_decoding_message_size(crate::rpc::MAX_MESSAGE)
+            .max_encoding_message_size(crate::rpc::MAX_MESSAGE))
     }
 
     /// Wraps a message for an edge call.

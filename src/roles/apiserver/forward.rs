@@ -1,7 +1,6 @@
 //! Calls on existing sandboxes: the edge is named in the sandbox id (`<edge>.<random>`), so
 //! no lookup table is needed. Every call checks `sandbox.operate` on the sandbox's project.
 
-
 use super::auth::Caller;
 use super::Inner;
 use crate::pb;
@@ -12,7 +11,12 @@ use crate::types::{names, Failure};
 pub(crate) fn edge_of(id: &str) -> Result<&str, Failure> {
     let bad = || Failure::invalid(format!("sandbox id {id:?} is not <edge-id>.<random>"));
     let (edge, rest) = id.split_once('.').ok_or_else(bad)?;
-    if rest.is_empty() || rest.len() > 64 || !rest.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+    if rest.is_empty()
+        || rest.len() > 64
+        || !rest
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
         return Err(bad());
     }
     names::check_edge_id(edge).map_err(|_| bad())?;
@@ -26,7 +30,9 @@ impl Inner {
     pub(crate) async fn current_snapshot(&self) -> Result<std::sync::Arc<pb::Snapshot>, Failure> {
         let snap = self.snapshot.read().await.clone();
         if snap.version == 0 {
-            return Err(Failure::unavailable("this apiserver has no cluster snapshot from a watcher yet; retry"));
+            return Err(Failure::unavailable(
+                "this apiserver has no cluster snapshot from a watcher yet; retry",
+            ));
         }
         Ok(snap)
     }
@@ -36,19 +42,36 @@ impl Inner {
         let snap = self.current_snapshot().await?;
         match snap.edges.iter().find(|e| e.id == edge) {
             Some(e) => Ok(e.addr.clone()),
-            None => Err(Failure::not_found(format!("no edge {edge:?} in the cluster"))),
+            None => Err(Failure::not_found(format!(
+                "no edge {edge:?} in the cluster"
+            ))),
         }
     }
 
     /// Authorizes `sandbox.operate` on the sandbox's project and returns the edge address.
-    pub(crate) async fn authorize_sandbox(&self, caller: &Caller, id: &str) -> Result<String, Failure> {
+    pub(crate) async fn authorize_sandbox(
+        &self,
+        caller: &Caller,
+        id: &str,
+    ) -> Result<String, Failure> {
         let edge = edge_of(id)?;
         let addr = self.addr_of(edge).await?;
-        let cached = self.projects.lock().unwrap_or_else(|p| p.into_inner()).get(id).cloned();
+        let cached = self
+            .projects
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned();
         let project = match cached {
             Some(p) => p,
             None => {
-                let sb = self.edges.edge(&addr)?.get_sandbox(self.edges.req(pb::SandboxRef { id: id.to_string() })).await.map_err(|s| failure_from_status(&s))?.into_inner();
+                let sb = self
+                    .edges
+                    .edge(&addr)?
+                    .get_sandbox(self.edges.req(pb::SandboxRef { id: id.to_string() }))
+                    .await
+                    .map_err(|s| failure_from_status(&s))?
+                    .into_inner();
                 let mut m = self.projects.lock().unwrap_or_else(|p| p.into_inner());
                 if m.len() > 1_000_000 {
                     m.clear();
@@ -57,12 +80,19 @@ impl Inner {
                 sb.project
             }
         };
-        self.auth.authorize(caller, &project, "sandbox.operate").await?;
+        self.auth
+            .authorize(caller, &project, "sandbox.operate")
+            .await?;
         Ok(addr)
     }
 
     /// Runs one lifecycle call (`op`) on the sandbox's edge after authorization.
-    pub(crate) async fn lifecycle(&self, caller: &Caller, id: &str, op: &str) -> Result<pb::Sandbox, Failure> {
+    pub(crate) async fn lifecycle(
+        &self,
+        caller: &Caller,
+        id: &str,
+        op: &str,
+    ) -> Result<pb::Sandbox, Failure> {
         let addr = self.authorize_sandbox(caller, id).await?;
         let mut c = self.edges.edge(&addr)?;
         let r = pb::SandboxRef { id: id.to_string() };
@@ -74,56 +104,114 @@ impl Inner {
             "touch" => c.touch_sandbox(self.edges.req(r)).await,
             _ => return Err(Failure::internal(format!("unknown lifecycle call {op}"))),
         };
-        out.map(|r| r.into_inner()).map_err(|s| failure_from_status(&s))
+        out.map(|r| r.into_inner())
+            .map_err(|s| failure_from_status(&s))
     }
 
-    pub(crate) async fn set_timeout(&self, caller: &Caller, req: pb::SetSandboxTimeoutRequest) -> Result<pb::Sandbox, Failure> {
+    pub(crate) async fn set_timeout(
+        &self,
+        caller: &Caller,
+        req: pb::SetSandboxTimeoutRequest,
+    ) -> Result<pb::Sandbox, Failure> {
         let max = self.cfg.admission.max_ttl_max_s();
         if req.timeout_s <= 0 || (max > 0 && req.timeout_s > max) {
-            return Err(Failure::invalid(format!("timeout_s {} must be within [1, {max}]", req.timeout_s)));
+            return Err(Failure::invalid(format!(
+                "timeout_s {} must be within [1, {max}]",
+                req.timeout_s
+            )));
         }
         let addr = self.authorize_sandbox(caller, &req.id).await?;
-        self.edges.edge(&addr)?.set_sandbox_timeout(self.edges.req(req)).await.map(|r| r.into_inner()).map_err(|s| failure_from_status(&s))
+        self.edges
+            .edge(&addr)?
+            .set_sandbox_timeout(self.edges.req(req))
+            .await
+            .map(|r| r.into_inner())
+            .map_err(|s| failure_from_status(&s))
     }
 
     /// Lists the project's (and subprojects') sandboxes across every edge. An unreachable
     /// edge is skipped: its sandboxes are unavailable, the others are still listed.
-    pub(crate) async fn list(&self, caller: &Caller, req: pb::ListSandboxesRequest) -> Result<pb::ListSandboxesResponse, Failure> {
-        let project = if req.project.is_empty() { "root".to_string() } else { req.project.clone() };
+    pub(crate) async fn list(
+        &self,
+        caller: &Caller,
+        req: pb::ListSandboxesRequest,
+    ) -> Result<pb::ListSandboxesResponse, Failure> {
+        let project = if req.project.is_empty() {
+            "root".to_string()
+        } else {
+            req.project.clone()
+        };
         names::check_project_path(&project)?;
-        self.auth.authorize(caller, &project, "sandbox.operate").await?;
+        self.auth
+            .authorize(caller, &project, "sandbox.operate")
+            .await?;
         let snap = self.current_snapshot().await?;
         let calls = snap.edges.iter().filter(|e| e.healthy).map(|e| {
-            let r = pb::EdgeListRequest { project: project.clone(), task_id: req.task_id.clone(), include_ended: req.include_ended };
+            let r = pb::EdgeListRequest {
+                project: project.clone(),
+                task_id: req.task_id.clone(),
+                include_ended: req.include_ended,
+            };
             let client = self.edges.edge(&e.addr);
             async move {
                 match client {
-                    Ok(mut c) => c.list_sandboxes(self.edges.req(r)).await.map(|r| r.into_inner().sandboxes).unwrap_or_default(),
+                    Ok(mut c) => c
+                        .list_sandboxes(self.edges.req(r))
+                        .await
+                        .map(|r| r.into_inner().sandboxes)
+                        .unwrap_or_default(),
                     Err(_) => Vec::new(),
                 }
             }
         });
-        let mut all: Vec<pb::Sandbox> = futures::future::join_all(calls).await.into_iter().flatten().collect();
-        all.sort_by(|a, b| a.created_at.cmp(&b.created_at).then_with(|| a.id.cmp(&b.id)));
+        let mut all: Vec<pb::Sandbox> = futures::future::join_all(calls)
+            .await
+            .into_iter()
+            .flatten()
+            .collect();
+        all.sort_by(|a, b| {
+            a.created_at
+                .cmp(&b.created_at)
+                .then_with(|| a.id.cmp(&b.id))
+        });
         Ok(pb::ListSandboxesResponse { sandboxes: all })
     }
 
     /// pause_task / resume_task / stop_task over every edge.
-    pub(crate) async fn task_action(&self, caller: &Caller, req: pb::TaskRequest, action: &str) -> Result<pb::TaskActionResult, Failure> {
-        let project = if req.project.is_empty() { "root".to_string() } else { req.project.clone() };
+    pub(crate) async fn task_action(
+        &self,
+        caller: &Caller,
+        req: pb::TaskRequest,
+        action: &str,
+    ) -> Result<pb::TaskActionResult, Failure> {
+        let project = if req.project.is_empty() {
+            "root".to_string()
+        } else {
+            req.project.clone()
+        };
         names::check_project_path(&project)?;
         if req.task_id.is_empty() || req.task_id.len() > 256 {
             return Err(Failure::invalid("task_id must be 1 to 256 characters"));
         }
-        self.auth.authorize(caller, &project, "sandbox.operate").await?;
+        self.auth
+            .authorize(caller, &project, "sandbox.operate")
+            .await?;
         let snap = self.current_snapshot().await?;
         let calls = snap.edges.iter().filter(|e| e.healthy).map(|e| {
-            let r = pb::EdgeTaskRequest { project: project.clone(), task_id: req.task_id.clone(), action: action.to_string() };
+            let r = pb::EdgeTaskRequest {
+                project: project.clone(),
+                task_id: req.task_id.clone(),
+                action: action.to_string(),
+            };
             let client = self.edges.edge(&e.addr);
             let id = e.id.clone();
             async move {
                 match client {
-                    Ok(mut c) => c.task_action(self.edges.req(r)).await.map(|r| r.into_inner()).map_err(|s| format!("edge {id}: {}", failure_from_status(&s))),
+                    Ok(mut c) => c
+                        .task_action(self.edges.req(r))
+                        .await
+                        .map(|r| r.into_inner())
+                        .map_err(|s| format!("edge {id}: {}", failure_from_status(&s))),
                     Err(f) => Err(format!("edge {id}: {f}")),
                 }
             }
@@ -143,14 +231,22 @@ impl Inner {
     }
 
     /// Edge drain (needs project.admin on root).
-    pub(crate) async fn drain(&self, caller: &Caller, req: pb::DrainEdgeRequest) -> Result<pb::EdgeState, Failure> {
+    pub(crate) async fn drain(
+        &self,
+        caller: &Caller,
+        req: pb::DrainEdgeRequest,
+    ) -> Result<pb::EdgeState, Failure> {
         names::check_edge_id(&req.edge_id)?;
         self.auth.authorize(caller, "root", "project.admin").await?;
         let addr = self.addr_of(&req.edge_id).await?;
-        self.edges.edge(&addr)?.drain(self.edges.req(req)).await.map(|r| r.into_inner()).map_err(|s| failure_from_status(&s))
+        self.edges
+            .edge(&addr)?
+            .drain(self.edges.req(req))
+            .await
+            .map(|r| r.into_inner())
+            .map_err(|s| failure_from_status(&s))
     }
 }
-
 
 #[cfg(test)]
 mod tests {

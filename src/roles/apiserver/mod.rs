@@ -59,20 +59,43 @@ pub(crate) struct Inner {
 
 /// Serves the public DSec service for entry `index` of `cfg.apiserver` on `listener`.
 /// Ready while IAM and a watcher snapshot have answered within the last 15 s.
-pub async fn start(cfg: Arc<Config>, index: usize, listener: TcpListener, shutdown: Shutdown, ready: Ready) -> Result<tokio::task::JoinHandle<()>, ApiserverError> {
+pub async fn start(
+    cfg: Arc<Config>,
+    index: usize,
+    listener: TcpListener,
+    shutdown: Shutdown,
+    ready: Ready,
+) -> Result<tokio::task::JoinHandle<()>, ApiserverError> {
     start_with(cfg, index, listener, shutdown, ready, None).await
 }
 
 /// As `start`, with the placement `k` overridden (benchmarks).
-pub async fn start_with(cfg: Arc<Config>, index: usize, listener: TcpListener, shutdown: Shutdown, ready: Ready, k: Option<usize>) -> Result<tokio::task::JoinHandle<()>, ApiserverError> {
+pub async fn start_with(
+    cfg: Arc<Config>,
+    index: usize,
+    listener: TcpListener,
+    shutdown: Shutdown,
+    ready: Ready,
+    k: Option<usize>,
+) -> Result<tokio::task::JoinHandle<()>, ApiserverError> {
     let entry = cfg.apiserver.get(index).cloned().unwrap_or_default();
     if !cfg.apiserver.is_empty() && index >= cfg.apiserver.len() {
         return Err(ApiserverError::NoEntry(index));
     }
     let ch = crate::rpc::client::channel(&cfg.iam.addr, Duration::from_secs(2))?;
-    let iam = pb::iam_client::IamClient::new(ch).max_decoding_message_size(crate::rpc::MAX_MESSAGE).max_encoding_message_size(crate::rpc::MAX_MESSAGE);
+    let iam = pb::iam_client::IamClient::new(ch)
+        .max_decoding_message_size(crate::rpc::MAX_MESSAGE)
+        .max_encoding_message_size(crate::rpc::MAX_MESSAGE);
     let auth = Arc::new(auth::AuthCache::new(iam.clone(), cfg.service_token.clone()));
-    let audit = if entry.audit_dir.is_empty() { None } else { Some(audit::Audit::open(&entry.audit_dir, entry.audit_max_mb(), entry.audit_keep())?) };
+    let audit = if entry.audit_dir.is_empty() {
+        None
+    } else {
+        Some(audit::Audit::open(
+            &entry.audit_dir,
+            entry.audit_max_mb(),
+            entry.audit_keep(),
+        )?)
+    };
     let adm = &cfg.admission;
     let params = placement::Params::from_config(&cfg.placement);
     let inner = Arc::new(Inner {
@@ -85,7 +108,9 @@ pub async fn start_with(cfg: Arc<Config>, index: usize, listener: TcpListener, s
         params,
         calls: admission::Limiter::new(adm.request_rate(), adm.request_burst()),
         creates: admission::Limiter::new(adm.create_rate(), adm.create_burst()),
-        inflight: adm.max_inflight_creates().map(|n| Arc::new(Semaphore::new(n))),
+        inflight: adm
+            .max_inflight_creates()
+            .map(|n| Arc::new(Semaphore::new(n))),
         edges: edges::EdgeClients::new(cfg.service_token.clone()),
         audit,
         audit_runtime: entry.audit_runtime,
@@ -94,10 +119,17 @@ pub async fn start_with(cfg: Arc<Config>, index: usize, listener: TcpListener, s
     });
 
     let e = tokio::spawn(auth.clone().epoch_loop(shutdown.clone()));
-    let s = tokio::spawn(snapshot_loop(inner.clone(), entry.snapshot_refresh(), shutdown.clone(), ready.clone()));
-    let svc = pb::d_sec_server::DSecServer::from_arc(Arc::new(service::Api { inner: inner.clone() }))
-        .max_decoding_message_size(crate::rpc::MAX_MESSAGE)
-        .max_encoding_message_size(crate::rpc::MAX_MESSAGE);
+    let s = tokio::spawn(snapshot_loop(
+        inner.clone(),
+        entry.snapshot_refresh(),
+        shutdown.clone(),
+        ready.clone(),
+    ));
+    let svc = pb::d_sec_server::DSecServer::from_arc(Arc::new(service::Api {
+        inner: inner.clone(),
+    }))
+    .max_decoding_message_size(crate::rpc::MAX_MESSAGE)
+    .max_encoding_message_size(crate::rpc::MAX_MESSAGE);
     let router = crate::rpc::serve::builder().add_service(svc);
     let sd = shutdown.clone();
     Ok(tokio::spawn(async move {
@@ -117,13 +149,19 @@ async fn snapshot_loop(inner: Arc<Inner>, every: f64, shutdown: Shutdown, ready:
     let clients: Vec<_> = addrs
         .iter()
         .filter_map(|a| crate::rpc::client::channel(a, Duration::from_secs(2)).ok())
-        .map(|c| pb::watcher_client::WatcherClient::new(c).max_decoding_message_size(crate::rpc::MAX_MESSAGE))
+        .map(|c| {
+            pb::watcher_client::WatcherClient::new(c)
+                .max_decoding_message_size(crate::rpc::MAX_MESSAGE)
+        })
         .collect();
     let mut first = 0usize;
     loop {
         for i in 0..clients.len() {
             let mut c = clients[(first + i) % clients.len()].clone();
-            let mut req = crate::rpc::client::internal(pb::GetSnapshotRequest { min_version: 0 }, &inner.cfg.service_token);
+            let mut req = crate::rpc::client::internal(
+                pb::GetSnapshotRequest { min_version: 0 },
+                &inner.cfg.service_token,
+            );
             req.set_timeout(Duration::from_secs(2));
             match c.get_snapshot(req).await {
                 Ok(r) => {
@@ -138,9 +176,14 @@ async fn snapshot_loop(inner: Arc<Inner>, every: f64, shutdown: Shutdown, ready:
                 Err(s) => tracing::debug!(error = %s.message(), "snapshot fetch failed"),
             }
         }
-        inner.overlay.lock().unwrap_or_else(|p| p.into_inner()).expire(inner.params.overlay_grace);
+        inner
+            .overlay
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .expire(inner.params.overlay_grace);
         let now = now_s();
-        let ok = now - inner.snapshot_at.load(Ordering::Relaxed) <= 15 && now - inner.auth.last_iam_ok.load(Ordering::Relaxed) <= 15;
+        let ok = now - inner.snapshot_at.load(Ordering::Relaxed) <= 15
+            && now - inner.auth.last_iam_ok.load(Ordering::Relaxed) <= 15;
         ready.set(ok, "apiserver");
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_secs_f64(every)) => {},

@@ -33,7 +33,10 @@ pub struct Overlay {
 impl Overlay {
     /// Counts `res` toward `edge`'s load for `grace`.
     pub fn add(&mut self, edge: &str, res: Res) {
-        self.placed.entry(edge.to_string()).or_default().push((Instant::now(), res));
+        self.placed
+            .entry(edge.to_string())
+            .or_default()
+            .push((Instant::now(), res));
     }
     /// Takes back a placement that did not happen (the edge rejected it).
     pub fn remove(&mut self, edge: &str, res: &Res) {
@@ -45,7 +48,8 @@ impl Overlay {
     }
     /// Ranks `edge` last until `penalty` has passed.
     pub fn penalize(&mut self, edge: &str, penalty: Duration) {
-        self.penalties.insert(edge.to_string(), Instant::now() + penalty);
+        self.penalties
+            .insert(edge.to_string(), Instant::now() + penalty);
     }
     /// Drops overlay entries older than `grace` and expired penalties.
     pub fn expire(&mut self, grace: Duration) {
@@ -66,7 +70,9 @@ impl Overlay {
         r
     }
     fn penalized(&self, edge: &str) -> bool {
-        self.penalties.get(edge).is_some_and(|u| *u > Instant::now())
+        self.penalties
+            .get(edge)
+            .is_some_and(|u| *u > Instant::now())
     }
 }
 
@@ -84,9 +90,18 @@ pub fn load(e: &pb::EdgeState, extra: &Res, floor: f64) -> f64 {
     let cap = Res::from_pb(e.capacity.as_ref());
     let mut alloc = Res::from_pb(e.allocated.as_ref());
     alloc.add(extra);
-    let a = share(alloc.cpu_cores, cap.cpu_cores).max(share(alloc.memory_mb as f64, cap.memory_mb as f64));
-    let cpu = if e.cpu_usage < floor { 0.0 } else { e.cpu_usage };
-    let mem = if e.mem_usage < floor { 0.0 } else { e.mem_usage };
+    let a = share(alloc.cpu_cores, cap.cpu_cores)
+        .max(share(alloc.memory_mb as f64, cap.memory_mb as f64));
+    let cpu = if e.cpu_usage < floor {
+        0.0
+    } else {
+        e.cpu_usage
+    };
+    let mem = if e.mem_usage < floor {
+        0.0
+    } else {
+        e.mem_usage
+    };
     a.max(cpu).max(mem)
 }
 
@@ -117,7 +132,12 @@ fn skip_reason(e: &pb::EdgeState, req: &Request, extra: &Res) -> Option<&'static
         return Some("disk");
     }
     let max = e.max_sandboxes.get(req.backend).copied().unwrap_or(0);
-    let have = e.sandboxes_by_backend.get(req.backend).copied().unwrap_or(0) + extra.sandboxes;
+    let have = e
+        .sandboxes_by_backend
+        .get(req.backend)
+        .copied()
+        .unwrap_or(0)
+        + extra.sandboxes;
     if max > 0 && have >= max {
         return Some("max_sandboxes");
     }
@@ -127,7 +147,15 @@ fn skip_reason(e: &pb::EdgeState, req: &Request, extra: &Res) -> Option<&'static
 /// Picks an edge for `req` from `snap`, power-of-`k` over the edges that fit, non-penalized
 /// edges first. Errors: `not_found` when no edge offers the backend or image (`invalid` for a
 /// backend no edge knows), `no_capacity` naming the skip reasons otherwise.
-pub fn choose<R: Rng>(snap: &pb::Snapshot, overlay: &Overlay, req: &Request, k: usize, floor: f64, exclude: &[String], rng: &mut R) -> Result<String, Failure> {
+pub fn choose<R: Rng>(
+    snap: &pb::Snapshot,
+    overlay: &Overlay,
+    req: &Request,
+    k: usize,
+    floor: f64,
+    exclude: &[String],
+    rng: &mut R,
+) -> Result<String, Failure> {
     let mut offers_backend = false;
     let mut has_image = false;
     let mut skips: BTreeMap<&'static str, usize> = BTreeMap::new();
@@ -154,23 +182,46 @@ pub fn choose<R: Rng>(snap: &pb::Snapshot, overlay: &Overlay, req: &Request, k: 
         }
     }
     if !offers_backend {
-        return Err(Failure::invalid(format!("unknown backend {:?}: no edge offers it", req.backend)));
+        return Err(Failure::invalid(format!(
+            "unknown backend {:?}: no edge offers it",
+            req.backend
+        )));
     }
     if !has_image {
         let img = req.local_image.unwrap_or_default();
-        return Err(Failure::not_found(format!("image {img:?} does not exist on any edge offering backend {:?}", req.backend)));
+        return Err(Failure::not_found(format!(
+            "image {img:?} does not exist on any edge offering backend {:?}",
+            req.backend
+        )));
     }
     if fit.is_empty() {
         let why: Vec<String> = skips.iter().map(|(k, v)| format!("{k}: {v}")).collect();
-        return Err(Failure::new(Reason::NoCapacity, format!("no edge can take the sandbox now (skipped {})", why.join(", "))));
+        return Err(Failure::new(
+            Reason::NoCapacity,
+            format!(
+                "no edge can take the sandbox now (skipped {})",
+                why.join(", ")
+            ),
+        ));
     }
-    let fresh: Vec<&(&pb::EdgeState, Res)> = fit.iter().filter(|(e, _)| !overlay.penalized(&e.id)).collect();
-    let pool: Vec<&(&pb::EdgeState, Res)> = if fresh.is_empty() { fit.iter().collect() } else { fresh };
+    let fresh: Vec<&(&pb::EdgeState, Res)> = fit
+        .iter()
+        .filter(|(e, _)| !overlay.penalized(&e.id))
+        .collect();
+    let pool: Vec<&(&pb::EdgeState, Res)> = if fresh.is_empty() {
+        fit.iter().collect()
+    } else {
+        fresh
+    };
     let k = k.max(1).min(pool.len());
     let picked: Vec<&&(&pb::EdgeState, Res)> = pool.choose_multiple(rng, k).collect();
     let best = picked
         .into_iter()
-        .min_by(|a, b| load(a.0, &a.1, floor).partial_cmp(&load(b.0, &b.1, floor)).unwrap_or(std::cmp::Ordering::Equal))
+        .min_by(|a, b| {
+            load(a.0, &a.1, floor)
+                .partial_cmp(&load(b.0, &b.1, floor))
+                .unwrap_or(std::cmp::Ordering::Equal)
+        })
         .map(|x| x.0.id.clone());
     best.ok_or_else(|| Failure::new(Reason::NoCapacity, "no edge can take the sandbox now"))
 }
@@ -207,29 +258,58 @@ mod tests {
             id: id.into(),
             healthy: true,
             backends: vec!["sim".into()],
-            capacity: Some(pb::Resources { cpu_cores: cpu, memory_mb: 1 << 20, ..Default::default() }),
-            allocated: Some(pb::Resources { cpu_cores: alloc_cpu, ..Default::default() }),
+            capacity: Some(pb::Resources {
+                cpu_cores: cpu,
+                memory_mb: 1 << 20,
+                ..Default::default()
+            }),
+            allocated: Some(pb::Resources {
+                cpu_cores: alloc_cpu,
+                ..Default::default()
+            }),
             images: vec!["host".into()],
             ..Default::default()
         }
     }
 
     fn req(cpu: f64) -> Request<'static> {
-        Request { backend: "sim", local_image: None, res: Res { cpu_cores: cpu, memory_mb: 1, sandboxes: 1, ..Default::default() } }
+        Request {
+            backend: "sim",
+            local_image: None,
+            res: Res {
+                cpu_cores: cpu,
+                memory_mb: 1,
+                sandboxes: 1,
+                ..Default::default()
+            },
+        }
     }
 
     #[test]
     fn power_of_k_takes_the_least_loaded_of_all_when_k_covers_them() {
-        let snap = pb::Snapshot { edges: vec![edge("a", 10.0, 9.0), edge("b", 10.0, 1.0), edge("c", 10.0, 5.0)], ..Default::default() };
+        let snap = pb::Snapshot {
+            edges: vec![
+                edge("a", 10.0, 9.0),
+                edge("b", 10.0, 1.0),
+                edge("c", 10.0, 5.0),
+            ],
+            ..Default::default()
+        };
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         for _ in 0..20 {
-            assert_eq!(choose(&snap, &Overlay::default(), &req(1.0), 3, 0.2, &[], &mut rng).unwrap(), "b");
+            assert_eq!(
+                choose(&snap, &Overlay::default(), &req(1.0), 3, 0.2, &[], &mut rng).unwrap(),
+                "b"
+            );
         }
     }
 
     #[test]
     fn full_edges_are_skipped_with_reasons() {
-        let snap = pb::Snapshot { edges: vec![edge("a", 10.0, 10.0), edge("b", 10.0, 9.5)], ..Default::default() };
+        let snap = pb::Snapshot {
+            edges: vec![edge("a", 10.0, 10.0), edge("b", 10.0, 9.5)],
+            ..Default::default()
+        };
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         let e = choose(&snap, &Overlay::default(), &req(1.0), 2, 0.2, &[], &mut rng).unwrap_err();
         assert_eq!(e.reason, Reason::NoCapacity);
@@ -238,34 +318,70 @@ mod tests {
 
     #[test]
     fn missing_image_is_not_found_and_unknown_backend_invalid() {
-        let snap = pb::Snapshot { edges: vec![edge("a", 10.0, 0.0)], ..Default::default() };
+        let snap = pb::Snapshot {
+            edges: vec![edge("a", 10.0, 0.0)],
+            ..Default::default()
+        };
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
-        let r = Request { local_image: Some("nope"), ..req(1.0) };
-        assert_eq!(choose(&snap, &Overlay::default(), &r, 2, 0.2, &[], &mut rng).unwrap_err().reason, Reason::NotFound);
-        let r = Request { backend: "microvm", ..req(1.0) };
-        assert_eq!(choose(&snap, &Overlay::default(), &r, 2, 0.2, &[], &mut rng).unwrap_err().reason, Reason::Invalid);
+        let r = Request {
+            local_image: Some("nope"),
+            ..req(1.0)
+        };
+        assert_eq!(
+            choose(&snap, &Overlay::default(), &r, 2, 0.2, &[], &mut rng)
+                .unwrap_err()
+                .reason,
+            Reason::NotFound
+        );
+        let r = Request {
+            backend: "microvm",
+            ..req(1.0)
+        };
+        assert_eq!(
+            choose(&snap, &Overlay::default(), &r, 2, 0.2, &[], &mut rng)
+                .unwrap_err()
+                .reason,
+            Reason::Invalid
+        );
     }
 
     #[test]
     fn overlay_counts_until_the_snapshot_catches_up() {
-        let snap = pb::Snapshot { edges: vec![edge("a", 2.0, 0.0)], ..Default::default() };
+        let snap = pb::Snapshot {
+            edges: vec![edge("a", 2.0, 0.0)],
+            ..Default::default()
+        };
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         let mut ov = Overlay::default();
         ov.add("a", req(2.0).res);
-        assert_eq!(choose(&snap, &ov, &req(1.0), 2, 0.2, &[], &mut rng).unwrap_err().reason, Reason::NoCapacity);
+        assert_eq!(
+            choose(&snap, &ov, &req(1.0), 2, 0.2, &[], &mut rng)
+                .unwrap_err()
+                .reason,
+            Reason::NoCapacity
+        );
         ov.remove("a", &req(2.0).res);
         assert!(choose(&snap, &ov, &req(1.0), 2, 0.2, &[], &mut rng).is_ok());
     }
 
     #[test]
     fn penalized_edges_come_last_but_are_not_excluded() {
-        let snap = pb::Snapshot { edges: vec![edge("a", 10.0, 0.0), edge("b", 10.0, 5.0)], ..Default::default() };
+        let snap = pb::Snapshot {
+            edges: vec![edge("a", 10.0, 0.0), edge("b", 10.0, 5.0)],
+            ..Default::default()
+        };
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         let mut ov = Overlay::default();
         ov.penalize("a", Duration::from_secs(60));
-        assert_eq!(choose(&snap, &ov, &req(1.0), 2, 0.2, &[], &mut rng).unwrap(), "b");
+        assert_eq!(
+            choose(&snap, &ov, &req(1.0), 2, 0.2, &[], &mut rng).unwrap(),
+            "b"
+        );
         ov.penalize("b", Duration::from_secs(60));
-        assert_eq!(choose(&snap, &ov, &req(1.0), 2, 0.2, &[], &mut rng).unwrap(), "a");
+        assert_eq!(
+            choose(&snap, &ov, &req(1.0), 2, 0.2, &[], &mut rng).unwrap(),
+            "a"
+        );
     }
 
     #[test]

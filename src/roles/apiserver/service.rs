@@ -41,9 +41,27 @@ pub(crate) struct Call {
 
 impl Api {
     /// Authenticates the caller and takes one token of its call rate.
-    async fn begin<T>(&self, req: &Request<T>, method: &'static str, audited: bool) -> Result<(Caller, Call), Status> {
-        let client = req.remote_addr().map(|a| a.ip().to_string()).unwrap_or_default();
-        let mut call = Call { method, started: Instant::now(), caller: None, client: client.clone(), project: String::new(), sandbox_id: String::new(), cmd: None, count: None, audited };
+    async fn begin<T>(
+        &self,
+        req: &Request<T>,
+        method: &'static str,
+        audited: bool,
+    ) -> Result<(Caller, Call), Status> {
+        let client = req
+            .remote_addr()
+            .map(|a| a.ip().to_string())
+            .unwrap_or_default();
+        let mut call = Call {
+            method,
+            started: Instant::now(),
+            caller: None,
+            client: client.clone(),
+            project: String::new(),
+            sandbox_id: String::new(),
+            cmd: None,
+            count: None,
+            audited,
+        };
         let token = crate::rpc::bearer(req);
         let caller = match self.inner.auth.authenticate(&token, &client).await {
             Ok(c) => c,
@@ -51,7 +69,14 @@ impl Api {
         };
         call.caller = Some(caller.clone());
         if let Err(wait) = self.inner.calls.try_take(&caller.principal, 1.0) {
-            let f = Failure::new(Reason::RateLimited, format!("principal {:?} is over its call rate (admission.request_rate); retry in {} ms", caller.principal, wait.as_millis()));
+            let f = Failure::new(
+                Reason::RateLimited,
+                format!(
+                    "principal {:?} is over its call rate (admission.request_rate); retry in {} ms",
+                    caller.principal,
+                    wait.as_millis()
+                ),
+            );
             return Err(self.finish(call, Err::<(), _>(f)).unwrap_err());
         }
         Ok((caller, call))
@@ -68,7 +93,11 @@ impl Api {
         metrics::histogram!("opendsec_rpc_server_handling_seconds", "role" => "apiserver", "method" => call.method).record(secs);
         if let Some(a) = &self.inner.audit {
             if call.audited || self.inner.audit_runtime {
-                let principal = call.caller.as_ref().map(|c| c.principal.as_str()).unwrap_or("");
+                let principal = call
+                    .caller
+                    .as_ref()
+                    .map(|c| c.principal.as_str())
+                    .unwrap_or("");
                 a.write(&Record {
                     ts: crate::types::now_f(),
                     method: call.method,
@@ -88,7 +117,13 @@ impl Api {
     }
 
     /// A lifecycle call (`op`: get, stop, pause, resume, touch) on one sandbox.
-    async fn on_sandbox(&self, req: Request<pb::SandboxRef>, method: &'static str, audited: bool, op: &str) -> Result<Response<pb::Sandbox>, Status> {
+    async fn on_sandbox(
+        &self,
+        req: Request<pb::SandboxRef>,
+        method: &'static str,
+        audited: bool,
+        op: &str,
+    ) -> Result<Response<pb::Sandbox>, Status> {
         let (caller, mut call) = self.begin(&req, method, audited).await?;
         let id = req.into_inner().id;
         call.sandbox_id = id.clone();
@@ -97,7 +132,12 @@ impl Api {
     }
 
     /// A task action (`action`: pause, resume, stop) over every edge.
-    async fn on_task(&self, req: Request<pb::TaskRequest>, method: &'static str, action: &str) -> Result<Response<pb::TaskActionResult>, Status> {
+    async fn on_task(
+        &self,
+        req: Request<pb::TaskRequest>,
+        method: &'static str,
+        action: &str,
+    ) -> Result<Response<pb::TaskActionResult>, Status> {
         let (caller, mut call) = self.begin(&req, method, true).await?;
         let msg = req.into_inner();
         call.project = msg.project.clone();
@@ -111,11 +151,20 @@ impl Api {
         Ok(p.to_string())
     }
 
-    async fn create_one(&self, caller: &Caller, req: pb::CreateSandboxRequest) -> Result<pb::Sandbox, Failure> {
+    async fn create_one(
+        &self,
+        caller: &Caller,
+        req: pb::CreateSandboxRequest,
+    ) -> Result<pb::Sandbox, Failure> {
         let project = Self::project_or_default(&req.project)?;
-        let spec = super::admission::normalize_spec(&req.spec.unwrap_or_default(), &self.inner.cfg.admission)?;
+        let spec = super::admission::normalize_spec(
+            &req.spec.unwrap_or_default(),
+            &self.inner.cfg.admission,
+        )?;
         if req.idempotency_key.len() > 256 {
-            return Err(Failure::invalid("idempotency_key longer than 256 characters"));
+            return Err(Failure::invalid(
+                "idempotency_key longer than 256 characters",
+            ));
         }
         if let Err(wait) = self.inner.creates.try_take(&caller.principal, 1.0) {
             return Err(Failure::new(Reason::RateLimited, format!("principal {:?} is over its creation rate (admission.create_rate); retry in {} ms", caller.principal, wait.as_millis())));
@@ -124,10 +173,18 @@ impl Api {
             Some(sem) => Some(sem.clone().try_acquire_owned().map_err(|_| Failure::new(Reason::RateLimited, "too many creations in flight on this apiserver (admission.max_inflight_creates)"))?),
             None => None,
         };
-        let key = if req.idempotency_key.is_empty() { hex::encode(rand::random::<[u8; 16]>()) } else { req.idempotency_key.clone() };
+        let key = if req.idempotency_key.is_empty() {
+            hex::encode(rand::random::<[u8; 16]>())
+        } else {
+            req.idempotency_key.clone()
+        };
         let items = create::items(caller, &project, &key, 0..1);
         let started = Instant::now();
-        let job = create::Job { caller, project: &project, spec: &spec };
+        let job = create::Job {
+            caller,
+            project: &project,
+            spec: &spec,
+        };
         let r = match self.inner.create_items(&job, items).await {
             Err(f) => Err(f),
             Ok(mut v) => match v.pop() {
@@ -135,15 +192,20 @@ impl Api {
                 None => Err(Failure::internal("creation produced no result")),
             },
         };
-        let reason = r.as_ref().map(|_| "ok").unwrap_or_else(|f| f.reason.as_str());
-        metrics::histogram!("opendsec_apiserver_create_seconds", "reason" => reason).record(started.elapsed().as_secs_f64());
+        let reason = r
+            .as_ref()
+            .map(|_| "ok")
+            .unwrap_or_else(|f| f.reason.as_str());
+        metrics::histogram!("opendsec_apiserver_create_seconds", "reason" => reason)
+            .record(started.elapsed().as_secs_f64());
         r
     }
 }
 
 // async_trait does not see inside macro_rules expansions, so the macros spell out the
 // signature it would have produced.
-type Fut<'a, T> = Pin<Box<dyn std::future::Future<Output = Result<Response<T>, Status>> + Send + 'a>>;
+type Fut<'a, T> =
+    Pin<Box<dyn std::future::Future<Output = Result<Response<T>, Status>> + Send + 'a>>;
 
 macro_rules! runtime_unary {
     ($name:ident, $req:ty, $resp:ty) => {
@@ -151,40 +213,59 @@ macro_rules! runtime_unary {
         where
             'life0: 'async_trait,
             Self: 'async_trait,
-        { Box::pin(async move {
-            let (caller, mut call) = self.begin(&req, stringify!($name), false).await?;
-            let msg = req.into_inner();
-            call.sandbox_id = msg.sandbox_id.clone();
-            let r = async {
-                let addr = self.inner.authorize_sandbox(&caller, &msg.sandbox_id).await?;
-                let mut c = self.inner.edges.runtime(&addr)?;
-                c.$name(self.inner.edges.req(msg)).await.map(|r| r.into_inner()).map_err(|s| failure_from_status(&s))
-            }
-            .await;
-            self.finish(call, r).map(Response::new)
-        }) }
+        {
+            Box::pin(async move {
+                let (caller, mut call) = self.begin(&req, stringify!($name), false).await?;
+                let msg = req.into_inner();
+                call.sandbox_id = msg.sandbox_id.clone();
+                let r = async {
+                    let addr = self
+                        .inner
+                        .authorize_sandbox(&caller, &msg.sandbox_id)
+                        .await?;
+                    let mut c = self.inner.edges.runtime(&addr)?;
+                    c.$name(self.inner.edges.req(msg))
+                        .await
+                        .map(|r| r.into_inner())
+                        .map_err(|s| failure_from_status(&s))
+                }
+                .await;
+                self.finish(call, r).map(Response::new)
+            })
+        }
     };
 }
 
 macro_rules! runtime_stream {
     ($name:ident, $req:ty, $item:ty) => {
-        fn $name<'life0, 'async_trait>(&'life0 self, req: Request<$req>) -> Fut<'async_trait, BoxStream<$item>>
+        fn $name<'life0, 'async_trait>(
+            &'life0 self,
+            req: Request<$req>,
+        ) -> Fut<'async_trait, BoxStream<$item>>
         where
             'life0: 'async_trait,
             Self: 'async_trait,
-        { Box::pin(async move {
-            let (caller, mut call) = self.begin(&req, stringify!($name), false).await?;
-            let msg = req.into_inner();
-            call.sandbox_id = msg.sandbox_id.clone();
-            let r = async {
-                let addr = self.inner.authorize_sandbox(&caller, &msg.sandbox_id).await?;
-                let mut c = self.inner.edges.runtime(&addr)?;
-                c.$name(self.inner.edges.req(msg)).await.map(|r| r.into_inner()).map_err(|s| failure_from_status(&s))
-            }
-            .await;
-            let s = self.finish(call, r)?;
-            Ok(Response::new(Box::pin(s) as BoxStream<$item>))
-        }) }
+        {
+            Box::pin(async move {
+                let (caller, mut call) = self.begin(&req, stringify!($name), false).await?;
+                let msg = req.into_inner();
+                call.sandbox_id = msg.sandbox_id.clone();
+                let r = async {
+                    let addr = self
+                        .inner
+                        .authorize_sandbox(&caller, &msg.sandbox_id)
+                        .await?;
+                    let mut c = self.inner.edges.runtime(&addr)?;
+                    c.$name(self.inner.edges.req(msg))
+                        .await
+                        .map(|r| r.into_inner())
+                        .map_err(|s| failure_from_status(&s))
+                }
+                .await;
+                let s = self.finish(call, r)?;
+                Ok(Response::new(Box::pin(s) as BoxStream<$item>))
+            })
+        }
     };
 }
 
@@ -194,25 +275,35 @@ macro_rules! iam_call {
         where
             'life0: 'async_trait,
             Self: 'async_trait,
-        { Box::pin(async move {
-            let (caller, call) = self.begin(&req, stringify!($name), $audited).await?;
-            let msg = req.into_inner();
-            let r = self
-                .inner
-                .iam
-                .clone()
-                .$iam(client::on_behalf(msg, &self.inner.cfg.service_token, &caller.token, &caller.client_addr))
-                .await
-                .map(|r| r.into_inner())
-                .map_err(|s| failure_from_status(&s));
-            self.finish(call, r).map(Response::new)
-        }) }
+        {
+            Box::pin(async move {
+                let (caller, call) = self.begin(&req, stringify!($name), $audited).await?;
+                let msg = req.into_inner();
+                let r = self
+                    .inner
+                    .iam
+                    .clone()
+                    .$iam(client::on_behalf(
+                        msg,
+                        &self.inner.cfg.service_token,
+                        &caller.token,
+                        &caller.client_addr,
+                    ))
+                    .await
+                    .map(|r| r.into_inner())
+                    .map_err(|s| failure_from_status(&s));
+                self.finish(call, r).map(Response::new)
+            })
+        }
     };
 }
 
 #[tonic::async_trait]
 impl pb::d_sec_server::DSec for Api {
-    async fn create_sandbox(&self, req: Request<pb::CreateSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
+    async fn create_sandbox(
+        &self,
+        req: Request<pb::CreateSandboxRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
         let (caller, mut call) = self.begin(&req, "CreateSandbox", true).await?;
         let msg = req.into_inner();
         call.project = msg.project.clone();
@@ -225,35 +316,65 @@ impl pb::d_sec_server::DSec for Api {
 
     type CreateSandboxesStream = BoxStream<pb::CreateSandboxesItem>;
 
-    async fn create_sandboxes(&self, req: Request<pb::CreateSandboxesRequest>) -> Result<Response<Self::CreateSandboxesStream>, Status> {
+    async fn create_sandboxes(
+        &self,
+        req: Request<pb::CreateSandboxesRequest>,
+    ) -> Result<Response<Self::CreateSandboxesStream>, Status> {
         let (caller, mut call) = self.begin(&req, "CreateSandboxes", true).await?;
         let msg = req.into_inner();
         call.project = msg.project.clone();
         call.count = Some(msg.count);
         let prep = (|| {
             if msg.count == 0 || msg.count > 32768 {
-                return Err(Failure::invalid(format!("count {} must be within 1..32768", msg.count)));
+                return Err(Failure::invalid(format!(
+                    "count {} must be within 1..32768",
+                    msg.count
+                )));
             }
             if msg.idempotency_key.len() > 256 {
-                return Err(Failure::invalid("idempotency_key longer than 256 characters"));
+                return Err(Failure::invalid(
+                    "idempotency_key longer than 256 characters",
+                ));
             }
             let project = Self::project_or_default(&msg.project)?;
-            let spec = super::admission::normalize_spec(&msg.spec.clone().unwrap_or_default(), &self.inner.cfg.admission)?;
+            let spec = super::admission::normalize_spec(
+                &msg.spec.clone().unwrap_or_default(),
+                &self.inner.cfg.admission,
+            )?;
             Ok((project, spec))
         })();
         let (project, spec) = self.finish(call, prep)?;
-        let key = if msg.idempotency_key.is_empty() { hex::encode(rand::random::<[u8; 16]>()) } else { msg.idempotency_key.clone() };
+        let key = if msg.idempotency_key.is_empty() {
+            hex::encode(rand::random::<[u8; 16]>())
+        } else {
+            msg.idempotency_key.clone()
+        };
         let items = create::items(&caller, &project, &key, 0..msg.count);
         let (tx, rx) = tokio::sync::mpsc::channel(1024);
-        tokio::spawn(create::run_batch(self.inner.clone(), caller, project, spec, items, tx));
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+        tokio::spawn(create::run_batch(
+            self.inner.clone(),
+            caller,
+            project,
+            spec,
+            items,
+            tx,
+        ));
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 
-    async fn get_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+    async fn get_sandbox(
+        &self,
+        req: Request<pb::SandboxRef>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
         self.on_sandbox(req, "GetSandbox", false, "get").await
     }
 
-    async fn list_sandboxes(&self, req: Request<pb::ListSandboxesRequest>) -> Result<Response<pb::ListSandboxesResponse>, Status> {
+    async fn list_sandboxes(
+        &self,
+        req: Request<pb::ListSandboxesRequest>,
+    ) -> Result<Response<pb::ListSandboxesResponse>, Status> {
         let (caller, mut call) = self.begin(&req, "ListSandboxes", false).await?;
         let msg = req.into_inner();
         call.project = msg.project.clone();
@@ -261,23 +382,38 @@ impl pb::d_sec_server::DSec for Api {
         self.finish(call, r).map(Response::new)
     }
 
-    async fn stop_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+    async fn stop_sandbox(
+        &self,
+        req: Request<pb::SandboxRef>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
         self.on_sandbox(req, "StopSandbox", true, "stop").await
     }
 
-    async fn pause_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+    async fn pause_sandbox(
+        &self,
+        req: Request<pb::SandboxRef>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
         self.on_sandbox(req, "PauseSandbox", true, "pause").await
     }
 
-    async fn resume_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+    async fn resume_sandbox(
+        &self,
+        req: Request<pb::SandboxRef>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
         self.on_sandbox(req, "ResumeSandbox", true, "resume").await
     }
 
-    async fn touch_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+    async fn touch_sandbox(
+        &self,
+        req: Request<pb::SandboxRef>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
         self.on_sandbox(req, "TouchSandbox", false, "touch").await
     }
 
-    async fn set_sandbox_timeout(&self, req: Request<pb::SetSandboxTimeoutRequest>) -> Result<Response<pb::Sandbox>, Status> {
+    async fn set_sandbox_timeout(
+        &self,
+        req: Request<pb::SetSandboxTimeoutRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
         let (caller, mut call) = self.begin(&req, "SetSandboxTimeout", true).await?;
         let msg = req.into_inner();
         call.sandbox_id = msg.id.clone();
@@ -285,27 +421,45 @@ impl pb::d_sec_server::DSec for Api {
         self.finish(call, r).map(Response::new)
     }
 
-    async fn pause_task(&self, req: Request<pb::TaskRequest>) -> Result<Response<pb::TaskActionResult>, Status> {
+    async fn pause_task(
+        &self,
+        req: Request<pb::TaskRequest>,
+    ) -> Result<Response<pb::TaskActionResult>, Status> {
         self.on_task(req, "PauseTask", "pause").await
     }
 
-    async fn resume_task(&self, req: Request<pb::TaskRequest>) -> Result<Response<pb::TaskActionResult>, Status> {
+    async fn resume_task(
+        &self,
+        req: Request<pb::TaskRequest>,
+    ) -> Result<Response<pb::TaskActionResult>, Status> {
         self.on_task(req, "ResumeTask", "resume").await
     }
 
-    async fn stop_task(&self, req: Request<pb::TaskRequest>) -> Result<Response<pb::TaskActionResult>, Status> {
+    async fn stop_task(
+        &self,
+        req: Request<pb::TaskRequest>,
+    ) -> Result<Response<pb::TaskActionResult>, Status> {
         self.on_task(req, "StopTask", "stop").await
     }
 
-    async fn run_shell(&self, req: Request<pb::RunShellRequest>) -> Result<Response<pb::ShellResult>, Status> {
+    async fn run_shell(
+        &self,
+        req: Request<pb::RunShellRequest>,
+    ) -> Result<Response<pb::ShellResult>, Status> {
         let (caller, mut call) = self.begin(&req, "RunShell", false).await?;
         let msg = req.into_inner();
         call.sandbox_id = msg.sandbox_id.clone();
         call.cmd = Some(command_digest(&msg.cmd));
         let r = async {
-            let addr = self.inner.authorize_sandbox(&caller, &msg.sandbox_id).await?;
+            let addr = self
+                .inner
+                .authorize_sandbox(&caller, &msg.sandbox_id)
+                .await?;
             let mut c = self.inner.edges.runtime(&addr)?;
-            c.run_shell(self.inner.edges.req(msg)).await.map(|r| r.into_inner()).map_err(|s| failure_from_status(&s))
+            c.run_shell(self.inner.edges.req(msg))
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|s| failure_from_status(&s))
         }
         .await;
         self.finish(call, r).map(Response::new)
@@ -314,15 +468,24 @@ impl pb::d_sec_server::DSec for Api {
     runtime_unary!(get_output, pb::GetOutputRequest, pb::ShellResult);
 
     type StreamShellStream = BoxStream<pb::ShellChunk>;
-    async fn stream_shell(&self, req: Request<pb::RunShellRequest>) -> Result<Response<Self::StreamShellStream>, Status> {
+    async fn stream_shell(
+        &self,
+        req: Request<pb::RunShellRequest>,
+    ) -> Result<Response<Self::StreamShellStream>, Status> {
         let (caller, mut call) = self.begin(&req, "StreamShell", false).await?;
         let msg = req.into_inner();
         call.sandbox_id = msg.sandbox_id.clone();
         call.cmd = Some(command_digest(&msg.cmd));
         let r = async {
-            let addr = self.inner.authorize_sandbox(&caller, &msg.sandbox_id).await?;
+            let addr = self
+                .inner
+                .authorize_sandbox(&caller, &msg.sandbox_id)
+                .await?;
             let mut c = self.inner.edges.runtime(&addr)?;
-            c.stream_shell(self.inner.edges.req(msg)).await.map(|r| r.into_inner()).map_err(|s| failure_from_status(&s))
+            c.stream_shell(self.inner.edges.req(msg))
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|s| failure_from_status(&s))
         }
         .await;
         let s = self.finish(call, r)?;
@@ -331,7 +494,11 @@ impl pb::d_sec_server::DSec for Api {
 
     type StreamOutputStream = BoxStream<pb::ShellChunk>;
     runtime_stream!(stream_output, pb::GetOutputRequest, pb::ShellChunk);
-    runtime_unary!(list_sessions, pb::ListSessionsRequest, pb::ListSessionsResponse);
+    runtime_unary!(
+        list_sessions,
+        pb::ListSessionsRequest,
+        pb::ListSessionsResponse
+    );
     runtime_unary!(close_session, pb::CloseSessionRequest, pb::Empty);
     runtime_unary!(read_file, pb::ReadFileRequest, pb::ReadFileResponse);
     runtime_unary!(write_file, pb::WriteFileRequest, pb::FileInfo);
@@ -347,31 +514,89 @@ impl pb::d_sec_server::DSec for Api {
     runtime_unary!(close_process_input, pb::ProcessRef, pb::Empty);
     runtime_unary!(signal_process, pb::SignalProcessRequest, pb::Empty);
     runtime_unary!(resize_process_pty, pb::ResizePtyRequest, pb::Empty);
-    runtime_unary!(list_processes, pb::ListProcessesRequest, pb::ListProcessesResponse);
+    runtime_unary!(
+        list_processes,
+        pb::ListProcessesRequest,
+        pb::ListProcessesResponse
+    );
 
     iam_call!(who_am_i, who_am_i, pb::Empty, pb::WhoAmIResponse, false);
-    iam_call!(create_project, create_project, pb::CreateProjectRequest, pb::Project, true);
+    iam_call!(
+        create_project,
+        create_project,
+        pb::CreateProjectRequest,
+        pb::Project,
+        true
+    );
     iam_call!(get_project, get_project, pb::ProjectRef, pb::Project, false);
     iam_call!(set_quota, set_quota, pb::SetQuotaRequest, pb::Project, true);
-    iam_call!(delete_project, delete_project, pb::ProjectRef, pb::Empty, true);
-    iam_call!(create_principal, create_principal, pb::CreatePrincipalRequest, pb::CreatePrincipalResponse, true);
-    iam_call!(delete_principal, delete_principal, pb::PrincipalRef, pb::Empty, true);
+    iam_call!(
+        delete_project,
+        delete_project,
+        pb::ProjectRef,
+        pb::Empty,
+        true
+    );
+    iam_call!(
+        create_principal,
+        create_principal,
+        pb::CreatePrincipalRequest,
+        pb::CreatePrincipalResponse,
+        true
+    );
+    iam_call!(
+        delete_principal,
+        delete_principal,
+        pb::PrincipalRef,
+        pb::Empty,
+        true
+    );
     iam_call!(grant, grant, pb::GrantRequest, pb::Project, true);
     iam_call!(revoke, revoke, pb::GrantRequest, pb::Project, true);
-    iam_call!(create_token, create_token, pb::CreateTokenRequest, pb::CreateTokenResponse, true);
-    iam_call!(list_tokens, list_tokens, pb::PrincipalRef, pb::ListTokensResponse, false);
-    iam_call!(revoke_token, revoke_token, pb::RevokeTokenRequest, pb::Empty, true);
-    iam_call!(get_usage, get_usage, pb::GetUsageRequest, pb::UsageReport, false);
+    iam_call!(
+        create_token,
+        create_token,
+        pb::CreateTokenRequest,
+        pb::CreateTokenResponse,
+        true
+    );
+    iam_call!(
+        list_tokens,
+        list_tokens,
+        pb::PrincipalRef,
+        pb::ListTokensResponse,
+        false
+    );
+    iam_call!(
+        revoke_token,
+        revoke_token,
+        pb::RevokeTokenRequest,
+        pb::Empty,
+        true
+    );
+    iam_call!(
+        get_usage,
+        get_usage,
+        pb::GetUsageRequest,
+        pb::UsageReport,
+        false
+    );
     iam_call!(iam_backup, backup, pb::Empty, pb::IamBackupResponse, true);
     iam_call!(iam_restore, restore, pb::IamRestoreRequest, pb::Empty, true);
 
-    async fn cluster_status(&self, req: Request<pb::Empty>) -> Result<Response<pb::Snapshot>, Status> {
+    async fn cluster_status(
+        &self,
+        req: Request<pb::Empty>,
+    ) -> Result<Response<pb::Snapshot>, Status> {
         let (_caller, call) = self.begin(&req, "ClusterStatus", false).await?;
         let snap = self.inner.snapshot.read().await.clone();
         self.finish(call, Ok((*snap).clone())).map(Response::new)
     }
 
-    async fn drain_edge(&self, req: Request<pb::DrainEdgeRequest>) -> Result<Response<pb::EdgeState>, Status> {
+    async fn drain_edge(
+        &self,
+        req: Request<pb::DrainEdgeRequest>,
+    ) -> Result<Response<pb::EdgeState>, Status> {
         let (caller, call) = self.begin(&req, "DrainEdge", true).await?;
         let r = self.inner.drain(&caller, req.into_inner()).await;
         self.finish(call, r).map(Response::new)

@@ -77,9 +77,21 @@ fn with_token<T>(m: T, token: &str) -> tonic::Request<T> {
 }
 
 /// Runs one benchmark round on a fresh cluster with placement `k`.
-pub async fn run_once(f_edges: usize, count: u32, concurrency: u32, batch: u32, latency: f64, k: usize, durable: bool) -> anyhow::Result<BenchResult> {
+pub async fn run_once(
+    f_edges: usize,
+    count: u32,
+    concurrency: u32,
+    batch: u32,
+    latency: f64,
+    k: usize,
+    durable: bool,
+) -> anyhow::Result<BenchResult> {
     let state = tempfile_dir()?;
-    let iam_state = if durable { format!("{state}/iam.state") } else { String::new() };
+    let iam_state = if durable {
+        format!("{state}/iam.state")
+    } else {
+        String::new()
+    };
     let o = UpOptions {
         sim_edges: f_edges,
         addr: "127.0.0.1:0".into(),
@@ -95,23 +107,51 @@ pub async fn run_once(f_edges: usize, count: u32, concurrency: u32, batch: u32, 
     };
     let cluster = LocalCluster::up(&o).await?;
     let ch = crate::rpc::client::channel(&cluster.api_addrs[0], Duration::from_secs(2))?;
-    let client = pb::d_sec_client::DSecClient::new(ch).max_decoding_message_size(crate::rpc::MAX_MESSAGE);
+    let client =
+        pb::d_sec_client::DSecClient::new(ch).max_decoding_message_size(crate::rpc::MAX_MESSAGE);
     let token = cluster.admin_token.clone();
-    let spec = pb::SandboxSpec { backend: "sim".into(), cpu_cores_limit: 1.0, memory_limit_mb: 512, ..Default::default() };
-    let mut out = BenchResult { placement: if k == 1 { "random".into() } else { format!("power-of-{k}") }, iam: if durable { "state file".into() } else { "memory".into() }, ..Default::default() };
+    let spec = pb::SandboxSpec {
+        backend: "sim".into(),
+        cpu_cores_limit: 1.0,
+        memory_limit_mb: 512,
+        ..Default::default()
+    };
+    let mut out = BenchResult {
+        placement: if k == 1 {
+            "random".into()
+        } else {
+            format!("power-of-{k}")
+        },
+        iam: if durable {
+            "state file".into()
+        } else {
+            "memory".into()
+        },
+        ..Default::default()
+    };
 
     // Single creations from `concurrency` callers.
     let next = Arc::new(AtomicU32::new(0));
     let t0 = Instant::now();
     let mut tasks = Vec::new();
     for _ in 0..concurrency.max(1) {
-        let (mut c, next, token, spec) = (client.clone(), next.clone(), token.clone(), spec.clone());
+        let (mut c, next, token, spec) =
+            (client.clone(), next.clone(), token.clone(), spec.clone());
         tasks.push(tokio::spawn(async move {
             let mut lat = Vec::new();
             let mut failed = 0u32;
             while next.fetch_add(1, Ordering::Relaxed) < count {
                 let t = Instant::now();
-                let r = c.create_sandbox(with_token(pb::CreateSandboxRequest { spec: Some(spec.clone()), project: String::new(), idempotency_key: String::new() }, &token)).await;
+                let r = c
+                    .create_sandbox(with_token(
+                        pb::CreateSandboxRequest {
+                            spec: Some(spec.clone()),
+                            project: String::new(),
+                            idempotency_key: String::new(),
+                        },
+                        &token,
+                    ))
+                    .await;
                 lat.push(t.elapsed().as_secs_f64() * 1000.0);
                 if r.is_err() {
                     failed += 1;
@@ -136,7 +176,18 @@ pub async fn run_once(f_edges: usize, count: u32, concurrency: u32, batch: u32, 
     if batch > 0 {
         let t0 = Instant::now();
         let mut c = client.clone();
-        let mut s = c.create_sandboxes(with_token(pb::CreateSandboxesRequest { spec: Some(spec.clone()), project: String::new(), count: batch, idempotency_key: String::new() }, &token)).await?.into_inner();
+        let mut s = c
+            .create_sandboxes(with_token(
+                pb::CreateSandboxesRequest {
+                    spec: Some(spec.clone()),
+                    project: String::new(),
+                    count: batch,
+                    idempotency_key: String::new(),
+                },
+                &token,
+            ))
+            .await?
+            .into_inner();
         let (mut n, mut failed) = (0u32, 0u32);
         while let Some(item) = s.message().await? {
             n += 1;
@@ -152,8 +203,21 @@ pub async fn run_once(f_edges: usize, count: u32, concurrency: u32, batch: u32, 
 
     // Balance across edges, from the cluster snapshot once it has caught up.
     tokio::time::sleep(Duration::from_millis(600)).await;
-    let snap = client.clone().cluster_status(with_token(pb::Empty {}, &token)).await?.into_inner();
-    let per: Vec<f64> = snap.edges.iter().map(|e| e.allocated.as_ref().map(|a| a.sandboxes as f64).unwrap_or(0.0)).collect();
+    let snap = client
+        .clone()
+        .cluster_status(with_token(pb::Empty {}, &token))
+        .await?
+        .into_inner();
+    let per: Vec<f64> = snap
+        .edges
+        .iter()
+        .map(|e| {
+            e.allocated
+                .as_ref()
+                .map(|a| a.sandboxes as f64)
+                .unwrap_or(0.0)
+        })
+        .collect();
     let mean = per.iter().sum::<f64>() / per.len().max(1) as f64;
     let max = per.iter().cloned().fold(0.0, f64::max);
     out.max_over_mean = if mean > 0.0 { max / mean } else { 0.0 };
@@ -163,7 +227,10 @@ pub async fn run_once(f_edges: usize, count: u32, concurrency: u32, batch: u32, 
 }
 
 fn tempfile_dir() -> anyhow::Result<String> {
-    let d = std::env::temp_dir().join(format!("opendsec-bench-{}", hex::encode(rand::random::<[u8; 6]>())));
+    let d = std::env::temp_dir().join(format!(
+        "opendsec-bench-{}",
+        hex::encode(rand::random::<[u8; 6]>())
+    ));
     std::fs::create_dir_all(&d)?;
     Ok(d.display().to_string())
 }
@@ -175,7 +242,10 @@ fn median_of(runs: &[BenchResult]) -> BenchResult {
         pct(&mut v, 0.5)
     };
     BenchResult {
-        placement: runs.first().map(|r| r.placement.clone()).unwrap_or_default(),
+        placement: runs
+            .first()
+            .map(|r| r.placement.clone())
+            .unwrap_or_default(),
         iam: runs.first().map(|r| r.iam.clone()).unwrap_or_default(),
         single_count: runs.first().map(|r| r.single_count).unwrap_or(0),
         single_failed: runs.iter().map(|r| r.single_failed).sum(),
@@ -204,7 +274,10 @@ pub fn main(args: &[String]) -> ExitCode {
         Err(code) => return code,
     };
     crate::telemetry::init_logging("warn");
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: internal: {e}");
@@ -217,7 +290,15 @@ pub fn main(args: &[String]) -> ExitCode {
     for k in ks {
         let mut runs = Vec::new();
         for _ in 0..f.runs.max(1) {
-            match rt.block_on(run_once(f.edges, f.count, f.concurrency, f.batch, f.sim_latency_ms, k, f.durable)) {
+            match rt.block_on(run_once(
+                f.edges,
+                f.count,
+                f.concurrency,
+                f.batch,
+                f.sim_latency_ms,
+                k,
+                f.durable,
+            )) {
                 Ok(r) => {
                     if !f.json {
                         print(&r);

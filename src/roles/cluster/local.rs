@@ -14,7 +14,11 @@ use crate::telemetry::Ready;
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
     #[error("binding {what} on {addr}: {source}")]
-    Bind { what: String, addr: String, source: std::io::Error },
+    Bind {
+        what: String,
+        addr: String,
+        source: std::io::Error,
+    },
     #[error("{0}")]
     Unsupported(String),
     #[error(transparent)]
@@ -30,7 +34,10 @@ pub enum ClusterError {
     #[error("the cluster did not become ready within {0} s")]
     NotReady(u64),
     #[error("state directory {path}: {source}")]
-    StateDir { path: String, source: std::io::Error },
+    StateDir {
+        path: String,
+        source: std::io::Error,
+    },
 }
 
 /// What `cluster up` generates without `-config`.
@@ -96,7 +103,13 @@ pub struct LocalCluster {
 }
 
 async fn bind(addr: &str, what: &str) -> Result<TcpListener, ClusterError> {
-    TcpListener::bind(addr).await.map_err(|source| ClusterError::Bind { what: what.to_string(), addr: addr.to_string(), source })
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| ClusterError::Bind {
+            what: what.to_string(),
+            addr: addr.to_string(),
+            source,
+        })
 }
 
 fn local_addr(l: &TcpListener) -> String {
@@ -113,8 +126,14 @@ impl LocalCluster {
         if o.runtime != "sim" {
             return Err(ClusterError::Unsupported(format!("-runtime {:?}: only sim is built so far (linux containers come with the container backend)", o.runtime)));
         }
-        std::fs::create_dir_all(&o.state_dir).map_err(|source| ClusterError::StateDir { path: o.state_dir.clone(), source })?;
-        let mut cfg = Config { service_token: secret(), ..Default::default() };
+        std::fs::create_dir_all(&o.state_dir).map_err(|source| ClusterError::StateDir {
+            path: o.state_dir.clone(),
+            source,
+        })?;
+        let mut cfg = Config {
+            service_token: secret(),
+            ..Default::default()
+        };
         let admin_token = format!("dsk.admin.{}", secret());
         cfg.iam.admin_token = admin_token.clone();
         cfg.iam.state = o.iam_state.clone();
@@ -127,9 +146,19 @@ impl LocalCluster {
         cfg.apiserver = Vec::new();
         let mut api_ls = Vec::new();
         for i in 0..o.apiservers.max(1) {
-            let addr = if i == 0 { o.addr.clone() } else { "127.0.0.1:0".to_string() };
+            let addr = if i == 0 {
+                o.addr.clone()
+            } else {
+                "127.0.0.1:0".to_string()
+            };
             let l = bind(&addr, "apiserver").await?;
-            cfg.apiserver.push(ApiserverConfig { addr: local_addr(&l), audit_dir: o.audit_dir.clone(), audit_runtime: o.audit_runtime, snapshot_refresh: 0.25, ..Default::default() });
+            cfg.apiserver.push(ApiserverConfig {
+                addr: local_addr(&l),
+                audit_dir: o.audit_dir.clone(),
+                audit_runtime: o.audit_runtime,
+                snapshot_refresh: 0.25,
+                ..Default::default()
+            });
             api_ls.push(l);
         }
         cfg.admission.create_rate = o.create_rate;
@@ -137,7 +166,13 @@ impl LocalCluster {
         let mut edge_ls = Vec::new();
         for i in 0..o.sim_edges.max(1) {
             let l = bind("127.0.0.1:0", "edge").await?;
-            let sim = BackendConfig { runtime: "sim".into(), create_latency_ms: o.create_latency_ms, latency_sigma: o.latency_sigma, default_disk_mb: 1024, ..Default::default() };
+            let sim = BackendConfig {
+                runtime: "sim".into(),
+                create_latency_ms: o.create_latency_ms,
+                latency_sigma: o.latency_sigma,
+                default_disk_mb: 1024,
+                ..Default::default()
+            };
             let mut backends = BTreeMap::new();
             backends.insert("sim".to_string(), sim.clone());
             backends.insert("container".to_string(), sim);
@@ -147,7 +182,12 @@ impl LocalCluster {
             }
             // Simulated edges run nothing, so their capacity is a scheduling fiction sized
             // for benchmarks of tens of thousands of sandboxes.
-            let capacity = CapacityConfig { cpu_cores: 8192.0, memory_mb: 64 << 20, gpus: 0, disk_mb: 64 << 20 };
+            let capacity = CapacityConfig {
+                cpu_cores: 8192.0,
+                memory_mb: 64 << 20,
+                gpus: 0,
+                disk_mb: 64 << 20,
+            };
             cfg.edges.push(EdgeConfig {
                 id: format!("sim-{i}"),
                 addr: local_addr(&l),
@@ -194,30 +234,67 @@ impl LocalCluster {
         Self::start(cfg, admin_token, iam_l, w_l, api_ls, edge_ls, None).await
     }
 
-    async fn start(cfg: Config, admin_token: String, iam_l: TcpListener, w_l: TcpListener, api_ls: Vec<TcpListener>, edge_ls: Vec<TcpListener>, k: Option<usize>) -> Result<LocalCluster, ClusterError> {
+    async fn start(
+        cfg: Config,
+        admin_token: String,
+        iam_l: TcpListener,
+        w_l: TcpListener,
+        api_ls: Vec<TcpListener>,
+        edge_ls: Vec<TcpListener>,
+        k: Option<usize>,
+    ) -> Result<LocalCluster, ClusterError> {
         let cfg = Arc::new(cfg);
         let shutdown = Shutdown::new();
         let mut handles = Vec::new();
         let mut readies = Vec::new();
         let r = Ready::default();
-        handles.push(crate::roles::iam::start(cfg.clone(), iam_l, shutdown.clone(), r.clone()).await?);
+        handles
+            .push(crate::roles::iam::start(cfg.clone(), iam_l, shutdown.clone(), r.clone()).await?);
         readies.push(r);
         for (e, l) in cfg.edges.clone().iter().zip(edge_ls) {
             let r = Ready::default();
-            handles.push(crate::roles::edge::start(cfg.clone(), e.id.clone(), l, shutdown.clone(), r.clone()).await?);
+            handles.push(
+                crate::roles::edge::start(
+                    cfg.clone(),
+                    e.id.clone(),
+                    l,
+                    shutdown.clone(),
+                    r.clone(),
+                )
+                .await?,
+            );
             readies.push(r);
         }
         let r = Ready::default();
-        handles.push(crate::roles::watcher::start(cfg.clone(), w_l, shutdown.clone(), r.clone()).await?);
+        handles.push(
+            crate::roles::watcher::start(cfg.clone(), w_l, shutdown.clone(), r.clone()).await?,
+        );
         readies.push(r);
         let mut api_addrs = Vec::new();
         for (i, l) in api_ls.into_iter().enumerate() {
             api_addrs.push(local_addr(&l));
             let r = Ready::default();
-            handles.push(crate::roles::apiserver::start_with(cfg.clone(), i, l, shutdown.clone(), r.clone(), k).await?);
+            handles.push(
+                crate::roles::apiserver::start_with(
+                    cfg.clone(),
+                    i,
+                    l,
+                    shutdown.clone(),
+                    r.clone(),
+                    k,
+                )
+                .await?,
+            );
             readies.push(r);
         }
-        let c = LocalCluster { cfg, api_addrs, admin_token, shutdown, handles, readies };
+        let c = LocalCluster {
+            cfg,
+            api_addrs,
+            admin_token,
+            shutdown,
+            handles,
+            readies,
+        };
         c.wait_ready(30).await?;
         Ok(c)
     }

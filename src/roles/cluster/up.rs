@@ -114,13 +114,20 @@ async fn run(f: UpFlags) -> anyhow::Result<()> {
     };
     if !f.write_config.is_empty() {
         let text = serde_json::to_string_pretty(&*cluster.cfg)?;
-        write_private(&f.write_config, text.as_bytes()).with_context(|| format!("writing {}", f.write_config))?;
+        write_private(&f.write_config, text.as_bytes())
+            .with_context(|| format!("writing {}", f.write_config))?;
     }
     let ready = crate::telemetry::Ready::default();
     if !f.metrics.is_empty() {
         let addr = metrics_addr(&f.metrics);
-        let l = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding metrics {addr}"))?;
-        tokio::spawn(crate::telemetry::serve_health(l, ready.clone(), cluster.shutdown.clone()));
+        let l = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("binding metrics {addr}"))?;
+        tokio::spawn(crate::telemetry::serve_health(
+            l,
+            ready.clone(),
+            cluster.shutdown.clone(),
+        ));
     }
     ready.set(true, "cluster");
     println!("export OPENDSEC_ADDR={}", cluster.api_addrs.join(","));
@@ -128,7 +135,11 @@ async fn run(f: UpFlags) -> anyhow::Result<()> {
     println!("export OPENDSEC_PROJECT=root");
     use std::io::Write;
     let _ = std::io::stdout().flush();
-    eprintln!("# cluster up: {} edge(s), {} apiserver(s); Ctrl-C stops it", cluster.cfg.edges.len(), cluster.api_addrs.len());
+    eprintln!(
+        "# cluster up: {} edge(s), {} apiserver(s); Ctrl-C stops it",
+        cluster.cfg.edges.len(),
+        cluster.api_addrs.len()
+    );
     cluster.shutdown.fire_on_signals();
     cluster.shutdown.wait().await;
     cluster.down().await;
@@ -139,7 +150,12 @@ async fn run(f: UpFlags) -> anyhow::Result<()> {
 fn write_private(path: &str, data: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new().create(true).truncate(true).write(true).mode(0o600).open(path)?;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .mode(0o600)
+        .open(path)?;
     f.write_all(data)?;
     f.sync_all()
 }

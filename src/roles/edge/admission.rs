@@ -45,7 +45,11 @@ impl Capacity {
         let gpus = if c.gpus > 0 {
             c.gpus
         } else {
-            cfg.gpu.get("devices").and_then(|d| d.as_array()).map(|a| a.len() as i64).unwrap_or(0)
+            cfg.gpu
+                .get("devices")
+                .and_then(|d| d.as_array())
+                .map(|a| a.len() as i64)
+                .unwrap_or(0)
         };
         Capacity {
             cpu_cores: cpu.map(|v| v * cfg.cpu_overcommit()),
@@ -113,7 +117,13 @@ pub fn pressures(r: &Reserves, host: &HostSample) -> Vec<Pressure> {
     let mut out = Vec::new();
     if let Some(min) = r.mem_mb {
         if host.mem_available_mb < min {
-            out.push(Pressure { kind: "memory", message: format!("memory pressure: MemAvailable {} MB is below the reserve of {min} MB", host.mem_available_mb) });
+            out.push(Pressure {
+                kind: "memory",
+                message: format!(
+                    "memory pressure: MemAvailable {} MB is below the reserve of {min} MB",
+                    host.mem_available_mb
+                ),
+            });
         }
     }
     if let Some(min) = r.disk_mb {
@@ -123,7 +133,12 @@ pub fn pressures(r: &Reserves, host: &HostSample) -> Vec<Pressure> {
     }
     if let (Some(max), Some(p)) = (r.cpu_pressure, host.cpu_pressure) {
         if p > max {
-            out.push(Pressure { kind: "cpu", message: format!("cpu pressure: some avg10 {p:.1}% is above cpu_pressure_limit {max}%") });
+            out.push(Pressure {
+                kind: "cpu",
+                message: format!(
+                    "cpu pressure: some avg10 {p:.1}% is above cpu_pressure_limit {max}%"
+                ),
+            });
         }
     }
     out
@@ -171,33 +186,65 @@ pub struct Rejection {
 
 /// Checks that `want` fits next to `alloc` within `cap` and the backend's `max_sandboxes`
 /// (0 = none). The message names each resource that is short.
-pub fn fits(want: &Res, backend: &str, max_sandboxes: i64, alloc: &Alloc, cap: &Capacity) -> Result<(), Rejection> {
+pub fn fits(
+    want: &Res,
+    backend: &str,
+    max_sandboxes: i64,
+    alloc: &Alloc,
+    cap: &Capacity,
+) -> Result<(), Rejection> {
     if max_sandboxes > 0 && alloc.count(backend) + want.sandboxes > max_sandboxes {
-        return Err(Rejection { label: "max_sandboxes", message: format!("backend {backend} already runs {} sandboxes (max_sandboxes {max_sandboxes})", alloc.count(backend)) });
+        return Err(Rejection {
+            label: "max_sandboxes",
+            message: format!(
+                "backend {backend} already runs {} sandboxes (max_sandboxes {max_sandboxes})",
+                alloc.count(backend)
+            ),
+        });
     }
     let mut short = Vec::new();
     if let Some(c) = cap.cpu_cores {
         if alloc.total.cpu_cores + want.cpu_cores > c + 1e-9 {
-            short.push(format!("cpu_cores: {} requested, {:.2} of {c} free", want.cpu_cores, (c - alloc.total.cpu_cores).max(0.0)));
+            short.push(format!(
+                "cpu_cores: {} requested, {:.2} of {c} free",
+                want.cpu_cores,
+                (c - alloc.total.cpu_cores).max(0.0)
+            ));
         }
     }
     if let Some(c) = cap.memory_mb {
         if alloc.total.memory_mb + want.memory_mb > c {
-            short.push(format!("memory_mb: {} requested, {} of {c} free", want.memory_mb, (c - alloc.total.memory_mb).max(0)));
+            short.push(format!(
+                "memory_mb: {} requested, {} of {c} free",
+                want.memory_mb,
+                (c - alloc.total.memory_mb).max(0)
+            ));
         }
     }
     if let Some(c) = cap.disk_mb {
         if alloc.total.disk_mb + want.disk_mb > c {
-            short.push(format!("disk_mb: {} requested, {} of {c} free", want.disk_mb, (c - alloc.total.disk_mb).max(0)));
+            short.push(format!(
+                "disk_mb: {} requested, {} of {c} free",
+                want.disk_mb,
+                (c - alloc.total.disk_mb).max(0)
+            ));
         }
     }
     if want.gpus > 0 && alloc.total.gpus + want.gpus > cap.gpus {
-        short.push(format!("gpus: {} requested, {} of {} free", want.gpus, (cap.gpus - alloc.total.gpus).max(0), cap.gpus));
+        short.push(format!(
+            "gpus: {} requested, {} of {} free",
+            want.gpus,
+            (cap.gpus - alloc.total.gpus).max(0),
+            cap.gpus
+        ));
     }
     if short.is_empty() {
         Ok(())
     } else {
-        Err(Rejection { label: "capacity", message: format!("not enough capacity: {}", short.join("; ")) })
+        Err(Rejection {
+            label: "capacity",
+            message: format!("not enough capacity: {}", short.join("; ")),
+        })
     }
 }
 
@@ -207,11 +254,25 @@ mod tests {
     use crate::config::CapacityConfig;
 
     fn host() -> HostSample {
-        HostSample { cpus: 4.0, mem_total_mb: 16000, mem_available_mb: 8000, disk_total_mb: 100_000, disk_free_mb: 50_000, cpu_pressure: Some(10.0), cpu_usage: 0.1 }
+        HostSample {
+            cpus: 4.0,
+            mem_total_mb: 16000,
+            mem_available_mb: 8000,
+            disk_total_mb: 100_000,
+            disk_free_mb: 50_000,
+            cpu_pressure: Some(10.0),
+            cpu_usage: 0.1,
+        }
     }
 
     fn want(cpu: f64, mem: i64, disk: i64) -> Res {
-        Res { cpu_cores: cpu, memory_mb: mem, gpus: 0, disk_mb: disk, sandboxes: 1 }
+        Res {
+            cpu_cores: cpu,
+            memory_mb: mem,
+            gpus: 0,
+            disk_mb: disk,
+            sandboxes: 1,
+        }
     }
 
     #[test]
@@ -222,31 +283,91 @@ mod tests {
         assert_eq!(c.memory_mb, Some(16000));
         assert_eq!(c.disk_mb, Some(100_000));
         let sim = Capacity::resolve(&cfg, &host(), false);
-        assert_eq!((sim.cpu_cores, sim.memory_mb, sim.disk_mb), (None, None, None), "sim-only: unlimited");
+        assert_eq!(
+            (sim.cpu_cores, sim.memory_mb, sim.disk_mb),
+            (None, None, None),
+            "sim-only: unlimited"
+        );
         assert_eq!(sim.to_pb().memory_mb, 0);
-        let cfg = EdgeConfig { capacity: CapacityConfig { cpu_cores: 10.0, ..Default::default() }, cpu_overcommit: 2.0, mem_overcommit: 1.5, ..Default::default() };
+        let cfg = EdgeConfig {
+            capacity: CapacityConfig {
+                cpu_cores: 10.0,
+                ..Default::default()
+            },
+            cpu_overcommit: 2.0,
+            mem_overcommit: 1.5,
+            ..Default::default()
+        };
         let c = Capacity::resolve(&cfg, &host(), true);
         assert_eq!(c.cpu_cores, Some(20.0));
-        assert_eq!(c.memory_mb, None, "setting only cpu_cores leaves memory unset");
-        let cfg = EdgeConfig { capacity: CapacityConfig { memory_mb: 1000, disk_mb: 300, gpus: 2, ..Default::default() }, mem_overcommit: 1.5, disk_overcommit: 2.0, ..Default::default() };
+        assert_eq!(
+            c.memory_mb, None,
+            "setting only cpu_cores leaves memory unset"
+        );
+        let cfg = EdgeConfig {
+            capacity: CapacityConfig {
+                memory_mb: 1000,
+                disk_mb: 300,
+                gpus: 2,
+                ..Default::default()
+            },
+            mem_overcommit: 1.5,
+            disk_overcommit: 2.0,
+            ..Default::default()
+        };
         let c = Capacity::resolve(&cfg, &host(), false);
-        assert_eq!((c.cpu_cores, c.memory_mb, c.disk_mb, c.gpus), (None, Some(1500), Some(600), 2));
-        let cfg = EdgeConfig { gpu: serde_json::json!({"devices": ["/dev/nvidia0", "/dev/nvidia1"]}), ..Default::default() };
+        assert_eq!(
+            (c.cpu_cores, c.memory_mb, c.disk_mb, c.gpus),
+            (None, Some(1500), Some(600), 2)
+        );
+        let cfg = EdgeConfig {
+            gpu: serde_json::json!({"devices": ["/dev/nvidia0", "/dev/nvidia1"]}),
+            ..Default::default()
+        };
         assert_eq!(Capacity::resolve(&cfg, &host(), true).gpus, 2);
     }
 
     #[test]
     fn fits_checks_each_dimension_and_names_what_is_short() {
-        let cap = Capacity { cpu_cores: Some(8.0), memory_mb: Some(4096), disk_mb: Some(10_000), gpus: 0 };
+        let cap = Capacity {
+            cpu_cores: Some(8.0),
+            memory_mb: Some(4096),
+            disk_mb: Some(10_000),
+            gpus: 0,
+        };
         let mut a = Alloc::default();
         assert!(fits(&want(4.0, 2048, 1000), "sim", 0, &a, &cap).is_ok());
         a.add("sim", &want(4.0, 2048, 1000));
-        assert!(fits(&want(4.0, 2048, 1000), "sim", 0, &a, &cap).is_ok(), "exactly full fits");
+        assert!(
+            fits(&want(4.0, 2048, 1000), "sim", 0, &a, &cap).is_ok(),
+            "exactly full fits"
+        );
         a.add("sim", &want(4.0, 2048, 1000));
-        let r = fits(&want(0.5, 1, 1), "sim", 0, &a, &cap).err().unwrap_or(Rejection { label: "", message: String::new() });
+        let r = fits(&want(0.5, 1, 1), "sim", 0, &a, &cap)
+            .err()
+            .unwrap_or(Rejection {
+                label: "",
+                message: String::new(),
+            });
         assert_eq!(r.label, "capacity");
-        assert!(r.message.contains("cpu_cores") && r.message.contains("memory_mb") && !r.message.contains("disk_mb"), "{}", r.message);
-        let g = fits(&Res { gpus: 1, sandboxes: 1, ..Default::default() }, "sim", 0, &Alloc::default(), &cap);
+        assert!(
+            r.message.contains("cpu_cores")
+                && r.message.contains("memory_mb")
+                && !r.message.contains("disk_mb"),
+            "{}",
+            r.message
+        );
+        let g = fits(
+            &Res {
+                gpus: 1,
+                sandboxes: 1,
+                ..Default::default()
+            },
+            "sim",
+            0,
+            &Alloc::default(),
+            &cap,
+        );
         assert!(g.err().is_some_and(|r| r.message.contains("gpus")));
         a.sub("sim", &want(4.0, 2048, 1000));
         assert_eq!(a.count("sim"), 1);
@@ -261,12 +382,20 @@ mod tests {
         a.add("sim", &want(1.0, 1, 1));
         a.add("other", &want(1.0, 1, 1));
         let r = fits(&want(1.0, 1, 1), "sim", 2, &a, &cap);
-        assert!(r.err().is_some_and(|r| r.label == "max_sandboxes" && r.message.contains("max_sandboxes 2")));
+        assert!(r
+            .err()
+            .is_some_and(|r| r.label == "max_sandboxes" && r.message.contains("max_sandboxes 2")));
         assert!(fits(&want(1.0, 1, 1), "other", 2, &a, &cap).is_ok());
-        assert!(fits(&want(1.0, 1, 1), "sim", 0, &a, &cap).is_ok(), "0 = no limit");
+        assert!(
+            fits(&want(1.0, 1, 1), "sim", 0, &a, &cap).is_ok(),
+            "0 = no limit"
+        );
         // A paused sandbox whose memory is partly released changes only memory.
         let old = want(1.0, 1000, 1);
-        let new = Res { memory_mb: 250, ..old };
+        let new = Res {
+            memory_mb: 250,
+            ..old
+        };
         a.change("sim", &old, &new);
         assert_eq!(a.count("sim"), 2);
     }
@@ -278,20 +407,35 @@ mod tests {
         assert_eq!(r.mem_mb, Some(1600), "10% of 16000");
         assert_eq!(r.disk_mb, Some(5000), "5% of 100000");
         assert_eq!(r.cpu_pressure, None);
-        let small = HostSample { mem_total_mb: 512, disk_total_mb: 2000, ..h };
+        let small = HostSample {
+            mem_total_mb: 512,
+            disk_total_mb: 2000,
+            ..h
+        };
         let rs = Reserves::resolve(&EdgeConfig::default(), &small);
         assert_eq!((rs.mem_mb, rs.disk_mb), (Some(128), Some(1024)), "floors");
-        let off = EdgeConfig { mem_reserve_mb: -1, disk_reserve_mb: -1, ..Default::default() };
+        let off = EdgeConfig {
+            mem_reserve_mb: -1,
+            disk_reserve_mb: -1,
+            ..Default::default()
+        };
         assert_eq!(Reserves::resolve(&off, &h), Reserves::default());
         assert!(pressures(&r, &h).is_empty());
         h.mem_available_mb = 1000;
         h.disk_free_mb = 10;
-        let with_cpu = Reserves { cpu_pressure: Some(5.0), ..r };
+        let with_cpu = Reserves {
+            cpu_pressure: Some(5.0),
+            ..r
+        };
         let p = pressures(&with_cpu, &h);
         let kinds: Vec<_> = p.iter().map(|p| p.kind).collect();
         assert_eq!(kinds, vec!["memory", "disk", "cpu"]);
         assert!(p[0].message.contains("1000 MB") && p[0].message.contains("1600 MB"));
         h.cpu_pressure = None;
-        assert_eq!(pressures(&with_cpu, &h).len(), 2, "no PSI file = no CPU pressure");
+        assert_eq!(
+            pressures(&with_cpu, &h).len(),
+            2,
+            "no PSI file = no CPU pressure"
+        );
     }
 }

@@ -12,10 +12,10 @@ use std::time::Instant;
 use tokio::sync::OwnedMutexGuard;
 
 use super::admission::{fits, pressures};
-use super::node::{lock, read, Core, Entry};
 use super::leases::bound_here;
 use super::machine::Op;
 use super::metrics;
+use super::node::{lock, read, Core, Entry};
 use super::ops::Cause;
 use super::record::SandboxRecord;
 use crate::backends::CreateRequest;
@@ -41,13 +41,23 @@ impl Core {
         let mut s = spec.ok_or_else(|| Failure::invalid("spec is required"))?;
         let Some(slot) = self.slots.get(&s.backend) else {
             let offered: Vec<&str> = self.slots.keys().map(String::as_str).collect();
-            return Err(Failure::invalid(format!("edge {} has no backend {:?} (it offers {})", self.edge_id, s.backend, offered.join(", "))));
+            return Err(Failure::invalid(format!(
+                "edge {} has no backend {:?} (it offers {})",
+                self.edge_id,
+                s.backend,
+                offered.join(", ")
+            )));
         };
         if !s.cpu_cores_limit.is_finite() || s.cpu_cores_limit < 0.0 {
-            return Err(Failure::invalid(format!("cpu_cores_limit must be ≥ 0, not {}", s.cpu_cores_limit)));
+            return Err(Failure::invalid(format!(
+                "cpu_cores_limit must be ≥ 0, not {}",
+                s.cpu_cores_limit
+            )));
         }
         if s.memory_limit_mb < 0 || s.disk_mb < 0 || s.gpus < 0 {
-            return Err(Failure::invalid("memory_limit_mb, disk_mb and gpus may not be negative"));
+            return Err(Failure::invalid(
+                "memory_limit_mb, disk_mb and gpus may not be negative",
+            ));
         }
         if s.cpu_cores_limit == 0.0 {
             s.cpu_cores_limit = DEFAULT_CPU;
@@ -63,7 +73,11 @@ impl Core {
 
     /// Creates the batch's sandboxes; one result per item, in order. Errors for the whole
     /// call: `invalid` spec.
-    pub async fn create_batch(self: &Arc<Self>, spec: Option<pb::SandboxSpec>, items: Vec<pb::EdgeCreateItem>) -> Result<Vec<pb::EdgeCreateResult>, Failure> {
+    pub async fn create_batch(
+        self: &Arc<Self>,
+        spec: Option<pb::SandboxSpec>,
+        items: Vec<pb::EdgeCreateItem>,
+    ) -> Result<Vec<pb::EdgeCreateResult>, Failure> {
         let spec = self.normalize(spec)?;
         let backend_name = spec.backend.clone();
         let (backend, max) = match self.slots.get(&backend_name) {
@@ -109,7 +123,14 @@ impl Core {
                         "disk" => "disk_pressure",
                         _ => "cpu_pressure",
                     };
-                    Err((label, press.iter().map(|p| p.message.as_str()).collect::<Vec<_>>().join("; ")))
+                    Err((
+                        label,
+                        press
+                            .iter()
+                            .map(|p| p.message.as_str())
+                            .collect::<Vec<_>>()
+                            .join("; "),
+                    ))
                 } else {
                     let mut alloc = lock(&self.alloc);
                     match fits(&want, &backend_name, max, &alloc, &cap) {
@@ -122,15 +143,28 @@ impl Core {
                 };
                 if let Err((label, message)) = verdict {
                     metrics::rejected(&self.edge_id, label);
-                    slots.push(Item::Done(Err(Failure::new(Reason::NoCapacity, format!("edge {}: {message}", self.edge_id)))));
+                    slots.push(Item::Done(Err(Failure::new(
+                        Reason::NoCapacity,
+                        format!("edge {}: {message}", self.edge_id),
+                    ))));
                     continue;
                 }
-                let rec = SandboxRecord::creating(&it.sandbox_id, &self.edge_id, &it.lease_id, &it.project, &it.principal, spec.clone(), now);
+                let rec = SandboxRecord::creating(
+                    &it.sandbox_id,
+                    &self.edge_id,
+                    &it.lease_id,
+                    &it.project,
+                    &it.principal,
+                    spec.clone(),
+                    now,
+                );
                 let entry = Arc::new(Entry::new(rec));
                 let Ok(guard) = entry.op.clone().try_lock_owned() else {
                     // A fresh mutex is never held; undo the reservation if it were.
                     lock(&self.alloc).sub(&backend_name, &want);
-                    slots.push(Item::Done(Err(Failure::internal("new sandbox lock was held"))));
+                    slots.push(Item::Done(Err(Failure::internal(
+                        "new sandbox lock was held",
+                    ))));
                     continue;
                 };
                 map.insert(it.sandbox_id.clone(), entry.clone());
@@ -140,8 +174,19 @@ impl Core {
 
         // 2. Record CREATING before the backend is called (concurrent writes).
         if let Some(store) = &self.store {
-            let idx: Vec<usize> = (0..slots.len()).filter(|&i| matches!(slots[i], Item::New(..))).collect();
-            let recs: Vec<SandboxRecord> = idx.iter().filter_map(|&i| if let Item::New(e, _) = &slots[i] { Some(e.snapshot()) } else { None }).collect();
+            let idx: Vec<usize> = (0..slots.len())
+                .filter(|&i| matches!(slots[i], Item::New(..)))
+                .collect();
+            let recs: Vec<SandboxRecord> = idx
+                .iter()
+                .filter_map(|&i| {
+                    if let Item::New(e, _) = &slots[i] {
+                        Some(e.snapshot())
+                    } else {
+                        None
+                    }
+                })
+                .collect();
             let written = store.write_many(&recs).await;
             for (&i, res) in idx.iter().zip(written) {
                 if let Err(e) = res {
@@ -152,18 +197,35 @@ impl Core {
                         lock(&self.alloc).sub(&backend_name, &want);
                         let _ = store.remove(&id).await;
                     }
-                    slots[i] = Item::Done(Err(Failure::internal(format!("recording the sandbox on edge {}: {e}", self.edge_id))));
+                    slots[i] = Item::Done(Err(Failure::internal(format!(
+                        "recording the sandbox on edge {}: {e}",
+                        self.edge_id
+                    ))));
                 }
             }
         }
 
         // 3. The backend creates them, concurrently.
-        let new: Vec<(usize, Arc<Entry>)> = slots.iter().enumerate().filter_map(|(i, s)| if let Item::New(e, _) = s { Some((i, e.clone())) } else { None }).collect();
+        let new: Vec<(usize, Arc<Entry>)> = slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                if let Item::New(e, _) = s {
+                    Some((i, e.clone()))
+                } else {
+                    None
+                }
+            })
+            .collect();
         let made = futures::future::join_all(new.iter().map(|(_, e)| {
             let rec = e.snapshot();
             let b = backend.clone();
             async move {
-                let req = CreateRequest { sandbox_id: rec.id().to_string(), project: rec.sandbox.project.clone(), spec: rec.spec() };
+                let req = CreateRequest {
+                    sandbox_id: rec.id().to_string(),
+                    project: rec.sandbox.project.clone(),
+                    spec: rec.spec(),
+                };
                 let t = Instant::now();
                 let r = b.create(&req).await;
                 (r, t.elapsed())
@@ -176,7 +238,11 @@ impl Core {
         let mut after = Vec::with_capacity(new.len());
         let mut failures = Vec::with_capacity(new.len());
         for ((_, entry), (r, took)) in new.iter().zip(made) {
-            let reason = r.as_ref().err().map(|e| e.reason().as_str()).unwrap_or("ok");
+            let reason = r
+                .as_ref()
+                .err()
+                .map(|e| e.reason().as_str())
+                .unwrap_or("ok");
             metrics::create_seconds(&backend_name, reason, took.as_secs_f64());
             let rec = match r {
                 Ok(state) => {
@@ -191,7 +257,9 @@ impl Core {
                 Err(e) => {
                     tracing::warn!(sandbox_id = %entry.snapshot().id(), edge_id = %self.edge_id, error = %e, "creation failed");
                     failures.push(Some(e.to_failure()));
-                    self.update(entry, |r| r.end(SandboxState::Failed, done_at, e.to_string()))
+                    self.update(entry, |r| {
+                        r.end(SandboxState::Failed, done_at, e.to_string())
+                    })
                 }
             };
             after.push(rec);
@@ -202,7 +270,8 @@ impl Core {
         }
 
         // 5. Answers in item order; existing ids wait for their operation to finish.
-        let mut new_results: std::collections::HashMap<usize, Result<pb::Sandbox, Failure>> = Default::default();
+        let mut new_results: std::collections::HashMap<usize, Result<pb::Sandbox, Failure>> =
+            Default::default();
         for (((i, _), f), rec) in new.iter().zip(failures).zip(&after) {
             new_results.insert(*i, f.map_or_else(|| Ok(rec.sandbox.clone()), Err));
         }
@@ -213,7 +282,9 @@ impl Core {
                 Item::Done(r) => r,
                 Item::New(entry, guard) => {
                     drop(guard);
-                    let r = new_results.remove(&i).unwrap_or_else(|| Ok(entry.snapshot().sandbox));
+                    let r = new_results
+                        .remove(&i)
+                        .unwrap_or_else(|| Ok(entry.snapshot().sandbox));
                     if r.is_ok() {
                         check.push(entry.snapshot().id().to_string());
                     }
@@ -225,8 +296,14 @@ impl Core {
                 }
             };
             out.push(match r {
-                Ok(sb) => pb::EdgeCreateResult { sandbox: Some(sb), error: None },
-                Err(f) => pb::EdgeCreateResult { sandbox: None, error: Some(error_detail(&f)) },
+                Ok(sb) => pb::EdgeCreateResult {
+                    sandbox: Some(sb),
+                    error: None,
+                },
+                Err(f) => pb::EdgeCreateResult {
+                    sandbox: None,
+                    error: Some(error_detail(&f)),
+                },
             });
         }
         tracing::debug!(edge_id = %self.edge_id, items = out.len(), took_ms = started.elapsed().as_millis() as u64, "batch created");
@@ -246,7 +323,10 @@ impl Core {
     /// with, and (b) IAM binds the lease to this sandbox here. Until then the item is
     /// `unavailable` and the apiserver or the SDK retries it. Returns, per sandbox id, the
     /// entry checked and whether it may be created again.
-    async fn redo_checks(&self, items: &[pb::EdgeCreateItem]) -> std::collections::HashMap<String, (Arc<Entry>, Result<(), Failure>)> {
+    async fn redo_checks(
+        &self,
+        items: &[pb::EdgeCreateItem],
+    ) -> std::collections::HashMap<String, (Arc<Entry>, Result<(), Failure>)> {
         let candidates: std::collections::HashMap<String, (String, Arc<Entry>)> = {
             let map = lock(&self.entries);
             items
@@ -254,7 +334,11 @@ impl Core {
                 .filter_map(|it| {
                     let e = map.get(&it.sandbox_id)?;
                     let r = lock(&e.rec);
-                    (r.interrupted && r.is_ended() && r.sandbox.lease_id == it.lease_id && !it.lease_id.is_empty()).then(|| (it.sandbox_id.clone(), (it.lease_id.clone(), e.clone())))
+                    (r.interrupted
+                        && r.is_ended()
+                        && r.sandbox.lease_id == it.lease_id
+                        && !it.lease_id.is_empty())
+                    .then(|| (it.sandbox_id.clone(), (it.lease_id.clone(), e.clone())))
                 })
                 .collect()
         };
@@ -270,20 +354,36 @@ impl Core {
             };
             (id, (entry, verdict))
         });
-        futures::future::join_all(checks).await.into_iter().collect()
+        futures::future::join_all(checks)
+            .await
+            .into_iter()
+            .collect()
     }
 
     /// Checks one item's ids: `<this-edge>.<suffix>` with a suffix of 1..64 characters of
     /// `[A-Za-z0-9_-]`, a valid project path, and bounded lease and principal ids.
     fn check_item(&self, it: &pb::EdgeCreateItem) -> Result<(), Failure> {
-        let suffix = it.sandbox_id.strip_prefix(&self.edge_id).and_then(|s| s.strip_prefix('.'));
-        let ok = suffix.is_some_and(|s| !s.is_empty() && s.len() <= 64 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'));
+        let suffix = it
+            .sandbox_id
+            .strip_prefix(&self.edge_id)
+            .and_then(|s| s.strip_prefix('.'));
+        let ok = suffix.is_some_and(|s| {
+            !s.is_empty()
+                && s.len() <= 64
+                && s.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        });
         if !ok {
-            return Err(Failure::invalid(format!("sandbox id {:?} must be {}.<1 to 64 of [A-Za-z0-9_-]>", it.sandbox_id, self.edge_id)));
+            return Err(Failure::invalid(format!(
+                "sandbox id {:?} must be {}.<1 to 64 of [A-Za-z0-9_-]>",
+                it.sandbox_id, self.edge_id
+            )));
         }
         names::check_project_path(&it.project)?;
         if it.lease_id.len() > 256 || it.principal.len() > 256 {
-            return Err(Failure::invalid("lease_id and principal must be at most 256 characters"));
+            return Err(Failure::invalid(
+                "lease_id and principal must be at most 256 characters",
+            ));
         }
         Ok(())
     }
@@ -292,7 +392,9 @@ impl Core {
     /// sandbox, or released: the sandbox is deleted at once (its lease is not ours to
     /// release). IAM unreachable: kept.
     pub(crate) async fn check_lease(&self, id: &str) {
-        let Ok(_permit) = self.lease_checks.acquire().await else { return };
+        let Ok(_permit) = self.lease_checks.acquire().await else {
+            return;
+        };
         let Some(entry) = self.get(id) else { return };
         let lease = entry.snapshot().sandbox.lease_id;
         if lease.is_empty() {
@@ -304,7 +406,10 @@ impl Core {
                 return;
             }
             Ok(Some(info)) if bound_here(&info, &self.edge_id, id) => return,
-            Ok(Some(info)) => format!("lease {lease} is bound to sandbox {} on edge {}; this copy was abandoned", info.sandbox_id, info.edge_id),
+            Ok(Some(info)) => format!(
+                "lease {lease} is bound to sandbox {} on edge {}; this copy was abandoned",
+                info.sandbox_id, info.edge_id
+            ),
             Ok(None) => format!("lease {lease} was released; this copy was abandoned"),
         };
         tracing::warn!(sandbox_id = %id, edge_id = %self.edge_id, why = %why, "deleting orphan sandbox");

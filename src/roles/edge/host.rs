@@ -35,7 +35,12 @@ impl HostSample {
 pub fn parse_meminfo(text: &str) -> Option<(i64, i64)> {
     let field = |name: &str| -> Option<i64> {
         let line = text.lines().find(|l| l.starts_with(name))?;
-        let kb: i64 = line[name.len()..].trim().trim_end_matches("kB").trim().parse().ok()?;
+        let kb: i64 = line[name.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
         Some(kb / 1024)
     };
     Some((field("MemTotal:")?, field("MemAvailable:")?))
@@ -44,7 +49,12 @@ pub fn parse_meminfo(text: &str) -> Option<(i64, i64)> {
 /// `(busy, total)` jiffies of the aggregate `cpu` line of `/proc/stat`.
 pub fn parse_stat(text: &str) -> Option<(u64, u64)> {
     let line = text.lines().find(|l| l.starts_with("cpu "))?;
-    let v: Vec<u64> = line.split_whitespace().skip(1).take(8).filter_map(|x| x.parse().ok()).collect();
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .filter_map(|x| x.parse().ok())
+        .collect();
     if v.len() < 4 {
         return None;
     }
@@ -57,7 +67,9 @@ pub fn parse_stat(text: &str) -> Option<(u64, u64)> {
 /// `some avg10` (percent) from `/proc/pressure/cpu` text.
 pub fn parse_psi(text: &str) -> Option<f64> {
     let line = text.lines().find(|l| l.starts_with("some "))?;
-    line.split_whitespace().find_map(|kv| kv.strip_prefix("avg10=")).and_then(|v| v.parse().ok())
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix("avg10="))
+        .and_then(|v| v.parse().ok())
 }
 
 /// `(total, free)` MB of the file system holding `path` (or its nearest existing ancestor).
@@ -70,7 +82,11 @@ pub fn fs_space(path: &Path) -> Option<(i64, i64)> {
         p = p.parent()?;
     }
     let st = rustix::fs::statvfs(p).ok()?;
-    let unit = if st.f_frsize > 0 { st.f_frsize } else { st.f_bsize };
+    let unit = if st.f_frsize > 0 {
+        st.f_frsize
+    } else {
+        st.f_bsize
+    };
     let mb = |blocks: u64| (blocks.saturating_mul(unit) / (1024 * 1024)) as i64;
     Some((mb(st.f_blocks), mb(st.f_bavail)))
 }
@@ -84,17 +100,27 @@ pub struct CpuWindow {
 
 impl CpuWindow {
     pub fn new(window: Duration) -> CpuWindow {
-        CpuWindow { window, points: VecDeque::new() }
+        CpuWindow {
+            window,
+            points: VecDeque::new(),
+        }
     }
 
     /// Adds a reading taken at `at` and returns the busy share since the oldest reading
     /// still inside the window (0 until there are two readings).
     pub fn push(&mut self, at: Instant, busy: u64, total: u64) -> f64 {
         self.points.push_back((at, busy, total));
-        while self.points.len() > 2 && self.points.get(1).is_some_and(|p| at.duration_since(p.0) >= self.window) {
+        while self.points.len() > 2
+            && self
+                .points
+                .get(1)
+                .is_some_and(|p| at.duration_since(p.0) >= self.window)
+        {
             self.points.pop_front();
         }
-        let (Some(first), Some(last)) = (self.points.front(), self.points.back()) else { return 0.0 };
+        let (Some(first), Some(last)) = (self.points.front(), self.points.back()) else {
+            return 0.0;
+        };
         let dt = last.2.saturating_sub(first.2);
         if dt == 0 {
             return 0.0;
@@ -113,21 +139,38 @@ pub struct HostProbe {
 
 impl HostProbe {
     pub fn new(proc_root: impl Into<PathBuf>, state_dir: impl Into<PathBuf>) -> HostProbe {
-        HostProbe { proc_root: proc_root.into(), state_dir: state_dir.into(), cpu: CpuWindow::new(Duration::from_secs(10)) }
+        HostProbe {
+            proc_root: proc_root.into(),
+            state_dir: state_dir.into(),
+            cpu: CpuWindow::new(Duration::from_secs(10)),
+        }
     }
 
     /// Takes one reading. Values that cannot be read are 0 (`cpu_pressure`: `None`).
     pub fn sample(&mut self) -> HostSample {
         let read = |name: &str| std::fs::read_to_string(self.proc_root.join(name)).ok();
-        let (mem_total_mb, mem_available_mb) = read("meminfo").as_deref().and_then(parse_meminfo).unwrap_or((0, 0));
+        let (mem_total_mb, mem_available_mb) = read("meminfo")
+            .as_deref()
+            .and_then(parse_meminfo)
+            .unwrap_or((0, 0));
         let cpu_usage = match read("stat").as_deref().and_then(parse_stat) {
             Some((busy, total)) => self.cpu.push(Instant::now(), busy, total),
             None => 0.0,
         };
         let cpu_pressure = read("pressure/cpu").as_deref().and_then(parse_psi);
         let (disk_total_mb, disk_free_mb) = fs_space(&self.state_dir).unwrap_or((0, 0));
-        let cpus = std::thread::available_parallelism().map(|n| n.get() as f64).unwrap_or(1.0);
-        HostSample { cpus, mem_total_mb, mem_available_mb, disk_total_mb, disk_free_mb, cpu_pressure, cpu_usage }
+        let cpus = std::thread::available_parallelism()
+            .map(|n| n.get() as f64)
+            .unwrap_or(1.0);
+        HostSample {
+            cpus,
+            mem_total_mb,
+            mem_available_mb,
+            disk_total_mb,
+            disk_free_mb,
+            cpu_pressure,
+            cpu_usage,
+        }
     }
 }
 
@@ -166,15 +209,27 @@ mod tests {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let proc_root = dir.path().join("proc");
         std::fs::create_dir_all(proc_root.join("pressure")).unwrap_or_else(|e| panic!("{e}"));
-        std::fs::write(proc_root.join("meminfo"), "MemTotal: 2097152 kB\nMemAvailable: 1048576 kB\n").unwrap_or_else(|e| panic!("{e}"));
-        std::fs::write(proc_root.join("stat"), "cpu 1 0 1 8 0 0 0 0\n").unwrap_or_else(|e| panic!("{e}"));
-        std::fs::write(proc_root.join("pressure/cpu"), "some avg10=7.00 avg60=0 avg300=0 total=0\n").unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(
+            proc_root.join("meminfo"),
+            "MemTotal: 2097152 kB\nMemAvailable: 1048576 kB\n",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(proc_root.join("stat"), "cpu 1 0 1 8 0 0 0 0\n")
+            .unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(
+            proc_root.join("pressure/cpu"),
+            "some avg10=7.00 avg60=0 avg300=0 total=0\n",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
         let mut p = HostProbe::new(&proc_root, dir.path().join("not/yet/made"));
         let s = p.sample();
         assert_eq!((s.mem_total_mb, s.mem_available_mb), (2048, 1024));
         assert_eq!(s.cpu_pressure, Some(7.0));
         assert!((s.mem_usage() - 0.5).abs() < 1e-9);
-        assert!(s.disk_total_mb > 0 && s.disk_free_mb <= s.disk_total_mb, "statvfs of the nearest existing ancestor");
+        assert!(
+            s.disk_total_mb > 0 && s.disk_free_mb <= s.disk_total_mb,
+            "statvfs of the nearest existing ancestor"
+        );
         assert!(s.cpus >= 1.0);
         std::fs::remove_file(proc_root.join("pressure/cpu")).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(p.sample().cpu_pressure, None, "no PSI file: no pressure");

@@ -35,14 +35,22 @@ pub struct IamLeases {
     lookups: std::sync::OnceLock<mpsc::Sender<Lookup>>,
 }
 
-type Lookup = (String, oneshot::Sender<Result<Option<pb::LeaseInfo>, Failure>>);
+type Lookup = (
+    String,
+    oneshot::Sender<Result<Option<pb::LeaseInfo>, Failure>>,
+);
 
 /// Most lease ids one `GetLeases` call carries (IAM accepts up to 4096).
 const LOOKUP_BATCH: usize = 1024;
 
 /// Answers queued lookups: takes the first waiting one and everything queued behind it, asks
 /// IAM once, and answers each. No waiting to fill a batch: under load the queue fills itself.
-async fn coalesce_lookups(client: IamClient<Channel>, token: String, timeout: Duration, mut rx: mpsc::Receiver<Lookup>) {
+async fn coalesce_lookups(
+    client: IamClient<Channel>,
+    token: String,
+    timeout: Duration,
+    mut rx: mpsc::Receiver<Lookup>,
+) {
     while let Some(first) = rx.recv().await {
         let mut batch = vec![first];
         while batch.len() < LOOKUP_BATCH {
@@ -56,7 +64,12 @@ async fn coalesce_lookups(client: IamClient<Channel>, token: String, timeout: Du
         req.set_timeout(timeout);
         match client.clone().get_leases(req).await {
             Ok(r) => {
-                let mut found: std::collections::HashMap<String, pb::LeaseInfo> = r.into_inner().leases.into_iter().map(|l| (l.lease_id.clone(), l)).collect();
+                let mut found: std::collections::HashMap<String, pb::LeaseInfo> = r
+                    .into_inner()
+                    .leases
+                    .into_iter()
+                    .map(|l| (l.lease_id.clone(), l))
+                    .collect();
                 for (id, tx) in batch {
                     let _ = tx.send(Ok(found.remove(&id)));
                 }
@@ -75,8 +88,17 @@ impl IamLeases {
     /// A lazily connecting client for `addr` ("" = no IAM).
     pub fn new(addr: &str, service_token: &str) -> Result<IamLeases, rpc::client::ClientError> {
         let timeout = Duration::from_secs(2);
-        let client = if addr.is_empty() { None } else { Some(IamClient::new(rpc::client::channel(addr, timeout)?)) };
-        Ok(IamLeases { client, token: service_token.to_string(), timeout, lookups: std::sync::OnceLock::new() })
+        let client = if addr.is_empty() {
+            None
+        } else {
+            Some(IamClient::new(rpc::client::channel(addr, timeout)?))
+        };
+        Ok(IamLeases {
+            client,
+            token: service_token.to_string(),
+            timeout,
+            lookups: std::sync::OnceLock::new(),
+        })
     }
 
     fn request<T>(&self, msg: T) -> tonic::Request<T> {
@@ -90,31 +112,48 @@ impl IamLeases {
 impl LeaseSink for IamLeases {
     async fn release(&self, lease_ids: Vec<String>, at: i64) -> Result<(), Failure> {
         let Some(c) = &self.client else {
-            tracing::debug!(count = lease_ids.len(), "no IAM configured; leases not released");
+            tracing::debug!(
+                count = lease_ids.len(),
+                "no IAM configured; leases not released"
+            );
             return Ok(());
         };
         let mut c = c.clone();
-        c.release_leases(self.request(pb::ReleaseLeasesRequest { lease_ids, at })).await.map(|_| ()).map_err(|s| rpc::failure_from_status(&s))
+        c.release_leases(self.request(pb::ReleaseLeasesRequest { lease_ids, at }))
+            .await
+            .map(|_| ())
+            .map_err(|s| rpc::failure_from_status(&s))
     }
 
     async fn lookup(&self, lease_id: &str) -> Result<Option<pb::LeaseInfo>, Failure> {
-        let Some(c) = &self.client else { return Err(Failure::unavailable("no IAM configured")) };
+        let Some(c) = &self.client else {
+            return Err(Failure::unavailable("no IAM configured"));
+        };
         // Started on first use, inside the edge's runtime.
         let q = self.lookups.get_or_init(|| {
             let (tx, rx) = mpsc::channel(8192);
-            tokio::spawn(coalesce_lookups(c.clone(), self.token.clone(), self.timeout, rx));
+            tokio::spawn(coalesce_lookups(
+                c.clone(),
+                self.token.clone(),
+                self.timeout,
+                rx,
+            ));
             tx
         });
         let (tx, rx) = oneshot::channel();
-        q.send((lease_id.to_string(), tx)).await.map_err(|_| Failure::unavailable("lease lookups stopped"))?;
-        rx.await.map_err(|_| Failure::unavailable("lease lookup dropped"))?
+        q.send((lease_id.to_string(), tx))
+            .await
+            .map_err(|_| Failure::unavailable("lease lookups stopped"))?;
+        rx.await
+            .map_err(|_| Failure::unavailable("lease lookup dropped"))?
     }
 }
 
 /// Whether IAM's binding of a lease is this sandbox on this edge (an unbound lease counts:
 /// nobody else claims it).
 pub fn bound_here(info: &pb::LeaseInfo, edge_id: &str, sandbox_id: &str) -> bool {
-    (info.edge_id.is_empty() || info.edge_id == edge_id) && (info.sandbox_id.is_empty() || info.sandbox_id == sandbox_id)
+    (info.edge_id.is_empty() || info.edge_id == edge_id)
+        && (info.sandbox_id.is_empty() || info.sandbox_id == sandbox_id)
 }
 
 /// One lease to release.
@@ -145,7 +184,11 @@ pub struct BatchConfig {
 impl Default for BatchConfig {
     /// 1000 leases or 50 ms; retries back off up to 2 s.
     fn default() -> Self {
-        BatchConfig { max: 1000, wait: Duration::from_millis(50), max_backoff: Duration::from_secs(2) }
+        BatchConfig {
+            max: 1000,
+            wait: Duration::from_millis(50),
+            max_backoff: Duration::from_secs(2),
+        }
     }
 }
 
@@ -173,7 +216,10 @@ pub struct Releaser {
 
 impl Releaser {
     /// Starts the batching task.
-    pub fn spawn(sink: Arc<dyn LeaseSink>, cfg: BatchConfig) -> (Releaser, tokio::task::JoinHandle<()>) {
+    pub fn spawn(
+        sink: Arc<dyn LeaseSink>,
+        cfg: BatchConfig,
+    ) -> (Releaser, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let pending = Pending::default();
         let h = tokio::spawn(run(sink, cfg, rx, pending.clone()));
@@ -183,7 +229,10 @@ impl Releaser {
     /// Whether a release of `lease_id` is queued or in flight: not yet done, refused, or
     /// found unnecessary (bound elsewhere, already released).
     pub fn is_pending(&self, lease_id: &str) -> bool {
-        self.pending.lock().unwrap_or_else(|e| e.into_inner()).contains_key(lease_id)
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(lease_id)
     }
 
     /// Queues one lease (empty ids are ignored).
@@ -192,7 +241,12 @@ impl Releaser {
             return;
         }
         let id = item.lease_id.clone();
-        *self.pending.lock().unwrap_or_else(|e| e.into_inner()).entry(id.clone()).or_default() += 1;
+        *self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(id.clone())
+            .or_default() += 1;
         if self.tx.send(Msg::Item(item)).is_err() {
             settle(&self.pending, [id]);
             tracing::warn!("lease releaser already stopped; reconciliation will release the lease");
@@ -215,23 +269,32 @@ struct Closing {
     reply: oneshot::Sender<usize>,
 }
 
-async fn run(sink: Arc<dyn LeaseSink>, cfg: BatchConfig, mut rx: mpsc::UnboundedReceiver<Msg>, pending_ids: Pending) {
+async fn run(
+    sink: Arc<dyn LeaseSink>,
+    cfg: BatchConfig,
+    mut rx: mpsc::UnboundedReceiver<Msg>,
+    pending_ids: Pending,
+) {
     let mut pending: Vec<ReleaseItem> = Vec::new();
     let mut closing: Option<Closing> = None;
     let mut backoff = Duration::from_millis(100);
-    let take = |m: Option<Msg>, pending: &mut Vec<ReleaseItem>, closing: &mut Option<Closing>| -> bool {
-        match m {
-            Some(Msg::Item(i)) => {
-                pending.push(i);
-                true
+    let take =
+        |m: Option<Msg>, pending: &mut Vec<ReleaseItem>, closing: &mut Option<Closing>| -> bool {
+            match m {
+                Some(Msg::Item(i)) => {
+                    pending.push(i);
+                    true
+                }
+                Some(Msg::Close(d, reply)) => {
+                    *closing = Some(Closing {
+                        until: Instant::now() + d,
+                        reply,
+                    });
+                    false
+                }
+                None => false,
             }
-            Some(Msg::Close(d, reply)) => {
-                *closing = Some(Closing { until: Instant::now() + d, reply });
-                false
-            }
-            None => false,
-        }
-    };
+        };
     loop {
         if pending.is_empty() {
             if let Some(c) = closing.take() {
@@ -274,7 +337,12 @@ async fn run(sink: Arc<dyn LeaseSink>, cfg: BatchConfig, mut rx: mpsc::Unbounded
                 *n = n.saturating_sub(1);
             }
         }
-        settle(&pending_ids, settled.into_iter().flat_map(|(id, n)| std::iter::repeat_n(id, n)));
+        settle(
+            &pending_ids,
+            settled
+                .into_iter()
+                .flat_map(|(id, n)| std::iter::repeat_n(id, n)),
+        );
         if retry.is_empty() {
             backoff = Duration::from_millis(100);
             continue;
@@ -283,7 +351,10 @@ async fn run(sink: Arc<dyn LeaseSink>, cfg: BatchConfig, mut rx: mpsc::Unbounded
         if let Some(c) = &closing {
             if Instant::now() >= c.until {
                 if let Some(c) = closing.take() {
-                    tracing::warn!(count = pending.len(), "leases left unreleased at shutdown; reconciliation releases them");
+                    tracing::warn!(
+                        count = pending.len(),
+                        "leases left unreleased at shutdown; reconciliation releases them"
+                    );
                     let _ = c.reply.send(pending.len());
                 }
                 return;
@@ -316,7 +387,9 @@ async fn send(sink: &dyn LeaseSink, batch: Vec<ReleaseItem>) -> Vec<ReleaseItem>
         let (edge, sandbox) = item.verify.clone().unwrap_or_default();
         match r {
             Ok(Some(info)) if bound_here(&info, &edge, &sandbox) => go.push(item),
-            Ok(Some(info)) => tracing::debug!(lease = %item.lease_id, edge_id = %info.edge_id, "lease bound elsewhere; not released"),
+            Ok(Some(info)) => {
+                tracing::debug!(lease = %item.lease_id, edge_id = %info.edge_id, "lease bound elsewhere; not released")
+            }
             Ok(None) => tracing::debug!(lease = %item.lease_id, "lease already released"),
             Err(f) => {
                 tracing::debug!(lease = %item.lease_id, error = %f, "lease lookup failed; will retry");
@@ -367,7 +440,10 @@ mod tests {
                     return Err(Failure::unavailable("iam down"));
                 }
             }
-            self.calls.lock().unwrap_or_else(|p| p.into_inner()).push((lease_ids, at));
+            self.calls
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((lease_ids, at));
             Ok(())
         }
         async fn lookup(&self, lease_id: &str) -> Result<Option<pb::LeaseInfo>, Failure> {
@@ -376,11 +452,21 @@ mod tests {
     }
 
     fn item(i: usize, at: i64) -> ReleaseItem {
-        ReleaseItem { lease_id: format!("L{i}"), at, verify: None }
+        ReleaseItem {
+            lease_id: format!("L{i}"),
+            at,
+            verify: None,
+        }
     }
 
     fn released(f: &Fake) -> Vec<String> {
-        let mut v: Vec<String> = f.calls.lock().unwrap_or_else(|p| p.into_inner()).iter().flat_map(|c| c.0.clone()).collect();
+        let mut v: Vec<String> = f
+            .calls
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .flat_map(|c| c.0.clone())
+            .collect();
         v.sort();
         v
     }
@@ -404,8 +490,17 @@ mod tests {
 
     #[tokio::test]
     async fn failures_are_retried_until_iam_answers() {
-        let fake = Arc::new(Fake { fail_first: Mutex::new(3), ..Default::default() });
-        let (r, h) = Releaser::spawn(fake.clone(), BatchConfig { max_backoff: Duration::from_millis(50), ..Default::default() });
+        let fake = Arc::new(Fake {
+            fail_first: Mutex::new(3),
+            ..Default::default()
+        });
+        let (r, h) = Releaser::spawn(
+            fake.clone(),
+            BatchConfig {
+                max_backoff: Duration::from_millis(50),
+                ..Default::default()
+            },
+        );
         for i in 0..5 {
             r.release(item(i, 7));
         }
@@ -413,30 +508,62 @@ mod tests {
         assert_eq!(r.close(Duration::from_secs(20)).await, 0);
         let _ = h.await;
         assert_eq!(released(&fake), vec!["L0", "L1", "L2", "L3", "L4", "L9"]);
-        let ats: Vec<i64> = fake.calls.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|c| c.1).collect();
-        assert!(ats.contains(&7) && ats.contains(&8), "one call per end time");
+        let ats: Vec<i64> = fake
+            .calls
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|c| c.1)
+            .collect();
+        assert!(
+            ats.contains(&7) && ats.contains(&8),
+            "one call per end time"
+        );
     }
 
     #[tokio::test]
     async fn verified_items_go_only_when_bound_here() {
         let mut bindings = BTreeMap::new();
-        let info = |edge: &str, sb: &str| pb::LeaseInfo { edge_id: edge.into(), sandbox_id: sb.into(), ..Default::default() };
+        let info = |edge: &str, sb: &str| pb::LeaseInfo {
+            edge_id: edge.into(),
+            sandbox_id: sb.into(),
+            ..Default::default()
+        };
         bindings.insert("L1".to_string(), info("e1", "e1.a"));
         bindings.insert("L2".to_string(), info("e2", "e2.b"));
         bindings.insert("L3".to_string(), info("", ""));
-        let fake = Arc::new(Fake { bindings, ..Default::default() });
+        let fake = Arc::new(Fake {
+            bindings,
+            ..Default::default()
+        });
         let (r, h) = Releaser::spawn(fake.clone(), BatchConfig::default());
-        for (l, s) in [("L1", "e1.a"), ("L2", "e1.b"), ("L3", "e1.c"), ("L4", "e1.d")] {
-            r.release(ReleaseItem { lease_id: l.into(), at: 1, verify: Some(("e1".into(), s.into())) });
+        for (l, s) in [
+            ("L1", "e1.a"),
+            ("L2", "e1.b"),
+            ("L3", "e1.c"),
+            ("L4", "e1.d"),
+        ] {
+            r.release(ReleaseItem {
+                lease_id: l.into(),
+                at: 1,
+                verify: Some(("e1".into(), s.into())),
+            });
         }
         assert_eq!(r.close(Duration::from_secs(10)).await, 0);
         let _ = h.await;
-        assert_eq!(released(&fake), vec!["L1", "L3"], "L2 is bound to e2, L4 is gone");
+        assert_eq!(
+            released(&fake),
+            vec!["L1", "L3"],
+            "L2 is bound to e2, L4 is gone"
+        );
     }
 
     #[tokio::test]
     async fn close_gives_up_after_its_deadline_and_counts_what_is_left() {
-        let fake = Arc::new(Fake { fail_first: Mutex::new(usize::MAX), ..Default::default() });
+        let fake = Arc::new(Fake {
+            fail_first: Mutex::new(usize::MAX),
+            ..Default::default()
+        });
         let (r, h) = Releaser::spawn(fake.clone(), BatchConfig::default());
         r.release(item(1, 1));
         r.release(item(2, 1));

@@ -7,10 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::admission::{Capacity, Reserves};
-use super::node::{as_handle, handle, lock, write, Core, Entry};
 use super::host::HostProbe;
 use super::machine::Op;
 use super::metrics;
+use super::node::{as_handle, handle, lock, write, Core, Entry};
 use super::ops::Cause;
 use super::ttl::{decide, TtlAction};
 use crate::backends::Health;
@@ -29,7 +29,11 @@ const PROBE_TICK: Duration = Duration::from_secs(10);
 const REGISTER_TICK: Duration = Duration::from_secs(3);
 
 /// Starts every loop; they end when `shutdown` fires.
-pub(crate) fn spawn(core: Arc<Core>, probe: HostProbe, shutdown: Shutdown) -> Vec<tokio::task::JoinHandle<()>> {
+pub(crate) fn spawn(
+    core: Arc<Core>,
+    probe: HostProbe,
+    shutdown: Shutdown,
+) -> Vec<tokio::task::JoinHandle<()>> {
     let mut v = vec![
         tokio::spawn(ttl_loop(core.clone(), shutdown.clone())),
         tokio::spawn(sample_loop(core.clone(), probe, shutdown.clone())),
@@ -98,8 +102,12 @@ async fn expire(core: &Core, e: &Entry, now: i64) {
         let _g = e.op.lock().await;
         let action = decide(&e.snapshot(), e.calls(), now, core.retention);
         let r = match action {
-            Some(TtlAction::Pause(why)) => Some(core.lifecycle_locked(e, Op::Pause, Cause::Ttl(why)).await),
-            Some(TtlAction::Stop(why)) => Some(core.lifecycle_locked(e, Op::Stop, Cause::Ttl(why)).await),
+            Some(TtlAction::Pause(why)) => {
+                Some(core.lifecycle_locked(e, Op::Pause, Cause::Ttl(why)).await)
+            }
+            Some(TtlAction::Stop(why)) => {
+                Some(core.lifecycle_locked(e, Op::Stop, Cause::Ttl(why)).await)
+            }
             _ => None,
         };
         if let Some(Err(f)) = r {
@@ -135,15 +143,25 @@ async fn sample_loop(core: Arc<Core>, mut probe: HostProbe, shutdown: Shutdown) 
 /// Stores a host reading and what follows from it (capacity, reserves).
 pub(crate) fn sample_into(core: &Core, host: super::host::HostSample) {
     write(&core.host, host);
-    write(&core.capacity, Capacity::resolve(&core.cfg, &host, core.real));
+    write(
+        &core.capacity,
+        Capacity::resolve(&core.cfg, &host, core.real),
+    );
     write(&core.reserves, Reserves::resolve(&core.cfg, &host));
 }
 
 async fn probe_loop(core: Arc<Core>, shutdown: Shutdown) {
     while every(PROBE_TICK, &shutdown).await {
-        let running: Vec<_> = core.all().into_iter().map(|e| e.snapshot()).filter(|r| r.state() == SandboxState::Running).collect();
+        let running: Vec<_> = core
+            .all()
+            .into_iter()
+            .map(|e| e.snapshot())
+            .filter(|r| r.state() == SandboxState::Running)
+            .collect();
         for rec in running {
-            let Some(b) = core.backend_of(&rec).cloned() else { continue };
+            let Some(b) = core.backend_of(&rec).cloned() else {
+                continue;
+            };
             if b.simulated() {
                 continue;
             }
@@ -169,11 +187,21 @@ async fn register_loop(core: Arc<Core>, shutdown: Shutdown) {
     loop {
         for (addr, c) in &clients {
             let mut c = c.clone();
-            let mut req = rpc::client::internal(pb::RegisterEdgeRequest { edge_id: core.edge_id.clone(), addr: core.addr.clone() }, &core.service_token);
+            let mut req = rpc::client::internal(
+                pb::RegisterEdgeRequest {
+                    edge_id: core.edge_id.clone(),
+                    addr: core.addr.clone(),
+                },
+                &core.service_token,
+            );
             req.set_timeout(Duration::from_secs(2));
             match c.register(req).await {
-                Ok(r) => tracing::trace!(watcher = %addr, known = r.into_inner().known, "registered"),
-                Err(s) => tracing::debug!(watcher = %addr, error = %s.message(), "registering with watcher"),
+                Ok(r) => {
+                    tracing::trace!(watcher = %addr, known = r.into_inner().known, "registered")
+                }
+                Err(s) => {
+                    tracing::debug!(watcher = %addr, error = %s.message(), "registering with watcher")
+                }
             }
         }
         if !every(REGISTER_TICK, &shutdown).await {

@@ -41,19 +41,41 @@ pub enum Plan {
     /// Change the record only.
     Update,
     /// Call the backend: enter `via`, then `done` on success or `failed` on error.
-    Run { via: SandboxState, done: SandboxState, failed: SandboxState },
+    Run {
+        via: SandboxState,
+        done: SandboxState,
+        failed: SandboxState,
+    },
 }
 
 /// Decides what `op` does to a sandbox in `state`.
 pub fn plan(op: Op, state: SandboxState) -> Plan {
     use SandboxState as S;
-    let conflict = || Plan::Conflict(format!("cannot {} a sandbox that is {}", op.name(), state.as_str_name()));
+    let conflict = || {
+        Plan::Conflict(format!(
+            "cannot {} a sandbox that is {}",
+            op.name(),
+            state.as_str_name()
+        ))
+    };
     match (op, state) {
-        (Op::Pause, S::Running) => Plan::Run { via: S::Pausing, done: S::Paused, failed: S::Running },
+        (Op::Pause, S::Running) => Plan::Run {
+            via: S::Pausing,
+            done: S::Paused,
+            failed: S::Running,
+        },
         (Op::Pause, S::Paused) => Plan::AsIs,
-        (Op::Resume, S::Paused) => Plan::Run { via: S::Resuming, done: S::Running, failed: S::Paused },
+        (Op::Resume, S::Paused) => Plan::Run {
+            via: S::Resuming,
+            done: S::Running,
+            failed: S::Paused,
+        },
         (Op::Resume, S::Running) => Plan::AsIs,
-        (Op::Stop, S::Running | S::Paused) => Plan::Run { via: S::Stopping, done: S::Stopped, failed: S::Failed },
+        (Op::Stop, S::Running | S::Paused) => Plan::Run {
+            via: S::Stopping,
+            done: S::Stopped,
+            failed: S::Failed,
+        },
         (Op::Stop, S::Stopped | S::Failed) => Plan::AsIs,
         (Op::Update, S::Running | S::Paused) => Plan::Update,
         _ => conflict(),
@@ -65,8 +87,10 @@ pub fn allowed(from: SandboxState, to: SandboxState) -> bool {
     use SandboxState as S;
     matches!(
         (from, to),
-        (S::Creating, S::Running | S::Failed | S::Stopping | S::Stopped)
-            | (S::Running, S::Pausing | S::Stopping | S::Failed)
+        (
+            S::Creating,
+            S::Running | S::Failed | S::Stopping | S::Stopped
+        ) | (S::Running, S::Pausing | S::Stopping | S::Failed)
             | (S::Pausing, S::Paused | S::Running | S::Failed)
             | (S::Paused, S::Resuming | S::Stopping | S::Failed)
             | (S::Resuming, S::Running | S::Paused | S::Failed)
@@ -79,7 +103,16 @@ mod tests {
     use super::*;
     use SandboxState as S;
 
-    const ALL: [S; 8] = [S::Creating, S::Running, S::Pausing, S::Paused, S::Resuming, S::Stopping, S::Stopped, S::Failed];
+    const ALL: [S; 8] = [
+        S::Creating,
+        S::Running,
+        S::Pausing,
+        S::Paused,
+        S::Resuming,
+        S::Stopping,
+        S::Stopped,
+        S::Failed,
+    ];
 
     #[test]
     fn every_planned_step_is_an_edge_of_the_machine() {
@@ -88,7 +121,10 @@ mod tests {
                 if let Plan::Run { via, done, failed } = plan(op, s) {
                     assert!(allowed(s, via), "{op:?} {s:?} -> {via:?}");
                     assert!(allowed(via, done), "{op:?} {via:?} -> {done:?}");
-                    assert!(allowed(via, failed) || failed == s, "{op:?} {via:?} -> {failed:?}");
+                    assert!(
+                        allowed(via, failed) || failed == s,
+                        "{op:?} {via:?} -> {failed:?}"
+                    );
                 }
             }
         }
@@ -116,9 +152,30 @@ mod tests {
 
     #[test]
     fn the_main_paths() {
-        assert_eq!(plan(Op::Pause, S::Running), Plan::Run { via: S::Pausing, done: S::Paused, failed: S::Running });
-        assert_eq!(plan(Op::Resume, S::Paused), Plan::Run { via: S::Resuming, done: S::Running, failed: S::Paused });
-        assert_eq!(plan(Op::Stop, S::Paused), Plan::Run { via: S::Stopping, done: S::Stopped, failed: S::Failed });
+        assert_eq!(
+            plan(Op::Pause, S::Running),
+            Plan::Run {
+                via: S::Pausing,
+                done: S::Paused,
+                failed: S::Running
+            }
+        );
+        assert_eq!(
+            plan(Op::Resume, S::Paused),
+            Plan::Run {
+                via: S::Resuming,
+                done: S::Running,
+                failed: S::Paused
+            }
+        );
+        assert_eq!(
+            plan(Op::Stop, S::Paused),
+            Plan::Run {
+                via: S::Stopping,
+                done: S::Stopped,
+                failed: S::Failed
+            }
+        );
         assert_eq!(plan(Op::Update, S::Paused), Plan::Update);
         assert!(!allowed(S::Stopped, S::Running));
         assert!(!allowed(S::Failed, S::Running));

@@ -45,7 +45,9 @@ pub fn refresh(core: &Core) {
     let mut counts: std::collections::HashMap<(String, i32), i64> = Default::default();
     for e in core.all() {
         let r = lock(&e.rec);
-        *counts.entry((r.backend().to_string(), r.sandbox.state)).or_default() += 1;
+        *counts
+            .entry((r.backend().to_string(), r.sandbox.state))
+            .or_default() += 1;
     }
     for b in core.slots.keys() {
         for s in STATES {
@@ -62,16 +64,24 @@ pub fn refresh(core: &Core) {
         ("disk_mb", cap.disk_mb as f64, alloc.disk_mb as f64),
     ] {
         metrics::gauge!("opendsec_edge_capacity", "edge" => edge.clone(), "resource" => res).set(c);
-        metrics::gauge!("opendsec_edge_allocated", "edge" => edge.clone(), "resource" => res).set(a);
+        metrics::gauge!("opendsec_edge_allocated", "edge" => edge.clone(), "resource" => res)
+            .set(a);
     }
     let draining = core.draining.load(Ordering::Relaxed);
-    metrics::gauge!("opendsec_edge_draining", "edge" => edge.clone()).set(if draining { 1.0 } else { 0.0 });
+    metrics::gauge!("opendsec_edge_draining", "edge" => edge.clone()).set(if draining {
+        1.0
+    } else {
+        0.0
+    });
     let host = read(&core.host);
     let press = pressures(&read(&core.reserves), &host);
     for kind in ["memory", "disk", "cpu"] {
         let on = press.iter().any(|p| p.kind == kind);
-        metrics::gauge!("opendsec_edge_under_pressure", "edge" => edge.clone(), "pressure" => kind).set(if on { 1.0 } else { 0.0 });
+        metrics::gauge!("opendsec_edge_under_pressure", "edge" => edge.clone(), "pressure" => kind)
+            .set(if on { 1.0 } else { 0.0 });
     }
-    metrics::gauge!("opendsec_edge_mem_available_mb", "edge" => edge.clone()).set(host.mem_available_mb as f64);
-    metrics::gauge!("opendsec_edge_disk_available_mb", "edge" => edge).set(host.disk_free_mb as f64);
+    metrics::gauge!("opendsec_edge_mem_available_mb", "edge" => edge.clone())
+        .set(host.mem_available_mb as f64);
+    metrics::gauge!("opendsec_edge_disk_available_mb", "edge" => edge)
+        .set(host.disk_free_mb as f64);
 }

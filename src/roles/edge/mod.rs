@@ -9,13 +9,13 @@
 //! `service` and `runtime` (gRPC).
 
 mod admission;
-mod node;
 mod create;
 mod host;
 mod leases;
 mod loops;
 mod machine;
 mod metrics;
+mod node;
 mod ops;
 mod record;
 mod recover;
@@ -59,9 +59,15 @@ pub enum EdgeError {
     #[error("edge {edge_id}: sandbox records: {source}")]
     Store { edge_id: String, source: StoreError },
     #[error("edge {edge_id}: IAM client: {source}")]
-    Client { edge_id: String, source: rpc::client::ClientError },
+    Client {
+        edge_id: String,
+        source: rpc::client::ClientError,
+    },
     #[error("edge {edge_id}: listener: {source}")]
-    Listener { edge_id: String, source: std::io::Error },
+    Listener {
+        edge_id: String,
+        source: std::io::Error,
+    },
 }
 
 /// Starts edge `edge_id` with the backends of its config (`cfg.edge(&edge_id)`: its entry
@@ -69,13 +75,24 @@ pub enum EdgeError {
 /// Edge and Runtime on `listener` until `shutdown` fires, then (without
 /// `keep_sandboxes_on_exit`) stops the sandboxes of real backends and flushes lease
 /// releases. The returned task ends when all of that is done.
-pub async fn start(cfg: Arc<Config>, edge_id: String, listener: tokio::net::TcpListener, shutdown: Shutdown, ready: Ready) -> Result<tokio::task::JoinHandle<()>, EdgeError> {
-    let ec = cfg.edge(&edge_id).ok_or_else(|| EdgeError::UnknownEdge(edge_id.clone()))?;
+pub async fn start(
+    cfg: Arc<Config>,
+    edge_id: String,
+    listener: tokio::net::TcpListener,
+    shutdown: Shutdown,
+    ready: Ready,
+) -> Result<tokio::task::JoinHandle<()>, EdgeError> {
+    let ec = cfg
+        .edge(&edge_id)
+        .ok_or_else(|| EdgeError::UnknownEdge(edge_id.clone()))?;
     ec.validate()?;
     let ctx = context(&ec, &edge_id);
     let mut built = BTreeMap::new();
     for (name, bc) in ec.backends() {
-        let b = backends::build(&name, &bc, &ctx).map_err(|source| EdgeError::Backend { name: name.clone(), source })?;
+        let b = backends::build(&name, &bc, &ctx).map_err(|source| EdgeError::Backend {
+            name: name.clone(),
+            source,
+        })?;
         built.insert(name, b);
     }
     start_with_backends(cfg, edge_id, built, listener, shutdown, ready).await
@@ -83,11 +100,18 @@ pub async fn start(cfg: Arc<Config>, edge_id: String, listener: tokio::net::TcpL
 
 fn context(ec: &crate::config::EdgeConfig, edge_id: &str) -> BackendContext {
     let agent_dir = if ec.agent_dir.is_empty() {
-        std::env::current_exe().ok().and_then(|p| p.parent().map(PathBuf::from)).unwrap_or_default()
+        std::env::current_exe()
+            .ok()
+            .and_then(|p| p.parent().map(PathBuf::from))
+            .unwrap_or_default()
     } else {
         PathBuf::from(&ec.agent_dir)
     };
-    BackendContext { edge_id: edge_id.to_string(), state_dir: PathBuf::from(ec.state_dir()), agent_dir }
+    BackendContext {
+        edge_id: edge_id.to_string(),
+        state_dir: PathBuf::from(ec.state_dir()),
+        agent_dir,
+    }
 }
 
 /// As `start`, with backends built by the caller (tests, and backends with capabilities the
@@ -101,22 +125,54 @@ pub async fn start_with_backends(
     shutdown: Shutdown,
     ready: Ready,
 ) -> Result<tokio::task::JoinHandle<()>, EdgeError> {
-    let ec = cfg.edge(&edge_id).ok_or_else(|| EdgeError::UnknownEdge(edge_id.clone()))?;
+    let ec = cfg
+        .edge(&edge_id)
+        .ok_or_else(|| EdgeError::UnknownEdge(edge_id.clone()))?;
     ec.validate()?;
-    let local = listener.local_addr().map_err(|source| EdgeError::Listener { edge_id: edge_id.clone(), source })?;
-    let addr = if ec.advertise.is_empty() { local.to_string() } else { ec.advertise.clone() };
+    let local = listener
+        .local_addr()
+        .map_err(|source| EdgeError::Listener {
+            edge_id: edge_id.clone(),
+            source,
+        })?;
+    let addr = if ec.advertise.is_empty() {
+        local.to_string()
+    } else {
+        ec.advertise.clone()
+    };
     let configured = ec.backends();
     let real = backends.values().any(|b| !b.simulated());
     let persist = ec.persist_state.unwrap_or(real);
     let state_dir = PathBuf::from(ec.state_dir());
-    let store = if persist { Some(Store::open(&state_dir, &edge_id).map_err(|source| EdgeError::Store { edge_id: edge_id.clone(), source })?) } else { None };
-    let sink: Arc<dyn LeaseSink> = Arc::new(IamLeases::new(&cfg.iam.addr, &cfg.service_token).map_err(|source| EdgeError::Client { edge_id: edge_id.clone(), source })?);
+    let store = if persist {
+        Some(
+            Store::open(&state_dir, &edge_id).map_err(|source| EdgeError::Store {
+                edge_id: edge_id.clone(),
+                source,
+            })?,
+        )
+    } else {
+        None
+    };
+    let sink: Arc<dyn LeaseSink> = Arc::new(
+        IamLeases::new(&cfg.iam.addr, &cfg.service_token).map_err(|source| EdgeError::Client {
+            edge_id: edge_id.clone(),
+            source,
+        })?,
+    );
     let (releaser, releaser_task) = Releaser::spawn(sink.clone(), BatchConfig::default());
     let slots = backends
         .into_iter()
         .map(|(name, backend)| {
             let bc = configured.get(&name).cloned().unwrap_or_default();
-            (name, node::Slot { backend, max_sandboxes: bc.max_sandboxes.max(0), default_disk_mb: bc.default_disk_mb() })
+            (
+                name,
+                node::Slot {
+                    backend,
+                    max_sandboxes: bc.max_sandboxes.max(0),
+                    default_disk_mb: bc.default_disk_mb(),
+                },
+            )
         })
         .collect();
     let mut probe = host::HostProbe::new("/proc", state_dir.clone());
@@ -125,7 +181,10 @@ pub async fn start_with_backends(
         (probe, s)
     })
     .await
-    .map_err(|e| EdgeError::Listener { edge_id: edge_id.clone(), source: std::io::Error::other(e.to_string()) })?;
+    .map_err(|e| EdgeError::Listener {
+        edge_id: edge_id.clone(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
     probe = probe_back;
     let core = Arc::new(node::Core {
         edge_id: edge_id.clone(),
@@ -150,12 +209,23 @@ pub async fn start_with_backends(
         cfg: ec.clone(),
     });
     loops::sample_into(&core, first);
-    core.recover().await.map_err(|source| EdgeError::Store { edge_id: edge_id.clone(), source })?;
+    core.recover().await.map_err(|source| EdgeError::Store {
+        edge_id: edge_id.clone(),
+        source,
+    })?;
 
     let loop_tasks = loops::spawn(core.clone(), probe, shutdown.clone());
     let router = rpc::serve::builder()
-        .add_service(pb::edge_server::EdgeServer::new(service::EdgeService { core: core.clone() }).max_decoding_message_size(rpc::MAX_MESSAGE).max_encoding_message_size(rpc::MAX_MESSAGE))
-        .add_service(pb::runtime_server::RuntimeServer::new(runtime::EdgeRuntime { core: core.clone() }).max_decoding_message_size(rpc::MAX_MESSAGE).max_encoding_message_size(rpc::MAX_MESSAGE));
+        .add_service(
+            pb::edge_server::EdgeServer::new(service::EdgeService { core: core.clone() })
+                .max_decoding_message_size(rpc::MAX_MESSAGE)
+                .max_encoding_message_size(rpc::MAX_MESSAGE),
+        )
+        .add_service(
+            pb::runtime_server::RuntimeServer::new(runtime::EdgeRuntime { core: core.clone() })
+                .max_decoding_message_size(rpc::MAX_MESSAGE)
+                .max_encoding_message_size(rpc::MAX_MESSAGE),
+        );
     ready.set(true, "edge");
     tracing::info!(edge_id = %edge_id, addr = %core.addr, listen = %local, backends = ?core.slots.keys().collect::<Vec<_>>(), persist, "edge serving");
     let keep = ec.keep_sandboxes_on_exit;

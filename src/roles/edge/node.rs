@@ -42,7 +42,12 @@ pub(crate) struct Entry {
 
 impl Entry {
     pub fn new(rec: SandboxRecord) -> Entry {
-        Entry { op: Arc::new(tokio::sync::Mutex::new(())), rec: Mutex::new(rec), calls: AtomicU32::new(0), ttl_busy: AtomicBool::new(false) }
+        Entry {
+            op: Arc::new(tokio::sync::Mutex::new(())),
+            rec: Mutex::new(rec),
+            calls: AtomicU32::new(0),
+            ttl_busy: AtomicBool::new(false),
+        }
     }
     pub fn snapshot(&self) -> SandboxRecord {
         lock(&self.rec).clone()
@@ -96,7 +101,9 @@ impl Core {
 
     /// The entry of `id`, or `not_found`.
     pub fn entry(&self, id: &str) -> Result<Arc<Entry>, Failure> {
-        self.get(id).ok_or_else(|| Failure::not_found(format!("sandbox {id:?} not found on edge {}", self.edge_id)))
+        self.get(id).ok_or_else(|| {
+            Failure::not_found(format!("sandbox {id:?} not found on edge {}", self.edge_id))
+        })
     }
 
     /// Every entry, for loops and listings.
@@ -158,7 +165,11 @@ impl Core {
         if rec.lease_foreign || rec.sandbox.lease_id.is_empty() {
             return;
         }
-        let at = if rec.sandbox.ended_at > 0 { rec.sandbox.ended_at } else { crate::types::now_s() };
+        let at = if rec.sandbox.ended_at > 0 {
+            rec.sandbox.ended_at
+        } else {
+            crate::types::now_s()
+        };
         self.releaser.release(ReleaseItem {
             lease_id: rec.sandbox.lease_id.clone(),
             at,
@@ -190,6 +201,13 @@ pub(crate) fn handle(rec: &SandboxRecord) -> (pb::SandboxSpec, crate::backends::
 }
 
 /// Builds a `Handle` from what `handle` returned.
-pub(crate) fn as_handle<'a>(id: &'a str, parts: &'a (pb::SandboxSpec, crate::backends::BackendState)) -> Handle<'a> {
-    Handle { sandbox_id: id, spec: &parts.0, state: &parts.1 }
+pub(crate) fn as_handle<'a>(
+    id: &'a str,
+    parts: &'a (pb::SandboxSpec, crate::backends::BackendState),
+) -> Handle<'a> {
+    Handle {
+        sandbox_id: id,
+        spec: &parts.0,
+        state: &parts.1,
+    }
 }

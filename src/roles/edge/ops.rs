@@ -8,9 +8,9 @@ use std::time::Instant;
 
 use tracing::Instrument;
 
-use super::node::{as_handle, handle, Core, Entry};
 use super::machine::{plan, Op, Plan};
 use super::metrics;
+use super::node::{as_handle, handle, Core, Entry};
 use super::record::SandboxRecord;
 use super::ttl;
 use crate::pb::{self, SandboxState};
@@ -36,7 +36,12 @@ impl Core {
     }
 
     /// `lifecycle` for a caller who holds the entry's operation lock.
-    pub(crate) async fn lifecycle_locked(&self, entry: &Entry, op: Op, cause: Cause) -> Result<pb::Sandbox, Failure> {
+    pub(crate) async fn lifecycle_locked(
+        &self,
+        entry: &Entry,
+        op: Op,
+        cause: Cause,
+    ) -> Result<pb::Sandbox, Failure> {
         let rec = entry.snapshot();
         let id = rec.id().to_string();
         let (via, done, failed) = match plan(op, rec.state()) {
@@ -46,7 +51,10 @@ impl Core {
             Plan::Run { via, done, failed } => (via, done, failed),
         };
         let Some(backend) = self.backend_of(&rec).cloned() else {
-            return Err(Failure::internal(format!("sandbox {id}: backend {:?} is not configured on this edge", rec.backend())));
+            return Err(Failure::internal(format!(
+                "sandbox {id}: backend {:?} is not configured on this edge",
+                rec.backend()
+            )));
         };
         if op == Op::Resume {
             self.check_resume_room(&rec)?;
@@ -65,7 +73,11 @@ impl Core {
                 Op::Stop => backend.stop(&h).await.map(|()| None),
                 Op::Update => Ok(None),
             };
-            let reason = result.as_ref().err().map(|e| e.reason().as_str()).unwrap_or("ok");
+            let reason = result
+                .as_ref()
+                .err()
+                .map(|e| e.reason().as_str())
+                .unwrap_or("ok");
             metrics::op_seconds(backend.name(), op.name(), reason, t.elapsed().as_secs_f64());
             let now = now_s();
             let after = match &result {
@@ -117,16 +129,29 @@ impl Core {
 
     /// A resume on a backend whose pause frees memory needs the released memory back.
     fn check_resume_room(&self, rec: &SandboxRecord) -> Result<(), Failure> {
-        let Some(b) = self.backend_of(rec) else { return Ok(()) };
+        let Some(b) = self.backend_of(rec) else {
+            return Ok(());
+        };
         if !b.pause_frees_memory() {
             return Ok(());
         }
-        let Some(cap) = super::node::read(&self.capacity).memory_mb else { return Ok(()) };
+        let Some(cap) = super::node::read(&self.capacity).memory_mb else {
+            return Ok(());
+        };
         let full = rec.spec().memory_limit_mb;
         let held = rec.charge(true, self.paused_mem_charge).memory_mb;
         let used = super::node::lock(&self.alloc).total.memory_mb;
         if used - held + full > cap {
-            return Err(Failure::new(Reason::NoCapacity, format!("not enough memory on edge {} to resume {}: {} MB needed, {} MB free", self.edge_id, rec.id(), full - held, (cap - used).max(0))));
+            return Err(Failure::new(
+                Reason::NoCapacity,
+                format!(
+                    "not enough memory on edge {} to resume {}: {} MB needed, {} MB free",
+                    self.edge_id,
+                    rec.id(),
+                    full - held,
+                    (cap - used).max(0)
+                ),
+            ));
         }
         Ok(())
     }
@@ -155,16 +180,23 @@ impl Core {
         let entry = self.entry(id)?;
         let rec = entry.snapshot();
         if rec.is_ended() {
-            return Err(Failure::conflict(format!("sandbox {id}: cannot touch a sandbox that is {}", rec.state().as_str_name())));
+            return Err(Failure::conflict(format!(
+                "sandbox {id}: cannot touch a sandbox that is {}",
+                rec.state().as_str_name()
+            )));
         }
-        Ok(self.update(&entry, |r| r.sandbox.last_active_at = now_s()).sandbox)
+        Ok(self
+            .update(&entry, |r| r.sandbox.last_active_at = now_s())
+            .sandbox)
     }
 
     /// The lifetime becomes the sandbox's current age plus `timeout_s` (> 0, else
     /// `invalid`). Ended sandboxes: `conflict`.
     pub async fn set_timeout(&self, id: &str, timeout_s: i64) -> Result<pb::Sandbox, Failure> {
         if timeout_s <= 0 {
-            return Err(Failure::invalid(format!("timeout_s must be > 0, not {timeout_s}")));
+            return Err(Failure::invalid(format!(
+                "timeout_s must be > 0, not {timeout_s}"
+            )));
         }
         let entry = self.entry(id)?;
         let _g = entry.op.lock().await;
@@ -186,12 +218,21 @@ impl Core {
 
     /// Pauses, resumes or stops every live sandbox of `task_id` within `project` ("" = all
     /// projects). Counts affected and failed, with `<id>: <reason>: <message>` per failure.
-    pub async fn task_action(&self, project: &str, task_id: &str, action: &str) -> Result<pb::TaskActionResult, Failure> {
+    pub async fn task_action(
+        &self,
+        project: &str,
+        task_id: &str,
+        action: &str,
+    ) -> Result<pb::TaskActionResult, Failure> {
         let op = match action {
             "pause" => Op::Pause,
             "resume" => Op::Resume,
             "stop" => Op::Stop,
-            other => return Err(Failure::invalid(format!("action must be pause, resume or stop, not {other:?}"))),
+            other => {
+                return Err(Failure::invalid(format!(
+                    "action must be pause, resume or stop, not {other:?}"
+                )))
+            }
         };
         if task_id.is_empty() {
             return Err(Failure::invalid("task_id is required"));
@@ -199,15 +240,24 @@ impl Core {
         if !project.is_empty() {
             names::check_project_path(project)?;
         }
-        let ids: Vec<String> = self.all().iter().map(|e| e.snapshot()).filter(|r| !r.is_ended() && matches_filter(r, project, task_id)).map(|r| r.id().to_string()).collect();
-        let results = futures::future::join_all(ids.iter().map(|id| self.lifecycle(id, op, Cause::Caller))).await;
+        let ids: Vec<String> = self
+            .all()
+            .iter()
+            .map(|e| e.snapshot())
+            .filter(|r| !r.is_ended() && matches_filter(r, project, task_id))
+            .map(|r| r.id().to_string())
+            .collect();
+        let results =
+            futures::future::join_all(ids.iter().map(|id| self.lifecycle(id, op, Cause::Caller)))
+                .await;
         let mut out = pb::TaskActionResult::default();
         for (id, r) in ids.iter().zip(results) {
             match r {
                 Ok(_) => out.affected += 1,
                 Err(f) => {
                     out.failed += 1;
-                    out.errors.push(format!("{id}: {}: {}", f.reason, f.message));
+                    out.errors
+                        .push(format!("{id}: {}: {}", f.reason, f.message));
                 }
             }
         }
@@ -218,12 +268,18 @@ impl Core {
     /// `edge_id` must be empty or this edge's id (`invalid` otherwise).
     pub async fn drain(&self, edge_id: &str, undo: bool) -> Result<pb::EdgeState, Failure> {
         if !edge_id.is_empty() && edge_id != self.edge_id {
-            return Err(Failure::invalid(format!("this is edge {}, not {edge_id:?}", self.edge_id)));
+            return Err(Failure::invalid(format!(
+                "this is edge {}, not {edge_id:?}",
+                self.edge_id
+            )));
         }
         let _g = self.drain_lock.lock().await;
         self.draining.store(!undo, Ordering::Relaxed);
         if let Some(s) = &self.store {
-            if let Err(e) = s.write_flags(&super::store::EdgeFlagsState { draining: !undo }).await {
+            if let Err(e) = s
+                .write_flags(&super::store::EdgeFlagsState { draining: !undo })
+                .await
+            {
                 tracing::error!(edge_id = %self.edge_id, error = %e, "writing the draining flag");
                 return Err(Failure::internal(format!("writing the draining flag: {e}")));
             }
@@ -242,7 +298,11 @@ impl Core {
             .filter(|r| !r.is_ended() && self.backend_of(r).is_some_and(|b| !b.simulated()))
             .map(|r| r.id().to_string())
             .collect();
-        let done = futures::future::join_all(ids.iter().map(|id| self.lifecycle(id, Op::Stop, Cause::Edge("edge shut down".into())))).await;
+        let done = futures::future::join_all(
+            ids.iter()
+                .map(|id| self.lifecycle(id, Op::Stop, Cause::Edge("edge shut down".into()))),
+        )
+        .await;
         let failed = done.iter().filter(|r| r.is_err()).count();
         tracing::info!(edge_id = %self.edge_id, stopped = ids.len() - failed, failed, "sandboxes stopped at shutdown");
     }
@@ -256,7 +316,13 @@ impl Core {
             return;
         }
         tracing::warn!(sandbox_id = %id, edge_id = %self.edge_id, why, "sandbox lost");
-        let after = self.update(&entry, |r| r.end(SandboxState::Failed, now_s(), format!("sandbox lost: {why}")));
+        let after = self.update(&entry, |r| {
+            r.end(
+                SandboxState::Failed,
+                now_s(),
+                format!("sandbox lost: {why}"),
+            )
+        });
         self.persist(&after).await;
         self.release_lease(&after, false);
     }
@@ -271,5 +337,6 @@ fn stop_message(cause: &Cause) -> String {
 }
 
 fn matches_filter(r: &SandboxRecord, project: &str, task_id: &str) -> bool {
-    (project.is_empty() || names::project_within(&r.sandbox.project, project)) && (task_id.is_empty() || r.task_id() == task_id)
+    (project.is_empty() || names::project_within(&r.sandbox.project, project))
+        && (task_id.is_empty() || r.task_id() == task_id)
 }

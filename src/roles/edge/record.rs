@@ -31,7 +31,15 @@ pub struct SandboxRecord {
 
 impl SandboxRecord {
     /// A new record in CREATING.
-    pub fn creating(id: &str, edge_id: &str, lease_id: &str, project: &str, principal: &str, spec: pb::SandboxSpec, now: i64) -> SandboxRecord {
+    pub fn creating(
+        id: &str,
+        edge_id: &str,
+        lease_id: &str,
+        project: &str,
+        principal: &str,
+        spec: pb::SandboxSpec,
+        now: i64,
+    ) -> SandboxRecord {
         SandboxRecord {
             sandbox: pb::Sandbox {
                 id: id.to_string(),
@@ -78,11 +86,19 @@ impl SandboxRecord {
     }
 
     pub fn backend(&self) -> &str {
-        self.sandbox.spec.as_ref().map(|s| s.backend.as_str()).unwrap_or("")
+        self.sandbox
+            .spec
+            .as_ref()
+            .map(|s| s.backend.as_str())
+            .unwrap_or("")
     }
 
     pub fn task_id(&self) -> &str {
-        self.sandbox.spec.as_ref().map(|s| s.task_id.as_str()).unwrap_or("")
+        self.sandbox
+            .spec
+            .as_ref()
+            .map(|s| s.task_id.as_str())
+            .unwrap_or("")
     }
 
     /// STOPPED or FAILED.
@@ -97,7 +113,12 @@ impl SandboxRecord {
         if self.is_ended() {
             return Res::default();
         }
-        let mut r = Res::of_spec(self.sandbox.spec.as_ref().unwrap_or(&pb::SandboxSpec::default()));
+        let mut r = Res::of_spec(
+            self.sandbox
+                .spec
+                .as_ref()
+                .unwrap_or(&pb::SandboxSpec::default()),
+        );
         if pause_frees_memory && self.state() == SandboxState::Paused {
             r.memory_mb = (r.memory_mb as f64 * paused_mem_charge.clamp(0.0, 1.0)).ceil() as i64;
         }
@@ -106,7 +127,12 @@ impl SandboxRecord {
 
     /// The lease as reported to the watcher for reconciliation.
     pub fn lease_info(&self) -> pb::LeaseInfo {
-        let res = Res::of_spec(self.sandbox.spec.as_ref().unwrap_or(&pb::SandboxSpec::default()));
+        let res = Res::of_spec(
+            self.sandbox
+                .spec
+                .as_ref()
+                .unwrap_or(&pb::SandboxSpec::default()),
+        );
         pb::LeaseInfo {
             lease_id: self.sandbox.lease_id.clone(),
             project: self.sandbox.project.clone(),
@@ -130,7 +156,14 @@ mod tests {
     use super::*;
 
     fn rec() -> SandboxRecord {
-        let spec = pb::SandboxSpec { backend: "sim".into(), cpu_cores_limit: 2.0, memory_limit_mb: 1000, disk_mb: 500, task_id: "t".into(), ..Default::default() };
+        let spec = pb::SandboxSpec {
+            backend: "sim".into(),
+            cpu_cores_limit: 2.0,
+            memory_limit_mb: 1000,
+            disk_mb: 500,
+            task_id: "t".into(),
+            ..Default::default()
+        };
         SandboxRecord::creating("e1.a", "e1", "L1", "root/p", "alice", spec, 100)
     }
 
@@ -151,9 +184,16 @@ mod tests {
         let mut r = rec();
         r.set_state(SandboxState::Running);
         let c = r.charge(true, 0.25);
-        assert_eq!((c.cpu_cores, c.memory_mb, c.disk_mb, c.sandboxes), (2.0, 1000, 500, 1));
+        assert_eq!(
+            (c.cpu_cores, c.memory_mb, c.disk_mb, c.sandboxes),
+            (2.0, 1000, 500, 1)
+        );
         r.set_state(SandboxState::Paused);
-        assert_eq!(r.charge(false, 0.25).memory_mb, 1000, "sim pause keeps memory");
+        assert_eq!(
+            r.charge(false, 0.25).memory_mb,
+            1000,
+            "sim pause keeps memory"
+        );
         assert_eq!(r.charge(true, 0.25).memory_mb, 250);
         assert_eq!(r.charge(true, 0.25).sandboxes, 1);
         r.end(SandboxState::Stopped, 200, "stopped");

@@ -29,16 +29,22 @@ pub struct RecoverReport {
 impl Core {
     /// Loads and re-adopts the recorded sandboxes (no-op without `persist_state`).
     pub async fn recover(self: &Arc<Self>) -> Result<RecoverReport, StoreError> {
-        let Some(store) = &self.store else { return Ok(RecoverReport::default()) };
+        let Some(store) = &self.store else {
+            return Ok(RecoverReport::default());
+        };
         let flags = store.read_flags()?;
         self.draining.store(flags.draining, Ordering::Relaxed);
         let (recs, bad) = store.load_all()?;
-        let mut report = RecoverReport { corrupt: bad.len(), ..Default::default() };
+        let mut report = RecoverReport {
+            corrupt: bad.len(),
+            ..Default::default()
+        };
         for (p, why) in &bad {
             tracing::warn!(edge_id = %self.edge_id, path = %p.display(), why = %why, "unreadable sandbox record set aside");
         }
         let now = now_s();
-        let adopted = futures::future::join_all(recs.into_iter().map(|r| self.recover_one(r, now))).await;
+        let adopted =
+            futures::future::join_all(recs.into_iter().map(|r| self.recover_one(r, now))).await;
         let mut changed = Vec::new();
         for (rec, was_changed, release) in adopted {
             match rec.state() {
@@ -63,15 +69,21 @@ impl Core {
         for e in self.all() {
             let r = e.snapshot();
             if !r.is_ended() {
-                keep.entry(r.backend().to_string()).or_default().insert(r.id().to_string());
+                keep.entry(r.backend().to_string())
+                    .or_default()
+                    .insert(r.id().to_string());
             }
         }
         for (name, slot) in &self.slots {
             let k = keep.remove(name).unwrap_or_default();
             match slot.backend.cleanup(&k).await {
-                Ok(rep) if !rep.removed.is_empty() => tracing::info!(edge_id = %self.edge_id, backend = %name, removed = ?rep.removed, "cleaned up leftovers"),
+                Ok(rep) if !rep.removed.is_empty() => {
+                    tracing::info!(edge_id = %self.edge_id, backend = %name, removed = ?rep.removed, "cleaned up leftovers")
+                }
                 Ok(_) => {}
-                Err(e) => tracing::warn!(edge_id = %self.edge_id, backend = %name, error = %e, "cleaning up leftovers"),
+                Err(e) => {
+                    tracing::warn!(edge_id = %self.edge_id, backend = %name, error = %e, "cleaning up leftovers")
+                }
             }
         }
         tracing::info!(edge_id = %self.edge_id, ?report, "records recovered");
@@ -85,18 +97,29 @@ impl Core {
             SandboxState::Running | SandboxState::Pausing => Recorded::Running,
             SandboxState::Paused | SandboxState::Resuming => Recorded::Paused,
             SandboxState::Creating => {
-                rec.end(SandboxState::Failed, now, "the edge restarted during creation");
+                rec.end(
+                    SandboxState::Failed,
+                    now,
+                    "the edge restarted during creation",
+                );
                 rec.interrupted = true;
                 return (rec, true, true);
             }
             SandboxState::Stopping => {
-                rec.end(SandboxState::Stopped, now, "stopped: the edge restarted while stopping it");
+                rec.end(
+                    SandboxState::Stopped,
+                    now,
+                    "stopped: the edge restarted while stopping it",
+                );
                 return (rec, true, true);
             }
             _ => return (rec, false, false),
         };
         let Some(backend) = self.backend_of(&rec).cloned() else {
-            let msg = format!("backend {:?} is no longer configured on this edge", rec.backend());
+            let msg = format!(
+                "backend {:?} is no longer configured on this edge",
+                rec.backend()
+            );
             rec.end(SandboxState::Failed, now, msg);
             return (rec, true, true);
         };
@@ -105,7 +128,11 @@ impl Core {
         match backend.adopt(&as_handle(&id, &parts), recorded).await {
             Ok(a) => {
                 let before = rec.state();
-                let state = if a.paused { SandboxState::Paused } else { SandboxState::Running };
+                let state = if a.paused {
+                    SandboxState::Paused
+                } else {
+                    SandboxState::Running
+                };
                 let changed = before != state || a.state != rec.backend_state;
                 rec.backend_state = a.state;
                 rec.set_state(state);
@@ -115,7 +142,11 @@ impl Core {
             }
             Err(e) => {
                 tracing::warn!(sandbox_id = %id, edge_id = %self.edge_id, error = %e, "could not adopt sandbox");
-                rec.end(SandboxState::Failed, now, format!("could not adopt after an edge restart: {e}"));
+                rec.end(
+                    SandboxState::Failed,
+                    now,
+                    format!("could not adopt after an edge restart: {e}"),
+                );
                 (rec, true, true)
             }
         }

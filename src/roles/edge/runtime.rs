@@ -14,8 +14,8 @@ use futures::{Stream, StreamExt};
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::node::{as_handle, handle, lock, Core, Entry};
 use super::machine::Op;
+use super::node::{as_handle, handle, lock, Core, Entry};
 use super::ops::Cause;
 use crate::pb::{self, runtime_client::RuntimeClient, SandboxState};
 use crate::rpc::{check_service_token, to_status, MAX_MESSAGE};
@@ -70,12 +70,20 @@ impl Core {
     /// nothing), `conflict` (ended), the backend's failure otherwise.
     pub(crate) async fn begin_call(&self, id: &str) -> Result<(CallGuard, Channel), Failure> {
         let entry = self.entry(id)?;
-        let backend = self.backend_of(&entry.snapshot()).cloned().ok_or_else(|| Failure::internal(format!("sandbox {id}: backend not configured")))?;
+        let backend = self
+            .backend_of(&entry.snapshot())
+            .cloned()
+            .ok_or_else(|| Failure::internal(format!("sandbox {id}: backend not configured")))?;
         let Some(rt) = backend.runtime() else {
-            return Err(Failure::invalid(format!("backend {} runs nothing", backend.name())));
+            return Err(Failure::invalid(format!(
+                "backend {} runs nothing",
+                backend.name()
+            )));
         };
         entry.calls.fetch_add(1, Ordering::AcqRel);
-        let guard = CallGuard { entry: entry.clone() };
+        let guard = CallGuard {
+            entry: entry.clone(),
+        };
         loop {
             let state = entry.snapshot().state();
             match state {
@@ -83,21 +91,32 @@ impl Core {
                 SandboxState::Paused | SandboxState::Pausing | SandboxState::Resuming => {
                     self.lifecycle(id, Op::Resume, Cause::Caller).await?;
                 }
-                SandboxState::Creating | SandboxState::Stopping | SandboxState::StateUnspecified => {
+                SandboxState::Creating
+                | SandboxState::Stopping
+                | SandboxState::StateUnspecified => {
                     // Wait for the operation in progress, then look again.
                     drop(entry.op.lock().await);
                     if entry.snapshot().state() == state {
-                        return Err(Failure::conflict(format!("sandbox {id} is {}", state.as_str_name())));
+                        return Err(Failure::conflict(format!(
+                            "sandbox {id} is {}",
+                            state.as_str_name()
+                        )));
                     }
                 }
                 SandboxState::Stopped | SandboxState::Failed => {
-                    return Err(Failure::conflict(format!("sandbox {id} is {}", state.as_str_name())));
+                    return Err(Failure::conflict(format!(
+                        "sandbox {id} is {}",
+                        state.as_str_name()
+                    )));
                 }
             }
         }
         let rec = self.update(&entry, |r| r.sandbox.last_active_at = now_s());
         let parts = handle(&rec);
-        let ch = rt.channel(&as_handle(id, &parts)).await.map_err(|e| e.to_failure())?;
+        let ch = rt
+            .channel(&as_handle(id, &parts))
+            .await
+            .map_err(|e| e.to_failure())?;
         Ok((guard, ch))
     }
 }
@@ -109,12 +128,21 @@ pub(crate) struct EdgeRuntime {
 type Client = RuntimeClient<Channel>;
 
 impl EdgeRuntime {
-    async fn open<Req: SandboxScoped>(&self, req: Request<Req>) -> Result<(CallGuard, Client, Request<Req>), Status> {
+    async fn open<Req: SandboxScoped>(
+        &self,
+        req: Request<Req>,
+    ) -> Result<(CallGuard, Client, Request<Req>), Status> {
         check_service_token(&req, &self.core.service_token)?;
         let deadline = req.metadata().get("grpc-timeout").cloned();
         let msg = req.into_inner();
-        let (guard, ch) = self.core.begin_call(msg.sandbox_id()).await.map_err(|f| to_status(&f))?;
-        let client = RuntimeClient::new(ch).max_decoding_message_size(MAX_MESSAGE).max_encoding_message_size(MAX_MESSAGE);
+        let (guard, ch) = self
+            .core
+            .begin_call(msg.sandbox_id())
+            .await
+            .map_err(|f| to_status(&f))?;
+        let client = RuntimeClient::new(ch)
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE);
         let mut out = Request::new(msg);
         if let Some(d) = deadline {
             out.metadata_mut().insert("grpc-timeout", d);
@@ -123,7 +151,11 @@ impl EdgeRuntime {
     }
 
     /// Forwards a unary call.
-    async fn unary<Req, Resp, F, Fut>(&self, req: Request<Req>, call: F) -> Result<Response<Resp>, Status>
+    async fn unary<Req, Resp, F, Fut>(
+        &self,
+        req: Request<Req>,
+        call: F,
+    ) -> Result<Response<Resp>, Status>
     where
         Req: SandboxScoped,
         F: FnOnce(Client, Request<Req>) -> Fut,
@@ -136,7 +168,11 @@ impl EdgeRuntime {
     }
 
     /// Forwards a server-streaming call; the call counts as in flight until the stream ends.
-    async fn streaming<Req, Item, F, Fut>(&self, req: Request<Req>, call: F) -> Result<Response<Forwarded<Item>>, Status>
+    async fn streaming<Req, Item, F, Fut>(
+        &self,
+        req: Request<Req>,
+        call: F,
+    ) -> Result<Response<Forwarded<Item>>, Status>
     where
         Req: SandboxScoped,
         Item: Send + 'static,
@@ -155,70 +191,145 @@ impl EdgeRuntime {
 
 #[tonic::async_trait]
 impl pb::runtime_server::Runtime for EdgeRuntime {
-    async fn run_shell(&self, req: Request<pb::RunShellRequest>) -> Result<Response<pb::ShellResult>, Status> {
-        self.unary(req, |mut c, r| async move { c.run_shell(r).await }).await
+    async fn run_shell(
+        &self,
+        req: Request<pb::RunShellRequest>,
+    ) -> Result<Response<pb::ShellResult>, Status> {
+        self.unary(req, |mut c, r| async move { c.run_shell(r).await })
+            .await
     }
-    async fn get_output(&self, req: Request<pb::GetOutputRequest>) -> Result<Response<pb::ShellResult>, Status> {
-        self.unary(req, |mut c, r| async move { c.get_output(r).await }).await
+    async fn get_output(
+        &self,
+        req: Request<pb::GetOutputRequest>,
+    ) -> Result<Response<pb::ShellResult>, Status> {
+        self.unary(req, |mut c, r| async move { c.get_output(r).await })
+            .await
     }
     type StreamShellStream = Forwarded<pb::ShellChunk>;
-    async fn stream_shell(&self, req: Request<pb::RunShellRequest>) -> Result<Response<Self::StreamShellStream>, Status> {
-        self.streaming(req, |mut c, r| async move { c.stream_shell(r).await }).await
+    async fn stream_shell(
+        &self,
+        req: Request<pb::RunShellRequest>,
+    ) -> Result<Response<Self::StreamShellStream>, Status> {
+        self.streaming(req, |mut c, r| async move { c.stream_shell(r).await })
+            .await
     }
     type StreamOutputStream = Forwarded<pb::ShellChunk>;
-    async fn stream_output(&self, req: Request<pb::GetOutputRequest>) -> Result<Response<Self::StreamOutputStream>, Status> {
-        self.streaming(req, |mut c, r| async move { c.stream_output(r).await }).await
+    async fn stream_output(
+        &self,
+        req: Request<pb::GetOutputRequest>,
+    ) -> Result<Response<Self::StreamOutputStream>, Status> {
+        self.streaming(req, |mut c, r| async move { c.stream_output(r).await })
+            .await
     }
-    async fn list_sessions(&self, req: Request<pb::ListSessionsRequest>) -> Result<Response<pb::ListSessionsResponse>, Status> {
-        self.unary(req, |mut c, r| async move { c.list_sessions(r).await }).await
+    async fn list_sessions(
+        &self,
+        req: Request<pb::ListSessionsRequest>,
+    ) -> Result<Response<pb::ListSessionsResponse>, Status> {
+        self.unary(req, |mut c, r| async move { c.list_sessions(r).await })
+            .await
     }
-    async fn close_session(&self, req: Request<pb::CloseSessionRequest>) -> Result<Response<pb::Empty>, Status> {
-        self.unary(req, |mut c, r| async move { c.close_session(r).await }).await
+    async fn close_session(
+        &self,
+        req: Request<pb::CloseSessionRequest>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        self.unary(req, |mut c, r| async move { c.close_session(r).await })
+            .await
     }
-    async fn read_file(&self, req: Request<pb::ReadFileRequest>) -> Result<Response<pb::ReadFileResponse>, Status> {
-        self.unary(req, |mut c, r| async move { c.read_file(r).await }).await
+    async fn read_file(
+        &self,
+        req: Request<pb::ReadFileRequest>,
+    ) -> Result<Response<pb::ReadFileResponse>, Status> {
+        self.unary(req, |mut c, r| async move { c.read_file(r).await })
+            .await
     }
-    async fn write_file(&self, req: Request<pb::WriteFileRequest>) -> Result<Response<pb::FileInfo>, Status> {
-        self.unary(req, |mut c, r| async move { c.write_file(r).await }).await
+    async fn write_file(
+        &self,
+        req: Request<pb::WriteFileRequest>,
+    ) -> Result<Response<pb::FileInfo>, Status> {
+        self.unary(req, |mut c, r| async move { c.write_file(r).await })
+            .await
     }
-    async fn list_dir(&self, req: Request<pb::PathRequest>) -> Result<Response<pb::ListDirResponse>, Status> {
-        self.unary(req, |mut c, r| async move { c.list_dir(r).await }).await
+    async fn list_dir(
+        &self,
+        req: Request<pb::PathRequest>,
+    ) -> Result<Response<pb::ListDirResponse>, Status> {
+        self.unary(req, |mut c, r| async move { c.list_dir(r).await })
+            .await
     }
     async fn stat(&self, req: Request<pb::PathRequest>) -> Result<Response<pb::FileInfo>, Status> {
-        self.unary(req, |mut c, r| async move { c.stat(r).await }).await
+        self.unary(req, |mut c, r| async move { c.stat(r).await })
+            .await
     }
     async fn remove(&self, req: Request<pb::RemoveRequest>) -> Result<Response<pb::Empty>, Status> {
-        self.unary(req, |mut c, r| async move { c.remove(r).await }).await
+        self.unary(req, |mut c, r| async move { c.remove(r).await })
+            .await
     }
-    async fn http(&self, req: Request<pb::HttpRequest>) -> Result<Response<pb::HttpResponse>, Status> {
-        self.unary(req, |mut c, r| async move { c.http(r).await }).await
+    async fn http(
+        &self,
+        req: Request<pb::HttpRequest>,
+    ) -> Result<Response<pb::HttpResponse>, Status> {
+        self.unary(req, |mut c, r| async move { c.http(r).await })
+            .await
     }
     type StartProcessStream = Forwarded<pb::ProcessEvent>;
-    async fn start_process(&self, req: Request<pb::StartProcessRequest>) -> Result<Response<Self::StartProcessStream>, Status> {
-        self.streaming(req, |mut c, r| async move { c.start_process(r).await }).await
+    async fn start_process(
+        &self,
+        req: Request<pb::StartProcessRequest>,
+    ) -> Result<Response<Self::StartProcessStream>, Status> {
+        self.streaming(req, |mut c, r| async move { c.start_process(r).await })
+            .await
     }
     type ConnectProcessStream = Forwarded<pb::ProcessEvent>;
-    async fn connect_process(&self, req: Request<pb::ConnectProcessRequest>) -> Result<Response<Self::ConnectProcessStream>, Status> {
-        self.streaming(req, |mut c, r| async move { c.connect_process(r).await }).await
+    async fn connect_process(
+        &self,
+        req: Request<pb::ConnectProcessRequest>,
+    ) -> Result<Response<Self::ConnectProcessStream>, Status> {
+        self.streaming(req, |mut c, r| async move { c.connect_process(r).await })
+            .await
     }
-    async fn send_process_input(&self, req: Request<pb::ProcessInputRequest>) -> Result<Response<pb::Empty>, Status> {
-        self.unary(req, |mut c, r| async move { c.send_process_input(r).await }).await
+    async fn send_process_input(
+        &self,
+        req: Request<pb::ProcessInputRequest>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        self.unary(req, |mut c, r| async move { c.send_process_input(r).await })
+            .await
     }
-    async fn close_process_input(&self, req: Request<pb::ProcessRef>) -> Result<Response<pb::Empty>, Status> {
-        self.unary(req, |mut c, r| async move { c.close_process_input(r).await }).await
+    async fn close_process_input(
+        &self,
+        req: Request<pb::ProcessRef>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        self.unary(
+            req,
+            |mut c, r| async move { c.close_process_input(r).await },
+        )
+        .await
     }
-    async fn signal_process(&self, req: Request<pb::SignalProcessRequest>) -> Result<Response<pb::Empty>, Status> {
-        self.unary(req, |mut c, r| async move { c.signal_process(r).await }).await
+    async fn signal_process(
+        &self,
+        req: Request<pb::SignalProcessRequest>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        self.unary(req, |mut c, r| async move { c.signal_process(r).await })
+            .await
     }
-    async fn resize_process_pty(&self, req: Request<pb::ResizePtyRequest>) -> Result<Response<pb::Empty>, Status> {
-        self.unary(req, |mut c, r| async move { c.resize_process_pty(r).await }).await
+    async fn resize_process_pty(
+        &self,
+        req: Request<pb::ResizePtyRequest>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        self.unary(req, |mut c, r| async move { c.resize_process_pty(r).await })
+            .await
     }
-    async fn list_processes(&self, req: Request<pb::ListProcessesRequest>) -> Result<Response<pb::ListProcessesResponse>, Status> {
-        self.unary(req, |mut c, r| async move { c.list_processes(r).await }).await
+    async fn list_processes(
+        &self,
+        req: Request<pb::ListProcessesRequest>,
+    ) -> Result<Response<pb::ListProcessesResponse>, Status> {
+        self.unary(req, |mut c, r| async move { c.list_processes(r).await })
+            .await
     }
     type WatchStream = Forwarded<pb::WatchEvent>;
     async fn watch(&self, req: Request<pb::Empty>) -> Result<Response<Self::WatchStream>, Status> {
         check_service_token(&req, &self.core.service_token)?;
-        Err(to_status(&Failure::invalid("Watch is aether's own liveness stream; the edge does not forward it")))
+        Err(to_status(&Failure::invalid(
+            "Watch is aether's own liveness stream; the edge does not forward it",
+        )))
     }
 }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
-use super::node::Core;
 use super::machine::Op;
+use super::node::Core;
 use super::ops::Cause;
 use crate::pb;
 use crate::rpc::{check_service_token, to_status};
@@ -26,8 +26,12 @@ fn answer<T>(r: Result<T, Failure>) -> Result<Response<T>, Status> {
 /// caller goes away (an apiserver killed mid-call); a creation or lifecycle operation cut
 /// off there would stay CREATING or STOPPING for good, and a retry of it would find it
 /// stuck. Detached, it finishes and records its outcome, and the retry gets that.
-async fn detached<T: Send + 'static>(work: impl std::future::Future<Output = Result<T, Failure>> + Send + 'static) -> Result<T, Failure> {
-    tokio::spawn(work).await.unwrap_or_else(|e| Err(Failure::internal(format!("edge task failed: {e}"))))
+async fn detached<T: Send + 'static>(
+    work: impl std::future::Future<Output = Result<T, Failure>> + Send + 'static,
+) -> Result<T, Failure> {
+    tokio::spawn(work)
+        .await
+        .unwrap_or_else(|e| Err(Failure::internal(format!("edge task failed: {e}"))))
 }
 
 impl EdgeService {
@@ -35,73 +39,135 @@ impl EdgeService {
         tracing::info_span!("edge", method, edge_id = %self.core.edge_id, sandbox_id = %sandbox_id)
     }
 
-    async fn op(&self, req: Request<pb::SandboxRef>, method: &'static str, op: Op) -> Result<Response<pb::Sandbox>, Status> {
+    async fn op(
+        &self,
+        req: Request<pb::SandboxRef>,
+        method: &'static str,
+        op: Op,
+    ) -> Result<Response<pb::Sandbox>, Status> {
         check_service_token(&req, &self.core.service_token)?;
         let id = req.into_inner().id;
         let span = self.span(method, &id);
         let core = self.core.clone();
-        answer(detached(async move { core.lifecycle(&id, op, Cause::Caller).await }.instrument(span)).await)
+        answer(
+            detached(async move { core.lifecycle(&id, op, Cause::Caller).await }.instrument(span))
+                .await,
+        )
     }
 }
 
 #[tonic::async_trait]
 impl pb::edge_server::Edge for EdgeService {
-    async fn status(&self, req: Request<pb::StatusRequest>) -> Result<Response<pb::EdgeStatus>, Status> {
+    async fn status(
+        &self,
+        req: Request<pb::StatusRequest>,
+    ) -> Result<Response<pb::EdgeStatus>, Status> {
         check_service_token(&req, &self.core.service_token)?;
-        Ok(Response::new(self.core.status(req.into_inner().with_leases)))
+        Ok(Response::new(
+            self.core.status(req.into_inner().with_leases),
+        ))
     }
 
-    async fn create_sandboxes(&self, req: Request<pb::EdgeCreateRequest>) -> Result<Response<pb::EdgeCreateResponse>, Status> {
+    async fn create_sandboxes(
+        &self,
+        req: Request<pb::EdgeCreateRequest>,
+    ) -> Result<Response<pb::EdgeCreateResponse>, Status> {
         check_service_token(&req, &self.core.service_token)?;
         let r = req.into_inner();
-        let span = self.span("CreateSandboxes", r.items.first().map(|i| i.sandbox_id.as_str()).unwrap_or(""));
+        let span = self.span(
+            "CreateSandboxes",
+            r.items.first().map(|i| i.sandbox_id.as_str()).unwrap_or(""),
+        );
         let core = self.core.clone();
-        answer(detached(async move { core.create_batch(r.spec, r.items).await }.instrument(span)).await.map(|results| pb::EdgeCreateResponse { results }))
+        answer(
+            detached(async move { core.create_batch(r.spec, r.items).await }.instrument(span))
+                .await
+                .map(|results| pb::EdgeCreateResponse { results }),
+        )
     }
 
-    async fn get_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+    async fn get_sandbox(
+        &self,
+        req: Request<pb::SandboxRef>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
         check_service_token(&req, &self.core.service_token)?;
         answer(self.core.get_sandbox(&req.into_inner().id))
     }
 
-    async fn list_sandboxes(&self, req: Request<pb::EdgeListRequest>) -> Result<Response<pb::ListSandboxesResponse>, Status> {
+    async fn list_sandboxes(
+        &self,
+        req: Request<pb::EdgeListRequest>,
+    ) -> Result<Response<pb::ListSandboxesResponse>, Status> {
         check_service_token(&req, &self.core.service_token)?;
         let r = req.into_inner();
-        Ok(Response::new(pb::ListSandboxesResponse { sandboxes: self.core.list(&r.project, &r.task_id, r.include_ended) }))
+        Ok(Response::new(pb::ListSandboxesResponse {
+            sandboxes: self.core.list(&r.project, &r.task_id, r.include_ended),
+        }))
     }
 
-    async fn stop_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+    async fn stop_sandbox(
+        &self,
+        req: Request<pb::SandboxRef>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
         self.op(req, "StopSandbox", Op::Stop).await
     }
 
-    async fn pause_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+    async fn pause_sandbox(
+        &self,
+        req: Request<pb::SandboxRef>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
         self.op(req, "PauseSandbox", Op::Pause).await
     }
 
-    async fn resume_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+    async fn resume_sandbox(
+        &self,
+        req: Request<pb::SandboxRef>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
         self.op(req, "ResumeSandbox", Op::Resume).await
     }
 
-    async fn touch_sandbox(&self, req: Request<pb::SandboxRef>) -> Result<Response<pb::Sandbox>, Status> {
+    async fn touch_sandbox(
+        &self,
+        req: Request<pb::SandboxRef>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
         check_service_token(&req, &self.core.service_token)?;
         answer(self.core.touch(&req.into_inner().id))
     }
 
-    async fn set_sandbox_timeout(&self, req: Request<pb::SetSandboxTimeoutRequest>) -> Result<Response<pb::Sandbox>, Status> {
+    async fn set_sandbox_timeout(
+        &self,
+        req: Request<pb::SetSandboxTimeoutRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
         check_service_token(&req, &self.core.service_token)?;
         let r = req.into_inner();
         let span = self.span("SetSandboxTimeout", &r.id);
-        answer(self.core.set_timeout(&r.id, r.timeout_s).instrument(span).await)
+        answer(
+            self.core
+                .set_timeout(&r.id, r.timeout_s)
+                .instrument(span)
+                .await,
+        )
     }
 
-    async fn task_action(&self, req: Request<pb::EdgeTaskRequest>) -> Result<Response<pb::TaskActionResult>, Status> {
+    async fn task_action(
+        &self,
+        req: Request<pb::EdgeTaskRequest>,
+    ) -> Result<Response<pb::TaskActionResult>, Status> {
         check_service_token(&req, &self.core.service_token)?;
         let r = req.into_inner();
         let span = tracing::info_span!("edge", method = "TaskAction", edge_id = %self.core.edge_id, project = %r.project, task = %r.task_id, action = %r.action);
-        answer(self.core.task_action(&r.project, &r.task_id, &r.action).instrument(span).await)
+        answer(
+            self.core
+                .task_action(&r.project, &r.task_id, &r.action)
+                .instrument(span)
+                .await,
+        )
     }
 
-    async fn drain(&self, req: Request<pb::DrainEdgeRequest>) -> Result<Response<pb::EdgeState>, Status> {
+    async fn drain(
+        &self,
+        req: Request<pb::DrainEdgeRequest>,
+    ) -> Result<Response<pb::EdgeState>, Status> {
         check_service_token(&req, &self.core.service_token)?;
         let r = req.into_inner();
         answer(self.core.drain(&r.edge_id, r.undo).await)

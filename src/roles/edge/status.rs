@@ -18,8 +18,13 @@ impl Core {
         // Simulated sandboxes use nothing: the host's load on a sim-only edge (several may share
         // one machine, as in `cluster up`) says nothing about where the next one fits, and
         // reporting it would herd placement onto whichever edge sampled lowest.
-        let simulated = !self.slots.is_empty() && self.slots.values().all(|s| s.backend.simulated());
-        let (cpu_usage, mem_usage) = if simulated { (0.0, 0.0) } else { (host.cpu_usage, host.mem_usage()) };
+        let simulated =
+            !self.slots.is_empty() && self.slots.values().all(|s| s.backend.simulated());
+        let (cpu_usage, mem_usage) = if simulated {
+            (0.0, 0.0)
+        } else {
+            (host.cpu_usage, host.mem_usage())
+        };
         allocated.sandboxes = alloc.by_backend.values().sum();
         pb::EdgeState {
             id: self.edge_id.clone(),
@@ -30,12 +35,24 @@ impl Core {
             backends: self.slots.keys().cloned().collect(),
             capacity: Some(read(&self.capacity).to_pb()),
             allocated: Some(allocated),
-            sandboxes_by_backend: self.slots.keys().map(|b| (b.clone(), alloc.count(b))).collect(),
-            max_sandboxes: self.slots.iter().map(|(b, s)| (b.clone(), s.max_sandboxes.max(0))).collect(),
+            sandboxes_by_backend: self
+                .slots
+                .keys()
+                .map(|b| (b.clone(), alloc.count(b)))
+                .collect(),
+            max_sandboxes: self
+                .slots
+                .iter()
+                .map(|(b, s)| (b.clone(), s.max_sandboxes.max(0)))
+                .collect(),
             mem_available_mb: host.mem_available_mb,
             disk_available_mb: host.disk_free_mb,
             under_pressure: !press.is_empty(),
-            pressure_reason: press.iter().map(|p| p.message.as_str()).collect::<Vec<_>>().join("; "),
+            pressure_reason: press
+                .iter()
+                .map(|p| p.message.as_str())
+                .collect::<Vec<_>>()
+                .join("; "),
             cpu_usage,
             mem_usage,
             images: self.cfg.images.keys().cloned().collect(),
@@ -60,6 +77,10 @@ impl Core {
         } else {
             Vec::new()
         };
-        pb::EdgeStatus { edge_id: self.edge_id.clone(), state: Some(self.edge_state()), leases }
+        pb::EdgeStatus {
+            edge_id: self.edge_id.clone(),
+            state: Some(self.edge_state()),
+            leases,
+        }
     }
 }

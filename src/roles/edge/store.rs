@@ -18,9 +18,16 @@ use super::record::SandboxRecord;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("{step} {path}: {source}")]
-    Io { step: &'static str, path: String, source: std::io::Error },
+    Io {
+        step: &'static str,
+        path: String,
+        source: std::io::Error,
+    },
     #[error("encoding record of {id}: {source}")]
-    Encode { id: String, source: serde_json::Error },
+    Encode {
+        id: String,
+        source: serde_json::Error,
+    },
     #[error("writer task for {path} failed: {message}")]
     Join { path: String, message: String },
 }
@@ -44,7 +51,11 @@ pub struct Store {
 }
 
 fn io<'a>(step: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> StoreError + 'a {
-    move |source| StoreError::Io { step, path: path.display().to_string(), source }
+    move |source| StoreError::Io {
+        step,
+        path: path.display().to_string(),
+        source,
+    }
 }
 
 impl Store {
@@ -53,7 +64,11 @@ impl Store {
         let edge_dir = state_dir.join("edges").join(edge_id);
         let dir = edge_dir.join("sandboxes");
         std::fs::create_dir_all(&dir).map_err(io("creating", &dir))?;
-        Ok(Store { edge_dir, dir, seq: Arc::new(AtomicU64::new(0)) })
+        Ok(Store {
+            edge_dir,
+            dir,
+            seq: Arc::new(AtomicU64::new(0)),
+        })
     }
 
     /// The file of sandbox `id`.
@@ -72,11 +87,15 @@ impl Store {
         if recs.is_empty() {
             return Vec::new();
         }
-        let mut jobs: Vec<(usize, PathBuf, PathBuf, Result<Vec<u8>, StoreError>)> = Vec::with_capacity(recs.len());
+        let mut jobs: Vec<(usize, PathBuf, PathBuf, Result<Vec<u8>, StoreError>)> =
+            Vec::with_capacity(recs.len());
         for (i, r) in recs.iter().enumerate() {
             let n = self.seq.fetch_add(1, Ordering::Relaxed);
             let tmp = self.dir.join(format!(".{}.{n}.tmp", r.id()));
-            let bytes = serde_json::to_vec(r).map_err(|source| StoreError::Encode { id: r.id().to_string(), source });
+            let bytes = serde_json::to_vec(r).map_err(|source| StoreError::Encode {
+                id: r.id().to_string(),
+                source,
+            });
             jobs.push((i, tmp, self.path_of(r.id()), bytes));
         }
         let per = jobs.len().div_ceil(WRITERS);
@@ -84,7 +103,12 @@ impl Store {
         while !jobs.is_empty() {
             let chunk: Vec<_> = jobs.drain(..per.min(jobs.len())).collect();
             tasks.push(tokio::task::spawn_blocking(move || {
-                chunk.into_iter().map(|(i, tmp, path, bytes)| (i, bytes.and_then(|b| write_file(&tmp, &path, &b)))).collect::<Vec<_>>()
+                chunk
+                    .into_iter()
+                    .map(|(i, tmp, path, bytes)| {
+                        (i, bytes.and_then(|b| write_file(&tmp, &path, &b)))
+                    })
+                    .collect::<Vec<_>>()
             }));
         }
         let mut out: Vec<Option<Result<(), StoreError>>> = (0..recs.len()).map(|_| None).collect();
@@ -108,8 +132,14 @@ impl Store {
         out.into_iter()
             .zip(recs)
             .map(|(r, rec)| match (r, &dir_err) {
-                (None, _) => Err(StoreError::Join { path: self.path_of(rec.id()).display().to_string(), message: "writer task ended early".into() }),
-                (Some(Ok(())), Some(m)) => Err(StoreError::Join { path: self.dir.display().to_string(), message: format!("directory fsync: {m}") }),
+                (None, _) => Err(StoreError::Join {
+                    path: self.path_of(rec.id()).display().to_string(),
+                    message: "writer task ended early".into(),
+                }),
+                (Some(Ok(())), Some(m)) => Err(StoreError::Join {
+                    path: self.dir.display().to_string(),
+                    message: format!("directory fsync: {m}"),
+                }),
                 (Some(r), _) => r,
             })
             .collect()
@@ -124,7 +154,10 @@ impl Store {
             Err(e) => Err(io("removing", &path)(e)),
         })
         .await
-        .map_err(|e| StoreError::Join { path: id.to_string(), message: e.to_string() })?
+        .map_err(|e| StoreError::Join {
+            path: id.to_string(),
+            message: e.to_string(),
+        })?
     }
 
     /// Reads every record. Leftover temp files are removed; files that do not parse are
@@ -144,7 +177,11 @@ impl Store {
             if !name.ends_with(".json") {
                 continue;
             }
-            let parsed = std::fs::read(&path).map_err(|e| e.to_string()).and_then(|b| serde_json::from_slice::<SandboxRecord>(&b).map_err(|e| e.to_string()));
+            let parsed = std::fs::read(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|b| {
+                    serde_json::from_slice::<SandboxRecord>(&b).map_err(|e| e.to_string())
+                });
             match parsed {
                 Ok(r) if format!("{}.json", r.id()) == name => recs.push(r),
                 Ok(r) => bad.push((path, format!("file holds sandbox {:?}", r.id()))),
@@ -164,7 +201,10 @@ impl Store {
     pub fn read_flags(&self) -> Result<EdgeFlagsState, StoreError> {
         let path = self.edge_dir.join("edge.json");
         match std::fs::read(&path) {
-            Ok(b) => serde_json::from_slice(&b).map_err(|source| StoreError::Encode { id: "edge.json".into(), source }),
+            Ok(b) => serde_json::from_slice(&b).map_err(|source| StoreError::Encode {
+                id: "edge.json".into(),
+                source,
+            }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(EdgeFlagsState::default()),
             Err(e) => Err(io("reading", &path)(e)),
         }
@@ -172,7 +212,10 @@ impl Store {
 
     /// Writes the edge's flags durably.
     pub async fn write_flags(&self, flags: &EdgeFlagsState) -> Result<(), StoreError> {
-        let bytes = serde_json::to_vec(flags).map_err(|source| StoreError::Encode { id: "edge.json".into(), source })?;
+        let bytes = serde_json::to_vec(flags).map_err(|source| StoreError::Encode {
+            id: "edge.json".into(),
+            source,
+        })?;
         let dir = self.edge_dir.clone();
         tokio::task::spawn_blocking(move || {
             let path = dir.join("edge.json");
@@ -180,7 +223,10 @@ impl Store {
             sync_dir(&dir).map_err(io("syncing", &dir))
         })
         .await
-        .map_err(|e| StoreError::Join { path: "edge.json".into(), message: e.to_string() })?
+        .map_err(|e| StoreError::Join {
+            path: "edge.json".into(),
+            message: e.to_string(),
+        })?
     }
 }
 
@@ -203,7 +249,11 @@ mod tests {
     use crate::pb::{self, SandboxState};
 
     fn rec(id: &str) -> SandboxRecord {
-        let spec = pb::SandboxSpec { backend: "sim".into(), memory_limit_mb: 64, ..Default::default() };
+        let spec = pb::SandboxSpec {
+            backend: "sim".into(),
+            memory_limit_mb: 64,
+            ..Default::default()
+        };
         SandboxRecord::creating(id, "e1", &format!("L-{id}"), "root", "p", spec, 5)
     }
 
@@ -219,11 +269,16 @@ mod tests {
         one.set_state(SandboxState::Running);
         s.write(&one).await.unwrap_or_else(|e| panic!("{e}"));
         s.remove("e1.s000").await.unwrap_or_else(|e| panic!("{e}"));
-        s.remove("e1.s000").await.unwrap_or_else(|e| panic!("removing twice: {e}"));
+        s.remove("e1.s000")
+            .await
+            .unwrap_or_else(|e| panic!("removing twice: {e}"));
         let (back, bad) = s.load_all().unwrap_or_else(|e| panic!("{e}"));
         assert!(bad.is_empty());
         assert_eq!(back.len(), 299);
-        assert_eq!(back.iter().find(|r| r.id() == "e1.s007").map(|r| r.state()), Some(SandboxState::Running));
+        assert_eq!(
+            back.iter().find(|r| r.id() == "e1.s007").map(|r| r.state()),
+            Some(SandboxState::Running)
+        );
         assert!(dir.path().join("edges/e1/sandboxes/e1.s001.json").exists());
     }
 
@@ -231,7 +286,9 @@ mod tests {
     async fn corrupt_files_and_temp_leftovers_are_set_aside() {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let s = Store::open(dir.path(), "e1").unwrap_or_else(|e| panic!("{e}"));
-        s.write(&rec("e1.good")).await.unwrap_or_else(|e| panic!("{e}"));
+        s.write(&rec("e1.good"))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
         let sdir = dir.path().join("edges/e1/sandboxes");
         std::fs::write(sdir.join("e1.bad.json"), b"{not json").unwrap_or_else(|e| panic!("{e}"));
         std::fs::write(sdir.join(".e1.x.3.tmp"), b"half").unwrap_or_else(|e| panic!("{e}"));
@@ -247,8 +304,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let s = Store::open(dir.path(), "e1").unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(s.read_flags().ok(), Some(EdgeFlagsState::default()));
-        s.write_flags(&EdgeFlagsState { draining: true }).await.unwrap_or_else(|e| panic!("{e}"));
+        s.write_flags(&EdgeFlagsState { draining: true })
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
         let again = Store::open(dir.path(), "e1").unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(again.read_flags().ok(), Some(EdgeFlagsState { draining: true }));
+        assert_eq!(
+            again.read_flags().ok(),
+            Some(EdgeFlagsState { draining: true })
+        );
     }
 }

@@ -15,7 +15,10 @@ use super::node::{lock, Core, Slot};
 use super::ops::Cause;
 use super::record::SandboxRecord;
 use super::store::Store;
-use crate::backends::{Adopted, Backend, BackendError, BackendState, CleanupReport, CreateRequest, Handle, Health, Recorded};
+use crate::backends::{
+    Adopted, Backend, BackendError, BackendState, CleanupReport, CreateRequest, Handle, Health,
+    Recorded,
+};
 use crate::config::EdgeConfig;
 use crate::pb::{self, SandboxState};
 use crate::types::{now_s, Failure, Reason};
@@ -66,9 +69,15 @@ impl Backend for Arc<TestBackend> {
     async fn adopt(&self, s: &Handle<'_>, recorded: Recorded) -> Result<Adopted, BackendError> {
         lock(&self.adopted).push((s.sandbox_id.to_string(), recorded));
         if self.fail_adopt.contains(s.sandbox_id) {
-            return Err(BackendError::Adopt { sandbox_id: s.sandbox_id.to_string(), message: "process gone".into() });
+            return Err(BackendError::Adopt {
+                sandbox_id: s.sandbox_id.to_string(),
+                message: "process gone".into(),
+            });
         }
-        Ok(Adopted { state: serde_json::json!("adopted"), paused: recorded == Recorded::Paused })
+        Ok(Adopted {
+            state: serde_json::json!("adopted"),
+            paused: recorded == Recorded::Paused,
+        })
     }
     async fn cleanup(&self, keep: &HashSet<String>) -> Result<CleanupReport, BackendError> {
         lock(&self.cleaned).push(keep.clone());
@@ -110,18 +119,48 @@ impl LeaseSink for Sink {
 }
 
 fn bound(edge: &str, sandbox: &str) -> pb::LeaseInfo {
-    pb::LeaseInfo { edge_id: edge.into(), sandbox_id: sandbox.into(), ..Default::default() }
+    pb::LeaseInfo {
+        edge_id: edge.into(),
+        sandbox_id: sandbox.into(),
+        ..Default::default()
+    }
 }
 
 fn host() -> HostSample {
-    HostSample { cpus: 4.0, mem_total_mb: 16000, mem_available_mb: 8000, disk_total_mb: 100_000, disk_free_mb: 50_000, cpu_pressure: None, cpu_usage: 0.0 }
+    HostSample {
+        cpus: 4.0,
+        mem_total_mb: 16000,
+        mem_available_mb: 8000,
+        disk_total_mb: 100_000,
+        disk_free_mb: 50_000,
+        cpu_pressure: None,
+        cpu_usage: 0.0,
+    }
 }
 
-fn core(backend: Arc<TestBackend>, cfg: EdgeConfig, store: Option<Store>, sink: Arc<Sink>) -> Arc<Core> {
-    let (releaser, _task) = Releaser::spawn(sink.clone(), BatchConfig { wait: Duration::from_millis(5), ..Default::default() });
+fn core(
+    backend: Arc<TestBackend>,
+    cfg: EdgeConfig,
+    store: Option<Store>,
+    sink: Arc<Sink>,
+) -> Arc<Core> {
+    let (releaser, _task) = Releaser::spawn(
+        sink.clone(),
+        BatchConfig {
+            wait: Duration::from_millis(5),
+            ..Default::default()
+        },
+    );
     let mut slots = BTreeMap::new();
     let b: Arc<dyn Backend> = Arc::new(backend);
-    slots.insert("vm".to_string(), Slot { backend: b, max_sandboxes: 0, default_disk_mb: 1024 });
+    slots.insert(
+        "vm".to_string(),
+        Slot {
+            backend: b,
+            max_sandboxes: 0,
+            default_disk_mb: 1024,
+        },
+    );
     let c = Arc::new(Core {
         edge_id: "e1".into(),
         addr: "127.0.0.1:1".into(),
@@ -149,15 +188,34 @@ fn core(backend: Arc<TestBackend>, cfg: EdgeConfig, store: Option<Store>, sink: 
 }
 
 fn spec() -> pb::SandboxSpec {
-    pb::SandboxSpec { backend: "vm".into(), cpu_cores_limit: 1.0, memory_limit_mb: 1000, ttl_max: 100, ..Default::default() }
+    pb::SandboxSpec {
+        backend: "vm".into(),
+        cpu_cores_limit: 1.0,
+        memory_limit_mb: 1000,
+        ttl_max: 100,
+        ..Default::default()
+    }
 }
 
 fn item(s: &str) -> pb::EdgeCreateItem {
-    pb::EdgeCreateItem { sandbox_id: format!("e1.{s}"), lease_id: format!("L-{s}"), project: "root".into(), principal: "p".into() }
+    pb::EdgeCreateItem {
+        sandbox_id: format!("e1.{s}"),
+        lease_id: format!("L-{s}"),
+        project: "root".into(),
+        principal: "p".into(),
+    }
 }
 
 fn rec(id: &str, state: SandboxState) -> SandboxRecord {
-    let mut r = SandboxRecord::creating(&format!("e1.{id}"), "e1", &format!("L-{id}"), "root", "p", spec(), now_s());
+    let mut r = SandboxRecord::creating(
+        &format!("e1.{id}"),
+        "e1",
+        &format!("L-{id}"),
+        "root",
+        "p",
+        spec(),
+        now_s(),
+    );
     r.set_state(state);
     if matches!(state, SandboxState::Stopped | SandboxState::Failed) {
         r.sandbox.ended_at = now_s();
@@ -198,47 +256,107 @@ async fn recovery_adopts_live_records_and_fails_interrupted_ones() {
         other,
     ];
     assert!(store.write_many(&recs).await.iter().all(|r| r.is_ok()));
-    let backend = Arc::new(TestBackend { fail_adopt: ["e1.lost".to_string()].into_iter().collect(), ..Default::default() });
+    let backend = Arc::new(TestBackend {
+        fail_adopt: ["e1.lost".to_string()].into_iter().collect(),
+        ..Default::default()
+    });
     let sink = Arc::new(Sink::default());
-    let c = core(backend.clone(), EdgeConfig::default(), Some(store.clone()), sink.clone());
+    let c = core(
+        backend.clone(),
+        EdgeConfig::default(),
+        Some(store.clone()),
+        sink.clone(),
+    );
     let report = c.recover().await.unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!((report.adopted, report.failed, report.stopped, report.kept_ended), (3, 3, 1, 1), "{report:?}");
+    assert_eq!(
+        (
+            report.adopted,
+            report.failed,
+            report.stopped,
+            report.kept_ended
+        ),
+        (3, 3, 1, 1),
+        "{report:?}"
+    );
 
     let state = |id: &str| c.get(&format!("e1.{id}")).map(|e| e.snapshot().state());
     assert_eq!(state("run"), Some(SandboxState::Running));
     assert_eq!(state("paused"), Some(SandboxState::Paused));
-    assert_eq!(state("pausing"), Some(SandboxState::Running), "the backend says the pause did not happen");
+    assert_eq!(
+        state("pausing"),
+        Some(SandboxState::Running),
+        "the backend says the pause did not happen"
+    );
     assert_eq!(state("creating"), Some(SandboxState::Failed));
     assert_eq!(state("stopping"), Some(SandboxState::Stopped));
     assert_eq!(state("stopped"), Some(SandboxState::Stopped));
     assert_eq!(state("lost"), Some(SandboxState::Failed));
     assert_eq!(state("other"), Some(SandboxState::Failed));
-    assert_eq!(c.get("e1.run").map(|e| e.snapshot().backend_state), Some(serde_json::json!("adopted")));
+    assert_eq!(
+        c.get("e1.run").map(|e| e.snapshot().backend_state),
+        Some(serde_json::json!("adopted"))
+    );
     let mut adopted = lock(&backend.adopted).clone();
     adopted.sort_by(|a, b| a.0.cmp(&b.0));
-    assert_eq!(adopted, vec![("e1.lost".into(), Recorded::Running), ("e1.paused".into(), Recorded::Paused), ("e1.pausing".into(), Recorded::Running), ("e1.run".into(), Recorded::Running)]);
-    let keep: HashSet<String> = ["e1.run", "e1.paused", "e1.pausing"].iter().map(|s| s.to_string()).collect();
-    assert_eq!(lock(&backend.cleaned).clone(), vec![keep], "cleanup keeps exactly the live records");
-    assert_eq!(lock(&c.alloc).count("vm"), 3, "allocation rebuilt from live records");
+    assert_eq!(
+        adopted,
+        vec![
+            ("e1.lost".into(), Recorded::Running),
+            ("e1.paused".into(), Recorded::Paused),
+            ("e1.pausing".into(), Recorded::Running),
+            ("e1.run".into(), Recorded::Running)
+        ]
+    );
+    let keep: HashSet<String> = ["e1.run", "e1.paused", "e1.pausing"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    assert_eq!(
+        lock(&backend.cleaned).clone(),
+        vec![keep],
+        "cleanup keeps exactly the live records"
+    );
+    assert_eq!(
+        lock(&c.alloc).count("vm"),
+        3,
+        "allocation rebuilt from live records"
+    );
     // Interrupted and unadoptable sandboxes give their leases back (the sink's lookup fails,
     // so verified releases stay queued: nothing is released blindly).
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(lock(&sink.released).is_empty(), "verified releases wait for IAM to confirm the binding");
+    assert!(
+        lock(&sink.released).is_empty(),
+        "verified releases wait for IAM to confirm the binding"
+    );
     // The new states are on disk.
     let (back, _) = store.load_all().unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(back.iter().find(|r| r.id() == "e1.creating").map(|r| r.state()), Some(SandboxState::Failed));
+    assert_eq!(
+        back.iter()
+            .find(|r| r.id() == "e1.creating")
+            .map(|r| r.state()),
+        Some(SandboxState::Failed)
+    );
 }
 
 #[tokio::test]
 async fn ttl_pass_stops_at_the_lifetime_and_drops_after_retention() {
     let sink = Arc::new(Sink::default());
-    let cfg = EdgeConfig { stopped_retention: 50.0, ..Default::default() };
+    let cfg = EdgeConfig {
+        stopped_retention: 50.0,
+        ..Default::default()
+    };
     let c = core(Arc::new(TestBackend::default()), cfg, None, sink.clone());
-    let out = c.create_batch(Some(spec()), vec![item("a"), item("b")]).await.unwrap_or_else(|f| panic!("{f}"));
+    let out = c
+        .create_batch(Some(spec()), vec![item("a"), item("b")])
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
     assert!(out.iter().all(|r| r.error.is_none()));
     let t0 = now_s();
     super::loops::ttl_pass(&c, t0 + 50).await;
-    assert_eq!(c.get("e1.a").map(|e| e.snapshot().state()), Some(SandboxState::Running));
+    assert_eq!(
+        c.get("e1.a").map(|e| e.snapshot().state()),
+        Some(SandboxState::Running)
+    );
     // Past the 100 s lifetime (as if time had passed).
     super::loops::ttl_pass(&c, t0 + 200).await;
     for _ in 0..200 {
@@ -247,10 +365,17 @@ async fn ttl_pass_stops_at_the_lifetime_and_drops_after_retention() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let a = c.get("e1.a").map(|e| e.snapshot()).unwrap_or_else(|| panic!("record gone too early"));
+    let a = c
+        .get("e1.a")
+        .map(|e| e.snapshot())
+        .unwrap_or_else(|| panic!("record gone too early"));
     assert_eq!(a.state(), SandboxState::Stopped);
     assert_eq!(a.sandbox.message, super::ttl::LIFETIME_MESSAGE);
-    assert_eq!(released_eventually(&sink, 2).await, vec!["L-a", "L-b"], "ended by TTL: leases released");
+    assert_eq!(
+        released_eventually(&sink, 2).await,
+        vec!["L-a", "L-b"],
+        "ended by TTL: leases released"
+    );
     assert_eq!(lock(&c.alloc).total.memory_mb, 0);
     // Retention: dropped 50 s after the end.
     super::loops::ttl_pass(&c, a.sandbox.ended_at + 10).await;
@@ -261,9 +386,20 @@ async fn ttl_pass_stops_at_the_lifetime_and_drops_after_retention() {
 
 #[tokio::test]
 async fn a_call_in_flight_holds_off_the_idle_timeout() {
-    let c = core(Arc::new(TestBackend::default()), EdgeConfig::default(), None, Arc::new(Sink::default()));
-    let idle = pb::SandboxSpec { ttl_running_stop: 10, ttl_max: 0, ..spec() };
-    c.create_batch(Some(idle), vec![item("a")]).await.unwrap_or_else(|f| panic!("{f}"));
+    let c = core(
+        Arc::new(TestBackend::default()),
+        EdgeConfig::default(),
+        None,
+        Arc::new(Sink::default()),
+    );
+    let idle = pb::SandboxSpec {
+        ttl_running_stop: 10,
+        ttl_max: 0,
+        ..spec()
+    };
+    c.create_batch(Some(idle), vec![item("a")])
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
     let e = c.get("e1.a").unwrap_or_else(|| panic!("missing"));
     e.calls.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
     super::loops::ttl_pass(&c, now_s() + 1000).await;
@@ -282,44 +418,123 @@ async fn a_call_in_flight_holds_off_the_idle_timeout() {
 
 #[tokio::test]
 async fn pressure_and_capacity_refuse_with_no_capacity() {
-    let cfg = EdgeConfig { capacity: crate::config::CapacityConfig { memory_mb: 2500, ..Default::default() }, ..Default::default() };
-    let c = core(Arc::new(TestBackend::default()), cfg, None, Arc::new(Sink::default()));
-    let out = c.create_batch(Some(spec()), vec![item("a"), item("b"), item("c")]).await.unwrap_or_else(|f| panic!("{f}"));
-    let errs: Vec<_> = out.iter().map(|r| r.error.as_ref().map(|e| (e.reason.clone(), e.message.clone()))).collect();
+    let cfg = EdgeConfig {
+        capacity: crate::config::CapacityConfig {
+            memory_mb: 2500,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let c = core(
+        Arc::new(TestBackend::default()),
+        cfg,
+        None,
+        Arc::new(Sink::default()),
+    );
+    let out = c
+        .create_batch(Some(spec()), vec![item("a"), item("b"), item("c")])
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    let errs: Vec<_> = out
+        .iter()
+        .map(|r| {
+            r.error
+                .as_ref()
+                .map(|e| (e.reason.clone(), e.message.clone()))
+        })
+        .collect();
     assert!(errs[0].is_none() && errs[1].is_none());
     let (reason, msg) = errs[2].clone().unwrap_or_default();
     assert_eq!(reason, "no_capacity");
-    assert!(msg.contains("memory_mb: 1000 requested, 500 of 2500 free"), "{msg}");
+    assert!(
+        msg.contains("memory_mb: 1000 requested, 500 of 2500 free"),
+        "{msg}"
+    );
     // Memory pressure refuses everything, naming it.
-    super::loops::sample_into(&c, HostSample { mem_available_mb: 10, ..host() });
-    let out = c.create_batch(Some(spec()), vec![item("d")]).await.unwrap_or_else(|f| panic!("{f}"));
+    super::loops::sample_into(
+        &c,
+        HostSample {
+            mem_available_mb: 10,
+            ..host()
+        },
+    );
+    let out = c
+        .create_batch(Some(spec()), vec![item("d")])
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
     let e = out[0].error.clone().unwrap_or_default();
     assert_eq!(e.reason, "no_capacity");
     assert!(e.message.contains("memory pressure"), "{}", e.message);
     let st = c.edge_state();
     assert!(st.under_pressure && st.pressure_reason.contains("MemAvailable 10 MB"));
     // Bad specs are invalid for the whole call.
-    let bad = c.create_batch(Some(pb::SandboxSpec { cpu_cores_limit: -1.0, ..spec() }), vec![item("e")]).await;
+    let bad = c
+        .create_batch(
+            Some(pb::SandboxSpec {
+                cpu_cores_limit: -1.0,
+                ..spec()
+            }),
+            vec![item("e")],
+        )
+        .await;
     assert_eq!(bad.err().map(|f| f.reason), Some(Reason::Invalid));
 }
 
 #[tokio::test]
 async fn paused_memory_is_charged_by_paused_mem_charge_and_needed_back_to_resume() {
-    let cfg = EdgeConfig { paused_mem_charge: Some(0.25), capacity: crate::config::CapacityConfig { memory_mb: 2000, ..Default::default() }, ..Default::default() };
-    let c = core(Arc::new(TestBackend { frees: true, ..Default::default() }), cfg, None, Arc::new(Sink::default()));
-    c.create_batch(Some(spec()), vec![item("a"), item("b")]).await.unwrap_or_else(|f| panic!("{f}"));
-    c.lifecycle("e1.a", Op::Pause, Cause::Caller).await.unwrap_or_else(|f| panic!("{f}"));
+    let cfg = EdgeConfig {
+        paused_mem_charge: Some(0.25),
+        capacity: crate::config::CapacityConfig {
+            memory_mb: 2000,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let c = core(
+        Arc::new(TestBackend {
+            frees: true,
+            ..Default::default()
+        }),
+        cfg,
+        None,
+        Arc::new(Sink::default()),
+    );
+    c.create_batch(Some(spec()), vec![item("a"), item("b")])
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    c.lifecycle("e1.a", Op::Pause, Cause::Caller)
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
     assert_eq!(lock(&c.alloc).total.memory_mb, 1250, "1000 + 1000 × 0.25");
-    assert_eq!(lock(&c.alloc).count("vm"), 2, "paused still counts as a sandbox");
+    assert_eq!(
+        lock(&c.alloc).count("vm"),
+        2,
+        "paused still counts as a sandbox"
+    );
     // The freed 750 MB are taken by a smaller sandbox; resuming a needs them back.
-    let small = pb::SandboxSpec { memory_limit_mb: 700, ..spec() };
-    let out = c.create_batch(Some(small), vec![item("c")]).await.unwrap_or_else(|f| panic!("{f}"));
+    let small = pb::SandboxSpec {
+        memory_limit_mb: 700,
+        ..spec()
+    };
+    let out = c
+        .create_batch(Some(small), vec![item("c")])
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
     assert!(out[0].error.is_none());
     let r = c.lifecycle("e1.a", Op::Resume, Cause::Caller).await;
     assert_eq!(r.err().map(|f| f.reason), Some(Reason::NoCapacity));
-    assert_eq!(c.get("e1.a").map(|e| e.snapshot().state()), Some(SandboxState::Paused), "a refused resume leaves it paused");
-    c.lifecycle("e1.c", Op::Stop, Cause::Caller).await.unwrap_or_else(|f| panic!("{f}"));
-    let r = c.lifecycle("e1.a", Op::Resume, Cause::Caller).await.unwrap_or_else(|f| panic!("{f}"));
+    assert_eq!(
+        c.get("e1.a").map(|e| e.snapshot().state()),
+        Some(SandboxState::Paused),
+        "a refused resume leaves it paused"
+    );
+    c.lifecycle("e1.c", Op::Stop, Cause::Caller)
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    let r = c
+        .lifecycle("e1.a", Op::Resume, Cause::Caller)
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
     assert_eq!(r.state, SandboxState::Running as i32);
     assert_eq!(lock(&c.alloc).total.memory_mb, 2000);
 }
@@ -329,66 +544,166 @@ async fn big_batches_and_duplicate_ids_create_each_sandbox_once() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let store = Store::open(dir.path(), "e1").unwrap_or_else(|e| panic!("{e}"));
     let backend = Arc::new(TestBackend::default());
-    let big = crate::config::CapacityConfig { cpu_cores: 10_000.0, memory_mb: 10_000_000, disk_mb: 10_000_000, gpus: 0 };
-    let c = core(backend.clone(), EdgeConfig { capacity: big, ..Default::default() }, Some(store.clone()), Arc::new(Sink::default()));
+    let big = crate::config::CapacityConfig {
+        cpu_cores: 10_000.0,
+        memory_mb: 10_000_000,
+        disk_mb: 10_000_000,
+        gpus: 0,
+    };
+    let c = core(
+        backend.clone(),
+        EdgeConfig {
+            capacity: big,
+            ..Default::default()
+        },
+        Some(store.clone()),
+        Arc::new(Sink::default()),
+    );
     let mut items: Vec<_> = (0..2000).map(|i| item(&format!("s{i}"))).collect();
     items.push(item("s7"));
-    let out = c.create_batch(Some(spec()), items).await.unwrap_or_else(|f| panic!("{f}"));
+    let out = c
+        .create_batch(Some(spec()), items)
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
     assert_eq!(out.len(), 2001);
     let errs: Vec<_> = out.iter().filter_map(|r| r.error.clone()).collect();
-    assert!(errs.is_empty(), "{} errors, first {:?}", errs.len(), errs.first());
-    assert_eq!(out[2000].sandbox.as_ref().map(|s| s.id.as_str()), Some("e1.s7"));
+    assert!(
+        errs.is_empty(),
+        "{} errors, first {:?}",
+        errs.len(),
+        errs.first()
+    );
+    assert_eq!(
+        out[2000].sandbox.as_ref().map(|s| s.id.as_str()),
+        Some("e1.s7")
+    );
     assert_eq!(*lock(&backend.created), 2000);
     let (back, _) = store.load_all().unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(back.len(), 2000);
     assert!(back.iter().all(|r| r.state() == SandboxState::Running));
     // A retry of part of the batch creates nothing.
-    let again = c.create_batch(Some(spec()), (0..10).map(|i| item(&format!("s{i}"))).collect()).await.unwrap_or_else(|f| panic!("{f}"));
+    let again = c
+        .create_batch(
+            Some(spec()),
+            (0..10).map(|i| item(&format!("s{i}"))).collect(),
+        )
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
     assert!(again.iter().all(|r| r.sandbox.is_some()));
     assert_eq!(*lock(&backend.created), 2000);
 }
 
 #[tokio::test]
 async fn sim_only_edges_report_no_actual_use_while_real_ones_report_the_host() {
-    let real = core(Arc::new(TestBackend::default()), EdgeConfig::default(), None, Arc::new(Sink::default()));
-    super::loops::sample_into(&real, HostSample { cpu_usage: 0.7, mem_available_mb: 4000, ..host() });
+    let real = core(
+        Arc::new(TestBackend::default()),
+        EdgeConfig::default(),
+        None,
+        Arc::new(Sink::default()),
+    );
+    super::loops::sample_into(
+        &real,
+        HostSample {
+            cpu_usage: 0.7,
+            mem_available_mb: 4000,
+            ..host()
+        },
+    );
     let st = real.edge_state();
     assert!((st.cpu_usage - 0.7).abs() < 1e-9);
     assert!(st.mem_usage > 0.5);
 
-    let sim = core(Arc::new(TestBackend::default()), EdgeConfig::default(), None, Arc::new(Sink::default()));
+    let sim = core(
+        Arc::new(TestBackend::default()),
+        EdgeConfig::default(),
+        None,
+        Arc::new(Sink::default()),
+    );
     let mut sim = Arc::try_unwrap(sim).unwrap_or_else(|_| panic!("core still shared"));
-    let b: Arc<dyn Backend> = Arc::new(crate::backends::sim::SimBackend::new("sim", &crate::config::BackendConfig::default()).unwrap());
+    let b: Arc<dyn Backend> = Arc::new(
+        crate::backends::sim::SimBackend::new("sim", &crate::config::BackendConfig::default())
+            .unwrap(),
+    );
     sim.slots.clear();
-    sim.slots.insert("sim".to_string(), Slot { backend: b, max_sandboxes: 0, default_disk_mb: 1024 });
-    super::loops::sample_into(&sim, HostSample { cpu_usage: 0.7, mem_available_mb: 4000, ..host() });
+    sim.slots.insert(
+        "sim".to_string(),
+        Slot {
+            backend: b,
+            max_sandboxes: 0,
+            default_disk_mb: 1024,
+        },
+    );
+    super::loops::sample_into(
+        &sim,
+        HostSample {
+            cpu_usage: 0.7,
+            mem_available_mb: 4000,
+            ..host()
+        },
+    );
     let st = sim.edge_state();
-    assert_eq!((st.cpu_usage, st.mem_usage), (0.0, 0.0), "simulated sandboxes use nothing; the host's load must not steer placement");
+    assert_eq!(
+        (st.cpu_usage, st.mem_usage),
+        (0.0, 0.0),
+        "simulated sandboxes use nothing; the host's load must not steer placement"
+    );
 }
 
 #[tokio::test]
 async fn a_caller_that_goes_away_does_not_leave_a_creation_halfway() {
     use pb::edge_server::Edge;
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let backend = Arc::new(TestBackend { gate: Some(gate.clone()), ..Default::default() });
-    let c = core(backend.clone(), EdgeConfig::default(), None, Arc::new(Sink::default()));
+    let backend = Arc::new(TestBackend {
+        gate: Some(gate.clone()),
+        ..Default::default()
+    });
+    let c = core(
+        backend.clone(),
+        EdgeConfig::default(),
+        None,
+        Arc::new(Sink::default()),
+    );
     let svc = super::service::EdgeService { core: c.clone() };
-    let call = svc.create_sandboxes(tonic::Request::new(pb::EdgeCreateRequest { spec: Some(spec()), items: vec![item("a")] }));
+    let call = svc.create_sandboxes(tonic::Request::new(pb::EdgeCreateRequest {
+        spec: Some(spec()),
+        items: vec![item("a")],
+    }));
     // The apiserver goes away while the backend is still creating: its call is dropped.
-    assert!(tokio::time::timeout(Duration::from_millis(200), call).await.is_err());
-    assert_eq!(c.get("e1.a").map(|e| e.snapshot().state()), Some(SandboxState::Creating));
+    assert!(tokio::time::timeout(Duration::from_millis(200), call)
+        .await
+        .is_err());
+    assert_eq!(
+        c.get("e1.a").map(|e| e.snapshot().state()),
+        Some(SandboxState::Creating)
+    );
     gate.add_permits(1);
     for _ in 0..200 {
-        if c.get("e1.a").is_some_and(|e| e.snapshot().state() != SandboxState::Creating) {
+        if c.get("e1.a")
+            .is_some_and(|e| e.snapshot().state() != SandboxState::Creating)
+        {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(c.get("e1.a").map(|e| e.snapshot().state()), Some(SandboxState::Running), "the creation went on to the end");
+    assert_eq!(
+        c.get("e1.a").map(|e| e.snapshot().state()),
+        Some(SandboxState::Running),
+        "the creation went on to the end"
+    );
     // The retry finds it RUNNING and creates nothing more.
-    let again = svc.create_sandboxes(tonic::Request::new(pb::EdgeCreateRequest { spec: Some(spec()), items: vec![item("a")] }));
-    let out = tokio::time::timeout(Duration::from_secs(5), again).await.unwrap_or_else(|_| panic!("retry hung")).unwrap_or_else(|s| panic!("{s}")).into_inner();
-    assert_eq!(out.results[0].sandbox.as_ref().map(|s| s.state), Some(SandboxState::Running as i32));
+    let again = svc.create_sandboxes(tonic::Request::new(pb::EdgeCreateRequest {
+        spec: Some(spec()),
+        items: vec![item("a")],
+    }));
+    let out = tokio::time::timeout(Duration::from_secs(5), again)
+        .await
+        .unwrap_or_else(|_| panic!("retry hung"))
+        .unwrap_or_else(|s| panic!("{s}"))
+        .into_inner();
+    assert_eq!(
+        out.results[0].sandbox.as_ref().map(|s| s.state),
+        Some(SandboxState::Running as i32)
+    );
     assert_eq!(*lock(&backend.created), 1);
 }
 
@@ -398,23 +713,52 @@ async fn a_retry_creates_again_what_a_restart_interrupted_once_its_lease_is_sett
     let store = Store::open(dir.path(), "e1").unwrap_or_else(|e| panic!("{e}"));
     let mut broken = rec("broken", SandboxState::Failed);
     broken.sandbox.message = "the backend failed".into();
-    assert!(store.write_many(&[rec("cut", SandboxState::Creating), broken]).await.iter().all(|r| r.is_ok()));
-    let bindings: BTreeMap<String, pb::LeaseInfo> = [("L-cut".to_string(), bound("e1", "e1.cut"))].into_iter().collect();
+    assert!(store
+        .write_many(&[rec("cut", SandboxState::Creating), broken])
+        .await
+        .iter()
+        .all(|r| r.is_ok()));
+    let bindings: BTreeMap<String, pb::LeaseInfo> = [("L-cut".to_string(), bound("e1", "e1.cut"))]
+        .into_iter()
+        .collect();
     let release_gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let sink = Arc::new(Sink { bindings: Some(Mutex::new(bindings)), gate: Some(release_gate.clone()), ..Default::default() });
+    let sink = Arc::new(Sink {
+        bindings: Some(Mutex::new(bindings)),
+        gate: Some(release_gate.clone()),
+        ..Default::default()
+    });
     let backend = Arc::new(TestBackend::default());
-    let c = core(backend.clone(), EdgeConfig::default(), Some(store.clone()), sink.clone());
+    let c = core(
+        backend.clone(),
+        EdgeConfig::default(),
+        Some(store.clone()),
+        sink.clone(),
+    );
     let report = c.recover().await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(report.failed, 1);
     let create = |s: &'static str| {
         let c = c.clone();
-        async move { c.create_batch(Some(spec()), vec![item(s)]).await.unwrap_or_else(|f| panic!("{f}")).remove(0) }
+        async move {
+            c.create_batch(Some(spec()), vec![item(s)])
+                .await
+                .unwrap_or_else(|f| panic!("{f}"))
+                .remove(0)
+        }
     };
 
     // While the interrupted creation's lease is being released: unavailable (retry).
     let r = create("cut").await;
-    assert_eq!(r.error.as_ref().map(|e| e.reason.as_str()), Some("unavailable"), "{r:?}");
-    assert!(r.error.as_ref().is_some_and(|e| e.message.contains("still being released")), "{r:?}");
+    assert_eq!(
+        r.error.as_ref().map(|e| e.reason.as_str()),
+        Some("unavailable"),
+        "{r:?}"
+    );
+    assert!(
+        r.error
+            .as_ref()
+            .is_some_and(|e| e.message.contains("still being released")),
+        "{r:?}"
+    );
     release_gate.add_permits(1);
     assert_eq!(released_eventually(&sink, 1).await, vec!["L-cut"]);
     for _ in 0..200 {
@@ -426,7 +770,11 @@ async fn a_retry_creates_again_what_a_restart_interrupted_once_its_lease_is_sett
     assert!(!c.releaser.is_pending("L-cut"));
     // Released, and not admitted again yet: still unavailable.
     let r = create("cut").await;
-    assert_eq!(r.error.as_ref().map(|e| e.reason.as_str()), Some("unavailable"), "{r:?}");
+    assert_eq!(
+        r.error.as_ref().map(|e| e.reason.as_str()),
+        Some("unavailable"),
+        "{r:?}"
+    );
     assert_eq!(*lock(&backend.created), 0);
 
     // The apiserver's retry admits the lease again, bound here: created again, once.
@@ -439,13 +787,25 @@ async fn a_retry_creates_again_what_a_restart_interrupted_once_its_lease_is_sett
     assert_eq!(*lock(&backend.created), 1);
     assert!(c.get("e1.cut").is_some_and(|e| !e.snapshot().interrupted));
     let r = create("cut").await;
-    assert_eq!(r.sandbox.map(|s| s.state), Some(SandboxState::Running as i32));
+    assert_eq!(
+        r.sandbox.map(|s| s.state),
+        Some(SandboxState::Running as i32)
+    );
     assert_eq!(*lock(&backend.created), 1);
     let (back, _) = store.load_all().unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(back.iter().find(|r| r.id() == "e1.cut").map(|r| r.state()), Some(SandboxState::Running));
+    assert_eq!(
+        back.iter().find(|r| r.id() == "e1.cut").map(|r| r.state()),
+        Some(SandboxState::Running)
+    );
 
     // A creation that failed on its own is not tried again: the retry gets the failure.
     let r = create("broken").await;
-    assert_eq!(r.sandbox.map(|s| (s.state, s.message)), Some((SandboxState::Failed as i32, "the backend failed".to_string())));
+    assert_eq!(
+        r.sandbox.map(|s| (s.state, s.message)),
+        Some((
+            SandboxState::Failed as i32,
+            "the backend failed".to_string()
+        ))
+    );
     assert_eq!(*lock(&backend.created), 1);
 }

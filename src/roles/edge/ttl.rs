@@ -31,7 +31,12 @@ pub enum TtlAction {
 
 /// Decides what is due for `rec` at `now`. `calls_in_flight` is the number of runtime calls
 /// running in the sandbox; `retention` is `stopped_retention` in seconds.
-pub fn decide(rec: &SandboxRecord, calls_in_flight: u32, now: i64, retention: i64) -> Option<TtlAction> {
+pub fn decide(
+    rec: &SandboxRecord,
+    calls_in_flight: u32,
+    now: i64,
+    retention: i64,
+) -> Option<TtlAction> {
     let sb = &rec.sandbox;
     let spec = sb.spec.clone().unwrap_or_default();
     let lifetime_end = (spec.ttl_max > 0).then(|| sb.created_at.saturating_add(spec.ttl_max));
@@ -40,12 +45,19 @@ pub fn decide(rec: &SandboxRecord, calls_in_flight: u32, now: i64, retention: i6
         SandboxState::Running => {
             let why = if lifetime_end.is_some_and(|end| now > end) {
                 LIFETIME_MESSAGE
-            } else if spec.ttl_running_stop > 0 && calls_in_flight == 0 && now > sb.last_active_at.saturating_add(spec.ttl_running_stop) {
+            } else if spec.ttl_running_stop > 0
+                && calls_in_flight == 0
+                && now > sb.last_active_at.saturating_add(spec.ttl_running_stop)
+            {
                 IDLE_MESSAGE
             } else {
                 return None;
             };
-            Some(if paused_keep > 0 { TtlAction::Pause(why.to_string()) } else { TtlAction::Stop(why.to_string()) })
+            Some(if paused_keep > 0 {
+                TtlAction::Pause(why.to_string())
+            } else {
+                TtlAction::Stop(why.to_string())
+            })
         }
         SandboxState::Paused => {
             // A TTL pause keeps it ttl_paused_s from then; a caller's pause keeps it until the
@@ -56,14 +68,22 @@ pub fn decide(rec: &SandboxRecord, calls_in_flight: u32, now: i64, retention: i6
                 (lifetime_end?, LIFETIME_MESSAGE.to_string())
             };
             if now > from.saturating_add(paused_keep) {
-                let msg = if rec.ttl_paused_at > 0 { format!("{why}; kept paused for ttl_paused_s ({paused_keep} s)") } else { why };
+                let msg = if rec.ttl_paused_at > 0 {
+                    format!("{why}; kept paused for ttl_paused_s ({paused_keep} s)")
+                } else {
+                    why
+                };
                 Some(TtlAction::Stop(msg))
             } else {
                 None
             }
         }
         SandboxState::Stopped | SandboxState::Failed => {
-            let end = if sb.ended_at > 0 { sb.ended_at } else { sb.created_at };
+            let end = if sb.ended_at > 0 {
+                sb.ended_at
+            } else {
+                sb.created_at
+            };
             (now > end.saturating_add(retention)).then_some(TtlAction::Drop)
         }
         _ => None,
@@ -91,7 +111,13 @@ mod tests {
     use crate::pb;
 
     fn rec(idle: i64, max: i64, paused: i64) -> SandboxRecord {
-        let spec = pb::SandboxSpec { backend: "sim".into(), ttl_running_stop: idle, ttl_max: max, ttl_paused_s: paused, ..Default::default() };
+        let spec = pb::SandboxSpec {
+            backend: "sim".into(),
+            ttl_running_stop: idle,
+            ttl_max: max,
+            ttl_paused_s: paused,
+            ..Default::default()
+        };
         let mut r = SandboxRecord::creating("e.a", "e", "L", "root", "p", spec, 1000);
         r.set_state(SandboxState::Running);
         r
@@ -101,9 +127,20 @@ mod tests {
     fn idle_timeout_needs_no_call_in_flight() {
         let mut r = rec(60, 0, 0);
         r.sandbox.last_active_at = 1100;
-        assert_eq!(decide(&r, 0, 1160, 600), None, "exactly 60 s is not more than 60 s");
-        assert_eq!(decide(&r, 0, 1161, 600), Some(TtlAction::Stop(IDLE_MESSAGE.into())));
-        assert_eq!(decide(&r, 1, 5000, 600), None, "a call in flight keeps it from being idle");
+        assert_eq!(
+            decide(&r, 0, 1160, 600),
+            None,
+            "exactly 60 s is not more than 60 s"
+        );
+        assert_eq!(
+            decide(&r, 0, 1161, 600),
+            Some(TtlAction::Stop(IDLE_MESSAGE.into()))
+        );
+        assert_eq!(
+            decide(&r, 1, 5000, 600),
+            None,
+            "a call in flight keeps it from being idle"
+        );
     }
 
     #[test]
@@ -111,7 +148,10 @@ mod tests {
         let mut r = rec(0, 100, 0);
         r.sandbox.last_active_at = 1099;
         assert_eq!(decide(&r, 3, 1100, 600), None);
-        assert_eq!(decide(&r, 3, 1101, 600), Some(TtlAction::Stop(LIFETIME_MESSAGE.into())));
+        assert_eq!(
+            decide(&r, 3, 1101, 600),
+            Some(TtlAction::Stop(LIFETIME_MESSAGE.into()))
+        );
     }
 
     #[test]
@@ -125,14 +165,20 @@ mod tests {
     #[test]
     fn ttl_paused_pauses_then_stops_later() {
         let mut r = rec(10, 0, 30);
-        assert_eq!(decide(&r, 0, 1011, 600), Some(TtlAction::Pause(IDLE_MESSAGE.into())));
+        assert_eq!(
+            decide(&r, 0, 1011, 600),
+            Some(TtlAction::Pause(IDLE_MESSAGE.into()))
+        );
         // The loop pauses it at 1011.
         r.set_state(SandboxState::Paused);
         r.ttl_paused_at = 1011;
         r.sandbox.message = pause_message(IDLE_MESSAGE);
         assert_eq!(decide(&r, 0, 1041, 600), None);
         match decide(&r, 0, 1042, 600) {
-            Some(TtlAction::Stop(m)) => assert!(m.starts_with(IDLE_MESSAGE) && m.contains("ttl_paused_s"), "{m}"),
+            Some(TtlAction::Stop(m)) => assert!(
+                m.starts_with(IDLE_MESSAGE) && m.contains("ttl_paused_s"),
+                "{m}"
+            ),
             other => panic!("{other:?}"),
         }
     }
@@ -141,7 +187,11 @@ mod tests {
     fn paused_time_does_not_count_as_idle() {
         let mut r = rec(10, 0, 0);
         r.set_state(SandboxState::Paused);
-        assert_eq!(decide(&r, 0, 1_000_000, 600), None, "a caller's pause without lifetime lasts");
+        assert_eq!(
+            decide(&r, 0, 1_000_000, 600),
+            None,
+            "a caller's pause without lifetime lasts"
+        );
         // Resumed: idle restarts from the resume (the edge sets last_active_at then).
         r.set_state(SandboxState::Running);
         r.sandbox.last_active_at = 999_990;
@@ -154,10 +204,17 @@ mod tests {
         let mut r = rec(0, 50, 0);
         r.set_state(SandboxState::Paused);
         assert_eq!(decide(&r, 0, 1050, 600), None);
-        assert_eq!(decide(&r, 0, 1051, 600), Some(TtlAction::Stop(LIFETIME_MESSAGE.into())));
+        assert_eq!(
+            decide(&r, 0, 1051, 600),
+            Some(TtlAction::Stop(LIFETIME_MESSAGE.into()))
+        );
         let mut r = rec(0, 50, 20);
         r.set_state(SandboxState::Paused);
-        assert_eq!(decide(&r, 0, 1070, 600), None, "ttl_paused_s more after the lifetime");
+        assert_eq!(
+            decide(&r, 0, 1070, 600),
+            None,
+            "ttl_paused_s more after the lifetime"
+        );
         assert!(matches!(decide(&r, 0, 1071, 600), Some(TtlAction::Stop(_))));
     }
 
@@ -168,6 +225,10 @@ mod tests {
         assert_eq!(decide(&r, 0, 2600, 600), None);
         assert_eq!(decide(&r, 0, 2601, 600), Some(TtlAction::Drop));
         r.set_state(SandboxState::Creating);
-        assert_eq!(decide(&r, 0, 1 << 40, 600), None, "transitional states are left alone");
+        assert_eq!(
+            decide(&r, 0, 1 << 40, 600),
+            None,
+            "transitional states are left alone"
+        );
     }
 }

@@ -15,7 +15,9 @@ pub const MAX_BATCH: usize = 65536;
 
 fn check_batch(n: usize) -> Result<(), Failure> {
     if n > MAX_BATCH {
-        return Err(Failure::invalid(format!("batch of {n} items exceeds {MAX_BATCH}")));
+        return Err(Failure::invalid(format!(
+            "batch of {n} items exceeds {MAX_BATCH}"
+        )));
     }
     Ok(())
 }
@@ -41,7 +43,13 @@ fn lease_res(r: &Res) -> Res {
     Res { sandboxes: 1, ..*r }
 }
 
-pub(super) fn admit(st: &mut IamState, a: &Actor, image_project: &str, items: &[AdmitItem], now: i64) -> Result<Outcome, Failure> {
+pub(super) fn admit(
+    st: &mut IamState,
+    a: &Actor,
+    image_project: &str,
+    items: &[AdmitItem],
+    now: i64,
+) -> Result<Outcome, Failure> {
     actor(st, a, now)?;
     check_batch(items.len())?;
     let principal = a.principal.clone();
@@ -49,7 +57,8 @@ pub(super) fn admit(st: &mut IamState, a: &Actor, image_project: &str, items: &[
     let image_ok: Result<(), Failure> = if image_project.is_empty() {
         Ok(())
     } else {
-        names::check_project_path(image_project).and_then(|_| st.require(&principal, image_project, "layer.use"))
+        names::check_project_path(image_project)
+            .and_then(|_| st.require(&principal, image_project, "layer.use"))
     };
     // sandbox.create per project, checked once per distinct project of the batch.
     let mut create_ok: HashMap<&str, Result<(), Failure>> = HashMap::new();
@@ -59,7 +68,10 @@ pub(super) fn admit(st: &mut IamState, a: &Actor, image_project: &str, items: &[
         let r = (|| {
             check_id("lease id", &it.lease_id)?;
             if !seen.insert(&it.lease_id) {
-                return Err(Failure::invalid(format!("lease {} appears twice in one batch", it.lease_id)));
+                return Err(Failure::invalid(format!(
+                    "lease {} appears twice in one batch",
+                    it.lease_id
+                )));
             }
             check_edge(&it.edge_id)?;
             check_sandbox_id(&it.sandbox_id)?;
@@ -78,14 +90,29 @@ pub(super) fn admit(st: &mut IamState, a: &Actor, image_project: &str, items: &[
 }
 
 /// Reserves (or rebinds) one checked item.
-fn admit_one(st: &mut IamState, principal: &str, it: &AdmitItem, now: i64) -> Result<Admitted, Failure> {
+fn admit_one(
+    st: &mut IamState,
+    principal: &str,
+    it: &AdmitItem,
+    now: i64,
+) -> Result<Admitted, Failure> {
     if let Some(l) = st.leases.get(&it.lease_id) {
         if l.project != it.project {
-            return Err(Failure::conflict(format!("lease {} is held in project {}, not {}", it.lease_id, l.project, it.project)));
+            return Err(Failure::conflict(format!(
+                "lease {} is held in project {}, not {}",
+                it.lease_id, l.project, it.project
+            )));
         }
-        let prev = Admitted { existed: true, prev_edge_id: l.edge_id.clone(), prev_sandbox_id: l.sandbox_id.clone() };
+        let prev = Admitted {
+            existed: true,
+            prev_edge_id: l.edge_id.clone(),
+            prev_sandbox_id: l.sandbox_id.clone(),
+        };
         let keep = it.keep_binding && !l.edge_id.is_empty();
-        if !keep && !it.edge_id.is_empty() && (l.edge_id != it.edge_id || l.sandbox_id != it.sandbox_id) {
+        if !keep
+            && !it.edge_id.is_empty()
+            && (l.edge_id != it.edge_id || l.sandbox_id != it.sandbox_id)
+        {
             let old_edge = l.edge_id.clone();
             st.index_remove(&old_edge, &it.lease_id);
             st.index_add(&it.edge_id, &it.lease_id);
@@ -115,20 +142,38 @@ fn admit_one(st: &mut IamState, principal: &str, it: &AdmitItem, now: i64) -> Re
     );
     st.index_add(&it.edge_id, &it.lease_id);
     usage::record_started(st, &it.project, now);
-    Ok(Admitted { existed: false, prev_edge_id: String::new(), prev_sandbox_id: String::new() })
+    Ok(Admitted {
+        existed: false,
+        prev_edge_id: String::new(),
+        prev_sandbox_id: String::new(),
+    })
 }
 
 /// Releases one lease that ended at `at`: frees its quota and records its usage. Returns
 /// whether it was held.
 fn release_one(st: &mut IamState, id: &str, at: i64, now: i64) -> bool {
-    let Some(l) = st.leases.remove(id) else { return false };
+    let Some(l) = st.leases.remove(id) else {
+        return false;
+    };
     st.index_remove(&l.edge_id, id);
     st.uncharge(&l.project, &l.resources);
-    usage::record_held(st, &l.project, &l.resources, l.created_at, at.max(l.created_at), now);
+    usage::record_held(
+        st,
+        &l.project,
+        &l.resources,
+        l.created_at,
+        at.max(l.created_at),
+        now,
+    );
     true
 }
 
-pub(super) fn release_leases(st: &mut IamState, ids: &[String], at: i64, now: i64) -> Result<Outcome, Failure> {
+pub(super) fn release_leases(
+    st: &mut IamState,
+    ids: &[String],
+    at: i64,
+    now: i64,
+) -> Result<Outcome, Failure> {
     require_bootstrapped(st)?;
     check_batch(ids.len())?;
     let at = if at <= 0 || at > now { now } else { at };
@@ -166,7 +211,13 @@ impl ReconcilePlan {
 /// adopted, ones bound elsewhere move here, and the edge's leases it does not report are
 /// released unless younger than `min_age_s`. Malformed reports are skipped. `invalid` for a
 /// bad edge id, a negative age or an oversized report.
-pub(super) fn reconcile_plan(st: &IamState, edge: &str, reported: &[LeaseReport], min_age_s: i64, now: i64) -> Result<ReconcilePlan, Failure> {
+pub(super) fn reconcile_plan(
+    st: &IamState,
+    edge: &str,
+    reported: &[LeaseReport],
+    min_age_s: i64,
+    now: i64,
+) -> Result<ReconcilePlan, Failure> {
     require_bootstrapped(st)?;
     names::check_edge_id(edge)?;
     check_batch(reported.len())?;
@@ -180,14 +231,19 @@ pub(super) fn reconcile_plan(st: &IamState, edge: &str, reported: &[LeaseReport]
             continue;
         }
         match st.leases.get(&r.lease_id) {
-            Some(l) if l.edge_id == edge && (r.sandbox_id.is_empty() || l.sandbox_id == r.sandbox_id) => {}
+            Some(l)
+                if l.edge_id == edge
+                    && (r.sandbox_id.is_empty() || l.sandbox_id == r.sandbox_id) => {}
             Some(_) => plan.rebind.push(i),
             None => plan.adopt.push(i),
         }
     }
     if let Some(ids) = st.by_edge.get(edge) {
         for id in ids.iter().filter(|id| !alive.contains(id.as_str())) {
-            let young = st.leases.get(id).is_some_and(|l| now - l.created_at.max(l.bound_at) < min_age_s);
+            let young = st
+                .leases
+                .get(id)
+                .is_some_and(|l| now - l.created_at.max(l.bound_at) < min_age_s);
             if !young {
                 plan.release.push(id.clone());
             }
@@ -196,12 +252,20 @@ pub(super) fn reconcile_plan(st: &IamState, edge: &str, reported: &[LeaseReport]
     Ok(plan)
 }
 
-pub(super) fn reconcile(st: &mut IamState, edge: &str, reported: &[LeaseReport], min_age_s: i64, now: i64) -> Result<Outcome, Failure> {
+pub(super) fn reconcile(
+    st: &mut IamState,
+    edge: &str,
+    reported: &[LeaseReport],
+    min_age_s: i64,
+    now: i64,
+) -> Result<Outcome, Failure> {
     let plan = reconcile_plan(st, edge, reported, min_age_s, now)?;
     for &i in &plan.rebind {
         // The sandbox runs here: bind the lease to where it actually is.
         let r = &reported[i];
-        let Some(old) = st.leases.get(&r.lease_id).map(|l| l.edge_id.clone()) else { continue };
+        let Some(old) = st.leases.get(&r.lease_id).map(|l| l.edge_id.clone()) else {
+            continue;
+        };
         st.index_remove(&old, &r.lease_id);
         st.index_add(edge, &r.lease_id);
         if let Some(l) = st.leases.get_mut(&r.lease_id) {
@@ -218,7 +282,11 @@ pub(super) fn reconcile(st: &mut IamState, edge: &str, reported: &[LeaseReport],
         // exists is charged to its nearest existing ancestor.
         let r = &reported[i];
         let res = lease_res(&r.resources);
-        let created_at = if r.created_at <= 0 || r.created_at > now { now } else { r.created_at };
+        let created_at = if r.created_at <= 0 || r.created_at > now {
+            now
+        } else {
+            r.created_at
+        };
         let project = st.nearest_project(&r.project);
         st.charge(&project, &res);
         let lease = Lease {
@@ -233,9 +301,16 @@ pub(super) fn reconcile(st: &mut IamState, edge: &str, reported: &[LeaseReport],
         st.leases.insert(r.lease_id.clone(), lease);
         st.index_add(edge, &r.lease_id);
     }
-    let released = plan.release.iter().filter(|id| release_one(st, id, now, now)).count() as i64;
+    let released = plan
+        .release
+        .iter()
+        .filter(|id| release_one(st, id, now, now))
+        .count() as i64;
     usage::prune(st, now);
-    Ok(Outcome::Reconciled { adopted: plan.adopt.len() as i64, released })
+    Ok(Outcome::Reconciled {
+        adopted: plan.adopt.len() as i64,
+        released,
+    })
 }
 
 /// Would `ReleaseLeases` of `ids` release anything? (Lets the service skip a commit for
@@ -246,17 +321,30 @@ pub(super) fn any_held(st: &IamState, ids: &[String]) -> bool {
 
 /// Would `SweepUnbound` release anything?
 pub(super) fn any_unbound_older(st: &IamState, max_age_s: i64, now: i64) -> bool {
-    st.by_edge.get("").is_some_and(|ids| ids.iter().any(|id| st.leases.get(id).is_some_and(|l| now - l.created_at >= max_age_s)))
+    st.by_edge.get("").is_some_and(|ids| {
+        ids.iter().any(|id| {
+            st.leases
+                .get(id)
+                .is_some_and(|l| now - l.created_at >= max_age_s)
+        })
+    })
 }
 
-pub(super) fn sweep_unbound(st: &mut IamState, max_age_s: i64, now: i64) -> Result<Outcome, Failure> {
+pub(super) fn sweep_unbound(
+    st: &mut IamState,
+    max_age_s: i64,
+    now: i64,
+) -> Result<Outcome, Failure> {
     require_bootstrapped(st)?;
     if max_age_s < 0 {
         return Err(Failure::invalid("max_age_s may not be negative"));
     }
     let mut released = 0i64;
     for id in st.leases_on("") {
-        let old = st.leases.get(&id).is_some_and(|l| now - l.created_at >= max_age_s);
+        let old = st
+            .leases
+            .get(&id)
+            .is_some_and(|l| now - l.created_at >= max_age_s);
         if old && release_one(st, &id, now, now) {
             released += 1;
         }
@@ -277,15 +365,28 @@ mod tests {
         AdmitItem {
             lease_id: lease.into(),
             project: project.into(),
-            resources: Res { cpu_cores: cpu, memory_mb: 1024, ..Default::default() },
+            resources: Res {
+                cpu_cores: cpu,
+                memory_mb: 1024,
+                ..Default::default()
+            },
             edge_id: edge.into(),
-            sandbox_id: if edge.is_empty() { String::new() } else { format!("{edge}.{lease}") },
+            sandbox_id: if edge.is_empty() {
+                String::new()
+            } else {
+                format!("{edge}.{lease}")
+            },
             keep_binding: false,
         }
     }
 
     fn admit_cmd(actor: &Actor, image_project: &str, items: Vec<AdmitItem>, now: i64) -> Command {
-        Command::Admit { actor: actor.clone(), image_project: image_project.into(), items, now }
+        Command::Admit {
+            actor: actor.clone(),
+            image_project: image_project.into(),
+            items,
+            now,
+        }
     }
 
     fn results(o: Outcome) -> Vec<Result<Admitted, Failure>> {
@@ -298,7 +399,10 @@ mod tests {
     /// root (sandboxes 10) / a (cpu 4); `trainer` may create in root/a and use root's images.
     fn setup() -> (IamState, Actor) {
         let mut st = booted_with_quota(&[("sandboxes", 10.0)]);
-        ok(&mut st, create_project_cmd(&admin(), ROOT, "a", &[("cpu_cores", 4.0)]));
+        ok(
+            &mut st,
+            create_project_cmd(&admin(), ROOT, "a", &[("cpu_cores", 4.0)]),
+        );
         ok(&mut st, create_project_cmd(&admin(), "root/a", "b", &[]));
         let t = add_principal(&mut st, "root/a", "trainer");
         grant_direct(&mut st, "root/a", "trainer", &["sandbox.create"]);
@@ -316,12 +420,21 @@ mod tests {
     #[test]
     fn admit_reserves_each_item_independently() {
         let (mut st, t) = setup();
-        let items = vec![item("l1", "root/a", 2.0, "e1"), item("l2", "root/a/b", 2.0, "e1"), item("l3", "root/a", 1.0, "e2"), item("l4", "root/x", 1.0, "")];
+        let items = vec![
+            item("l1", "root/a", 2.0, "e1"),
+            item("l2", "root/a/b", 2.0, "e1"),
+            item("l3", "root/a", 1.0, "e2"),
+            item("l4", "root/x", 1.0, ""),
+        ];
         let r = results(ok(&mut st, admit_cmd(&t, "", items, NOW)));
         assert!(r[0].is_ok() && r[1].is_ok());
         let e = r[2].as_ref().unwrap_err();
         assert_eq!(e.reason, Reason::QuotaExceeded);
-        assert!(e.message.contains("root/a") && e.message.contains("cpu_cores"), "{}", e.message);
+        assert!(
+            e.message.contains("root/a") && e.message.contains("cpu_cores"),
+            "{}",
+            e.message
+        );
         assert_eq!(r[3].as_ref().unwrap_err().reason, Reason::NotFound);
         assert_eq!(st.leases.len(), 2);
         assert_eq!(st.projects["root/a"].usage.cpu_cores, 4.0);
@@ -334,16 +447,35 @@ mod tests {
     #[test]
     fn admit_needs_sandbox_create_and_layer_use() {
         let (mut st, t) = setup();
-        let r = results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", ROOT, 1.0, "")], NOW)));
+        let r = results(ok(
+            &mut st,
+            admit_cmd(&t, "", vec![item("l1", ROOT, 1.0, "")], NOW),
+        ));
         let e = r[0].as_ref().unwrap_err();
         assert_eq!(e.reason, Reason::Forbidden);
-        assert!(e.message.contains("sandbox.create") && e.message.contains("root"), "{}", e.message);
+        assert!(
+            e.message.contains("sandbox.create") && e.message.contains("root"),
+            "{}",
+            e.message
+        );
         ok(&mut st, create_project_cmd(&admin(), ROOT, "images", &[]));
         ok(&mut st, create_project_cmd(&admin(), ROOT, "private", &[]));
-        let r = results(ok(&mut st, admit_cmd(&t, "root/images", vec![item("l2", "root/a", 1.0, "")], NOW)));
+        let r = results(ok(
+            &mut st,
+            admit_cmd(&t, "root/images", vec![item("l2", "root/a", 1.0, "")], NOW),
+        ));
         assert!(r[0].is_ok());
-        st.projects.get_mut(ROOT).unwrap().policies.get_mut("trainer").unwrap().clear();
-        let r = results(ok(&mut st, admit_cmd(&t, "root/private", vec![item("l3", "root/a", 1.0, "")], NOW)));
+        st.projects
+            .get_mut(ROOT)
+            .unwrap()
+            .policies
+            .get_mut("trainer")
+            .unwrap()
+            .clear();
+        let r = results(ok(
+            &mut st,
+            admit_cmd(&t, "root/private", vec![item("l3", "root/a", 1.0, "")], NOW),
+        ));
         assert!(r[0].as_ref().unwrap_err().message.contains("layer.use"));
         assert_eq!(st.leases.len(), 1);
     }
@@ -352,23 +484,42 @@ mod tests {
     fn admit_with_a_bad_token_fails_as_a_whole() {
         let (mut st, mut t) = setup();
         t.secret_hash = "f".repeat(64);
-        refused(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "")], NOW), Reason::Unauthenticated);
+        refused(
+            &mut st,
+            admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "")], NOW),
+            Reason::Unauthenticated,
+        );
     }
 
     #[test]
     fn a_kept_binding_stays_where_it_is() {
         let (mut st, t) = setup();
-        results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "e1")], NOW)));
-        let retry = AdmitItem { keep_binding: true, ..item("l1", "root/a", 1.0, "e2") };
+        results(ok(
+            &mut st,
+            admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "e1")], NOW),
+        ));
+        let retry = AdmitItem {
+            keep_binding: true,
+            ..item("l1", "root/a", 1.0, "e2")
+        };
         let r = results(ok(&mut st, admit_cmd(&t, "", vec![retry], NOW + 1)));
         let a = r[0].as_ref().unwrap();
         assert!(a.existed);
         assert_eq!(a.prev_edge_id, "e1");
-        assert_eq!(st.leases["l1"].edge_id, "e1", "a retry must not move the lease");
+        assert_eq!(
+            st.leases["l1"].edge_id, "e1",
+            "a retry must not move the lease"
+        );
         assert_eq!(st.leases_on("e1"), vec!["l1".to_string()]);
         // An unbound lease is bound even when asked to keep its binding.
-        results(ok(&mut st, admit_cmd(&t, "", vec![item("l2", "root/a", 1.0, "")], NOW)));
-        let bind = AdmitItem { keep_binding: true, ..item("l2", "root/a", 1.0, "e3") };
+        results(ok(
+            &mut st,
+            admit_cmd(&t, "", vec![item("l2", "root/a", 1.0, "")], NOW),
+        ));
+        let bind = AdmitItem {
+            keep_binding: true,
+            ..item("l2", "root/a", 1.0, "e3")
+        };
         results(ok(&mut st, admit_cmd(&t, "", vec![bind], NOW + 2)));
         assert_eq!(st.leases["l2"].edge_id, "e3");
         consistent(&st);
@@ -377,22 +528,46 @@ mod tests {
     #[test]
     fn admit_is_idempotent_per_lease_and_rebinds() {
         let (mut st, t) = setup();
-        results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "")], NOW)));
+        results(ok(
+            &mut st,
+            admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "")], NOW),
+        ));
         let before = st.projects["root/a"].usage;
-        let r = results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "e1")], NOW + 5)));
+        let r = results(ok(
+            &mut st,
+            admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "e1")], NOW + 5),
+        ));
         let a = r[0].as_ref().unwrap();
         assert!(a.existed);
         assert_eq!(a.prev_edge_id, "");
         assert_eq!(st.projects["root/a"].usage, before);
         assert_eq!(st.leases["l1"].edge_id, "e1");
         assert_eq!(st.leases["l1"].bound_at, NOW + 5);
-        let r = results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "e2")], NOW + 6)));
+        let r = results(ok(
+            &mut st,
+            admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "e2")], NOW + 6),
+        ));
         let a = r[0].as_ref().unwrap();
-        assert_eq!((a.prev_edge_id.as_str(), a.prev_sandbox_id.as_str()), ("e1", "e1.l1"));
+        assert_eq!(
+            (a.prev_edge_id.as_str(), a.prev_sandbox_id.as_str()),
+            ("e1", "e1.l1")
+        );
         assert_eq!(st.leases_on("e2"), vec!["l1".to_string()]);
         assert!(st.leases_on("e1").is_empty());
         // The same lease id in another project is a conflict, and one batch may not repeat it.
-        let r = results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a/b", 1.0, "e2"), item("l9", "root/a", 0.5, ""), item("l9", "root/a", 0.5, "")], NOW)));
+        let r = results(ok(
+            &mut st,
+            admit_cmd(
+                &t,
+                "",
+                vec![
+                    item("l1", "root/a/b", 1.0, "e2"),
+                    item("l9", "root/a", 0.5, ""),
+                    item("l9", "root/a", 0.5, ""),
+                ],
+                NOW,
+            ),
+        ));
         assert_eq!(r[0].as_ref().unwrap_err().reason, Reason::Conflict);
         assert!(r[1].is_ok());
         assert_eq!(r[2].as_ref().unwrap_err().reason, Reason::Invalid);
@@ -407,37 +582,94 @@ mod tests {
         let bad_edge = item("l2", "root/a", 1.0, "Bad Edge");
         let bad_lease = item("", "root/a", 1.0, "");
         bad_cpu.resources.memory_mb = -5;
-        let r = results(ok(&mut st, admit_cmd(&t, "", vec![bad_cpu, bad_edge, bad_lease], NOW)));
-        assert!(r.iter().all(|r| r.as_ref().unwrap_err().reason == Reason::Invalid));
+        let r = results(ok(
+            &mut st,
+            admit_cmd(&t, "", vec![bad_cpu, bad_edge, bad_lease], NOW),
+        ));
+        assert!(r
+            .iter()
+            .all(|r| r.as_ref().unwrap_err().reason == Reason::Invalid));
         assert!(st.leases.is_empty());
     }
 
     #[test]
     fn lowering_an_ancestor_quota_applies_at_once() {
         let (mut st, t) = setup();
-        results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 0.5, ""), item("l2", "root/a", 0.5, "")], NOW)));
-        ok(&mut st, Command::Configure { root_quota: q(&[("sandboxes", 2.0)]), max_token_ttl_s: 0 });
-        let r = results(ok(&mut st, admit_cmd(&t, "", vec![item("l3", "root/a/b", 0.5, "")], NOW)));
-        assert!(r[0].as_ref().unwrap_err().message.contains("quota of root exceeded"));
+        results(ok(
+            &mut st,
+            admit_cmd(
+                &t,
+                "",
+                vec![item("l1", "root/a", 0.5, ""), item("l2", "root/a", 0.5, "")],
+                NOW,
+            ),
+        ));
+        ok(
+            &mut st,
+            Command::Configure {
+                root_quota: q(&[("sandboxes", 2.0)]),
+                max_token_ttl_s: 0,
+            },
+        );
+        let r = results(ok(
+            &mut st,
+            admit_cmd(&t, "", vec![item("l3", "root/a/b", 0.5, "")], NOW),
+        ));
+        assert!(r[0]
+            .as_ref()
+            .unwrap_err()
+            .message
+            .contains("quota of root exceeded"));
     }
 
     #[test]
     fn releasing_frees_quota_records_usage_and_ignores_unknown_ids() {
         let (mut st, t) = setup();
-        results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 4.0, "e1")], NOW)));
-        let r = results(ok(&mut st, admit_cmd(&t, "", vec![item("l2", "root/a", 1.0, "e1")], NOW)));
+        results(ok(
+            &mut st,
+            admit_cmd(&t, "", vec![item("l1", "root/a", 4.0, "e1")], NOW),
+        ));
+        let r = results(ok(
+            &mut st,
+            admit_cmd(&t, "", vec![item("l2", "root/a", 1.0, "e1")], NOW),
+        ));
         assert!(r[0].is_err());
-        let out = ok(&mut st, Command::ReleaseLeases { lease_ids: vec!["l1".into(), "nope".into()], at: NOW + 3600, now: NOW + 3700 });
+        let out = ok(
+            &mut st,
+            Command::ReleaseLeases {
+                lease_ids: vec!["l1".into(), "nope".into()],
+                at: NOW + 3600,
+                now: NOW + 3700,
+            },
+        );
         assert_eq!(out, Outcome::Released(1));
         assert_eq!(st.projects["root/a"].usage, Res::default());
         assert_eq!(st.projects[ROOT].usage, Res::default());
         let row = st.usage[&usage::day_of(NOW)]["root/a"];
-        let hours: f64 = st.usage.values().filter_map(|m| m.get("root/a")).map(|r| r.cpu_core_hours).sum();
+        let hours: f64 = st
+            .usage
+            .values()
+            .filter_map(|m| m.get("root/a"))
+            .map(|r| r.cpu_core_hours)
+            .sum();
         assert!((hours - 4.0).abs() < 1e-9, "{hours}");
         assert_eq!(row.sandboxes_started, 1);
         // Releasing again is a no-op.
-        assert_eq!(ok(&mut st, Command::ReleaseLeases { lease_ids: vec!["l1".into()], at: 0, now: NOW + 3800 }), Outcome::Released(0));
-        let r = results(ok(&mut st, admit_cmd(&t, "", vec![item("l2", "root/a", 1.0, "e1")], NOW + 3800)));
+        assert_eq!(
+            ok(
+                &mut st,
+                Command::ReleaseLeases {
+                    lease_ids: vec!["l1".into()],
+                    at: 0,
+                    now: NOW + 3800
+                }
+            ),
+            Outcome::Released(0)
+        );
+        let r = results(ok(
+            &mut st,
+            admit_cmd(&t, "", vec![item("l2", "root/a", 1.0, "e1")], NOW + 3800),
+        ));
         assert!(r[0].is_ok());
         consistent(&st);
     }
@@ -445,52 +677,163 @@ mod tests {
     #[test]
     fn reconcile_adopts_unknown_and_releases_missing_old_leases() {
         let (mut st, t) = setup();
-        results(ok(&mut st, admit_cmd(&t, "", vec![item("old", "root/a", 1.0, "e1"), item("kept", "root/a", 1.0, "e1")], NOW)));
-        results(ok(&mut st, admit_cmd(&t, "", vec![item("young", "root/a", 1.0, "e1")], NOW + 100)));
+        results(ok(
+            &mut st,
+            admit_cmd(
+                &t,
+                "",
+                vec![
+                    item("old", "root/a", 1.0, "e1"),
+                    item("kept", "root/a", 1.0, "e1"),
+                ],
+                NOW,
+            ),
+        ));
+        results(ok(
+            &mut st,
+            admit_cmd(&t, "", vec![item("young", "root/a", 1.0, "e1")], NOW + 100),
+        ));
         let report = |id: &str| LeaseReport {
             lease_id: id.into(),
             project: "root/a/b".into(),
             principal: "trainer".into(),
-            resources: Res { cpu_cores: 0.5, ..Default::default() },
+            resources: Res {
+                cpu_cores: 0.5,
+                ..Default::default()
+            },
             sandbox_id: format!("e1.{id}"),
             created_at: NOW - 50,
         };
-        let kept = LeaseReport { project: "root/a".into(), ..report("kept") };
-        let bad = LeaseReport { project: "nowhere".into(), ..report("bad") };
-        let cmd = Command::Reconcile { edge_id: "e1".into(), leases: vec![kept.clone(), report("new"), bad], min_age_s: 60, now: NOW + 120 };
-        assert_eq!(ok(&mut st, cmd), Outcome::Reconciled { adopted: 1, released: 1 });
-        assert!(st.leases.contains_key("young") && st.leases.contains_key("kept") && st.leases.contains_key("new"));
+        let kept = LeaseReport {
+            project: "root/a".into(),
+            ..report("kept")
+        };
+        let bad = LeaseReport {
+            project: "nowhere".into(),
+            ..report("bad")
+        };
+        let cmd = Command::Reconcile {
+            edge_id: "e1".into(),
+            leases: vec![kept.clone(), report("new"), bad],
+            min_age_s: 60,
+            now: NOW + 120,
+        };
+        assert_eq!(
+            ok(&mut st, cmd),
+            Outcome::Reconciled {
+                adopted: 1,
+                released: 1
+            }
+        );
+        assert!(
+            st.leases.contains_key("young")
+                && st.leases.contains_key("kept")
+                && st.leases.contains_key("new")
+        );
         assert!(!st.leases.contains_key("old") && !st.leases.contains_key("bad"));
         assert_eq!(st.leases["new"].created_at, NOW - 50);
         // A project that does not exist (any more) is charged to its nearest ancestor.
-        let gone = LeaseReport { project: "root/a/gone/deeper".into(), ..report("gone") };
-        let cmd = Command::Reconcile { edge_id: "e1".into(), leases: vec![kept.clone(), report("new"), gone], min_age_s: 60, now: NOW + 120 };
-        assert_eq!(ok(&mut st, cmd), Outcome::Reconciled { adopted: 1, released: 0 });
+        let gone = LeaseReport {
+            project: "root/a/gone/deeper".into(),
+            ..report("gone")
+        };
+        let cmd = Command::Reconcile {
+            edge_id: "e1".into(),
+            leases: vec![kept.clone(), report("new"), gone],
+            min_age_s: 60,
+            now: NOW + 120,
+        };
+        assert_eq!(
+            ok(&mut st, cmd),
+            Outcome::Reconciled {
+                adopted: 1,
+                released: 0
+            }
+        );
         assert_eq!(st.leases["gone"].project, "root/a");
         consistent(&st);
         assert_eq!(st.projects["root/a/b"].usage.sandboxes, 1);
         consistent(&st);
         // Lost edge: an empty report with no minimum age releases everything on it.
-        let lost = Command::Reconcile { edge_id: "e1".into(), leases: vec![], min_age_s: 0, now: NOW + 130 };
-        assert_eq!(ok(&mut st, lost), Outcome::Reconciled { adopted: 0, released: 4 });
+        let lost = Command::Reconcile {
+            edge_id: "e1".into(),
+            leases: vec![],
+            min_age_s: 0,
+            now: NOW + 130,
+        };
+        assert_eq!(
+            ok(&mut st, lost),
+            Outcome::Reconciled {
+                adopted: 0,
+                released: 4
+            }
+        );
         assert!(st.leases.is_empty());
         assert_eq!(st.projects[ROOT].usage, Res::default());
-        refused(&mut st, Command::Reconcile { edge_id: "E 1".into(), leases: vec![], min_age_s: 0, now: NOW }, Reason::Invalid);
-        refused(&mut st, Command::Reconcile { edge_id: "e1".into(), leases: vec![], min_age_s: -1, now: NOW }, Reason::Invalid);
+        refused(
+            &mut st,
+            Command::Reconcile {
+                edge_id: "E 1".into(),
+                leases: vec![],
+                min_age_s: 0,
+                now: NOW,
+            },
+            Reason::Invalid,
+        );
+        refused(
+            &mut st,
+            Command::Reconcile {
+                edge_id: "e1".into(),
+                leases: vec![],
+                min_age_s: -1,
+                now: NOW,
+            },
+            Reason::Invalid,
+        );
     }
 
     #[test]
     fn a_matching_report_plans_nothing_and_duplicates_count_once() {
         let (mut st, t) = setup();
-        results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "e1")], NOW)));
-        let rep = LeaseReport { lease_id: "l1".into(), project: "root/a".into(), principal: "trainer".into(), resources: Res::default(), sandbox_id: "e1.l1".into(), created_at: NOW };
-        assert!(reconcile_plan(&st, "e1", std::slice::from_ref(&rep), 0, NOW + 1).unwrap().is_empty());
-        assert!(!reconcile_plan(&st, "e1", &[], 0, NOW + 1).unwrap().is_empty());
+        results(ok(
+            &mut st,
+            admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "e1")], NOW),
+        ));
+        let rep = LeaseReport {
+            lease_id: "l1".into(),
+            project: "root/a".into(),
+            principal: "trainer".into(),
+            resources: Res::default(),
+            sandbox_id: "e1.l1".into(),
+            created_at: NOW,
+        };
+        assert!(
+            reconcile_plan(&st, "e1", std::slice::from_ref(&rep), 0, NOW + 1)
+                .unwrap()
+                .is_empty()
+        );
+        assert!(!reconcile_plan(&st, "e1", &[], 0, NOW + 1)
+            .unwrap()
+            .is_empty());
         assert!(any_held(&st, &["x".into(), "l1".into()]));
         assert!(!any_held(&st, &["x".into()]));
-        let new = LeaseReport { lease_id: "l2".into(), ..rep.clone() };
-        let cmd = Command::Reconcile { edge_id: "e1".into(), leases: vec![rep, new.clone(), new], min_age_s: 0, now: NOW + 1 };
-        assert_eq!(ok(&mut st, cmd), Outcome::Reconciled { adopted: 1, released: 0 });
+        let new = LeaseReport {
+            lease_id: "l2".into(),
+            ..rep.clone()
+        };
+        let cmd = Command::Reconcile {
+            edge_id: "e1".into(),
+            leases: vec![rep, new.clone(), new],
+            min_age_s: 0,
+            now: NOW + 1,
+        };
+        assert_eq!(
+            ok(&mut st, cmd),
+            Outcome::Reconciled {
+                adopted: 1,
+                released: 0
+            }
+        );
         assert_eq!(st.projects["root/a"].usage.sandboxes, 2);
         consistent(&st);
     }
@@ -498,9 +841,33 @@ mod tests {
     #[test]
     fn reconcile_moves_a_lease_to_the_edge_that_runs_it() {
         let (mut st, t) = setup();
-        results(ok(&mut st, admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "e1")], NOW)));
-        let rep = LeaseReport { lease_id: "l1".into(), project: "root/a".into(), principal: "trainer".into(), resources: Res::default(), sandbox_id: "e2.x".into(), created_at: NOW };
-        assert_eq!(ok(&mut st, Command::Reconcile { edge_id: "e2".into(), leases: vec![rep], min_age_s: 0, now: NOW + 1 }), Outcome::Reconciled { adopted: 0, released: 0 });
+        results(ok(
+            &mut st,
+            admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "e1")], NOW),
+        ));
+        let rep = LeaseReport {
+            lease_id: "l1".into(),
+            project: "root/a".into(),
+            principal: "trainer".into(),
+            resources: Res::default(),
+            sandbox_id: "e2.x".into(),
+            created_at: NOW,
+        };
+        assert_eq!(
+            ok(
+                &mut st,
+                Command::Reconcile {
+                    edge_id: "e2".into(),
+                    leases: vec![rep],
+                    min_age_s: 0,
+                    now: NOW + 1
+                }
+            ),
+            Outcome::Reconciled {
+                adopted: 0,
+                released: 0
+            }
+        );
         assert_eq!(st.leases["l1"].edge_id, "e2");
         assert_eq!(st.leases["l1"].sandbox_id, "e2.x");
         consistent(&st);
@@ -509,11 +876,34 @@ mod tests {
     #[test]
     fn sweep_releases_only_old_unbound_leases() {
         let (mut st, t) = setup();
-        results(ok(&mut st, admit_cmd(&t, "", vec![item("u-old", "root/a", 1.0, ""), item("bound", "root/a", 1.0, "e1")], NOW)));
-        results(ok(&mut st, admit_cmd(&t, "", vec![item("u-new", "root/a", 1.0, "")], NOW + 500)));
+        results(ok(
+            &mut st,
+            admit_cmd(
+                &t,
+                "",
+                vec![
+                    item("u-old", "root/a", 1.0, ""),
+                    item("bound", "root/a", 1.0, "e1"),
+                ],
+                NOW,
+            ),
+        ));
+        results(ok(
+            &mut st,
+            admit_cmd(&t, "", vec![item("u-new", "root/a", 1.0, "")], NOW + 500),
+        ));
         assert!(any_unbound_older(&st, 600, NOW + 700));
         assert!(!any_unbound_older(&st, 600, NOW + 599));
-        assert_eq!(ok(&mut st, Command::SweepUnbound { max_age_s: 600, now: NOW + 700 }), Outcome::Released(1));
+        assert_eq!(
+            ok(
+                &mut st,
+                Command::SweepUnbound {
+                    max_age_s: 600,
+                    now: NOW + 700
+                }
+            ),
+            Outcome::Released(1)
+        );
         assert!(st.leases.contains_key("u-new") && st.leases.contains_key("bound"));
         consistent(&st);
     }

@@ -10,7 +10,10 @@ use serde::{Deserialize, Serialize};
 
 use super::apply::actor;
 use super::command::Outcome;
-use super::state::{check_hash, check_quota_map, check_token_id, Actor, IamState, Principal, Project, UsageRow, ROOT};
+use super::state::{
+    check_hash, check_quota_map, check_token_id, Actor, IamState, Principal, Project, UsageRow,
+    ROOT,
+};
 use crate::types::{names, Failure};
 
 /// The `format` field of every backup.
@@ -53,7 +56,16 @@ impl Backup {
             projects: st
                 .projects
                 .iter()
-                .map(|(k, p)| (k.clone(), ProjectBackup { quota: p.quota.clone(), policies: p.policies.clone(), created_at: p.created_at }))
+                .map(|(k, p)| {
+                    (
+                        k.clone(),
+                        ProjectBackup {
+                            quota: p.quota.clone(),
+                            policies: p.policies.clone(),
+                            created_at: p.created_at,
+                        },
+                    )
+                })
                 .collect(),
             principals: st.principals.clone(),
             usage: st.usage.clone(),
@@ -63,8 +75,11 @@ impl Backup {
     /// Gzipped JSON bytes.
     pub fn encode(&self) -> Result<Vec<u8>, Failure> {
         let mut gz = GzEncoder::new(Vec::new(), Compression::default());
-        serde_json::to_writer(&mut gz, self).map_err(|e| Failure::internal(format!("encoding backup: {e}")))?;
-        gz.flush().and_then(|_| gz.finish()).map_err(|e| Failure::internal(format!("compressing backup: {e}")))
+        serde_json::to_writer(&mut gz, self)
+            .map_err(|e| Failure::internal(format!("encoding backup: {e}")))?;
+        gz.flush()
+            .and_then(|_| gz.finish())
+            .map_err(|e| Failure::internal(format!("compressing backup: {e}")))
     }
 
     /// Parses gzipped JSON bytes; anything malformed is `invalid`. The content is checked
@@ -76,9 +91,12 @@ impl Backup {
             .read_to_end(&mut json)
             .map_err(|e| Failure::invalid(format!("backup is not gzip data: {e}")))?;
         if json.len() as u64 > MAX_DECOMPRESSED {
-            return Err(Failure::invalid(format!("backup larger than {MAX_DECOMPRESSED} bytes decompressed")));
+            return Err(Failure::invalid(format!(
+                "backup larger than {MAX_DECOMPRESSED} bytes decompressed"
+            )));
         }
-        let b: Backup = serde_json::from_slice(&json).map_err(|e| Failure::invalid(format!("backup is not valid JSON: {e}")))?;
+        let b: Backup = serde_json::from_slice(&json)
+            .map_err(|e| Failure::invalid(format!("backup is not valid JSON: {e}")))?;
         b.check()?;
         Ok(b)
     }
@@ -88,34 +106,48 @@ impl Backup {
     /// whose projects exist. Errors are `invalid` and name the offending entry.
     pub fn check(&self) -> Result<(), Failure> {
         if self.format != FORMAT || self.version != 1 {
-            return Err(Failure::invalid(format!("not an IAM backup (format {:?} version {})", self.format, self.version)));
+            return Err(Failure::invalid(format!(
+                "not an IAM backup (format {:?} version {})",
+                self.format, self.version
+            )));
         }
         if !self.projects.contains_key(ROOT) {
             return Err(Failure::invalid("backup has no root project"));
         }
         for (path, p) in &self.projects {
-            names::check_project_path(path).map_err(|e| Failure::invalid(format!("backup: {}", e.message)))?;
+            names::check_project_path(path)
+                .map_err(|e| Failure::invalid(format!("backup: {}", e.message)))?;
             if let Some(parent) = names::project_parent(path) {
                 if !self.projects.contains_key(parent) {
-                    return Err(Failure::invalid(format!("backup: project {path} has no parent {parent}")));
+                    return Err(Failure::invalid(format!(
+                        "backup: project {path} has no parent {parent}"
+                    )));
                 }
             }
-            check_quota_map(&p.quota).map_err(|e| Failure::invalid(format!("backup: project {path}: {}", e.message)))?;
+            check_quota_map(&p.quota)
+                .map_err(|e| Failure::invalid(format!("backup: project {path}: {}", e.message)))?;
             for (who, perms) in &p.policies {
                 names::check_principal_id(who)?;
                 for perm in perms {
-                    names::check_permission(perm).map_err(|e| Failure::invalid(format!("backup: project {path}: {}", e.message)))?;
+                    names::check_permission(perm).map_err(|e| {
+                        Failure::invalid(format!("backup: project {path}: {}", e.message))
+                    })?;
                 }
             }
         }
         for (id, p) in &self.principals {
             names::check_principal_id(id)?;
             if !self.projects.contains_key(&p.project) {
-                return Err(Failure::invalid(format!("backup: principal {id} belongs to missing project {:?}", p.project)));
+                return Err(Failure::invalid(format!(
+                    "backup: principal {id} belongs to missing project {:?}",
+                    p.project
+                )));
             }
             for (tid, t) in &p.tokens {
                 check_token_id(tid)?;
-                check_hash(&t.hash).map_err(|e| Failure::invalid(format!("backup: token {id}.{tid}: {}", e.message)))?;
+                check_hash(&t.hash).map_err(|e| {
+                    Failure::invalid(format!("backup: token {id}.{tid}: {}", e.message))
+                })?;
             }
         }
         Ok(())
@@ -125,17 +157,35 @@ impl Backup {
 /// Applies a restore: needs `project.admin` on root; the backup must hold the current
 /// administrator. Keeps the leases and operator settings, recomputes usage from the leases
 /// and bumps the epoch past both the current and the backed-up one.
-pub(super) fn restore(st: &mut IamState, a: &Actor, b: &Backup, now: i64) -> Result<Outcome, Failure> {
+pub(super) fn restore(
+    st: &mut IamState,
+    a: &Actor,
+    b: &Backup,
+    now: i64,
+) -> Result<Outcome, Failure> {
     actor(st, a, now)?;
     st.require(&a.principal, ROOT, "project.admin")?;
     b.check()?;
     if !b.principals.contains_key(&st.admin_id) {
-        return Err(Failure::invalid(format!("backup lacks the administrator {}; refusing to lock it out", st.admin_id)));
+        return Err(Failure::invalid(format!(
+            "backup lacks the administrator {}; refusing to lock it out",
+            st.admin_id
+        )));
     }
     st.projects = b
         .projects
         .iter()
-        .map(|(k, p)| (k.clone(), Project { quota: p.quota.clone(), policies: p.policies.clone(), created_at: p.created_at, ..Default::default() }))
+        .map(|(k, p)| {
+            (
+                k.clone(),
+                Project {
+                    quota: p.quota.clone(),
+                    policies: p.policies.clone(),
+                    created_at: p.created_at,
+                    ..Default::default()
+                },
+            )
+        })
         .collect();
     if let Some(root) = st.projects.get_mut(ROOT) {
         root.quota = st.settings.root_quota.clone();
@@ -167,18 +217,28 @@ mod tests {
     use crate::types::{Reason, Res};
 
     fn restore_cmd(actor: &Actor, b: Backup) -> Command {
-        Command::Restore { actor: actor.clone(), backup: Box::new(b), now: NOW }
+        Command::Restore {
+            actor: actor.clone(),
+            backup: Box::new(b),
+            now: NOW,
+        }
     }
 
     #[test]
     fn backup_round_trips_through_gzip() {
         let mut st = booted();
-        ok(&mut st, create_project_cmd(&admin(), ROOT, "a", &[("sandboxes", 3.0)]));
+        ok(
+            &mut st,
+            create_project_cmd(&admin(), ROOT, "a", &[("sandboxes", 3.0)]),
+        );
         let b = Backup::of(&st, NOW);
         let bytes = b.encode().unwrap();
         assert_eq!(&bytes[..2], &[0x1f, 0x8b]);
         assert_eq!(Backup::decode(&bytes).unwrap(), b);
-        assert_eq!(Backup::decode(b"not gzip").unwrap_err().reason, Reason::Invalid);
+        assert_eq!(
+            Backup::decode(b"not gzip").unwrap_err().reason,
+            Reason::Invalid
+        );
     }
 
     #[test]
@@ -189,9 +249,31 @@ mod tests {
         // After the backup: a new project, a principal and a lease in root/a.
         ok(&mut st, create_project_cmd(&admin(), ROOT, "later", &[]));
         add_principal(&mut st, ROOT, "bob");
-        let item = AdmitItem { lease_id: "l1".into(), project: "root/a".into(), resources: Res { cpu_cores: 1.0, ..Default::default() }, edge_id: "e1".into(), sandbox_id: "e1.x".into(), keep_binding: false };
-        let item2 = AdmitItem { lease_id: "l2".into(), project: "root/later".into(), ..item.clone() };
-        ok(&mut st, Command::Admit { actor: admin(), image_project: String::new(), items: vec![item, item2], now: NOW });
+        let item = AdmitItem {
+            lease_id: "l1".into(),
+            project: "root/a".into(),
+            resources: Res {
+                cpu_cores: 1.0,
+                ..Default::default()
+            },
+            edge_id: "e1".into(),
+            sandbox_id: "e1.x".into(),
+            keep_binding: false,
+        };
+        let item2 = AdmitItem {
+            lease_id: "l2".into(),
+            project: "root/later".into(),
+            ..item.clone()
+        };
+        ok(
+            &mut st,
+            Command::Admit {
+                actor: admin(),
+                image_project: String::new(),
+                items: vec![item, item2],
+                now: NOW,
+            },
+        );
         let epoch = st.epoch;
         ok(&mut st, restore_cmd(&admin(), b));
         assert!(!st.projects.contains_key("root/later"));
@@ -215,16 +297,27 @@ mod tests {
         grant_direct(&mut st, "root/a", "bob", &["project.admin"]);
         refused(&mut st, restore_cmd(&bob, good.clone()), Reason::Forbidden);
         let mut orphan = good.clone();
-        orphan.projects.insert("root/x/y".into(), ProjectBackup::default());
+        orphan
+            .projects
+            .insert("root/x/y".into(), ProjectBackup::default());
         refused(&mut st, restore_cmd(&admin(), orphan), Reason::Invalid);
         let mut no_admin = good.clone();
         no_admin.principals.remove("admin");
         refused(&mut st, restore_cmd(&admin(), no_admin), Reason::Invalid);
         let mut bad_perm = good.clone();
-        bad_perm.projects.get_mut("root/a").unwrap().policies.insert("admin".into(), ["root.all".to_string()].into());
+        bad_perm
+            .projects
+            .get_mut("root/a")
+            .unwrap()
+            .policies
+            .insert("admin".into(), ["root.all".to_string()].into());
         refused(&mut st, restore_cmd(&admin(), bad_perm), Reason::Invalid);
         let mut wrong_format = good;
         wrong_format.format = "something".into();
-        refused(&mut st, restore_cmd(&admin(), wrong_format), Reason::Invalid);
+        refused(
+            &mut st,
+            restore_cmd(&admin(), wrong_format),
+            Reason::Invalid,
+        );
     }
 }

@@ -59,29 +59,101 @@ pub enum Command {
         now: i64,
     },
     /// Applies the operator settings of the config at a later start (root quota, token TTL).
-    Configure { root_quota: BTreeMap<String, f64>, max_token_ttl_s: i64 },
-    CreateProject { actor: Actor, parent: String, name: String, quota: BTreeMap<String, f64>, now: i64 },
-    SetQuota { actor: Actor, project: String, quota: BTreeMap<String, f64>, now: i64 },
-    DeleteProject { actor: Actor, project: String, now: i64 },
+    Configure {
+        root_quota: BTreeMap<String, f64>,
+        max_token_ttl_s: i64,
+    },
+    CreateProject {
+        actor: Actor,
+        parent: String,
+        name: String,
+        quota: BTreeMap<String, f64>,
+        now: i64,
+    },
+    SetQuota {
+        actor: Actor,
+        project: String,
+        quota: BTreeMap<String, f64>,
+        now: i64,
+    },
+    DeleteProject {
+        actor: Actor,
+        project: String,
+        now: i64,
+    },
     /// Creates a principal and its first token; `ttl` 0 = the default lifetime.
-    CreatePrincipal { actor: Actor, project: String, principal: String, kind: String, token: NewToken, ttl: i64, now: i64 },
-    DeletePrincipal { actor: Actor, principal: String, now: i64 },
-    Grant { actor: Actor, project: String, principal: String, permissions: Vec<String>, now: i64 },
+    CreatePrincipal {
+        actor: Actor,
+        project: String,
+        principal: String,
+        kind: String,
+        token: NewToken,
+        ttl: i64,
+        now: i64,
+    },
+    DeletePrincipal {
+        actor: Actor,
+        principal: String,
+        now: i64,
+    },
+    Grant {
+        actor: Actor,
+        project: String,
+        principal: String,
+        permissions: Vec<String>,
+        now: i64,
+    },
     /// Empty `permissions` = all held directly on the project.
-    Revoke { actor: Actor, project: String, principal: String, permissions: Vec<String>, now: i64 },
-    CreateToken { actor: Actor, principal: String, token: NewToken, ttl: i64, description: String, now: i64 },
-    RevokeToken { actor: Actor, principal: String, token_id: String, now: i64 },
+    Revoke {
+        actor: Actor,
+        project: String,
+        principal: String,
+        permissions: Vec<String>,
+        now: i64,
+    },
+    CreateToken {
+        actor: Actor,
+        principal: String,
+        token: NewToken,
+        ttl: i64,
+        description: String,
+        now: i64,
+    },
+    RevokeToken {
+        actor: Actor,
+        principal: String,
+        token_id: String,
+        now: i64,
+    },
     /// Authenticates, authorizes and reserves quota for each item independently.
-    Admit { actor: Actor, image_project: String, items: Vec<AdmitItem>, now: i64 },
+    Admit {
+        actor: Actor,
+        image_project: String,
+        items: Vec<AdmitItem>,
+        now: i64,
+    },
     /// Releases leases that ended at `at` (0 or later than `now` = `now`); unknown ids are ignored.
-    ReleaseLeases { lease_ids: Vec<String>, at: i64, now: i64 },
+    ReleaseLeases {
+        lease_ids: Vec<String>,
+        at: i64,
+        now: i64,
+    },
     /// The leases alive on `edge_id`: unknown ones are adopted, missing ones older than
     /// `min_age_s` are released (an empty list with `min_age_s` 0 releases the edge's all).
-    Reconcile { edge_id: String, leases: Vec<LeaseReport>, min_age_s: i64, now: i64 },
+    Reconcile {
+        edge_id: String,
+        leases: Vec<LeaseReport>,
+        min_age_s: i64,
+        now: i64,
+    },
     /// Releases leases bound to no edge and older than `max_age_s`.
     SweepUnbound { max_age_s: i64, now: i64 },
     /// Replaces everything but leases and operator settings with a backup; bumps the epoch.
-    Restore { actor: Actor, backup: Box<Backup>, now: i64 },
+    Restore {
+        actor: Actor,
+        backup: Box<Backup>,
+        now: i64,
+    },
 }
 
 impl Command {
@@ -125,10 +197,19 @@ pub enum Outcome {
     /// The project the command created or changed.
     Project(String),
     /// A token was issued to `principal` (principal creation or token creation).
-    Token { principal: String, token_id: String },
+    Token {
+        principal: String,
+        token_id: String,
+    },
     /// Per-item results of `Admit`, in item order, and the acting principal.
-    Admitted { principal: String, results: Vec<Result<Admitted, Failure>> },
+    Admitted {
+        principal: String,
+        results: Vec<Result<Admitted, Failure>>,
+    },
     /// Number of leases released.
     Released(i64),
-    Reconciled { adopted: i64, released: i64 },
+    Reconciled {
+        adopted: i64,
+        released: i64,
+    },
 }

@@ -42,7 +42,11 @@ pub struct AuthLimiter {
 impl AuthLimiter {
     /// `rate`: failures per second allowed per address (`cfg.admission.auth_fail_rate()`).
     pub fn new(rate: Option<f64>) -> AuthLimiter {
-        AuthLimiter { rate: rate.filter(|r| *r > 0.0), hasher: RandomState::new(), addrs: Mutex::new(HashMap::new()) }
+        AuthLimiter {
+            rate: rate.filter(|r| *r > 0.0),
+            hasher: RandomState::new(),
+            addrs: Mutex::new(HashMap::new()),
+        }
     }
 
     fn fingerprint(&self, token: &str) -> u64 {
@@ -50,7 +54,9 @@ impl AuthLimiter {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
-        self.addrs.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.addrs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Before checking `token` from `addr`: `rate_limited` while the address is locked out
@@ -60,14 +66,22 @@ impl AuthLimiter {
             return Ok(());
         }
         let map = self.lock();
-        let Some(e) = map.get(addr) else { return Ok(()) };
+        let Some(e) = map.get(addr) else {
+            return Ok(());
+        };
         match e.locked_until {
             Some(until) if now < until => {
                 let fp = self.fingerprint(token);
-                if e.good.get(&fp).is_some_and(|t| now.duration_since(*t) < REMEMBER) {
+                if e.good
+                    .get(&fp)
+                    .is_some_and(|t| now.duration_since(*t) < REMEMBER)
+                {
                     Ok(())
                 } else {
-                    Err(Failure::new(Reason::RateLimited, "too many failed authentications from this address; try again later"))
+                    Err(Failure::new(
+                        Reason::RateLimited,
+                        "too many failed authentications from this address; try again later",
+                    ))
                 }
             }
             _ => Ok(()),
@@ -81,13 +95,22 @@ impl AuthLimiter {
         if map.len() >= MAX_ADDRS && !map.contains_key(addr) {
             prune(&mut map, now);
         }
-        let e = map.entry(addr.to_string()).or_insert_with(|| Entry { tokens: rate, last: now, locked_until: None, good: HashMap::new() });
-        e.tokens = (e.tokens + now.saturating_duration_since(e.last).as_secs_f64() * rate).min(rate);
+        let e = map.entry(addr.to_string()).or_insert_with(|| Entry {
+            tokens: rate,
+            last: now,
+            locked_until: None,
+            good: HashMap::new(),
+        });
+        e.tokens =
+            (e.tokens + now.saturating_duration_since(e.last).as_secs_f64() * rate).min(rate);
         e.last = now;
         if e.tokens >= 1.0 {
             e.tokens -= 1.0;
         } else if e.locked_until.is_none_or(|u| u <= now) {
-            tracing::warn!(client_addr = addr, "failed authentications over the limit; locking out new tokens");
+            tracing::warn!(
+                client_addr = addr,
+                "failed authentications over the limit; locking out new tokens"
+            );
             e.locked_until = Some(now + LOCKOUT);
         }
     }
@@ -106,7 +129,15 @@ impl AuthLimiter {
             }
             let mut good = HashMap::new();
             good.insert(fp, now);
-            map.insert(addr.to_string(), Entry { tokens: self.rate.unwrap_or(1.0), last: now, locked_until: None, good });
+            map.insert(
+                addr.to_string(),
+                Entry {
+                    tokens: self.rate.unwrap_or(1.0),
+                    last: now,
+                    locked_until: None,
+                    good,
+                },
+            );
             return;
         };
         if e.good.len() >= MAX_GOOD && !e.good.contains_key(&fp) {
@@ -121,7 +152,10 @@ impl AuthLimiter {
 /// Drops addresses with no lockout and nothing remembered recently; if still full, forgets
 /// the unlocked ones.
 fn prune(map: &mut HashMap<String, Entry>, now: Instant) {
-    map.retain(|_, e| e.locked_until.is_some_and(|u| u > now) || e.good.values().any(|t| now.duration_since(*t) < REMEMBER));
+    map.retain(|_, e| {
+        e.locked_until.is_some_and(|u| u > now)
+            || e.good.values().any(|t| now.duration_since(*t) < REMEMBER)
+    });
     if map.len() >= MAX_ADDRS {
         map.retain(|_, e| e.locked_until.is_some_and(|u| u > now));
     }
@@ -147,7 +181,12 @@ mod tests {
         l.check("10.0.0.1", "dsk.good.t.s", t0).unwrap();
         l.check("10.0.0.2", "dsk.guess.t.y", t0).unwrap();
         // The lockout ends.
-        l.check("10.0.0.1", "dsk.guess.t.y", t0 + LOCKOUT + Duration::from_millis(1)).unwrap();
+        l.check(
+            "10.0.0.1",
+            "dsk.guess.t.y",
+            t0 + LOCKOUT + Duration::from_millis(1),
+        )
+        .unwrap();
     }
 
     #[test]

@@ -47,11 +47,22 @@ const DRAIN: Duration = Duration::from_secs(10);
 #[derive(Debug, thiserror::Error)]
 pub enum IamError {
     #[error("{what} {}: {source}", path.display())]
-    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("reading snapshot {}: {source}", path.display())]
-    Snapshot { path: PathBuf, source: serde_json::Error },
+    Snapshot {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
     #[error("log {} line {line}: {message}", path.display())]
-    Log { path: PathBuf, line: usize, message: String },
+    Log {
+        path: PathBuf,
+        line: usize,
+        message: String,
+    },
     #[error("state {} is in use by another IAM (its log is locked)", path.display())]
     Locked { path: PathBuf },
     #[error("iam config: {0}")]
@@ -74,32 +85,49 @@ pub struct Iam {
 /// the config's admin token) and applies `root_quota` / `max_token_ttl_s` on later starts.
 pub async fn build(cfg: &Config) -> Result<Iam, IamError> {
     let admin_id = cfg.iam.admin_id().to_string();
-    crate::types::names::check_principal_id(&admin_id).map_err(|f| IamError::Config(format!("admin_id: {}", f.message)))?;
-    let token = cfg.iam.admin_token().map_err(|e| IamError::Config(e.to_string()))?;
+    crate::types::names::check_principal_id(&admin_id)
+        .map_err(|f| IamError::Config(format!("admin_id: {}", f.message)))?;
+    let token = cfg
+        .iam
+        .admin_token()
+        .map_err(|e| IamError::Config(e.to_string()))?;
     let admin_token = if token.is_empty() {
         None
     } else {
         Some(tokens::configured(&admin_id, &token).map_err(IamError::Config)?)
     };
-    state::check_quota_map(&cfg.iam.root_quota).map_err(|f| IamError::Config(format!("root_quota: {}", f.message)))?;
+    state::check_quota_map(&cfg.iam.root_quota)
+        .map_err(|f| IamError::Config(format!("root_quota: {}", f.message)))?;
     if cfg.iam.max_token_ttl_s < 0 {
-        return Err(IamError::Config("max_token_ttl_s may not be negative".into()));
+        return Err(IamError::Config(
+            "max_token_ttl_s may not be negative".into(),
+        ));
     }
     let path = (!cfg.iam.state.is_empty()).then(|| PathBuf::from(&cfg.iam.state));
-    let store = tokio::task::spawn_blocking(move || Store::open(path.as_deref(), StoreOptions::default()))
-        .await
-        .map_err(|e| IamError::Task(e.to_string()))??;
+    let store =
+        tokio::task::spawn_blocking(move || Store::open(path.as_deref(), StoreOptions::default()))
+            .await
+            .map_err(|e| IamError::Task(e.to_string()))??;
     if let Err(e) = settle(&store, cfg, &admin_id, admin_token).await {
         store.close().await;
         return Err(e);
     }
-    let service = IamService::new(store.clone(), &cfg.service_token, cfg.admission.auth_fail_rate());
+    let service = IamService::new(
+        store.clone(),
+        &cfg.service_token,
+        cfg.admission.auth_fail_rate(),
+    );
     Ok(Iam { service, store })
 }
 
 /// Bootstraps a fresh state, or brings the operator settings of a bootstrapped one in line
 /// with the config.
-async fn settle(store: &Store, cfg: &Config, admin_id: &str, admin_token: Option<command::NewToken>) -> Result<(), IamError> {
+async fn settle(
+    store: &Store,
+    cfg: &Config,
+    admin_id: &str,
+    admin_token: Option<command::NewToken>,
+) -> Result<(), IamError> {
     let (booted, settings, current_admin) = {
         let st = store.read();
         (st.bootstrapped(), st.settings.clone(), st.admin_id.clone())
@@ -111,16 +139,31 @@ async fn settle(store: &Store, cfg: &Config, admin_id: &str, admin_token: Option
             tracing::warn!("iam.admin_token is not set: the administrator has no token");
         }
         let now = crate::types::now_s();
-        let cmd = command::Command::Bootstrap { admin_id: admin_id.to_string(), admin_token, root_quota, max_token_ttl_s, now };
+        let cmd = command::Command::Bootstrap {
+            admin_id: admin_id.to_string(),
+            admin_token,
+            root_quota,
+            max_token_ttl_s,
+            now,
+        };
         store.propose(cmd).await.map_err(IamError::Bootstrap)?;
-        tracing::info!(principal = admin_id, "IAM bootstrapped: root project and administrator created");
+        tracing::info!(
+            principal = admin_id,
+            "IAM bootstrapped: root project and administrator created"
+        );
         return Ok(());
     }
     if current_admin != admin_id {
         tracing::warn!(principal = %current_admin, configured = admin_id, "admin_id differs from the bootstrapped administrator; it is used only at bootstrap");
     }
     if settings.root_quota != root_quota || settings.max_token_ttl_s != max_token_ttl_s {
-        store.propose(command::Command::Configure { root_quota, max_token_ttl_s }).await.map_err(IamError::Bootstrap)?;
+        store
+            .propose(command::Command::Configure {
+                root_quota,
+                max_token_ttl_s,
+            })
+            .await
+            .map_err(IamError::Bootstrap)?;
         tracing::info!("iam settings updated from the config");
     }
     Ok(())
@@ -128,7 +171,12 @@ async fn settle(store: &Store, cfg: &Config, admin_id: &str, admin_token: Option
 
 /// Starts the iam role: builds it, serves `Iam` on `listener` until `shutdown` fires, sets
 /// `ready`, then closes the store (its files and lock) before the returned task ends.
-pub async fn start(cfg: Arc<Config>, listener: TcpListener, shutdown: Shutdown, ready: Ready) -> Result<JoinHandle<()>, IamError> {
+pub async fn start(
+    cfg: Arc<Config>,
+    listener: TcpListener,
+    shutdown: Shutdown,
+    ready: Ready,
+) -> Result<JoinHandle<()>, IamError> {
     let iam = build(&cfg).await?;
     let router = crate::rpc::serve::builder().add_service(iam.service.clone().server());
     metrics::gauge!("opendsec_iam_leader").set(1.0);

@@ -46,12 +46,20 @@ impl IamService {
     /// A service over `store`. `service_token` "" accepts every internal caller;
     /// `auth_fail_rate` is `cfg.admission.auth_fail_rate()` (`None` = no limit).
     pub fn new(store: Store, service_token: &str, auth_fail_rate: Option<f64>) -> IamService {
-        IamService { inner: Arc::new(Inner { store, service_token: service_token.to_string(), limiter: AuthLimiter::new(auth_fail_rate) }) }
+        IamService {
+            inner: Arc::new(Inner {
+                store,
+                service_token: service_token.to_string(),
+                limiter: AuthLimiter::new(auth_fail_rate),
+            }),
+        }
     }
 
     /// The tonic server for this service, with the project's message size limits.
     pub fn server(self) -> pb::iam_server::IamServer<IamService> {
-        pb::iam_server::IamServer::new(self).max_decoding_message_size(rpc::MAX_MESSAGE).max_encoding_message_size(rpc::MAX_MESSAGE)
+        pb::iam_server::IamServer::new(self)
+            .max_decoding_message_size(rpc::MAX_MESSAGE)
+            .max_encoding_message_size(rpc::MAX_MESSAGE)
     }
 
     pub(super) fn store(&self) -> &Store {
@@ -69,7 +77,9 @@ impl IamService {
         if rpc::check_service_token(req, &self.inner.service_token).is_ok() {
             rpc::peer_addr(req)
         } else {
-            req.remote_addr().map(|a| a.ip().to_string()).unwrap_or_default()
+            req.remote_addr()
+                .map(|a| a.ip().to_string())
+                .unwrap_or_default()
         }
     }
 
@@ -87,11 +97,19 @@ impl IamService {
                 return Err(e);
             }
         };
-        let actor = Actor { principal: parts.principal.to_string(), token_id: parts.id.to_string(), secret_hash: hash_secret(parts.secret) };
+        let actor = Actor {
+            principal: parts.principal.to_string(),
+            token_id: parts.id.to_string(),
+            secret_hash: hash_secret(parts.secret),
+        };
         let now = now_s();
         let st = self.store().read();
         let found = st.authenticate(&actor, now).map(|p| {
-            let expires_at = p.tokens.get(&actor.token_id).map(|t| t.expires_at).unwrap_or(0);
+            let expires_at = p
+                .tokens
+                .get(&actor.token_id)
+                .map(|t| t.expires_at)
+                .unwrap_or(0);
             (p.project.clone(), p.kind.clone(), expires_at)
         });
         let epoch = st.epoch;
@@ -99,7 +117,13 @@ impl IamService {
         match found {
             Ok((project, kind, expires_at)) => {
                 limiter.succeeded(addr, token, t0);
-                Ok(Identity { actor, project, kind, expires_at, epoch })
+                Ok(Identity {
+                    actor,
+                    project,
+                    kind,
+                    expires_at,
+                    epoch,
+                })
             }
             Err(e) => {
                 limiter.failed(addr, t0);
@@ -113,7 +137,9 @@ impl IamService {
     pub(super) fn caller<T>(&self, req: &Request<T>) -> Result<Identity, Failure> {
         let token = rpc::bearer(req);
         if token.is_empty() {
-            return Err(Failure::unauthenticated("missing authorization: Bearer <token>"));
+            return Err(Failure::unauthenticated(
+                "missing authorization: Bearer <token>",
+            ));
         }
         let addr = self.client_addr(req);
         self.authenticate(&token, &addr)
@@ -127,86 +153,157 @@ pub(super) fn reply<T>(r: Result<T, Failure>) -> Result<Response<T>, Status> {
 
 #[tonic::async_trait]
 impl pb::iam_server::Iam for IamService {
-    async fn authenticate(&self, req: Request<pb::AuthenticateRequest>) -> Result<Response<pb::AuthenticateResponse>, Status> {
+    async fn authenticate(
+        &self,
+        req: Request<pb::AuthenticateRequest>,
+    ) -> Result<Response<pb::AuthenticateResponse>, Status> {
         self.internal(&req)?;
         reply(self.rpc_authenticate(req))
     }
-    async fn authorize(&self, req: Request<pb::AuthorizeRequest>) -> Result<Response<pb::AuthorizeResponse>, Status> {
+    async fn authorize(
+        &self,
+        req: Request<pb::AuthorizeRequest>,
+    ) -> Result<Response<pb::AuthorizeResponse>, Status> {
         self.internal(&req)?;
         reply(self.rpc_authorize(req.into_inner()))
     }
-    async fn admit(&self, req: Request<pb::AdmitRequest>) -> Result<Response<pb::AdmitResponse>, Status> {
+    async fn admit(
+        &self,
+        req: Request<pb::AdmitRequest>,
+    ) -> Result<Response<pb::AdmitResponse>, Status> {
         self.internal(&req)?;
         reply(self.rpc_admit(req).await)
     }
-    async fn release_leases(&self, req: Request<pb::ReleaseLeasesRequest>) -> Result<Response<pb::ReleaseLeasesResponse>, Status> {
+    async fn release_leases(
+        &self,
+        req: Request<pb::ReleaseLeasesRequest>,
+    ) -> Result<Response<pb::ReleaseLeasesResponse>, Status> {
         self.internal(&req)?;
         reply(self.rpc_release_leases(req.into_inner()).await)
     }
-    async fn get_lease(&self, req: Request<pb::GetLeaseRequest>) -> Result<Response<pb::LeaseInfo>, Status> {
+    async fn get_lease(
+        &self,
+        req: Request<pb::GetLeaseRequest>,
+    ) -> Result<Response<pb::LeaseInfo>, Status> {
         self.internal(&req)?;
         reply(self.rpc_get_lease(req.into_inner()))
     }
-    async fn get_leases(&self, req: Request<pb::GetLeasesRequest>) -> Result<Response<pb::GetLeasesResponse>, Status> {
+    async fn get_leases(
+        &self,
+        req: Request<pb::GetLeasesRequest>,
+    ) -> Result<Response<pb::GetLeasesResponse>, Status> {
         self.internal(&req)?;
         reply(self.rpc_get_leases(req.into_inner()))
     }
-    async fn reconcile(&self, req: Request<pb::ReconcileRequest>) -> Result<Response<pb::ReconcileResponse>, Status> {
+    async fn reconcile(
+        &self,
+        req: Request<pb::ReconcileRequest>,
+    ) -> Result<Response<pb::ReconcileResponse>, Status> {
         self.internal(&req)?;
         reply(self.rpc_reconcile(req.into_inner()).await)
     }
-    async fn sweep_unbound(&self, req: Request<pb::SweepUnboundRequest>) -> Result<Response<pb::SweepUnboundResponse>, Status> {
+    async fn sweep_unbound(
+        &self,
+        req: Request<pb::SweepUnboundRequest>,
+    ) -> Result<Response<pb::SweepUnboundResponse>, Status> {
         self.internal(&req)?;
         reply(self.rpc_sweep_unbound(req.into_inner()).await)
     }
-    async fn get_epoch(&self, req: Request<pb::Empty>) -> Result<Response<pb::EpochResponse>, Status> {
+    async fn get_epoch(
+        &self,
+        req: Request<pb::Empty>,
+    ) -> Result<Response<pb::EpochResponse>, Status> {
         self.internal(&req)?;
-        reply(Ok(pb::EpochResponse { epoch: self.store().read().epoch }))
+        reply(Ok(pb::EpochResponse {
+            epoch: self.store().read().epoch,
+        }))
     }
 
-    async fn who_am_i(&self, req: Request<pb::Empty>) -> Result<Response<pb::WhoAmIResponse>, Status> {
+    async fn who_am_i(
+        &self,
+        req: Request<pb::Empty>,
+    ) -> Result<Response<pb::WhoAmIResponse>, Status> {
         reply(self.rpc_who_am_i(req))
     }
-    async fn create_project(&self, req: Request<pb::CreateProjectRequest>) -> Result<Response<pb::Project>, Status> {
+    async fn create_project(
+        &self,
+        req: Request<pb::CreateProjectRequest>,
+    ) -> Result<Response<pb::Project>, Status> {
         reply(self.rpc_create_project(req).await)
     }
-    async fn get_project(&self, req: Request<pb::ProjectRef>) -> Result<Response<pb::Project>, Status> {
+    async fn get_project(
+        &self,
+        req: Request<pb::ProjectRef>,
+    ) -> Result<Response<pb::Project>, Status> {
         reply(self.rpc_get_project(req))
     }
-    async fn set_quota(&self, req: Request<pb::SetQuotaRequest>) -> Result<Response<pb::Project>, Status> {
+    async fn set_quota(
+        &self,
+        req: Request<pb::SetQuotaRequest>,
+    ) -> Result<Response<pb::Project>, Status> {
         reply(self.rpc_set_quota(req).await)
     }
-    async fn delete_project(&self, req: Request<pb::ProjectRef>) -> Result<Response<pb::Empty>, Status> {
+    async fn delete_project(
+        &self,
+        req: Request<pb::ProjectRef>,
+    ) -> Result<Response<pb::Empty>, Status> {
         reply(self.rpc_delete_project(req).await)
     }
-    async fn create_principal(&self, req: Request<pb::CreatePrincipalRequest>) -> Result<Response<pb::CreatePrincipalResponse>, Status> {
+    async fn create_principal(
+        &self,
+        req: Request<pb::CreatePrincipalRequest>,
+    ) -> Result<Response<pb::CreatePrincipalResponse>, Status> {
         reply(self.rpc_create_principal(req).await)
     }
-    async fn delete_principal(&self, req: Request<pb::PrincipalRef>) -> Result<Response<pb::Empty>, Status> {
+    async fn delete_principal(
+        &self,
+        req: Request<pb::PrincipalRef>,
+    ) -> Result<Response<pb::Empty>, Status> {
         reply(self.rpc_delete_principal(req).await)
     }
     async fn grant(&self, req: Request<pb::GrantRequest>) -> Result<Response<pb::Project>, Status> {
         reply(self.rpc_grant(req, true).await)
     }
-    async fn revoke(&self, req: Request<pb::GrantRequest>) -> Result<Response<pb::Project>, Status> {
+    async fn revoke(
+        &self,
+        req: Request<pb::GrantRequest>,
+    ) -> Result<Response<pb::Project>, Status> {
         reply(self.rpc_grant(req, false).await)
     }
-    async fn create_token(&self, req: Request<pb::CreateTokenRequest>) -> Result<Response<pb::CreateTokenResponse>, Status> {
+    async fn create_token(
+        &self,
+        req: Request<pb::CreateTokenRequest>,
+    ) -> Result<Response<pb::CreateTokenResponse>, Status> {
         reply(self.rpc_create_token(req).await)
     }
-    async fn list_tokens(&self, req: Request<pb::PrincipalRef>) -> Result<Response<pb::ListTokensResponse>, Status> {
+    async fn list_tokens(
+        &self,
+        req: Request<pb::PrincipalRef>,
+    ) -> Result<Response<pb::ListTokensResponse>, Status> {
         reply(self.rpc_list_tokens(req))
     }
-    async fn revoke_token(&self, req: Request<pb::RevokeTokenRequest>) -> Result<Response<pb::Empty>, Status> {
+    async fn revoke_token(
+        &self,
+        req: Request<pb::RevokeTokenRequest>,
+    ) -> Result<Response<pb::Empty>, Status> {
         reply(self.rpc_revoke_token(req).await)
     }
-    async fn get_usage(&self, req: Request<pb::GetUsageRequest>) -> Result<Response<pb::UsageReport>, Status> {
+    async fn get_usage(
+        &self,
+        req: Request<pb::GetUsageRequest>,
+    ) -> Result<Response<pb::UsageReport>, Status> {
         reply(self.rpc_get_usage(req))
     }
-    async fn backup(&self, req: Request<pb::Empty>) -> Result<Response<pb::IamBackupResponse>, Status> {
+    async fn backup(
+        &self,
+        req: Request<pb::Empty>,
+    ) -> Result<Response<pb::IamBackupResponse>, Status> {
         reply(self.rpc_backup(req))
     }
-    async fn restore(&self, req: Request<pb::IamRestoreRequest>) -> Result<Response<pb::Empty>, Status> {
+    async fn restore(
+        &self,
+        req: Request<pb::IamRestoreRequest>,
+    ) -> Result<Response<pb::Empty>, Status> {
         reply(self.rpc_restore(req).await)
     }
 }

@@ -27,7 +27,10 @@ impl IamService {
     }
 
     #[tracing::instrument(name = "iam.authenticate", skip_all)]
-    pub(super) fn rpc_authenticate(&self, req: Request<pb::AuthenticateRequest>) -> Result<pb::AuthenticateResponse, Failure> {
+    pub(super) fn rpc_authenticate(
+        &self,
+        req: Request<pb::AuthenticateRequest>,
+    ) -> Result<pb::AuthenticateResponse, Failure> {
         let addr = Self::addr_of(&req, &req.get_ref().client_addr);
         let id = self.authenticate(&req.get_ref().token, &addr)?;
         Ok(pb::AuthenticateResponse {
@@ -41,20 +44,33 @@ impl IamService {
     }
 
     #[tracing::instrument(name = "iam.authorize", skip_all, fields(principal = %r.principal, project = %r.project))]
-    pub(super) fn rpc_authorize(&self, r: pb::AuthorizeRequest) -> Result<pb::AuthorizeResponse, Failure> {
+    pub(super) fn rpc_authorize(
+        &self,
+        r: pb::AuthorizeRequest,
+    ) -> Result<pb::AuthorizeResponse, Failure> {
         names::check_permission(&r.permission)?;
         names::check_project_path(&r.project)?;
         let st = self.store().read();
-        let allowed = st.principals.contains_key(&r.principal) && st.holds(&r.principal, &r.project, &r.permission);
-        Ok(pb::AuthorizeResponse { allowed, epoch: st.epoch })
+        let allowed = st.principals.contains_key(&r.principal)
+            && st.holds(&r.principal, &r.project, &r.permission);
+        Ok(pb::AuthorizeResponse {
+            allowed,
+            epoch: st.epoch,
+        })
     }
 
     #[tracing::instrument(name = "iam.admit", skip_all, fields(items = req.get_ref().items.len(), principal))]
-    pub(super) async fn rpc_admit(&self, req: Request<pb::AdmitRequest>) -> Result<pb::AdmitResponse, Failure> {
+    pub(super) async fn rpc_admit(
+        &self,
+        req: Request<pb::AdmitRequest>,
+    ) -> Result<pb::AdmitResponse, Failure> {
         let addr = Self::addr_of(&req, &req.get_ref().client_addr);
         let r = req.into_inner();
         if r.items.len() > MAX_BATCH {
-            return Err(Failure::invalid(format!("batch of {} items exceeds {MAX_BATCH}", r.items.len())));
+            return Err(Failure::invalid(format!(
+                "batch of {} items exceeds {MAX_BATCH}",
+                r.items.len()
+            )));
         }
         let id = self.authenticate(&r.token, &addr)?;
         tracing::Span::current().record("principal", id.actor.principal.as_str());
@@ -71,7 +87,12 @@ impl IamService {
             })
             .collect();
         let lease_ids: Vec<String> = items.iter().map(|i| i.lease_id.clone()).collect();
-        let cmd = Command::Admit { actor: id.actor, image_project: r.image_project, items, now: now_s() };
+        let cmd = Command::Admit {
+            actor: id.actor,
+            image_project: r.image_project,
+            items,
+            now: now_s(),
+        };
         match self.store().propose(cmd).await? {
             Outcome::Admitted { principal, results } => Ok(pb::AdmitResponse {
                 principal,
@@ -79,8 +100,18 @@ impl IamService {
                     .into_iter()
                     .zip(results)
                     .map(|(lease_id, r)| match r {
-                        Ok(a) => pb::AdmitResult { lease_id, error: None, existed: a.existed, edge_id: a.prev_edge_id, sandbox_id: a.prev_sandbox_id },
-                        Err(f) => pb::AdmitResult { lease_id, error: Some(rpc::status::error_detail(&f)), ..Default::default() },
+                        Ok(a) => pb::AdmitResult {
+                            lease_id,
+                            error: None,
+                            existed: a.existed,
+                            edge_id: a.prev_edge_id,
+                            sandbox_id: a.prev_sandbox_id,
+                        },
+                        Err(f) => pb::AdmitResult {
+                            lease_id,
+                            error: Some(rpc::status::error_detail(&f)),
+                            ..Default::default()
+                        },
                     })
                     .collect(),
             }),
@@ -89,11 +120,22 @@ impl IamService {
     }
 
     #[tracing::instrument(name = "iam.release_leases", skip_all, fields(leases = r.lease_ids.len()))]
-    pub(super) async fn rpc_release_leases(&self, r: pb::ReleaseLeasesRequest) -> Result<pb::ReleaseLeasesResponse, Failure> {
+    pub(super) async fn rpc_release_leases(
+        &self,
+        r: pb::ReleaseLeasesRequest,
+    ) -> Result<pb::ReleaseLeasesResponse, Failure> {
         if !apply_leases::any_held(&self.store().read(), &r.lease_ids) {
             return Ok(pb::ReleaseLeasesResponse { released: 0 });
         }
-        match self.store().propose(Command::ReleaseLeases { lease_ids: r.lease_ids, at: r.at, now: now_s() }).await? {
+        match self
+            .store()
+            .propose(Command::ReleaseLeases {
+                lease_ids: r.lease_ids,
+                at: r.at,
+                now: now_s(),
+            })
+            .await?
+        {
             Outcome::Released(n) => Ok(pb::ReleaseLeasesResponse { released: n }),
             o => Err(unexpected(o)),
         }
@@ -101,28 +143,64 @@ impl IamService {
 
     pub(super) fn rpc_get_lease(&self, r: pb::GetLeaseRequest) -> Result<pb::LeaseInfo, Failure> {
         let st = self.store().read();
-        st.leases.get(&r.lease_id).map(|l| views::lease_info(&r.lease_id, l)).ok_or_else(|| Failure::not_found(format!("lease {:?} not found", r.lease_id)))
+        st.leases
+            .get(&r.lease_id)
+            .map(|l| views::lease_info(&r.lease_id, l))
+            .ok_or_else(|| Failure::not_found(format!("lease {:?} not found", r.lease_id)))
     }
 
     /// The leases among `lease_ids` that IAM holds; `invalid` past 4096 ids.
-    pub(super) fn rpc_get_leases(&self, r: pb::GetLeasesRequest) -> Result<pb::GetLeasesResponse, Failure> {
+    pub(super) fn rpc_get_leases(
+        &self,
+        r: pb::GetLeasesRequest,
+    ) -> Result<pb::GetLeasesResponse, Failure> {
         if r.lease_ids.len() > 4096 {
-            return Err(Failure::invalid(format!("{} lease ids asked; at most 4096 per call", r.lease_ids.len())));
+            return Err(Failure::invalid(format!(
+                "{} lease ids asked; at most 4096 per call",
+                r.lease_ids.len()
+            )));
         }
         let st = self.store().read();
-        let leases = r.lease_ids.iter().filter_map(|id| st.leases.get(id).map(|l| views::lease_info(id, l))).collect();
+        let leases = r
+            .lease_ids
+            .iter()
+            .filter_map(|id| st.leases.get(id).map(|l| views::lease_info(id, l)))
+            .collect();
         Ok(pb::GetLeasesResponse { leases })
     }
 
     #[tracing::instrument(name = "iam.reconcile", skip_all, fields(edge_id = %r.edge_id, leases = r.leases.len()))]
-    pub(super) async fn rpc_reconcile(&self, r: pb::ReconcileRequest) -> Result<pb::ReconcileResponse, Failure> {
+    pub(super) async fn rpc_reconcile(
+        &self,
+        r: pb::ReconcileRequest,
+    ) -> Result<pb::ReconcileResponse, Failure> {
         let leases: Vec<_> = r.leases.iter().map(views::lease_report).collect();
         let now = now_s();
         // IAM commits only differences: a report that matches changes nothing.
-        if apply_leases::reconcile_plan(&self.store().read(), &r.edge_id, &leases, r.min_age_s, now)?.is_empty() {
-            return Ok(pb::ReconcileResponse { adopted: 0, released: 0 });
+        if apply_leases::reconcile_plan(
+            &self.store().read(),
+            &r.edge_id,
+            &leases,
+            r.min_age_s,
+            now,
+        )?
+        .is_empty()
+        {
+            return Ok(pb::ReconcileResponse {
+                adopted: 0,
+                released: 0,
+            });
         }
-        match self.store().propose(Command::Reconcile { edge_id: r.edge_id, leases, min_age_s: r.min_age_s, now }).await? {
+        match self
+            .store()
+            .propose(Command::Reconcile {
+                edge_id: r.edge_id,
+                leases,
+                min_age_s: r.min_age_s,
+                now,
+            })
+            .await?
+        {
             Outcome::Reconciled { adopted, released } => {
                 if adopted > 0 || released > 0 {
                     tracing::info!(adopted, released, "leases reconciled");
@@ -134,12 +212,24 @@ impl IamService {
     }
 
     #[tracing::instrument(name = "iam.sweep_unbound", skip_all)]
-    pub(super) async fn rpc_sweep_unbound(&self, r: pb::SweepUnboundRequest) -> Result<pb::SweepUnboundResponse, Failure> {
+    pub(super) async fn rpc_sweep_unbound(
+        &self,
+        r: pb::SweepUnboundRequest,
+    ) -> Result<pb::SweepUnboundResponse, Failure> {
         let now = now_s();
-        if r.max_age_s >= 0 && !apply_leases::any_unbound_older(&self.store().read(), r.max_age_s, now) {
+        if r.max_age_s >= 0
+            && !apply_leases::any_unbound_older(&self.store().read(), r.max_age_s, now)
+        {
             return Ok(pb::SweepUnboundResponse { released: 0 });
         }
-        match self.store().propose(Command::SweepUnbound { max_age_s: r.max_age_s, now }).await? {
+        match self
+            .store()
+            .propose(Command::SweepUnbound {
+                max_age_s: r.max_age_s,
+                now,
+            })
+            .await?
+        {
             Outcome::Released(n) => Ok(pb::SweepUnboundResponse { released: n }),
             o => Err(unexpected(o)),
         }

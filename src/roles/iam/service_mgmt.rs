@@ -39,135 +39,275 @@ impl IamService {
     }
 
     #[tracing::instrument(name = "iam.who_am_i", skip_all)]
-    pub(super) fn rpc_who_am_i(&self, req: Request<pb::Empty>) -> Result<pb::WhoAmIResponse, Failure> {
+    pub(super) fn rpc_who_am_i(
+        &self,
+        req: Request<pb::Empty>,
+    ) -> Result<pb::WhoAmIResponse, Failure> {
         let id = self.caller(&req)?;
-        Ok(pb::WhoAmIResponse { principal: id.actor.principal, project: id.project, kind: id.kind, token_id: id.actor.token_id })
+        Ok(pb::WhoAmIResponse {
+            principal: id.actor.principal,
+            project: id.project,
+            kind: id.kind,
+            token_id: id.actor.token_id,
+        })
     }
 
     #[tracing::instrument(name = "iam.create_project", skip_all, fields(project = %req.get_ref().parent, principal))]
-    pub(super) async fn rpc_create_project(&self, req: Request<pb::CreateProjectRequest>) -> Result<pb::Project, Failure> {
+    pub(super) async fn rpc_create_project(
+        &self,
+        req: Request<pb::CreateProjectRequest>,
+    ) -> Result<pb::Project, Failure> {
         let id = self.caller(&req)?;
         tracing::Span::current().record("principal", id.actor.principal.as_str());
         let r = req.into_inner();
         let quota = views::quota(&r.quota)?;
-        let o = self.store().propose(Command::CreateProject { actor: id.actor, parent: r.parent, name: r.name, quota, now: now_s() }).await?;
+        let o = self
+            .store()
+            .propose(Command::CreateProject {
+                actor: id.actor,
+                parent: r.parent,
+                name: r.name,
+                quota,
+                now: now_s(),
+            })
+            .await?;
         self.project_view(o)
     }
 
     #[tracing::instrument(name = "iam.get_project", skip_all, fields(project = %req.get_ref().project))]
-    pub(super) fn rpc_get_project(&self, req: Request<pb::ProjectRef>) -> Result<pb::Project, Failure> {
+    pub(super) fn rpc_get_project(
+        &self,
+        req: Request<pb::ProjectRef>,
+    ) -> Result<pb::Project, Failure> {
         let id = self.caller(&req)?;
-        let path = if req.get_ref().project.is_empty() { ROOT } else { req.get_ref().project.as_str() };
+        let path = if req.get_ref().project.is_empty() {
+            ROOT
+        } else {
+            req.get_ref().project.as_str()
+        };
         let st = self.store().read();
         st.project(path)?;
         if !st.holds_any(&id.actor.principal, path) {
-            return Err(Failure::forbidden(format!("principal {:?} holds no permission on {path}", id.actor.principal)));
+            return Err(Failure::forbidden(format!(
+                "principal {:?} holds no permission on {path}",
+                id.actor.principal
+            )));
         }
         views::project(&st, path)
     }
 
     #[tracing::instrument(name = "iam.set_quota", skip_all, fields(project = %req.get_ref().project))]
-    pub(super) async fn rpc_set_quota(&self, req: Request<pb::SetQuotaRequest>) -> Result<pb::Project, Failure> {
+    pub(super) async fn rpc_set_quota(
+        &self,
+        req: Request<pb::SetQuotaRequest>,
+    ) -> Result<pb::Project, Failure> {
         let id = self.caller(&req)?;
         let r = req.into_inner();
         let quota = views::quota(&r.quota)?;
-        let o = self.store().propose(Command::SetQuota { actor: id.actor, project: r.project, quota, now: now_s() }).await?;
+        let o = self
+            .store()
+            .propose(Command::SetQuota {
+                actor: id.actor,
+                project: r.project,
+                quota,
+                now: now_s(),
+            })
+            .await?;
         self.project_view(o)
     }
 
     #[tracing::instrument(name = "iam.delete_project", skip_all, fields(project = %req.get_ref().project))]
-    pub(super) async fn rpc_delete_project(&self, req: Request<pb::ProjectRef>) -> Result<pb::Empty, Failure> {
+    pub(super) async fn rpc_delete_project(
+        &self,
+        req: Request<pb::ProjectRef>,
+    ) -> Result<pb::Empty, Failure> {
         let id = self.caller(&req)?;
-        self.store().propose(Command::DeleteProject { actor: id.actor, project: req.into_inner().project, now: now_s() }).await?;
+        self.store()
+            .propose(Command::DeleteProject {
+                actor: id.actor,
+                project: req.into_inner().project,
+                now: now_s(),
+            })
+            .await?;
         Ok(pb::Empty {})
     }
 
     #[tracing::instrument(name = "iam.create_principal", skip_all, fields(project = %req.get_ref().project, principal = %req.get_ref().principal_id))]
-    pub(super) async fn rpc_create_principal(&self, req: Request<pb::CreatePrincipalRequest>) -> Result<pb::CreatePrincipalResponse, Failure> {
+    pub(super) async fn rpc_create_principal(
+        &self,
+        req: Request<pb::CreatePrincipalRequest>,
+    ) -> Result<pb::CreatePrincipalResponse, Failure> {
         let id = self.caller(&req)?;
         let r = req.into_inner();
         names::check_principal_id(&r.principal_id)?;
         let (token, new) = tokens::issue(&r.principal_id);
-        let cmd = Command::CreatePrincipal { actor: id.actor, project: r.project, principal: r.principal_id.clone(), kind: r.kind, token: new, ttl: r.ttl, now: now_s() };
+        let cmd = Command::CreatePrincipal {
+            actor: id.actor,
+            project: r.project,
+            principal: r.principal_id.clone(),
+            kind: r.kind,
+            token: new,
+            ttl: r.ttl,
+            now: now_s(),
+        };
         match self.store().propose(cmd).await? {
-            Outcome::Token { principal, token_id } => {
+            Outcome::Token {
+                principal,
+                token_id,
+            } => {
                 let info = self.token_info(&principal, &token_id)?;
-                Ok(pb::CreatePrincipalResponse { principal_id: principal, token, token_info: Some(info) })
+                Ok(pb::CreatePrincipalResponse {
+                    principal_id: principal,
+                    token,
+                    token_info: Some(info),
+                })
             }
             o => Err(Failure::internal(format!("unexpected outcome {o:?}"))),
         }
     }
 
     #[tracing::instrument(name = "iam.delete_principal", skip_all, fields(principal = %req.get_ref().principal))]
-    pub(super) async fn rpc_delete_principal(&self, req: Request<pb::PrincipalRef>) -> Result<pb::Empty, Failure> {
+    pub(super) async fn rpc_delete_principal(
+        &self,
+        req: Request<pb::PrincipalRef>,
+    ) -> Result<pb::Empty, Failure> {
         let id = self.caller(&req)?;
         let principal = or_caller(&req.get_ref().principal, &id);
-        self.store().propose(Command::DeletePrincipal { actor: id.actor, principal, now: now_s() }).await?;
+        self.store()
+            .propose(Command::DeletePrincipal {
+                actor: id.actor,
+                principal,
+                now: now_s(),
+            })
+            .await?;
         Ok(pb::Empty {})
     }
 
     #[tracing::instrument(name = "iam.grant", skip_all, fields(project = %req.get_ref().project, principal = %req.get_ref().principal, grant))]
-    pub(super) async fn rpc_grant(&self, req: Request<pb::GrantRequest>, grant: bool) -> Result<pb::Project, Failure> {
+    pub(super) async fn rpc_grant(
+        &self,
+        req: Request<pb::GrantRequest>,
+        grant: bool,
+    ) -> Result<pb::Project, Failure> {
         tracing::Span::current().record("grant", grant);
         let id = self.caller(&req)?;
         let r = req.into_inner();
         let permissions = views::permissions(&r.permissions)?;
         let now = now_s();
         let cmd = if grant {
-            Command::Grant { actor: id.actor, project: r.project, principal: r.principal, permissions, now }
+            Command::Grant {
+                actor: id.actor,
+                project: r.project,
+                principal: r.principal,
+                permissions,
+                now,
+            }
         } else {
-            Command::Revoke { actor: id.actor, project: r.project, principal: r.principal, permissions, now }
+            Command::Revoke {
+                actor: id.actor,
+                project: r.project,
+                principal: r.principal,
+                permissions,
+                now,
+            }
         };
         let o = self.store().propose(cmd).await?;
         self.project_view(o)
     }
 
     #[tracing::instrument(name = "iam.create_token", skip_all, fields(principal = %req.get_ref().principal))]
-    pub(super) async fn rpc_create_token(&self, req: Request<pb::CreateTokenRequest>) -> Result<pb::CreateTokenResponse, Failure> {
+    pub(super) async fn rpc_create_token(
+        &self,
+        req: Request<pb::CreateTokenRequest>,
+    ) -> Result<pb::CreateTokenResponse, Failure> {
         let id = self.caller(&req)?;
         let r = req.into_inner();
         let principal = or_caller(&r.principal, &id);
         names::check_principal_id(&principal)?;
         let (token, new) = tokens::issue(&principal);
-        let cmd = Command::CreateToken { actor: id.actor, principal, token: new, ttl: r.ttl, description: r.description, now: now_s() };
+        let cmd = Command::CreateToken {
+            actor: id.actor,
+            principal,
+            token: new,
+            ttl: r.ttl,
+            description: r.description,
+            now: now_s(),
+        };
         match self.store().propose(cmd).await? {
-            Outcome::Token { principal, token_id } => Ok(pb::CreateTokenResponse { token, info: Some(self.token_info(&principal, &token_id)?) }),
+            Outcome::Token {
+                principal,
+                token_id,
+            } => Ok(pb::CreateTokenResponse {
+                token,
+                info: Some(self.token_info(&principal, &token_id)?),
+            }),
             o => Err(Failure::internal(format!("unexpected outcome {o:?}"))),
         }
     }
 
     #[tracing::instrument(name = "iam.list_tokens", skip_all, fields(principal = %req.get_ref().principal))]
-    pub(super) fn rpc_list_tokens(&self, req: Request<pb::PrincipalRef>) -> Result<pb::ListTokensResponse, Failure> {
+    pub(super) fn rpc_list_tokens(
+        &self,
+        req: Request<pb::PrincipalRef>,
+    ) -> Result<pb::ListTokensResponse, Failure> {
         let id = self.caller(&req)?;
         let principal = or_caller(&req.get_ref().principal, &id);
         let st = self.store().read();
         let p = st.require_token_manager(&id.actor.principal, &principal)?;
-        Ok(pb::ListTokensResponse { tokens: p.tokens.iter().map(|(tid, t)| views::token_info(&principal, tid, t)).collect() })
+        Ok(pb::ListTokensResponse {
+            tokens: p
+                .tokens
+                .iter()
+                .map(|(tid, t)| views::token_info(&principal, tid, t))
+                .collect(),
+        })
     }
 
     #[tracing::instrument(name = "iam.revoke_token", skip_all, fields(principal = %req.get_ref().principal))]
-    pub(super) async fn rpc_revoke_token(&self, req: Request<pb::RevokeTokenRequest>) -> Result<pb::Empty, Failure> {
+    pub(super) async fn rpc_revoke_token(
+        &self,
+        req: Request<pb::RevokeTokenRequest>,
+    ) -> Result<pb::Empty, Failure> {
         let id = self.caller(&req)?;
         let r = req.into_inner();
         let principal = or_caller(&r.principal, &id);
-        self.store().propose(Command::RevokeToken { actor: id.actor, principal, token_id: r.token_id, now: now_s() }).await?;
+        self.store()
+            .propose(Command::RevokeToken {
+                actor: id.actor,
+                principal,
+                token_id: r.token_id,
+                now: now_s(),
+            })
+            .await?;
         Ok(pb::Empty {})
     }
 
     #[tracing::instrument(name = "iam.get_usage", skip_all, fields(project = %req.get_ref().project))]
-    pub(super) fn rpc_get_usage(&self, req: Request<pb::GetUsageRequest>) -> Result<pb::UsageReport, Failure> {
+    pub(super) fn rpc_get_usage(
+        &self,
+        req: Request<pb::GetUsageRequest>,
+    ) -> Result<pb::UsageReport, Failure> {
         let id = self.caller(&req)?;
         let r = req.get_ref();
-        let path = if r.project.is_empty() { ROOT } else { r.project.as_str() };
+        let path = if r.project.is_empty() {
+            ROOT
+        } else {
+            r.project.as_str()
+        };
         let st = self.store().read();
         st.project(path)?;
         st.require(&id.actor.principal, path, "project.admin")?;
         let rows = usage::report(&st, path, &r.start, &r.end, r.daily, now_s())?;
-        Ok(pb::UsageReport { rows: rows.iter().map(views::usage_row).collect() })
+        Ok(pb::UsageReport {
+            rows: rows.iter().map(views::usage_row).collect(),
+        })
     }
 
     #[tracing::instrument(name = "iam.backup", skip_all)]
-    pub(super) fn rpc_backup(&self, req: Request<pb::Empty>) -> Result<pb::IamBackupResponse, Failure> {
+    pub(super) fn rpc_backup(
+        &self,
+        req: Request<pb::Empty>,
+    ) -> Result<pb::IamBackupResponse, Failure> {
         let id = self.caller(&req)?;
         let backup = {
             let st = self.store().read();
@@ -175,16 +315,29 @@ impl IamService {
             Backup::of(&st, now_s())
         };
         tracing::info!(principal = %id.actor.principal, "IAM backup taken");
-        Ok(pb::IamBackupResponse { data: backup.encode()? })
+        Ok(pb::IamBackupResponse {
+            data: backup.encode()?,
+        })
     }
 
     #[tracing::instrument(name = "iam.restore", skip_all)]
-    pub(super) async fn rpc_restore(&self, req: Request<pb::IamRestoreRequest>) -> Result<pb::Empty, Failure> {
+    pub(super) async fn rpc_restore(
+        &self,
+        req: Request<pb::IamRestoreRequest>,
+    ) -> Result<pb::Empty, Failure> {
         let id = self.caller(&req)?;
-        self.store().read().require(&id.actor.principal, ROOT, "project.admin")?;
+        self.store()
+            .read()
+            .require(&id.actor.principal, ROOT, "project.admin")?;
         let backup = Backup::decode(&req.get_ref().data)?;
         let principal = id.actor.principal.clone();
-        self.store().propose(Command::Restore { actor: id.actor, backup: Box::new(backup), now: now_s() }).await?;
+        self.store()
+            .propose(Command::Restore {
+                actor: id.actor,
+                backup: Box::new(backup),
+                now: now_s(),
+            })
+            .await?;
         tracing::warn!(principal = %principal, "IAM restored from a backup");
         Ok(pb::Empty {})
     }

@@ -139,7 +139,9 @@ pub struct Actor {
 
 /// `path` and each of its ancestors, root first, without allocating.
 pub fn ancestors(path: &str) -> impl Iterator<Item = &str> {
-    path.match_indices('/').map(move |(i, _)| &path[..i]).chain(std::iter::once(path))
+    path.match_indices('/')
+        .map(move |(i, _)| &path[..i])
+        .chain(std::iter::once(path))
 }
 
 /// The value of quota key `key` in a resource vector.
@@ -157,10 +159,15 @@ pub fn res_key(r: &Res, key: &str) -> f64 {
 pub fn check_quota_map(q: &BTreeMap<String, f64>) -> Result<(), Failure> {
     for (k, v) in q {
         if !names::QUOTA_KEYS.contains(&k.as_str()) {
-            return Err(Failure::invalid(format!("unknown quota key {k:?}; known: {}", names::QUOTA_KEYS.join(", "))));
+            return Err(Failure::invalid(format!(
+                "unknown quota key {k:?}; known: {}",
+                names::QUOTA_KEYS.join(", ")
+            )));
         }
         if !v.is_finite() || *v < 0.0 || *v > MAX_QUOTA {
-            return Err(Failure::invalid(format!("quota {k}={v} must be a number from 0 to {MAX_QUOTA}")));
+            return Err(Failure::invalid(format!(
+                "quota {k}={v} must be a number from 0 to {MAX_QUOTA}"
+            )));
         }
     }
     Ok(())
@@ -186,7 +193,9 @@ pub fn check_res(r: &Res) -> Result<(), Failure> {
 /// Checks an opaque id (lease, sandbox, token id): 1..=128 printable characters without spaces.
 pub fn check_id(what: &str, id: &str) -> Result<(), Failure> {
     if id.is_empty() || id.len() > 128 || id.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(Failure::invalid(format!("{what} {id:?} must be 1 to 128 characters without spaces")));
+        return Err(Failure::invalid(format!(
+            "{what} {id:?} must be 1 to 128 characters without spaces"
+        )));
     }
     Ok(())
 }
@@ -195,17 +204,24 @@ pub fn check_id(what: &str, id: &str) -> Result<(), Failure> {
 pub fn check_token_id(id: &str) -> Result<(), Failure> {
     check_id("token id", id)?;
     if id.contains('.') {
-        return Err(Failure::invalid(format!("token id {id:?} may not contain '.'")));
+        return Err(Failure::invalid(format!(
+            "token id {id:?} may not contain '.'"
+        )));
     }
     Ok(())
 }
 
 /// Checks a stored hash: 64 lowercase hex digits.
 pub fn check_hash(h: &str) -> Result<(), Failure> {
-    if h.len() == 64 && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+    if h.len() == 64
+        && h.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
         Ok(())
     } else {
-        Err(Failure::invalid("token hash must be 64 lowercase hex digits"))
+        Err(Failure::invalid(
+            "token hash must be 64 lowercase hex digits",
+        ))
     }
 }
 
@@ -218,13 +234,17 @@ impl IamState {
     /// The project at `path`: `invalid` for a malformed path, `not_found` when absent.
     pub fn project(&self, path: &str) -> Result<&Project, Failure> {
         names::check_project_path(path)?;
-        self.projects.get(path).ok_or_else(|| Failure::not_found(format!("project {path:?} not found")))
+        self.projects
+            .get(path)
+            .ok_or_else(|| Failure::not_found(format!("project {path:?} not found")))
     }
 
     /// The principal `id`: `invalid` for a malformed id, `not_found` when absent.
     pub fn principal(&self, id: &str) -> Result<&Principal, Failure> {
         names::check_principal_id(id)?;
-        self.principals.get(id).ok_or_else(|| Failure::not_found(format!("principal {id:?} not found")))
+        self.principals
+            .get(id)
+            .ok_or_else(|| Failure::not_found(format!("principal {id:?} not found")))
     }
 
     /// Does `principal` hold `perm` on `project`, directly or on an ancestor? The administrator
@@ -234,7 +254,10 @@ impl IamState {
             return true;
         }
         let direct = |p: &str, perm: &str| {
-            self.projects.get(p).and_then(|pr| pr.policies.get(principal)).is_some_and(|s| s.contains(perm))
+            self.projects
+                .get(p)
+                .and_then(|pr| pr.policies.get(principal))
+                .is_some_and(|s| s.contains(perm))
         };
         if ancestors(project).any(|p| direct(p, perm)) {
             return true;
@@ -247,13 +270,17 @@ impl IamState {
         if self.holds(principal, project, perm) {
             Ok(())
         } else {
-            Err(Failure::forbidden(format!("principal {principal:?} lacks {perm} on {project}")))
+            Err(Failure::forbidden(format!(
+                "principal {principal:?} lacks {perm} on {project}"
+            )))
         }
     }
 
     /// Does `principal` hold any permission on `project` (or an ancestor)?
     pub fn holds_any(&self, principal: &str, project: &str) -> bool {
-        names::PERMISSIONS.iter().any(|p| self.holds(principal, project, p))
+        names::PERMISSIONS
+            .iter()
+            .any(|p| self.holds(principal, project, p))
     }
 
     /// Checks an actor's token at time `now`: the principal exists, the token id exists (it
@@ -266,7 +293,10 @@ impl IamState {
             return Err(bad());
         }
         if t.expires_at != 0 && now >= t.expires_at {
-            return Err(Failure::unauthenticated(format!("token {} of {} expired at {}", actor.token_id, actor.principal, t.expires_at)));
+            return Err(Failure::unauthenticated(format!(
+                "token {} of {} expired at {}",
+                actor.token_id, actor.principal, t.expires_at
+            )));
         }
         Ok(p)
     }
@@ -283,7 +313,11 @@ impl IamState {
     /// `path` itself when it exists, else its nearest existing ancestor (root, at worst).
     /// Leases always name an existing project, so usage stays the sum of the leases.
     pub fn nearest_project(&self, path: &str) -> String {
-        ancestors(path).filter(|a| self.projects.contains_key(*a)).last().unwrap_or(ROOT).to_string()
+        ancestors(path)
+            .filter(|a| self.projects.contains_key(*a))
+            .last()
+            .unwrap_or(ROOT)
+            .to_string()
     }
 
     /// Direct subprojects of `path`, as full paths, in order.
@@ -300,7 +334,10 @@ impl IamState {
     /// Does `path` have any subproject?
     pub fn has_children(&self, path: &str) -> bool {
         let prefix = format!("{path}/");
-        self.projects.range(prefix.clone()..).next().is_some_and(|(k, _)| k.starts_with(&prefix))
+        self.projects
+            .range(prefix.clone()..)
+            .next()
+            .is_some_and(|(k, _)| k.starts_with(&prefix))
     }
 
     /// The smallest limit of `key` along `path` and its ancestors, if any level sets one.
@@ -318,13 +355,19 @@ impl IamState {
 
     /// Resolves a quota for a project under `parent`: given keys must not exceed any ancestor
     /// (`invalid`, naming level and key); missing keys take the tightest ancestor limit.
-    pub fn resolve_quota(&self, parent: &str, given: &BTreeMap<String, f64>) -> Result<BTreeMap<String, f64>, Failure> {
+    pub fn resolve_quota(
+        &self,
+        parent: &str,
+        given: &BTreeMap<String, f64>,
+    ) -> Result<BTreeMap<String, f64>, Failure> {
         check_quota_map(given)?;
         let mut out = BTreeMap::new();
         for key in names::QUOTA_KEYS {
             match (given.get(key), self.tightest(parent, key)) {
                 (Some(v), Some((limit, level))) if *v > limit + EPS => {
-                    return Err(Failure::invalid(format!("quota {key}={v} exceeds {level}'s {key}={limit}")));
+                    return Err(Failure::invalid(format!(
+                        "quota {key}={v} exceeds {level}'s {key}={limit}"
+                    )));
                 }
                 (Some(v), _) => {
                     out.insert(key.to_string(), *v);
@@ -342,7 +385,9 @@ impl IamState {
     /// names the first level and key that would go over.
     pub fn check_quota(&self, project: &str, res: &Res) -> Result<(), Failure> {
         for a in ancestors(project) {
-            let Some(p) = self.projects.get(a) else { continue };
+            let Some(p) = self.projects.get(a) else {
+                continue;
+            };
             for (key, limit) in &p.quota {
                 let used = res_key(&p.usage, key);
                 let asked = res_key(res, key);
@@ -380,7 +425,11 @@ impl IamState {
         for p in self.projects.values_mut() {
             p.usage = Res::default();
         }
-        let leases: Vec<(String, Res)> = self.leases.values().map(|l| (l.project.clone(), l.resources)).collect();
+        let leases: Vec<(String, Res)> = self
+            .leases
+            .values()
+            .map(|l| (l.project.clone(), l.resources))
+            .collect();
         for (project, res) in leases {
             self.charge(&project, &res);
         }
@@ -388,7 +437,10 @@ impl IamState {
 
     /// Records that lease `id` is bound to `edge` ("" = unbound) in the derived index.
     pub fn index_add(&mut self, edge: &str, id: &str) {
-        self.by_edge.entry(edge.to_string()).or_default().insert(id.to_string());
+        self.by_edge
+            .entry(edge.to_string())
+            .or_default()
+            .insert(id.to_string());
     }
 
     /// Removes lease `id` from `edge`'s entry of the derived index.
@@ -412,7 +464,10 @@ impl IamState {
 
     /// Lease ids bound to `edge` ("" = unbound), in order.
     pub fn leases_on(&self, edge: &str) -> Vec<String> {
-        self.by_edge.get(edge).map(|s| s.iter().cloned().collect()).unwrap_or_default()
+        self.by_edge
+            .get(edge)
+            .map(|s| s.iter().cloned().collect())
+            .unwrap_or_default()
     }
 }
 
@@ -425,11 +480,38 @@ mod tests {
     }
 
     fn tree() -> IamState {
-        let mut st = IamState { admin_id: "admin".into(), ..Default::default() };
-        st.principals.insert("admin".into(), Principal { project: ROOT.into(), ..Default::default() });
-        st.principals.insert("bob".into(), Principal { project: "root/a".into(), ..Default::default() });
-        st.projects.insert(ROOT.into(), Project { quota: quota(&[("sandboxes", 10.0)]), ..Default::default() });
-        st.projects.insert("root/a".into(), Project { quota: quota(&[("sandboxes", 5.0), ("cpu_cores", 8.0)]), ..Default::default() });
+        let mut st = IamState {
+            admin_id: "admin".into(),
+            ..Default::default()
+        };
+        st.principals.insert(
+            "admin".into(),
+            Principal {
+                project: ROOT.into(),
+                ..Default::default()
+            },
+        );
+        st.principals.insert(
+            "bob".into(),
+            Principal {
+                project: "root/a".into(),
+                ..Default::default()
+            },
+        );
+        st.projects.insert(
+            ROOT.into(),
+            Project {
+                quota: quota(&[("sandboxes", 10.0)]),
+                ..Default::default()
+            },
+        );
+        st.projects.insert(
+            "root/a".into(),
+            Project {
+                quota: quota(&[("sandboxes", 5.0), ("cpu_cores", 8.0)]),
+                ..Default::default()
+            },
+        );
         st.projects.insert("root/a/b".into(), Project::default());
         st.projects.insert("root/ab".into(), Project::default());
         st
@@ -437,32 +519,51 @@ mod tests {
 
     #[test]
     fn ancestors_walk_root_first() {
-        assert_eq!(ancestors("root/a/b").collect::<Vec<_>>(), vec!["root", "root/a", "root/a/b"]);
+        assert_eq!(
+            ancestors("root/a/b").collect::<Vec<_>>(),
+            vec!["root", "root/a", "root/a/b"]
+        );
         assert_eq!(ancestors("root").collect::<Vec<_>>(), vec!["root"]);
     }
 
     #[test]
     fn permissions_are_inherited_and_imply_nothing_else() {
         let mut st = tree();
-        st.projects.get_mut("root/a").unwrap().policies.insert("bob".into(), ["sandbox.create".to_string()].into());
+        st.projects
+            .get_mut("root/a")
+            .unwrap()
+            .policies
+            .insert("bob".into(), ["sandbox.create".to_string()].into());
         assert!(st.holds("bob", "root/a", "sandbox.create"));
         assert!(st.holds("bob", "root/a/b", "sandbox.create"));
         assert!(!st.holds("bob", "root", "sandbox.create"));
         assert!(!st.holds("bob", "root/ab", "sandbox.create"));
         assert!(!st.holds("bob", "root/a", "sandbox.operate"));
         // project.admin implies nothing else below root.
-        st.projects.get_mut("root/a").unwrap().policies.insert("bob".into(), ["project.admin".to_string()].into());
+        st.projects
+            .get_mut("root/a")
+            .unwrap()
+            .policies
+            .insert("bob".into(), ["project.admin".to_string()].into());
         assert!(!st.holds("bob", "root/a", "sandbox.create"));
         assert!(!st.holds("bob", "root", "fleet.view"));
         let e = st.require("bob", "root/a", "layer.use").unwrap_err();
         assert_eq!(e.reason, Reason::Forbidden);
-        assert!(e.message.contains("layer.use") && e.message.contains("root/a"), "{}", e.message);
+        assert!(
+            e.message.contains("layer.use") && e.message.contains("root/a"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]
     fn admin_on_root_acts_as_fleet_permissions() {
         let mut st = tree();
-        st.projects.get_mut(ROOT).unwrap().policies.insert("bob".into(), ["project.admin".to_string()].into());
+        st.projects
+            .get_mut(ROOT)
+            .unwrap()
+            .policies
+            .insert("bob".into(), ["project.admin".to_string()].into());
         assert!(st.holds("bob", ROOT, "fleet.view"));
         assert!(st.holds("bob", ROOT, "fleet.operate"));
         assert!(!st.holds("bob", ROOT, "layer.publish"));
@@ -479,7 +580,10 @@ mod tests {
     #[test]
     fn children_are_direct_only() {
         let st = tree();
-        assert_eq!(st.children(ROOT), vec!["root/a".to_string(), "root/ab".to_string()]);
+        assert_eq!(
+            st.children(ROOT),
+            vec!["root/a".to_string(), "root/ab".to_string()]
+        );
         assert_eq!(st.children("root/a"), vec!["root/a/b".to_string()]);
         assert!(st.has_children("root/a"));
         assert!(!st.has_children("root/a/b"));
@@ -489,37 +593,72 @@ mod tests {
     #[test]
     fn quota_resolution_takes_the_tightest_and_refuses_more() {
         let st = tree();
-        let q = st.resolve_quota("root/a", &quota(&[("gpus", 2.0)])).unwrap();
-        assert_eq!(q, quota(&[("sandboxes", 5.0), ("cpu_cores", 8.0), ("gpus", 2.0)]));
-        let e = st.resolve_quota("root/a", &quota(&[("sandboxes", 7.0)])).unwrap_err();
+        let q = st
+            .resolve_quota("root/a", &quota(&[("gpus", 2.0)]))
+            .unwrap();
+        assert_eq!(
+            q,
+            quota(&[("sandboxes", 5.0), ("cpu_cores", 8.0), ("gpus", 2.0)])
+        );
+        let e = st
+            .resolve_quota("root/a", &quota(&[("sandboxes", 7.0)]))
+            .unwrap_err();
         assert_eq!(e.reason, Reason::Invalid);
-        assert!(e.message.contains("root/a") && e.message.contains("sandboxes"), "{}", e.message);
-        let e = st.resolve_quota("root/a", &quota(&[("sandboxes", 11.0)])).unwrap_err();
+        assert!(
+            e.message.contains("root/a") && e.message.contains("sandboxes"),
+            "{}",
+            e.message
+        );
+        let e = st
+            .resolve_quota("root/a", &quota(&[("sandboxes", 11.0)]))
+            .unwrap_err();
         assert!(e.message.contains("sandboxes"));
         for bad in [f64::NAN, -1.0, 2e12, f64::INFINITY] {
-            assert_eq!(st.resolve_quota("root", &quota(&[("gpus", bad)])).unwrap_err().reason, Reason::Invalid);
+            assert_eq!(
+                st.resolve_quota("root", &quota(&[("gpus", bad)]))
+                    .unwrap_err()
+                    .reason,
+                Reason::Invalid
+            );
         }
-        assert_eq!(st.resolve_quota("root", &quota(&[("disks", 1.0)])).unwrap_err().reason, Reason::Invalid);
+        assert_eq!(
+            st.resolve_quota("root", &quota(&[("disks", 1.0)]))
+                .unwrap_err()
+                .reason,
+            Reason::Invalid
+        );
     }
 
     #[test]
     fn quota_is_checked_at_every_level() {
         let mut st = tree();
-        let one = Res { sandboxes: 1, cpu_cores: 1.0, ..Default::default() };
+        let one = Res {
+            sandboxes: 1,
+            cpu_cores: 1.0,
+            ..Default::default()
+        };
         for _ in 0..5 {
             st.check_quota("root/a/b", &one).unwrap();
             st.charge("root/a/b", &one);
         }
         let e = st.check_quota("root/a/b", &one).unwrap_err();
         assert_eq!(e.reason, Reason::QuotaExceeded);
-        assert!(e.message.contains("root/a") && e.message.contains("sandboxes"), "{}", e.message);
+        assert!(
+            e.message.contains("root/a") && e.message.contains("sandboxes"),
+            "{}",
+            e.message
+        );
         // The root level limits its other children too.
         for _ in 0..5 {
             st.check_quota("root/ab", &one).unwrap();
             st.charge("root/ab", &one);
         }
         let e = st.check_quota("root/ab", &one).unwrap_err();
-        assert!(e.message.contains("quota of root exceeded"), "{}", e.message);
+        assert!(
+            e.message.contains("quota of root exceeded"),
+            "{}",
+            e.message
+        );
         st.uncharge("root/a/b", &one);
         assert_eq!(st.projects["root/a"].usage.sandboxes, 4);
         assert_eq!(st.projects[ROOT].usage.sandboxes, 9);
@@ -528,9 +667,22 @@ mod tests {
 
     #[test]
     fn input_checks() {
-        assert!(check_res(&Res { cpu_cores: f64::NAN, ..Default::default() }).is_err());
-        assert!(check_res(&Res { memory_mb: -1, ..Default::default() }).is_err());
-        assert!(check_res(&Res { cpu_cores: 2.5, memory_mb: 512, ..Default::default() }).is_ok());
+        assert!(check_res(&Res {
+            cpu_cores: f64::NAN,
+            ..Default::default()
+        })
+        .is_err());
+        assert!(check_res(&Res {
+            memory_mb: -1,
+            ..Default::default()
+        })
+        .is_err());
+        assert!(check_res(&Res {
+            cpu_cores: 2.5,
+            memory_mb: 512,
+            ..Default::default()
+        })
+        .is_ok());
         assert!(check_hash(&"a".repeat(64)).is_ok());
         assert!(check_hash(&"A".repeat(64)).is_err());
         assert!(check_token_id("t1").is_ok());

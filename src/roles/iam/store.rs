@@ -39,7 +39,9 @@ pub struct StoreOptions {
 
 impl Default for StoreOptions {
     fn default() -> Self {
-        StoreOptions { snapshot_every: 10_000 }
+        StoreOptions {
+            snapshot_every: 10_000,
+        }
     }
 }
 
@@ -127,30 +129,46 @@ impl Store {
             }
         };
         metrics::gauge!("opendsec_iam_leases").set(state.leases.len() as f64);
-        let shared = Arc::new(Shared { state: RwLock::new(state), failed: AtomicBool::new(false) });
+        let shared = Arc::new(Shared {
+            state: RwLock::new(state),
+            failed: AtomicBool::new(false),
+        });
         let (tx, rx) = mpsc::channel(QUEUE);
         let sh = shared.clone();
         std::thread::Builder::new()
             .name("iam-writer".into())
             .spawn(move || writer(sh, rx, files, opts))
-            .map_err(|source| IamError::Io { what: "starting the writer thread", path: PathBuf::new(), source })?;
+            .map_err(|source| IamError::Io {
+                what: "starting the writer thread",
+                path: PathBuf::new(),
+                source,
+            })?;
         Ok(Store { shared, tx })
     }
 
     /// Reads the state. Hold the guard briefly: the writer waits for it.
     pub fn read(&self) -> RwLockReadGuard<'_, IamState> {
-        self.shared.state.read().unwrap_or_else(PoisonError::into_inner)
+        self.shared
+            .state
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Queues a command and waits until it is applied (and durable, with a state file).
     /// `Err` is the command's own failure, or `unavailable` when the store is closed or failed.
     pub async fn propose(&self, cmd: Command) -> Result<Outcome, Failure> {
         if self.shared.failed.load(Ordering::Relaxed) {
-            return Err(Failure::unavailable("IAM store failed to persist; restart IAM"));
+            return Err(Failure::unavailable(
+                "IAM store failed to persist; restart IAM",
+            ));
         }
         let (reply, rx) = oneshot::channel();
-        self.tx.send(Msg::Cmd(Box::new(Job { cmd, reply }))).await.map_err(|_| Failure::unavailable("IAM store is closed"))?;
-        rx.await.map_err(|_| Failure::unavailable("IAM store closed before answering"))?
+        self.tx
+            .send(Msg::Cmd(Box::new(Job { cmd, reply })))
+            .await
+            .map_err(|_| Failure::unavailable("IAM store is closed"))?;
+        rx.await
+            .map_err(|_| Failure::unavailable("IAM store closed before answering"))?
     }
 
     /// True once a write failed: the store answers `unavailable` from then on.
@@ -170,29 +188,40 @@ impl Store {
 
 /// Loads the snapshot and replays the log; locks the log.
 fn load(path: &Path) -> Result<(IamState, Files), IamError> {
-    let (mut state, mut seq) = match File::open(path) {
-        Ok(f) => {
-            let snap: SnapshotOwned = serde_json::from_reader(std::io::BufReader::new(f))
-                .map_err(|source| IamError::Snapshot { path: path.to_path_buf(), source })?;
-            (snap.state, snap.seq)
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => (IamState::default(), 0),
-        Err(e) => return Err(io_err("reading the snapshot", path)(e)),
-    };
+    let (mut state, mut seq) =
+        match File::open(path) {
+            Ok(f) => {
+                let snap: SnapshotOwned = serde_json::from_reader(std::io::BufReader::new(f))
+                    .map_err(|source| IamError::Snapshot {
+                        path: path.to_path_buf(),
+                        source,
+                    })?;
+                (snap.state, snap.seq)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (IamState::default(), 0),
+            Err(e) => return Err(io_err("reading the snapshot", path)(e)),
+        };
     state.rebuild_index();
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(io_err("creating the state directory", dir))?;
     }
     let lp = log_path(path);
     // Token hashes live here: owner-only.
-    let mut log = OpenOptions::new().read(true).append(true).create(true).mode(0o600).open(&lp).map_err(io_err("opening the log", &lp))?;
+    let mut log = OpenOptions::new()
+        .read(true)
+        .append(true)
+        .create(true)
+        .mode(0o600)
+        .open(&lp)
+        .map_err(io_err("opening the log", &lp))?;
     match log.try_lock() {
         Ok(()) => {}
         Err(std::fs::TryLockError::WouldBlock) => return Err(IamError::Locked { path: lp }),
         Err(std::fs::TryLockError::Error(e)) => return Err(io_err("locking the log", &lp)(e)),
     }
     let mut bytes = Vec::new();
-    log.read_to_end(&mut bytes).map_err(io_err("reading the log", &lp))?;
+    log.read_to_end(&mut bytes)
+        .map_err(io_err("reading the log", &lp))?;
     let mut good = 0usize;
     let mut line_no = 0usize;
     while good < bytes.len() {
@@ -208,11 +237,21 @@ fn load(path: &Path) -> Result<(IamState, Files), IamError> {
                 tracing::warn!(path = %lp.display(), error = %e, "dropping an unreadable last log line");
                 break;
             }
-            Err(e) => return Err(IamError::Log { path: lp, line: line_no, message: e.to_string() }),
+            Err(e) => {
+                return Err(IamError::Log {
+                    path: lp,
+                    line: line_no,
+                    message: e.to_string(),
+                })
+            }
         };
         if entry.seq > seq {
             if entry.seq != seq + 1 {
-                return Err(IamError::Log { path: lp, line: line_no, message: format!("sequence jumps from {seq} to {}", entry.seq) });
+                return Err(IamError::Log {
+                    path: lp,
+                    line: line_no,
+                    message: format!("sequence jumps from {seq} to {}", entry.seq),
+                });
             }
             if let Err(f) = apply(&mut state, &entry.cmd) {
                 // Only applied commands are logged, and apply is deterministic.
@@ -223,11 +262,20 @@ fn load(path: &Path) -> Result<(IamState, Files), IamError> {
         good += nl + 1;
     }
     if good < bytes.len() {
-        log.set_len(good as u64).map_err(io_err("truncating the torn log", &lp))?;
+        log.set_len(good as u64)
+            .map_err(io_err("truncating the torn log", &lp))?;
         log.sync_all().map_err(io_err("syncing the log", &lp))?;
     }
     tracing::info!(path = %path.display(), seq, replayed = line_no, "IAM state loaded");
-    Ok((state, Files { state: path.to_path_buf(), log, seq, since_snapshot: line_no as u64 }))
+    Ok((
+        state,
+        Files {
+            state: path.to_path_buf(),
+            log,
+            seq,
+            since_snapshot: line_no as u64,
+        },
+    ))
 }
 
 /// Writes a snapshot durably: temp file, fsync, rename, fsync of the directory.
@@ -241,12 +289,24 @@ fn write_snapshot(path: &Path, seq: u64, state: &IamState) -> Result<(), IamErro
         .open(&tmp)
         .map_err(io_err("creating the snapshot", &tmp))?;
     let mut w = BufWriter::with_capacity(1 << 20, f);
-    serde_json::to_writer(&mut w, &SnapshotRef { seq, state }).map_err(|source| IamError::Snapshot { path: tmp.clone(), source })?;
-    let f = w.into_inner().map_err(|e| io_err("writing the snapshot", &tmp)(e.into_error()))?;
+    serde_json::to_writer(&mut w, &SnapshotRef { seq, state }).map_err(|source| {
+        IamError::Snapshot {
+            path: tmp.clone(),
+            source,
+        }
+    })?;
+    let f = w
+        .into_inner()
+        .map_err(|e| io_err("writing the snapshot", &tmp)(e.into_error()))?;
     f.sync_all().map_err(io_err("syncing the snapshot", &tmp))?;
     std::fs::rename(&tmp, path).map_err(io_err("renaming the snapshot", path))?;
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    File::open(dir).and_then(|d| d.sync_all()).map_err(io_err("syncing the state directory", dir))?;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err("syncing the state directory", dir))?;
     Ok(())
 }
 
@@ -254,7 +314,9 @@ impl Files {
     /// Appends a batch's lines and fsyncs once.
     fn append(&mut self, lines: &[u8]) -> Result<(), IamError> {
         let lp = log_path(&self.state);
-        self.log.write_all(lines).map_err(io_err("appending to the log", &lp))?;
+        self.log
+            .write_all(lines)
+            .map_err(io_err("appending to the log", &lp))?;
         self.log.sync_data().map_err(io_err("syncing the log", &lp))
     }
 
@@ -265,8 +327,12 @@ impl Files {
             write_snapshot(&self.state, self.seq, &st)?;
         }
         let lp = log_path(&self.state);
-        self.log.set_len(0).map_err(io_err("truncating the log", &lp))?;
-        self.log.sync_all().map_err(io_err("syncing the log", &lp))?;
+        self.log
+            .set_len(0)
+            .map_err(io_err("truncating the log", &lp))?;
+        self.log
+            .sync_all()
+            .map_err(io_err("syncing the log", &lp))?;
         self.since_snapshot = 0;
         tracing::info!(path = %self.state.display(), seq = self.seq, "IAM snapshot written");
         Ok(())
@@ -274,10 +340,17 @@ impl Files {
 }
 
 /// The writer thread: batches, applies, persists, answers.
-fn writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<Msg>, mut files: Option<Files>, opts: StoreOptions) {
+fn writer(
+    shared: Arc<Shared>,
+    mut rx: mpsc::Receiver<Msg>,
+    mut files: Option<Files>,
+    opts: StoreOptions,
+) {
     let mut close: Option<oneshot::Sender<()>> = None;
     while close.is_none() {
-        let Some(first) = rx.blocking_recv() else { break };
+        let Some(first) = rx.blocking_recv() else {
+            break;
+        };
         let mut batch: Vec<Box<Job>> = Vec::with_capacity(MAX_BATCH);
         match first {
             Msg::Cmd(j) => batch.push(j),
@@ -307,7 +380,13 @@ fn writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<Msg>, mut files: Option<Fi
                 if let Some(f) = files.as_mut() {
                     f.seq += 1;
                     f.since_snapshot += 1;
-                    if let Err(e) = serde_json::to_writer(&mut lines, &EntryRef { seq: f.seq, cmd: &job.cmd }) {
+                    if let Err(e) = serde_json::to_writer(
+                        &mut lines,
+                        &EntryRef {
+                            seq: f.seq,
+                            cmd: &job.cmd,
+                        },
+                    ) {
                         tracing::error!(error = %e, "encoding a command for the log");
                     }
                     lines.push(b'\n');
@@ -324,7 +403,9 @@ fn writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<Msg>, mut files: Option<Fi
             tracing::error!(error = %e, "IAM could not persist a batch; refusing further changes");
             shared.failed.store(true, Ordering::Relaxed);
             for job in batch {
-                let _ = job.reply.send(Err(Failure::internal(format!("IAM could not persist the change: {e}"))));
+                let _ = job.reply.send(Err(Failure::internal(format!(
+                    "IAM could not persist the change: {e}"
+                ))));
             }
             break;
         }
@@ -346,7 +427,9 @@ fn writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<Msg>, mut files: Option<Fi
     while let Ok(m) = rx.try_recv() {
         match m {
             Msg::Cmd(j) => {
-                let _ = j.reply.send(Err(Failure::unavailable("IAM store is closed")));
+                let _ = j
+                    .reply
+                    .send(Err(Failure::unavailable("IAM store is closed")));
             }
             Msg::Close(c) => {
                 let _ = c.send(());
@@ -370,13 +453,20 @@ mod tests {
     const NOW: i64 = 1_790_000_000;
 
     fn admin() -> Actor {
-        Actor { principal: "admin".into(), token_id: "primary".into(), secret_hash: hash_secret("s") }
+        Actor {
+            principal: "admin".into(),
+            token_id: "primary".into(),
+            secret_hash: hash_secret("s"),
+        }
     }
 
     fn bootstrap() -> Command {
         Command::Bootstrap {
             admin_id: "admin".into(),
-            admin_token: Some(NewToken { id: "primary".into(), hash: hash_secret("s") }),
+            admin_token: Some(NewToken {
+                id: "primary".into(),
+                hash: hash_secret("s"),
+            }),
             root_quota: Default::default(),
             max_token_ttl_s: 0,
             now: NOW,
@@ -384,12 +474,33 @@ mod tests {
     }
 
     fn project(name: &str) -> Command {
-        Command::CreateProject { actor: admin(), parent: ROOT.into(), name: name.into(), quota: Default::default(), now: NOW }
+        Command::CreateProject {
+            actor: admin(),
+            parent: ROOT.into(),
+            name: name.into(),
+            quota: Default::default(),
+            now: NOW,
+        }
     }
 
     fn admit(lease: &str) -> Command {
-        let item = AdmitItem { lease_id: lease.into(), project: ROOT.into(), resources: Res { cpu_cores: 1.0, ..Default::default() }, edge_id: "e1".into(), sandbox_id: format!("e1.{lease}"), keep_binding: false };
-        Command::Admit { actor: admin(), image_project: String::new(), items: vec![item], now: NOW }
+        let item = AdmitItem {
+            lease_id: lease.into(),
+            project: ROOT.into(),
+            resources: Res {
+                cpu_cores: 1.0,
+                ..Default::default()
+            },
+            edge_id: "e1".into(),
+            sandbox_id: format!("e1.{lease}"),
+            keep_binding: false,
+        };
+        Command::Admit {
+            actor: admin(),
+            image_project: String::new(),
+            items: vec![item],
+            now: NOW,
+        }
     }
 
     fn state_file(dir: &tempfile::TempDir) -> PathBuf {
@@ -410,7 +521,10 @@ mod tests {
         let e = s.propose(project("a")).await.unwrap_err();
         assert_eq!(e.reason, Reason::Conflict);
         s.close().await;
-        assert_eq!(s.propose(project("b")).await.unwrap_err().reason, Reason::Unavailable);
+        assert_eq!(
+            s.propose(project("b")).await.unwrap_err().reason,
+            Reason::Unavailable
+        );
     }
 
     #[tokio::test]
@@ -448,9 +562,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = state_file(&dir);
         let s = Store::open(Some(&path), StoreOptions::default()).unwrap();
-        assert!(matches!(Store::open(Some(&path), StoreOptions::default()), Err(IamError::Locked { .. })));
+        assert!(matches!(
+            Store::open(Some(&path), StoreOptions::default()),
+            Err(IamError::Locked { .. })
+        ));
         s.close().await;
-        Store::open(Some(&path), StoreOptions::default()).unwrap().close().await;
+        Store::open(Some(&path), StoreOptions::default())
+            .unwrap()
+            .close()
+            .await;
     }
 
     #[tokio::test]
@@ -485,7 +605,10 @@ mod tests {
         let lp = log_path(&path);
         let text = std::fs::read_to_string(&lp).unwrap();
         std::fs::write(&lp, format!("garbage\n{text}")).unwrap();
-        assert!(matches!(Store::open(Some(&path), StoreOptions::default()), Err(IamError::Log { line: 1, .. })));
+        assert!(matches!(
+            Store::open(Some(&path), StoreOptions::default()),
+            Err(IamError::Log { line: 1, .. })
+        ));
     }
 
     #[tokio::test]
@@ -493,12 +616,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = state_file(&dir);
         let s = Store::open(Some(&path), StoreOptions { snapshot_every: 3 }).unwrap();
-        let cmds: Vec<Command> = std::iter::once(bootstrap()).chain((0..7).map(|i| project(&format!("p{i}")))).collect();
+        let cmds: Vec<Command> = std::iter::once(bootstrap())
+            .chain((0..7).map(|i| project(&format!("p{i}"))))
+            .collect();
         run(&s, cmds.clone()).await;
         let fin = s.read().clone();
         s.close().await;
         assert!(path.exists());
-        let lines = std::fs::read_to_string(log_path(&path)).unwrap().lines().count();
+        let lines = std::fs::read_to_string(log_path(&path))
+            .unwrap()
+            .lines()
+            .count();
         assert!(lines < 3, "log not truncated: {lines} lines");
         let s = Store::open(Some(&path), StoreOptions::default()).unwrap();
         assert_eq!(*s.read(), fin);
@@ -509,7 +637,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = state_file(&dir);
         let s = Store::open(Some(&path), StoreOptions::default()).unwrap();
-        run(&s, vec![bootstrap(), admit("l1"), admit("l2"), project("x"), admit("l3")]).await;
+        run(
+            &s,
+            vec![
+                bootstrap(),
+                admit("l1"),
+                admit("l2"),
+                project("x"),
+                admit("l3"),
+            ],
+        )
+        .await;
         let fin = s.read().clone();
         s.close().await;
         let mut at3 = IamState::default();
@@ -529,14 +667,25 @@ mod tests {
         let path = state_file(&dir);
         let s = Store::open(Some(&path), StoreOptions { snapshot_every: 3 }).unwrap();
         run(&s, vec![bootstrap()]).await;
-        for (i, cpu) in [0.1, 0.7, 1.0 / 3.0, 2.0 / 7.0, 1e-7, 123.456789].into_iter().enumerate() {
+        for (i, cpu) in [0.1, 0.7, 1.0 / 3.0, 2.0 / 7.0, 1e-7, 123.456789]
+            .into_iter()
+            .enumerate()
+        {
             let mut c = admit(&format!("f{i}"));
             if let Command::Admit { items, .. } = &mut c {
                 items[0].resources.cpu_cores = cpu;
             }
             run(&s, vec![c]).await;
         }
-        run(&s, vec![Command::ReleaseLeases { lease_ids: vec!["f1".into(), "f3".into()], at: NOW + 4321, now: NOW + 7777 }]).await;
+        run(
+            &s,
+            vec![Command::ReleaseLeases {
+                lease_ids: vec!["f1".into(), "f3".into()],
+                at: NOW + 4321,
+                now: NOW + 7777,
+            }],
+        )
+        .await;
         let before = s.read().clone();
         s.close().await;
         let s = Store::open(Some(&path), StoreOptions::default()).unwrap();

@@ -20,23 +20,40 @@ pub fn hash_secret(secret: &str) -> String {
 /// and the id and hash that go into the command.
 pub fn issue(principal: &str) -> (String, NewToken) {
     let mut rng = rand::rng();
-    let id = format!("t{}", Alphanumeric.sample_string(&mut rng, ID_LEN).to_lowercase());
+    let id = format!(
+        "t{}",
+        Alphanumeric.sample_string(&mut rng, ID_LEN).to_lowercase()
+    );
     let secret = Alphanumeric.sample_string(&mut rng, SECRET_LEN);
     let token = format!("dsk.{principal}.{id}.{secret}");
-    (token, NewToken { hash: hash_secret(&secret), id })
+    (
+        token,
+        NewToken {
+            hash: hash_secret(&secret),
+            id,
+        },
+    )
 }
 
 /// The id and hash of a configured token (the bootstrap admin token), checked to belong to
 /// `principal`. Errors name the problem; placeholders holding `change-me` are refused.
 pub fn configured(principal: &str, token: &str) -> Result<NewToken, String> {
     if token.contains("change-me") {
-        return Err("the admin token still holds the placeholder \"change-me\"; set a real secret".into());
+        return Err(
+            "the admin token still holds the placeholder \"change-me\"; set a real secret".into(),
+        );
     }
     let parts = names::parse_token(token).map_err(|e| e.message)?;
     if parts.principal != principal {
-        return Err(format!("the admin token belongs to {:?}, not to admin_id {principal:?}", parts.principal));
+        return Err(format!(
+            "the admin token belongs to {:?}, not to admin_id {principal:?}",
+            parts.principal
+        ));
     }
-    Ok(NewToken { id: parts.id.to_string(), hash: hash_secret(parts.secret) })
+    Ok(NewToken {
+        id: parts.id.to_string(),
+        hash: hash_secret(parts.secret),
+    })
 }
 
 #[cfg(test)]

@@ -21,7 +21,8 @@ pub fn day_of(t: i64) -> i64 {
 
 /// Parses `YYYY-MM-DD` into a day number; anything else is `invalid`.
 pub fn parse_day(s: &str) -> Result<i64, Failure> {
-    let d = NaiveDate::parse_from_str(s, "%Y-%m-%d").map_err(|_| Failure::invalid(format!("date {s:?} must be YYYY-MM-DD")))?;
+    let d = NaiveDate::parse_from_str(s, "%Y-%m-%d")
+        .map_err(|_| Failure::invalid(format!("date {s:?} must be YYYY-MM-DD")))?;
     Ok(i64::from(chrono::Datelike::num_days_from_ce(&d)) - UNIX_EPOCH_CE)
 }
 
@@ -60,14 +61,24 @@ fn add_held(row: &mut UsageRow, res: &Res, seconds: i64) {
 pub fn record_held(st: &mut IamState, project: &str, res: &Res, from: i64, to: i64, now: i64) {
     let first = day_of(now) - KEEP_DAYS + 1;
     for_each_day(from, to, first, i64::MAX / DAY - 1, |day, secs| {
-        let row = st.usage.entry(day).or_default().entry(project.to_string()).or_default();
+        let row = st
+            .usage
+            .entry(day)
+            .or_default()
+            .entry(project.to_string())
+            .or_default();
         add_held(row, res, secs);
     });
 }
 
 /// Counts one sandbox started in `project` at `at`.
 pub fn record_started(st: &mut IamState, project: &str, at: i64) {
-    st.usage.entry(day_of(at)).or_default().entry(project.to_string()).or_default().sandboxes_started += 1;
+    st.usage
+        .entry(day_of(at))
+        .or_default()
+        .entry(project.to_string())
+        .or_default()
+        .sandboxes_started += 1;
 }
 
 /// Drops days older than the retention at `now`.
@@ -94,28 +105,63 @@ pub struct ReportRow {
 /// empty = the retention's first day / today), live leases counted up to `now`. Daily: one
 /// row per day and project. Otherwise: one total row per project, then an overall `total` row
 /// (whose project is `project`). Bad dates are `invalid`.
-pub fn report(st: &IamState, project: &str, start: &str, end: &str, daily: bool, now: i64) -> Result<Vec<ReportRow>, Failure> {
+pub fn report(
+    st: &IamState,
+    project: &str,
+    start: &str,
+    end: &str,
+    daily: bool,
+    now: i64,
+) -> Result<Vec<ReportRow>, Failure> {
     names::check_project_path(project)?;
     let today = day_of(now);
-    let first = if start.is_empty() { today - KEEP_DAYS + 1 } else { parse_day(start)? };
-    let last = if end.is_empty() { today } else { parse_day(end)? };
+    let first = if start.is_empty() {
+        today - KEEP_DAYS + 1
+    } else {
+        parse_day(start)?
+    };
+    let last = if end.is_empty() {
+        today
+    } else {
+        parse_day(end)?
+    };
     if last < first {
-        return Err(Failure::invalid(format!("end {end} is before start {start}")));
+        return Err(Failure::invalid(format!(
+            "end {end} is before start {start}"
+        )));
     }
     // (day, project) -> row
     let mut rows: BTreeMap<(i64, String), UsageRow> = BTreeMap::new();
     for (day, per) in st.usage.range(first..=last) {
-        for (p, r) in per.iter().filter(|(p, _)| names::project_within(p, project)) {
+        for (p, r) in per
+            .iter()
+            .filter(|(p, _)| names::project_within(p, project))
+        {
             rows.entry((*day, p.clone())).or_default().add(r);
         }
     }
-    for l in st.leases.values().filter(|l: &&Lease| names::project_within(&l.project, project)) {
+    for l in st
+        .leases
+        .values()
+        .filter(|l: &&Lease| names::project_within(&l.project, project))
+    {
         for_each_day(l.created_at, now, first, last, |day, secs| {
-            add_held(rows.entry((day, l.project.clone())).or_default(), &l.resources, secs);
+            add_held(
+                rows.entry((day, l.project.clone())).or_default(),
+                &l.resources,
+                secs,
+            );
         });
     }
     if daily {
-        return Ok(rows.into_iter().map(|((d, p), row)| ReportRow { project: p, day: format_day(d), row }).collect());
+        return Ok(rows
+            .into_iter()
+            .map(|((d, p), row)| ReportRow {
+                project: p,
+                day: format_day(d),
+                row,
+            })
+            .collect());
     }
     let mut per: BTreeMap<String, UsageRow> = BTreeMap::new();
     let mut total = UsageRow::default();
@@ -123,8 +169,19 @@ pub fn report(st: &IamState, project: &str, start: &str, end: &str, daily: bool,
         per.entry(p).or_default().add(&row);
         total.add(&row);
     }
-    let mut out: Vec<ReportRow> = per.into_iter().map(|(p, row)| ReportRow { project: p, day: "total".into(), row }).collect();
-    out.push(ReportRow { project: project.to_string(), day: "total".into(), row: total });
+    let mut out: Vec<ReportRow> = per
+        .into_iter()
+        .map(|(p, row)| ReportRow {
+            project: p,
+            day: "total".into(),
+            row,
+        })
+        .collect();
+    out.push(ReportRow {
+        project: project.to_string(),
+        day: "total".into(),
+        row: total,
+    });
     Ok(out)
 }
 
@@ -148,10 +205,23 @@ mod tests {
     fn held_time_is_split_across_utc_days() {
         let mut st = IamState::default();
         let d = parse_day("2026-10-01").unwrap();
-        let res = Res { cpu_cores: 2.0, memory_mb: 2048, gpus: 1, sandboxes: 1, ..Default::default() };
+        let res = Res {
+            cpu_cores: 2.0,
+            memory_mb: 2048,
+            gpus: 1,
+            sandboxes: 1,
+            ..Default::default()
+        };
         // 23:00 on day d to 02:00 on day d+1: 1 h then 2 h.
         let from = d * DAY + 23 * 3600;
-        record_held(&mut st, "root/a", &res, from, from + 3 * 3600, from + 3 * 3600);
+        record_held(
+            &mut st,
+            "root/a",
+            &res,
+            from,
+            from + 3 * 3600,
+            from + 3 * 3600,
+        );
         let r0 = st.usage[&d]["root/a"];
         let r1 = st.usage[&(d + 1)]["root/a"];
         assert_eq!(r0.sandbox_hours, 1.0);
@@ -165,30 +235,69 @@ mod tests {
     fn only_400_days_are_kept() {
         let mut st = IamState::default();
         let now = 1000 * DAY + 3600;
-        let res = Res { sandboxes: 1, ..Default::default() };
+        let res = Res {
+            sandboxes: 1,
+            ..Default::default()
+        };
         record_held(&mut st, "root", &res, now - 500 * DAY, now, now);
         assert_eq!(st.usage.len() as i64, KEEP_DAYS);
         record_started(&mut st, "root", now - 450 * DAY);
         prune(&mut st, now);
-        assert_eq!(*st.usage.keys().next().unwrap(), day_of(now) - KEEP_DAYS + 1);
+        assert_eq!(
+            *st.usage.keys().next().unwrap(),
+            day_of(now) - KEEP_DAYS + 1
+        );
     }
 
     #[test]
     fn reports_cover_subprojects_live_leases_and_a_total() {
         let mut st = IamState::default();
         let d = parse_day("2026-10-01").unwrap();
-        let one = Res { cpu_cores: 1.0, sandboxes: 1, ..Default::default() };
+        let one = Res {
+            cpu_cores: 1.0,
+            sandboxes: 1,
+            ..Default::default()
+        };
         record_started(&mut st, "root/a", d * DAY);
-        record_held(&mut st, "root/a", &one, d * DAY, d * DAY + 3600, d * DAY + 3600);
-        record_held(&mut st, "root/a/b", &one, d * DAY, d * DAY + 7200, d * DAY + 7200);
-        record_held(&mut st, "root/ab", &one, d * DAY, d * DAY + 7200, d * DAY + 7200);
+        record_held(
+            &mut st,
+            "root/a",
+            &one,
+            d * DAY,
+            d * DAY + 3600,
+            d * DAY + 3600,
+        );
+        record_held(
+            &mut st,
+            "root/a/b",
+            &one,
+            d * DAY,
+            d * DAY + 7200,
+            d * DAY + 7200,
+        );
+        record_held(
+            &mut st,
+            "root/ab",
+            &one,
+            d * DAY,
+            d * DAY + 7200,
+            d * DAY + 7200,
+        );
         st.leases.insert(
             "l1".into(),
-            Lease { project: "root/a/b".into(), resources: one, created_at: (d + 1) * DAY, ..Default::default() },
+            Lease {
+                project: "root/a/b".into(),
+                resources: one,
+                created_at: (d + 1) * DAY,
+                ..Default::default()
+            },
         );
         let now = (d + 1) * DAY + 1800;
         let daily = report(&st, "root/a", "2026-10-01", "2026-10-02", true, now).unwrap();
-        let got: Vec<(String, String, f64)> = daily.iter().map(|r| (r.day.clone(), r.project.clone(), r.row.sandbox_hours)).collect();
+        let got: Vec<(String, String, f64)> = daily
+            .iter()
+            .map(|r| (r.day.clone(), r.project.clone(), r.row.sandbox_hours))
+            .collect();
         assert_eq!(
             got,
             vec![
@@ -202,14 +311,27 @@ mod tests {
         assert_eq!(totals[1].project, "root/a/b");
         assert_eq!(totals[1].row.sandbox_hours, 2.5);
         let last = totals.last().unwrap();
-        assert_eq!((last.day.as_str(), last.project.as_str()), ("total", "root/a"));
+        assert_eq!(
+            (last.day.as_str(), last.project.as_str()),
+            ("total", "root/a")
+        );
         assert_eq!(last.row.sandbox_hours, 3.5);
         assert_eq!(last.row.sandboxes_started, 1);
         // A range before everything has only the zero total.
         let none = report(&st, "root/a", "2020-01-01", "2020-01-02", false, now).unwrap();
         assert_eq!(none.len(), 1);
         assert_eq!(none[0].row, UsageRow::default());
-        assert_eq!(report(&st, "root/a", "2026-10-02", "2026-10-01", false, now).unwrap_err().reason, crate::types::Reason::Invalid);
-        assert_eq!(report(&st, "root/a", "10/01/2026", "", false, now).unwrap_err().reason, crate::types::Reason::Invalid);
+        assert_eq!(
+            report(&st, "root/a", "2026-10-02", "2026-10-01", false, now)
+                .unwrap_err()
+                .reason,
+            crate::types::Reason::Invalid
+        );
+        assert_eq!(
+            report(&st, "root/a", "10/01/2026", "", false, now)
+                .unwrap_err()
+                .reason,
+            crate::types::Reason::Invalid
+        );
     }
 }

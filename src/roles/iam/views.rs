@@ -29,7 +29,14 @@ pub fn project(st: &IamState, path: &str) -> Result<pb::Project, Failure> {
         policies: p
             .policies
             .iter()
-            .map(|(who, perms)| (who.clone(), pb::PermissionList { permissions: perms.iter().cloned().collect() }))
+            .map(|(who, perms)| {
+                (
+                    who.clone(),
+                    pb::PermissionList {
+                        permissions: perms.iter().cloned().collect(),
+                    },
+                )
+            })
             .collect(),
         children: st.children(path),
     })
@@ -107,11 +114,24 @@ mod tests {
     #[test]
     fn project_view_shows_quota_usage_policies_and_children() {
         let mut st = booted();
-        ok(&mut st, create_project_cmd(&admin(), "root", "a", &[("sandboxes", 4.0)]));
-        st.charge("root/a", &Res { sandboxes: 1, cpu_cores: 0.5, ..Default::default() });
+        ok(
+            &mut st,
+            create_project_cmd(&admin(), "root", "a", &[("sandboxes", 4.0)]),
+        );
+        st.charge(
+            "root/a",
+            &Res {
+                sandboxes: 1,
+                cpu_cores: 0.5,
+                ..Default::default()
+            },
+        );
         let v = project(&st, "root").unwrap();
         assert_eq!(v.children, vec!["root/a".to_string()]);
-        assert_eq!(v.policies["admin"].permissions.len(), names::PERMISSIONS.len());
+        assert_eq!(
+            v.policies["admin"].permissions.len(),
+            names::PERMISSIONS.len()
+        );
         let a = project(&st, "root/a").unwrap();
         assert_eq!(a.quota["sandboxes"], 4.0);
         assert_eq!(a.usage["cpu_cores"], 0.5);

@@ -45,20 +45,44 @@ pub(crate) struct Inner {
 
 /// Serves the Watcher service on `listener` and spawns the probe and reconcile loops.
 /// Ready once the first probe round has produced a snapshot.
-pub async fn start(cfg: Arc<Config>, listener: TcpListener, shutdown: Shutdown, ready: Ready) -> Result<tokio::task::JoinHandle<()>, WatcherError> {
+pub async fn start(
+    cfg: Arc<Config>,
+    listener: TcpListener,
+    shutdown: Shutdown,
+    ready: Ready,
+) -> Result<tokio::task::JoinHandle<()>, WatcherError> {
     let mut edges = BTreeMap::new();
     for e in &cfg.edges {
         if !e.addr.is_empty() {
-            let addr = if e.advertise.is_empty() { e.addr.clone() } else { e.advertise.clone() };
-            edges.insert(e.id.clone(), EdgeEntry { addr, ..Default::default() });
+            let addr = if e.advertise.is_empty() {
+                e.addr.clone()
+            } else {
+                e.advertise.clone()
+            };
+            edges.insert(
+                e.id.clone(),
+                EdgeEntry {
+                    addr,
+                    ..Default::default()
+                },
+            );
         }
     }
-    let inner = Arc::new(Inner { cfg: cfg.clone(), edges: RwLock::new(edges), snapshot: RwLock::new(Arc::new(pb::Snapshot::default())) });
-    let iam = pb::iam_client::IamClient::new(crate::rpc::client::channel(&cfg.iam.addr, std::time::Duration::from_secs(2))?);
+    let inner = Arc::new(Inner {
+        cfg: cfg.clone(),
+        edges: RwLock::new(edges),
+        snapshot: RwLock::new(Arc::new(pb::Snapshot::default())),
+    });
+    let iam = pb::iam_client::IamClient::new(crate::rpc::client::channel(
+        &cfg.iam.addr,
+        std::time::Duration::from_secs(2),
+    )?);
 
     let p = tokio::spawn(probe::run(inner.clone(), shutdown.clone(), ready.clone()));
     let r = tokio::spawn(reconcile::run(inner.clone(), iam, shutdown.clone()));
-    let svc = pb::watcher_server::WatcherServer::new(service::WatcherService { inner: inner.clone() });
+    let svc = pb::watcher_server::WatcherServer::new(service::WatcherService {
+        inner: inner.clone(),
+    });
     let router = crate::rpc::serve::builder().add_service(svc);
     let sd = shutdown.clone();
     Ok(tokio::spawn(async move {

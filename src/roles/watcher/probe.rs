@@ -16,11 +16,21 @@ use crate::telemetry::Ready;
 use crate::types::now_f;
 
 /// Probes one edge; `Err` carries why the probe counts as failed.
-async fn probe_one(cfg: &crate::config::Config, id: &str, ch: Channel, timeout: Duration) -> Result<pb::EdgeState, String> {
+async fn probe_one(
+    cfg: &crate::config::Config,
+    id: &str,
+    ch: Channel,
+    timeout: Duration,
+) -> Result<pb::EdgeState, String> {
     let mut c = pb::edge_client::EdgeClient::new(ch);
-    let mut req = crate::rpc::client::internal(pb::StatusRequest { with_leases: false }, &cfg.service_token);
+    let mut req =
+        crate::rpc::client::internal(pb::StatusRequest { with_leases: false }, &cfg.service_token);
     req.set_timeout(timeout);
-    let st = tokio::time::timeout(timeout, c.status(req)).await.map_err(|_| "probe timed out".to_string())?.map_err(|s| s.message().to_string())?.into_inner();
+    let st = tokio::time::timeout(timeout, c.status(req))
+        .await
+        .map_err(|_| "probe timed out".to_string())?
+        .map_err(|s| s.message().to_string())?
+        .into_inner();
     if st.edge_id != id {
         return Err(format!("answered as edge {:?}", st.edge_id));
     }
@@ -35,7 +45,13 @@ pub(crate) async fn run(inner: Arc<Inner>, shutdown: Shutdown, ready: Ready) {
     // Channels are kept per address: reconnecting every second would cost a TCP handshake each.
     let mut channels: HashMap<String, Channel> = HashMap::new();
     loop {
-        let targets: Vec<(String, String)> = inner.edges.read().await.iter().map(|(id, e)| (id.clone(), e.addr.clone())).collect();
+        let targets: Vec<(String, String)> = inner
+            .edges
+            .read()
+            .await
+            .iter()
+            .map(|(id, e)| (id.clone(), e.addr.clone()))
+            .collect();
         channels.retain(|a, _| targets.iter().any(|(_, t)| t == a));
         let mut probes = Vec::with_capacity(targets.len());
         for (id, addr) in &targets {
@@ -60,7 +76,9 @@ pub(crate) async fn run(inner: Arc<Inner>, shutdown: Shutdown, ready: Ready) {
         {
             let mut edges = inner.edges.write().await;
             for (id, res) in results {
-                let Some(e) = edges.get_mut(&id) else { continue };
+                let Some(e) = edges.get_mut(&id) else {
+                    continue;
+                };
                 match res {
                     Ok(state) => {
                         e.state = state;
@@ -75,14 +93,20 @@ pub(crate) async fn run(inner: Arc<Inner>, shutdown: Shutdown, ready: Ready) {
                             tracing::warn!(edge_id = %id, reason = %why, "edge unhealthy");
                             e.healthy = false;
                             e.unhealthy_since = now;
-                        } else if e.failures >= cfg.watcher.unhealthy_after() && e.unhealthy_since == 0.0 {
+                        } else if e.failures >= cfg.watcher.unhealthy_after()
+                            && e.unhealthy_since == 0.0
+                        {
                             e.unhealthy_since = now;
                         }
                     }
                 }
             }
             version += 1;
-            let mut snap = pb::Snapshot { version, generated_at: now as i64, edges: Vec::with_capacity(edges.len()) };
+            let mut snap = pb::Snapshot {
+                version,
+                generated_at: now as i64,
+                edges: Vec::with_capacity(edges.len()),
+            };
             let (mut healthy, mut unhealthy, mut draining) = (0, 0, 0);
             for (id, e) in edges.iter() {
                 let mut s = e.state.clone();
@@ -90,8 +114,14 @@ pub(crate) async fn run(inner: Arc<Inner>, shutdown: Shutdown, ready: Ready) {
                 s.addr = e.addr.clone();
                 s.healthy = e.healthy;
                 s.consecutive_failures = e.failures;
-                if e.healthy { healthy += 1 } else { unhealthy += 1 }
-                if s.draining { draining += 1 }
+                if e.healthy {
+                    healthy += 1
+                } else {
+                    unhealthy += 1
+                }
+                if s.draining {
+                    draining += 1
+                }
                 snap.edges.push(s);
             }
             metrics::gauge!("opendsec_watcher_edges_healthy").set(healthy as f64);

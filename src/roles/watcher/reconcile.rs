@@ -15,13 +15,23 @@ use crate::pb;
 use crate::shutdown::Shutdown;
 use crate::types::now_f;
 
-async fn leases_of(cfg: &crate::config::Config, addr: &str) -> Result<(String, Vec<pb::LeaseInfo>), String> {
+async fn leases_of(
+    cfg: &crate::config::Config,
+    addr: &str,
+) -> Result<(String, Vec<pb::LeaseInfo>), String> {
     let t = Duration::from_secs(10);
-    let ch = crate::rpc::client::channel(addr, Duration::from_secs(2)).map_err(|e| e.to_string())?;
-    let mut c = pb::edge_client::EdgeClient::new(ch).max_decoding_message_size(crate::rpc::MAX_MESSAGE);
-    let mut req = crate::rpc::client::internal(pb::StatusRequest { with_leases: true }, &cfg.service_token);
+    let ch =
+        crate::rpc::client::channel(addr, Duration::from_secs(2)).map_err(|e| e.to_string())?;
+    let mut c =
+        pb::edge_client::EdgeClient::new(ch).max_decoding_message_size(crate::rpc::MAX_MESSAGE);
+    let mut req =
+        crate::rpc::client::internal(pb::StatusRequest { with_leases: true }, &cfg.service_token);
     req.set_timeout(t);
-    let st = c.status(req).await.map_err(|s| s.message().to_string())?.into_inner();
+    let st = c
+        .status(req)
+        .await
+        .map_err(|s| s.message().to_string())?
+        .into_inner();
     Ok((st.edge_id, st.leases))
 }
 
@@ -31,8 +41,13 @@ pub(crate) async fn round(inner: &Inner, iam: &mut pb::iam_client::IamClient<Cha
     // IAM counts whole seconds; rounding down could release a lease created this second.
     let min_age = cfg.watcher.reconcile_min_age().ceil() as i64;
     let now = now_f();
-    let edges: Vec<(String, String, bool, f64)> =
-        inner.edges.read().await.iter().map(|(id, e)| (id.clone(), e.addr.clone(), e.healthy, e.unhealthy_since)).collect();
+    let edges: Vec<(String, String, bool, f64)> = inner
+        .edges
+        .read()
+        .await
+        .iter()
+        .map(|(id, e)| (id.clone(), e.addr.clone(), e.healthy, e.unhealthy_since))
+        .collect();
     for (id, addr, healthy, since) in edges {
         let leases = if healthy {
             match leases_of(cfg, &addr).await {
@@ -44,7 +59,14 @@ pub(crate) async fn round(inner: &Inner, iam: &mut pb::iam_client::IamClient<Cha
         } else {
             continue;
         };
-        let req = crate::rpc::client::internal(pb::ReconcileRequest { edge_id: id.clone(), leases, min_age_s: min_age }, &cfg.service_token);
+        let req = crate::rpc::client::internal(
+            pb::ReconcileRequest {
+                edge_id: id.clone(),
+                leases,
+                min_age_s: min_age,
+            },
+            &cfg.service_token,
+        );
         match iam.reconcile(req).await {
             Ok(r) => {
                 let r = r.into_inner();
@@ -55,13 +77,22 @@ pub(crate) async fn round(inner: &Inner, iam: &mut pb::iam_client::IamClient<Cha
             Err(s) => tracing::debug!(edge_id = %id, error = %s.message(), "reconcile failed"),
         }
     }
-    let req = crate::rpc::client::internal(pb::SweepUnboundRequest { max_age_s: cfg.watcher.unbound_max_age() as i64 }, &cfg.service_token);
+    let req = crate::rpc::client::internal(
+        pb::SweepUnboundRequest {
+            max_age_s: cfg.watcher.unbound_max_age() as i64,
+        },
+        &cfg.service_token,
+    );
     if let Err(s) = iam.sweep_unbound(req).await {
         tracing::debug!(error = %s.message(), "sweep of unbound leases failed");
     }
 }
 
-pub(crate) async fn run(inner: Arc<Inner>, mut iam: pb::iam_client::IamClient<Channel>, shutdown: Shutdown) {
+pub(crate) async fn run(
+    inner: Arc<Inner>,
+    mut iam: pb::iam_client::IamClient<Channel>,
+    shutdown: Shutdown,
+) {
     let every = Duration::from_secs_f64(inner.cfg.watcher.reconcile_interval());
     loop {
         tokio::select! {

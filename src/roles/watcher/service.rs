@@ -15,23 +15,36 @@ pub(crate) struct WatcherService {
 #[tonic::async_trait]
 impl pb::watcher_server::Watcher for WatcherService {
     /// The latest snapshot (any version; `min_version` is advisory).
-    async fn get_snapshot(&self, req: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::Snapshot>, Status> {
+    async fn get_snapshot(
+        &self,
+        req: Request<pb::GetSnapshotRequest>,
+    ) -> Result<Response<pb::Snapshot>, Status> {
         crate::rpc::check_service_token(&req, &self.inner.cfg.service_token)?;
         let snap = self.inner.snapshot.read().await.clone();
         Ok(Response::new((*snap).clone()))
     }
 
     /// An edge announces itself and its address; a known edge's address is updated.
-    async fn register(&self, req: Request<pb::RegisterEdgeRequest>) -> Result<Response<pb::RegisterEdgeResponse>, Status> {
+    async fn register(
+        &self,
+        req: Request<pb::RegisterEdgeRequest>,
+    ) -> Result<Response<pb::RegisterEdgeResponse>, Status> {
         crate::rpc::check_service_token(&req, &self.inner.cfg.service_token)?;
         let r = req.into_inner();
         names::check_edge_id(&r.edge_id).map_err(|f| crate::rpc::to_status(&f))?;
-        if r.addr.is_empty() || r.addr.len() > 256 || r.addr.parse::<std::net::SocketAddr>().is_err() {
-            return Err(crate::rpc::to_status(&crate::types::Failure::invalid(format!("edge address {:?} is not host:port", r.addr))));
+        if r.addr.is_empty()
+            || r.addr.len() > 256
+            || r.addr.parse::<std::net::SocketAddr>().is_err()
+        {
+            return Err(crate::rpc::to_status(&crate::types::Failure::invalid(
+                format!("edge address {:?} is not host:port", r.addr),
+            )));
         }
         let mut edges = self.inner.edges.write().await;
         let known = edges.contains_key(&r.edge_id);
-        let e = edges.entry(r.edge_id.clone()).or_insert_with(EdgeEntry::default);
+        let e = edges
+            .entry(r.edge_id.clone())
+            .or_insert_with(EdgeEntry::default);
         if e.addr != r.addr {
             tracing::info!(edge_id = %r.edge_id, addr = %r.addr, "edge registered");
             e.addr = r.addr;
