@@ -46,6 +46,17 @@ for f in "$tmp"/opendsec/v1/*; do
       -e 's/^import opendsec\.v1\./import opendsec._pb./' "$f" > "$out/$base"
 done
 
+# The SDK is a client: keep the Stub, drop the generated server half (a Servicer whose every
+# method answers UNIMPLEMENTED, its registration helper, and the experimental static API).
+python3 - "$out/opendsec_pb2_grpc.py" <<'PY'
+import sys
+p = sys.argv[1]
+s = open(p).read()
+s = s[: s.index("class DSecServicer(object):")].rstrip() + "\n"
+s = s.replace("Client and server classes", "Client classes")
+open(p, "w").write(s)
+PY
+
 cat > "$out/__init__.py" <<'PY'
 """Generated protobuf and gRPC stubs of opendsec.v1 (scripts/gen_protos.sh). Do not edit."""
 PY

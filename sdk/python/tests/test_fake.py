@@ -248,10 +248,10 @@ async def test_all_down_then_back(fake):
             await asyncio.sleep(0.5)
             fake.server = None
             import grpc.aio as aio
-            from opendsec._pb import opendsec_pb2_grpc
+            from fake_server import add_to_server
 
             srv = aio.server()
-            opendsec_pb2_grpc.add_DSecServicer_to_server(fake.service, srv)
+            add_to_server(fake.service, srv)
             assert srv.add_insecure_port(f"127.0.0.1:{port}") == port
             await srv.start()
             fake.server = srv
@@ -517,13 +517,12 @@ def _make_pki(tmp_path):
 
 async def test_tls_server_name(tmp_path):
     import grpc.aio as aio
-    from fake_server import FakeDSec
-    from opendsec._pb import opendsec_pb2_grpc
+    from fake_server import FakeDSec, add_to_server
 
     ca, key, crt = _make_pki(tmp_path)
     service = FakeDSec("tls")
     srv = aio.server()
-    opendsec_pb2_grpc.add_DSecServicer_to_server(service, srv)
+    add_to_server(service, srv)
     port = srv.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, crt)]))
     await srv.start()
     addr = f"127.0.0.1:{port}"
