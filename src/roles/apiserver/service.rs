@@ -208,16 +208,18 @@ type Fut<'a, T> =
     Pin<Box<dyn std::future::Future<Output = Result<Response<T>, Status>> + Send + 'a>>;
 
 macro_rules! runtime_unary {
-    ($name:ident, $req:ty, $resp:ty) => {
+    ($name:ident, $method:literal, $req:ty, $resp:ty $(, $cmd:ident)?) => {
         fn $name<'life0, 'async_trait>(&'life0 self, req: Request<$req>) -> Fut<'async_trait, $resp>
         where
             'life0: 'async_trait,
             Self: 'async_trait,
         {
             Box::pin(async move {
-                let (caller, mut call) = self.begin(&req, stringify!($name), false).await?;
+                let (caller, mut call) = self.begin(&req, $method, false).await?;
                 let msg = req.into_inner();
                 call.sandbox_id = msg.sandbox_id.clone();
+                // Commands are audited as their length and digest, never their text.
+                $(call.cmd = Some(command_digest(&msg.$cmd));)?
                 let r = async {
                     let addr = self
                         .inner
@@ -237,7 +239,7 @@ macro_rules! runtime_unary {
 }
 
 macro_rules! runtime_stream {
-    ($name:ident, $req:ty, $item:ty) => {
+    ($name:ident, $method:literal, $req:ty, $item:ty $(, $cmd:ident)?) => {
         fn $name<'life0, 'async_trait>(
             &'life0 self,
             req: Request<$req>,
@@ -247,9 +249,11 @@ macro_rules! runtime_stream {
             Self: 'async_trait,
         {
             Box::pin(async move {
-                let (caller, mut call) = self.begin(&req, stringify!($name), false).await?;
+                let (caller, mut call) = self.begin(&req, $method, false).await?;
                 let msg = req.into_inner();
                 call.sandbox_id = msg.sandbox_id.clone();
+                // Commands are audited as their length and digest, never their text.
+                $(call.cmd = Some(command_digest(&msg.$cmd));)?
                 let r = async {
                     let addr = self
                         .inner
@@ -442,80 +446,100 @@ impl pb::d_sec_server::DSec for Api {
         self.on_task(req, "StopTask", "stop").await
     }
 
-    async fn run_shell(
-        &self,
-        req: Request<pb::RunShellRequest>,
-    ) -> Result<Response<pb::ShellResult>, Status> {
-        let (caller, mut call) = self.begin(&req, "RunShell", false).await?;
-        let msg = req.into_inner();
-        call.sandbox_id = msg.sandbox_id.clone();
-        call.cmd = Some(command_digest(&msg.cmd));
-        let r = async {
-            let addr = self
-                .inner
-                .authorize_sandbox(&caller, &msg.sandbox_id)
-                .await?;
-            let mut c = self.inner.edges.runtime(&addr)?;
-            c.run_shell(self.inner.edges.req(msg))
-                .await
-                .map(|r| r.into_inner())
-                .map_err(|s| failure_from_status(&s))
-        }
-        .await;
-        self.finish(call, r).map(Response::new)
-    }
-
-    runtime_unary!(get_output, pb::GetOutputRequest, pb::ShellResult);
+    runtime_unary!(
+        run_shell,
+        "RunShell",
+        pb::RunShellRequest,
+        pb::ShellResult,
+        cmd
+    );
+    runtime_unary!(
+        get_output,
+        "GetOutput",
+        pb::GetOutputRequest,
+        pb::ShellResult
+    );
 
     type StreamShellStream = BoxStream<pb::ShellChunk>;
-    async fn stream_shell(
-        &self,
-        req: Request<pb::RunShellRequest>,
-    ) -> Result<Response<Self::StreamShellStream>, Status> {
-        let (caller, mut call) = self.begin(&req, "StreamShell", false).await?;
-        let msg = req.into_inner();
-        call.sandbox_id = msg.sandbox_id.clone();
-        call.cmd = Some(command_digest(&msg.cmd));
-        let r = async {
-            let addr = self
-                .inner
-                .authorize_sandbox(&caller, &msg.sandbox_id)
-                .await?;
-            let mut c = self.inner.edges.runtime(&addr)?;
-            c.stream_shell(self.inner.edges.req(msg))
-                .await
-                .map(|r| r.into_inner())
-                .map_err(|s| failure_from_status(&s))
-        }
-        .await;
-        let s = self.finish(call, r)?;
-        Ok(Response::new(Box::pin(s)))
-    }
 
+    runtime_stream!(
+        stream_shell,
+        "StreamShell",
+        pb::RunShellRequest,
+        pb::ShellChunk,
+        cmd
+    );
     type StreamOutputStream = BoxStream<pb::ShellChunk>;
-    runtime_stream!(stream_output, pb::GetOutputRequest, pb::ShellChunk);
+    runtime_stream!(
+        stream_output,
+        "StreamOutput",
+        pb::GetOutputRequest,
+        pb::ShellChunk
+    );
     runtime_unary!(
         list_sessions,
+        "ListSessions",
         pb::ListSessionsRequest,
         pb::ListSessionsResponse
     );
-    runtime_unary!(close_session, pb::CloseSessionRequest, pb::Empty);
-    runtime_unary!(read_file, pb::ReadFileRequest, pb::ReadFileResponse);
-    runtime_unary!(write_file, pb::WriteFileRequest, pb::FileInfo);
-    runtime_unary!(list_dir, pb::PathRequest, pb::ListDirResponse);
-    runtime_unary!(stat, pb::PathRequest, pb::FileInfo);
-    runtime_unary!(remove, pb::RemoveRequest, pb::Empty);
-    runtime_unary!(http, pb::HttpRequest, pb::HttpResponse);
+    runtime_unary!(
+        close_session,
+        "CloseSession",
+        pb::CloseSessionRequest,
+        pb::Empty
+    );
+    runtime_unary!(
+        read_file,
+        "ReadFile",
+        pb::ReadFileRequest,
+        pb::ReadFileResponse
+    );
+    runtime_unary!(write_file, "WriteFile", pb::WriteFileRequest, pb::FileInfo);
+    runtime_unary!(list_dir, "ListDir", pb::PathRequest, pb::ListDirResponse);
+    runtime_unary!(stat, "Stat", pb::PathRequest, pb::FileInfo);
+    runtime_unary!(remove, "Remove", pb::RemoveRequest, pb::Empty);
+    runtime_unary!(http, "Http", pb::HttpRequest, pb::HttpResponse);
     type StartProcessStream = BoxStream<pb::ProcessEvent>;
-    runtime_stream!(start_process, pb::StartProcessRequest, pb::ProcessEvent);
+    runtime_stream!(
+        start_process,
+        "StartProcess",
+        pb::StartProcessRequest,
+        pb::ProcessEvent
+    );
     type ConnectProcessStream = BoxStream<pb::ProcessEvent>;
-    runtime_stream!(connect_process, pb::ConnectProcessRequest, pb::ProcessEvent);
-    runtime_unary!(send_process_input, pb::ProcessInputRequest, pb::Empty);
-    runtime_unary!(close_process_input, pb::ProcessRef, pb::Empty);
-    runtime_unary!(signal_process, pb::SignalProcessRequest, pb::Empty);
-    runtime_unary!(resize_process_pty, pb::ResizePtyRequest, pb::Empty);
+    runtime_stream!(
+        connect_process,
+        "ConnectProcess",
+        pb::ConnectProcessRequest,
+        pb::ProcessEvent
+    );
+    runtime_unary!(
+        send_process_input,
+        "SendProcessInput",
+        pb::ProcessInputRequest,
+        pb::Empty
+    );
+    runtime_unary!(
+        close_process_input,
+        "CloseProcessInput",
+        pb::ProcessRef,
+        pb::Empty
+    );
+    runtime_unary!(
+        signal_process,
+        "SignalProcess",
+        pb::SignalProcessRequest,
+        pb::Empty
+    );
+    runtime_unary!(
+        resize_process_pty,
+        "ResizeProcessPty",
+        pb::ResizePtyRequest,
+        pb::Empty
+    );
     runtime_unary!(
         list_processes,
+        "ListProcesses",
         pb::ListProcessesRequest,
         pb::ListProcessesResponse
     );
