@@ -4,10 +4,12 @@
 pub mod backends;
 pub mod cli;
 pub mod config;
+pub mod guest;
 pub mod pb;
 pub mod roles;
 pub mod rpc;
 pub mod shutdown;
+pub mod sys;
 pub mod telemetry;
 pub mod types;
 

@@ -1,0 +1,36 @@
+//! What the container setup (or a VM's init) hands aether: a JSON file named by
+//! `opendsec aether --config PATH`.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// aether's start-up configuration (`/run/opendsec/aether.json` in containers).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AetherConfig {
+    /// The sandbox's id, for logs.
+    pub sandbox_id: String,
+    /// An inherited, already listening unix socket (containers: fd 3, bound by the setup
+    /// process on the host side, so the sandbox cannot replace the socket file).
+    pub listen_fd: Option<i32>,
+    /// Otherwise a path to bind and listen on (tests, VMs).
+    pub socket: String,
+    /// Where sessions keep their sockets and output records (a tmpfs, root-owned).
+    pub run_dir: String,
+    /// The executable to start chronus from (the read-only agent binary).
+    pub agent: String,
+    /// The sandbox's default user (`init_user`): a name or `uid[:gid]`; "" = root.
+    pub init_user: String,
+    /// The image's environment, the base of every session's and process's environment.
+    pub env: BTreeMap<String, String>,
+    /// The image's working directory, the default cwd ("" = the user's home, else `/`).
+    pub workdir: String,
+    /// True when aether is PID 1 of its pid namespace: it reaps orphans and, on SIGTERM,
+    /// ends every process of the sandbox.
+    pub pid1: bool,
+    /// Lower the OOM score of aether itself (-1000) where the kernel allows, and give
+    /// session shells and processes a higher one, so the OOM killer takes the sandbox's
+    /// processes and not the agents.
+    pub protect_from_oom: bool,
+}

@@ -1,0 +1,224 @@
+//! Session users: resolving a `user` parameter (a name or `uid[:gid]`, 02-concepts §3) against
+//! the sandbox's own /etc/passwd and /etc/group (never the host's NSS), and the environment a
+//! session or process of that user starts with.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Why a user could not be resolved.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum UserError {
+    #[error("user {0:?} is not in the sandbox's /etc/passwd")]
+    UnknownName(String),
+    #[error("user {0:?} is not a name or uid[:gid]")]
+    Malformed(String),
+}
+
+/// Who a session or process runs as.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Credentials {
+    pub uid: u32,
+    pub gid: u32,
+    /// Supplementary groups (from /etc/group membership by name).
+    pub groups: Vec<u32>,
+    /// The login name, or the uid as text when /etc/passwd has none.
+    pub name: String,
+    /// Home directory (`/` when unknown).
+    pub home: String,
+    /// Login shell (`/bin/sh` when unknown).
+    pub shell: String,
+}
+
+impl Credentials {
+    /// root, whatever /etc/passwd says.
+    pub fn root() -> Credentials {
+        Credentials {
+            uid: 0,
+            gid: 0,
+            groups: vec![],
+            name: "root".into(),
+            home: "/root".into(),
+            shell: "/bin/sh".into(),
+        }
+    }
+}
+
+struct PasswdEntry {
+    name: String,
+    uid: u32,
+    gid: u32,
+    home: String,
+    shell: String,
+}
+
+fn passwd(root: &Path) -> Vec<PasswdEntry> {
+    let text = std::fs::read_to_string(root.join("etc/passwd")).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(':').collect();
+            if f.len() < 7 {
+                return None;
+            }
+            Some(PasswdEntry {
+                name: f[0].to_string(),
+                uid: f[2].parse().ok()?,
+                gid: f[3].parse().ok()?,
+                home: f[5].to_string(),
+                shell: f[6].to_string(),
+            })
+        })
+        .collect()
+}
+
+fn groups_of(root: &Path, name: &str, primary: u32) -> Vec<u32> {
+    let text = std::fs::read_to_string(root.join("etc/group")).unwrap_or_default();
+    let mut out: Vec<u32> = text
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(':').collect();
+            if f.len() < 4 || !f[3].split(',').any(|m| m == name) {
+                return None;
+            }
+            f[2].parse().ok()
+        })
+        .filter(|g| *g != primary)
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// Resolves `spec` (a name, `uid` or `uid:gid`; "" = root) against `<root>/etc/passwd`.
+/// A numeric uid absent from passwd is allowed (gid = uid unless given, home `/`).
+/// Errors: `UnknownName` for a name passwd lacks, `Malformed` otherwise.
+pub fn resolve(spec: &str, root: &Path) -> Result<Credentials, UserError> {
+    let spec = spec.trim();
+    if spec.is_empty() || spec == "root" || spec == "0" {
+        let entries = passwd(root);
+        return Ok(match entries.into_iter().find(|e| e.uid == 0) {
+            Some(e) => Credentials {
+                uid: 0,
+                gid: e.gid,
+                groups: vec![],
+                name: e.name,
+                home: if e.home.is_empty() { "/root".into() } else { e.home },
+                shell: if e.shell.is_empty() { "/bin/sh".into() } else { e.shell },
+            },
+            None => Credentials::root(),
+        });
+    }
+    let entries = passwd(root);
+    let (user, group) = match spec.split_once(':') {
+        Some((u, g)) => (u, Some(g)),
+        None => (spec, None),
+    };
+    let gid_override = match group {
+        Some(g) => Some(
+            g.parse::<u32>()
+                .map_err(|_| UserError::Malformed(spec.to_string()))?,
+        ),
+        None => None,
+    };
+    let found = if let Ok(uid) = user.parse::<u32>() {
+        match entries.into_iter().find(|e| e.uid == uid) {
+            Some(e) => e,
+            None => PasswdEntry {
+                name: uid.to_string(),
+                uid,
+                gid: gid_override.unwrap_or(uid),
+                home: "/".into(),
+                shell: "/bin/sh".into(),
+            },
+        }
+    } else {
+        if user.is_empty()
+            || user.len() > 64
+            || !user
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+        {
+            return Err(UserError::Malformed(spec.to_string()));
+        }
+        entries
+            .into_iter()
+            .find(|e| e.name == user)
+            .ok_or_else(|| UserError::UnknownName(user.to_string()))?
+    };
+    let gid = gid_override.unwrap_or(found.gid);
+    let groups = groups_of(root, &found.name, gid);
+    Ok(Credentials {
+        uid: found.uid,
+        gid,
+        groups,
+        name: found.name,
+        home: if found.home.is_empty() { "/".into() } else { found.home },
+        shell: if found.shell.is_empty() { "/bin/sh".into() } else { found.shell },
+    })
+}
+
+/// The default `PATH` when the image sets none.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// The environment a session or process of `creds` starts with: `PATH`, `HOME`, `USER`,
+/// `LOGNAME`, then the image's variables, then the call's own (later ones win).
+pub fn environ(
+    creds: &Credentials,
+    image_env: &BTreeMap<String, String>,
+    extra: &BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    env.insert("PATH".to_string(), DEFAULT_PATH.to_string());
+    env.insert("HOME".to_string(), creds.home.clone());
+    env.insert("USER".to_string(), creds.name.clone());
+    env.insert("LOGNAME".to_string(), creds.name.clone());
+    for (k, v) in image_env.iter().chain(extra.iter()) {
+        env.insert(k.clone(), v.clone());
+    }
+    env
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn root_with(passwd: &str, group: &str) -> tempfile::TempDir {
+        let d = tempfile::tempdir().expect("tempdir");
+        std::fs::create_dir_all(d.path().join("etc")).expect("mkdir");
+        std::fs::write(d.path().join("etc/passwd"), passwd).expect("write");
+        std::fs::write(d.path().join("etc/group"), group).expect("write");
+        d
+    }
+
+    #[test]
+    fn names_uids_and_groups() {
+        let d = root_with(
+            "root:x:0:0:root:/root:/bin/bash\nalice:x:1000:1000::/home/alice:/bin/bash\n",
+            "root:x:0:\nalice:x:1000:\nwheel:x:10:alice,bob\n",
+        );
+        let r = resolve("", d.path()).expect("root");
+        assert_eq!((r.uid, r.gid, r.home.as_str()), (0, 0, "/root"));
+        let a = resolve("alice", d.path()).expect("alice");
+        assert_eq!((a.uid, a.gid, a.groups.clone()), (1000, 1000, vec![10]));
+        assert_eq!(a.home, "/home/alice");
+        assert_eq!(resolve("1000", d.path()).expect("uid").name, "alice");
+        let n = resolve("2000:3000", d.path()).expect("numeric");
+        assert_eq!((n.uid, n.gid, n.home.as_str()), (2000, 3000, "/"));
+        assert_eq!(
+            resolve("mallory", d.path()),
+            Err(UserError::UnknownName("mallory".into()))
+        );
+        assert!(matches!(resolve("a:b", d.path()), Err(UserError::Malformed(_))));
+        assert!(matches!(resolve("../x", d.path()), Err(UserError::Malformed(_))));
+    }
+
+    #[test]
+    fn environment_layers() {
+        let c = Credentials::root();
+        let img = BTreeMap::from([("PATH".to_string(), "/x".to_string())]);
+        let extra = BTreeMap::from([("A".to_string(), "1".to_string())]);
+        let e = environ(&c, &img, &extra);
+        assert_eq!(e["PATH"], "/x");
+        assert_eq!(e["A"], "1");
+        assert_eq!(e["HOME"], "/root");
+    }
+}

@@ -1,0 +1,25 @@
+//! The only module where `unsafe` and raw syscalls are allowed (DESIGN.md §7.2). Every
+//! `unsafe` block carries a SAFETY comment naming the invariant it relies on; raw return
+//! codes go through [`cvt`], which turns -1 into `io::Error::last_os_error()`.
+#![allow(unsafe_code)]
+
+use std::io;
+
+/// Turns a raw syscall return code into a `Result`: -1 becomes the thread's `errno`.
+pub fn cvt<T: IsMinusOne>(ret: T) -> io::Result<T> {
+    if ret.is_minus_one() {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
+}
+
+/// Integer return codes of raw syscalls.
+pub trait IsMinusOne {
+    fn is_minus_one(&self) -> bool;
+}
+
+macro_rules! minus_one {
+    ($($t:ty),*) => { $(impl IsMinusOne for $t { fn is_minus_one(&self) -> bool { *self == -1 } })* };
+}
+minus_one!(i32, i64, isize);
