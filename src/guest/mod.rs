@@ -3,5 +3,5 @@
 //! session. This module imports no role and no backend; it stays small.
 
 pub mod config;
-pub mod user;
 pub mod reaper;
+pub mod user;

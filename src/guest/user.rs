@@ -101,8 +101,16 @@ pub fn resolve(spec: &str, root: &Path) -> Result<Credentials, UserError> {
                 gid: e.gid,
                 groups: vec![],
                 name: e.name,
-                home: if e.home.is_empty() { "/root".into() } else { e.home },
-                shell: if e.shell.is_empty() { "/bin/sh".into() } else { e.shell },
+                home: if e.home.is_empty() {
+                    "/root".into()
+                } else {
+                    e.home
+                },
+                shell: if e.shell.is_empty() {
+                    "/bin/sh".into()
+                } else {
+                    e.shell
+                },
             },
             None => Credentials::root(),
         });
@@ -151,8 +159,16 @@ pub fn resolve(spec: &str, root: &Path) -> Result<Credentials, UserError> {
         gid,
         groups,
         name: found.name,
-        home: if found.home.is_empty() { "/".into() } else { found.home },
-        shell: if found.shell.is_empty() { "/bin/sh".into() } else { found.shell },
+        home: if found.home.is_empty() {
+            "/".into()
+        } else {
+            found.home
+        },
+        shell: if found.shell.is_empty() {
+            "/bin/sh".into()
+        } else {
+            found.shell
+        },
     })
 }
 
@@ -207,8 +223,14 @@ mod tests {
             resolve("mallory", d.path()),
             Err(UserError::UnknownName("mallory".into()))
         );
-        assert!(matches!(resolve("a:b", d.path()), Err(UserError::Malformed(_))));
-        assert!(matches!(resolve("../x", d.path()), Err(UserError::Malformed(_))));
+        assert!(matches!(
+            resolve("a:b", d.path()),
+            Err(UserError::Malformed(_))
+        ));
+        assert!(matches!(
+            resolve("../x", d.path()),
+            Err(UserError::Malformed(_))
+        ));
     }
 
     #[test]
