@@ -33,6 +33,12 @@ pub enum BackendError {
     /// The node is out of something the backend needs right now (uids, addresses, disk).
     #[error("backend {backend}: {message}")]
     Exhausted { backend: String, message: String },
+    /// The request cannot be served as asked (a bad path, a bad field).
+    #[error("sandbox {sandbox_id}: {message}")]
+    Invalid { sandbox_id: String, message: String },
+    /// The image is not on this node.
+    #[error("image {image:?} is not on this edge")]
+    ImageNotFound { image: String },
     /// A file or device step failed.
     #[error("{step} {path}: {source}")]
     Io {
@@ -46,8 +52,10 @@ impl BackendError {
     /// The stable reason a caller sees for this error (02-concepts §9).
     pub fn reason(&self) -> Reason {
         match self {
-            BackendError::Config { .. } | BackendError::Unsupported { .. } => Reason::Invalid,
-            BackendError::Lost { .. } => Reason::NotFound,
+            BackendError::Config { .. }
+            | BackendError::Unsupported { .. }
+            | BackendError::Invalid { .. } => Reason::Invalid,
+            BackendError::Lost { .. } | BackendError::ImageNotFound { .. } => Reason::NotFound,
             BackendError::Exhausted { .. } => Reason::NoCapacity,
             BackendError::Create { .. }
             | BackendError::Operation { .. }

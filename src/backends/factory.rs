@@ -2,21 +2,21 @@
 
 use std::sync::Arc;
 
-use super::{sim::SimBackend, Backend, BackendContext, BackendError};
+use super::{container::ContainerBackend, sim::SimBackend, Backend, BackendContext, BackendError};
 use crate::config::BackendConfig;
 
-/// Builds the backend `name` from `cfg`. Runtime `sim` is built; `linux`, `firecracker` and
-/// `qemu` fail with `BackendError::Config` ("runtime ... is not built yet"), as does an
+/// Builds the backend `name` from `cfg`. Runtimes `sim` and `linux` (containers) are built; `firecracker`
+/// and `qemu` fail with `BackendError::Config` ("runtime ... is not built yet"), as does an
 /// unknown runtime or a sim config out of range.
 pub fn build(
     name: &str,
     cfg: &BackendConfig,
     ctx: &BackendContext,
 ) -> Result<Arc<dyn Backend>, BackendError> {
-    let _ = ctx;
     match cfg.runtime() {
         "sim" => Ok(Arc::new(SimBackend::new(name, cfg)?)),
-        r @ ("linux" | "firecracker" | "qemu") => Err(BackendError::Config {
+        "linux" => Ok(Arc::new(ContainerBackend::new(name, cfg, ctx)?)),
+        r @ ("firecracker" | "qemu") => Err(BackendError::Config {
             backend: name.to_string(),
             message: format!("runtime {r:?} is not built yet in this version; use runtime \"sim\""),
         }),
@@ -42,7 +42,7 @@ mod tests {
         assert_eq!(b.name(), "sim");
         assert_eq!(b.runtime_kind(), "sim");
         assert!(b.simulated());
-        for r in ["linux", "firecracker", "qemu"] {
+        for r in ["firecracker", "qemu"] {
             let cfg = BackendConfig {
                 runtime: r.into(),
                 ..Default::default()

@@ -14,6 +14,7 @@
 mod caps;
 mod error;
 mod factory;
+pub mod container;
 pub mod sim;
 
 use std::collections::HashSet;
@@ -94,6 +95,8 @@ pub struct BackendContext {
     pub state_dir: PathBuf,
     /// Directory holding aether and chronus (`agent_dir`).
     pub agent_dir: PathBuf,
+    /// Node-local images (`edges[].images`): name → lower directories, topmost first.
+    pub images: std::collections::BTreeMap<String, Vec<PathBuf>>,
 }
 
 /// A sandbox backend (22-components "Backend interface"). One instance serves every sandbox

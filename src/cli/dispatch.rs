@@ -49,6 +49,8 @@ pub fn main(args: Vec<String>) -> ExitCode {
         "ctl" => crate::cli::ctl::main(rest),
         "iam" | "watcher" | "apiserver" | "edge" => crate::cli::roles::main(&role, &rest),
         "cluster" => crate::roles::cluster::main(rest),
+        // The container setup process (re-executed by the edge); single-threaded by design.
+        "sandbox-init" => crate::backends::container::init::main(),
         other => {
             eprintln!("opendsec: unknown role {other:?}\n\n{USAGE}");
             ExitCode::from(2)

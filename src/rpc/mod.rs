@@ -4,6 +4,7 @@
 pub mod client;
 pub mod serve;
 pub mod status;
+pub mod uds;
 
 pub use status::{failure_from_status, to_status};
 

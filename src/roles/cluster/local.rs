@@ -123,9 +123,15 @@ fn secret() -> String {
 impl LocalCluster {
     /// Generates a config from `o`, binds every listener, and starts every role.
     pub async fn up(o: &UpOptions) -> Result<LocalCluster, ClusterError> {
-        if o.runtime != "sim" {
-            return Err(ClusterError::Unsupported(format!("-runtime {:?}: only sim is built so far (linux containers come with the container backend)", o.runtime)));
-        }
+        let linux = match o.runtime.as_str() {
+            "sim" => false,
+            "linux" => true,
+            other => {
+                return Err(ClusterError::Unsupported(format!(
+                    "-runtime {other:?}: use sim or linux"
+                )))
+            }
+        };
         std::fs::create_dir_all(&o.state_dir).map_err(|source| ClusterError::StateDir {
             path: o.state_dir.clone(),
             source,
@@ -175,29 +181,47 @@ impl LocalCluster {
             };
             let mut backends = BTreeMap::new();
             backends.insert("sim".to_string(), sim.clone());
-            backends.insert("container".to_string(), sim);
+            if linux {
+                let container = BackendConfig {
+                    runtime: "linux".into(),
+                    default_disk_mb: 1024,
+                    ..Default::default()
+                };
+                backends.insert("container".to_string(), container);
+            } else {
+                backends.insert("container".to_string(), sim);
+            }
             let mut images = BTreeMap::new();
             if o.host_image {
                 images.insert("host".to_string(), vec!["/".to_string()]);
             }
             // Simulated edges run nothing, so their capacity is a scheduling fiction sized
             // for benchmarks of tens of thousands of sandboxes.
-            let capacity = CapacityConfig {
-                cpu_cores: 8192.0,
-                memory_mb: 64 << 20,
-                gpus: 0,
-                disk_mb: 64 << 20,
+            // Real containers are admitted against the host's own size (measured).
+            let capacity = if linux {
+                CapacityConfig::default()
+            } else {
+                CapacityConfig {
+                    cpu_cores: 8192.0,
+                    memory_mb: 64 << 20,
+                    gpus: 0,
+                    disk_mb: 64 << 20,
+                }
             };
             cfg.edges.push(EdgeConfig {
-                id: format!("sim-{i}"),
+                id: if linux {
+                    format!("node-{i}")
+                } else {
+                    format!("sim-{i}")
+                },
                 addr: local_addr(&l),
                 capacity,
                 backends,
                 images,
                 state_dir: o.state_dir.clone(),
                 disk_reserve_mb: o.disk_reserve_mb,
-                mem_reserve_mb: -1,
-                persist_state: Some(false),
+                mem_reserve_mb: if linux { 0 } else { -1 },
+                persist_state: Some(linux),
                 ..Default::default()
             });
             edge_ls.push(l);

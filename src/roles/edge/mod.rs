@@ -111,6 +111,11 @@ fn context(ec: &crate::config::EdgeConfig, edge_id: &str) -> BackendContext {
         edge_id: edge_id.to_string(),
         state_dir: PathBuf::from(ec.state_dir()),
         agent_dir,
+        images: ec
+            .images
+            .iter()
+            .map(|(k, v)| (k.clone(), v.iter().map(PathBuf::from).collect()))
+            .collect(),
     }
 }
 

@@ -1,0 +1,529 @@
+//! `ContainerBackend`: the `Backend` of runtime `linux` (22-components §6). Each sandbox is a
+//! pid namespace whose PID 1 is aether, built by the setup process (init.rs) in its own
+//! cgroup, on an overlay root whose writable layer is a per-sandbox ext4 image on a loop
+//! device. The backend's state per sandbox is aether's host pid (with its start time, so a
+//! reused pid is never taken for it) and the paths it needs; everything else is found again
+//! by the sandbox id, which is how an edge restart re-adopts running sandboxes.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tonic::transport::Channel;
+
+use super::agent::{self, SetupExe};
+use super::cgroup::{Cgroups, DiskIo, Limits, SandboxCgroup};
+use super::disk::Disks;
+use super::setup::{self, SetupResult, SetupSpec, AGENT_PATH, LISTEN_FD, RUN_DIR};
+use crate::backends::{
+    Adopted, Backend, BackendContext, BackendError, BackendState, CleanupReport, CreateRequest,
+    Handle, Health, Recorded, Runtime,
+};
+use crate::config::BackendConfig;
+use crate::guest::config::AetherConfig;
+use crate::pb;
+
+/// How long a new sandbox's aether has to answer its first `Watch`.
+const AGENT_START_TIMEOUT: Duration = Duration::from_secs(15);
+/// The default `pids_max` (19-security §2).
+const DEFAULT_PIDS_MAX: i64 = 4096;
+
+/// What the edge records for one container sandbox.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ContainerState {
+    /// aether's pid in the host's pid namespace.
+    pub pid: u32,
+    /// Its start time (clock ticks since boot, /proc/<pid>/stat field 22).
+    pub start_time: u64,
+    /// aether's unix socket on the host.
+    pub socket: PathBuf,
+    /// The writable layer's loop device, `major:minor`.
+    pub loop_device: String,
+}
+
+/// The container backend; see the module doc.
+pub struct ContainerBackend {
+    name: String,
+    pids_max: i64,
+    disk_io: Option<DiskIo>,
+    core_sched: bool,
+    images: BTreeMap<String, Vec<PathBuf>>,
+    dir: PathBuf,
+    cgroups: Cgroups,
+    disks: Disks,
+    setup: SetupExe,
+    agent: PathBuf,
+    channels: Mutex<HashMap<String, Channel>>,
+    warned_core_sched: AtomicBool,
+}
+
+fn cfg_err(backend: &str, message: impl std::fmt::Display) -> BackendError {
+    BackendError::Config {
+        backend: backend.to_string(),
+        message: message.to_string(),
+    }
+}
+
+fn create_err(id: &str, message: impl std::fmt::Display) -> BackendError {
+    BackendError::Create {
+        sandbox_id: id.to_string(),
+        message: message.to_string(),
+    }
+}
+
+impl ContainerBackend {
+    /// Builds the backend: detects the cgroup layout, installs the agent binary (from
+    /// `agent_dir/opendsec-aether` if present, else this executable) and makes the sealed
+    /// setup copy. Errors: `Config` with the step that failed.
+    pub fn new(
+        name: &str,
+        cfg: &BackendConfig,
+        ctx: &BackendContext,
+    ) -> Result<ContainerBackend, BackendError> {
+        if !nix::unistd::geteuid().is_root() {
+            return Err(cfg_err(name, "runtime \"linux\" needs root"));
+        }
+        let disk_io = parse_disk_io(&cfg.disk_io).map_err(|m| cfg_err(name, m))?;
+        let cgroups =
+            Cgroups::detect(&format!("opendsec/{}", ctx.edge_id)).map_err(|e| cfg_err(name, e))?;
+        // Per edge, so that edges sharing a state_dir never clean up each other's sandboxes.
+        let base = ctx.state_dir.join(&ctx.edge_id);
+        let dir = base.join("containers");
+        std::fs::create_dir_all(&dir).map_err(|e| cfg_err(name, format!("{}: {e}", dir.display())))?;
+        let disks = Disks::new(base.join("disks"));
+        let src = {
+            let named = ctx.agent_dir.join("opendsec-aether");
+            if named.is_file() {
+                named
+            } else {
+                PathBuf::from("/proc/self/exe")
+            }
+        };
+        let agent = agent::install(&src, &ctx.state_dir).map_err(|e| cfg_err(name, e))?;
+        let setup = SetupExe::new().map_err(|e| cfg_err(name, e))?;
+        let mut images = BTreeMap::new();
+        for (img, lowers) in &ctx.images {
+            let mut ls = Vec::new();
+            for l in lowers {
+                setup::check_lower(l).map_err(|m| cfg_err(name, format!("image {img}: {m}")))?;
+                ls.push(l.clone());
+            }
+            images.insert(img.clone(), ls);
+        }
+        Ok(ContainerBackend {
+            name: name.to_string(),
+            pids_max: if cfg.pids_max > 0 { cfg.pids_max } else { DEFAULT_PIDS_MAX },
+            disk_io,
+            core_sched: cfg.core_sched.unwrap_or(true),
+            images,
+            dir,
+            cgroups,
+            disks,
+            setup,
+            agent,
+            channels: Mutex::new(HashMap::new()),
+            warned_core_sched: AtomicBool::new(false),
+        })
+    }
+
+    fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.dir.join(id)
+    }
+
+    fn channels(&self) -> std::sync::MutexGuard<'_, HashMap<String, Channel>> {
+        match self.channels.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    fn setup_spec(&self, req: &CreateRequest, lowers: Vec<PathBuf>, cg: &SandboxCgroup) -> SetupSpec {
+        let id = &req.sandbox_id;
+        let host = id.rsplit('.').next().unwrap_or(id);
+        let hostname: String = host
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric() || *c == '-')
+            .take(63)
+            .collect();
+        SetupSpec {
+            sandbox_id: id.clone(),
+            dir: self.sandbox_dir(id),
+            disk_image: self.disks.path(id),
+            lowers,
+            cgroup_procs: cg.procs_files(),
+            cgroup_mounts: cg.mounts(),
+            agent: self.agent.clone(),
+            hostname: if hostname.is_empty() { "sandbox".into() } else { hostname },
+            readonly_paths: req.spec.readonly_paths.clone(),
+            masked_paths: req.spec.masked_paths.clone(),
+            core_sched: self.core_sched,
+            aether: AetherConfig {
+                sandbox_id: id.clone(),
+                listen_fd: Some(LISTEN_FD),
+                socket: String::new(),
+                run_dir: RUN_DIR.into(),
+                agent: AGENT_PATH.into(),
+                init_user: req.spec.init_user.clone(),
+                env: BTreeMap::new(),
+                workdir: String::new(),
+                pid1: true,
+                protect_from_oom: true,
+            },
+        }
+    }
+
+    async fn run_setup(&self, spec: &SetupSpec) -> Result<SetupResult, String> {
+        let input = serde_json::to_vec(spec).map_err(|e| e.to_string())?;
+        let mut child = tokio::process::Command::new(self.setup.path())
+            .arg0("opendsec")
+            .arg("sandbox-init")
+            .env_clear()
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("starting the setup process: {e}"))?;
+        if let Some(mut stdin) = child.stdin.take() {
+            stdin.write_all(&input).await.map_err(|e| format!("writing the setup spec: {e}"))?;
+        }
+        let mut out = String::new();
+        if let Some(mut stdout) = child.stdout.take() {
+            let read = tokio::time::timeout(AGENT_START_TIMEOUT, stdout.read_to_string(&mut out));
+            read.await
+                .map_err(|_| "the setup process did not answer".to_string())?
+                .map_err(|e| format!("reading the setup result: {e}"))?;
+        }
+        let _ = child.wait().await;
+        let res: SetupResult = serde_json::from_str(out.trim())
+            .map_err(|e| format!("bad setup result {:?}: {e}", crate::types::names::shown(&out)))?;
+        if !res.error.is_empty() || res.pid == 0 {
+            return Err(res.error);
+        }
+        Ok(res)
+    }
+
+    /// Removes everything of sandbox `id`: its processes, cgroup, loop device, disk and
+    /// directory. Missing pieces are fine.
+    async fn destroy(&self, id: &str) -> Result<(), BackendError> {
+        self.channels().remove(id);
+        let cg = self.cgroups.open(id);
+        let disk = self.disks.path(id);
+        let dir = self.sandbox_dir(id);
+        let disks = self.disks.clone();
+        let id_s = id.to_string();
+        tokio::task::spawn_blocking(move || -> Result<(), BackendError> {
+            let op = |message: String| BackendError::Operation {
+                op: "stop",
+                sandbox_id: id_s.clone(),
+                message,
+            };
+            if cg.exists() {
+                cg.kill_all().map_err(|e| op(e.to_string()))?;
+                cg.remove().map_err(|e| op(e.to_string()))?;
+            }
+            // The sandbox's mount namespace held the only mount of the loop device; with
+            // autoclear the kernel detaches it shortly after the last process is gone.
+            let deadline = Instant::now() + Duration::from_secs(3);
+            loop {
+                let attached = crate::sys::loopdev::attached(&disk);
+                if attached.is_empty() {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    for (dev, _) in attached {
+                        crate::sys::loopdev::detach(&dev)
+                            .map_err(|e| op(format!("detach {}: {e}", dev.display())))?;
+                    }
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            disks.remove(&id_s).map_err(|e| op(e.to_string()))?;
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(op(format!("{}: {e}", dir.display()))),
+            }
+        })
+        .await
+        .map_err(|e| BackendError::Operation {
+            op: "stop",
+            sandbox_id: id.to_string(),
+            message: e.to_string(),
+        })?
+    }
+
+    fn state_of(h: &Handle<'_>) -> ContainerState {
+        serde_json::from_value(h.state.clone()).unwrap_or_default()
+    }
+}
+
+use std::os::unix::process::CommandExt as _;
+
+/// `disk_io` from the backend config: `{"read_mbps", "write_mbps", "read_iops",
+/// "write_iops"}`, 0 or absent for unlimited; `null`/`{}` for none.
+fn parse_disk_io(v: &serde_json::Value) -> Result<Option<DiskIo>, String> {
+    if v.is_null() {
+        return Ok(None);
+    }
+    let obj = v.as_object().ok_or("disk_io must be an object")?;
+    let mut io = DiskIo {
+        read_mbps: 0,
+        write_mbps: 0,
+        read_iops: 0,
+        write_iops: 0,
+    };
+    for (k, val) in obj {
+        let n = val
+            .as_i64()
+            .filter(|n| *n >= 0)
+            .ok_or_else(|| format!("disk_io.{k} must be a whole number >= 0"))?;
+        match k.as_str() {
+            "read_mbps" => io.read_mbps = n,
+            "write_mbps" => io.write_mbps = n,
+            "read_iops" => io.read_iops = n,
+            "write_iops" => io.write_iops = n,
+            other => return Err(format!("unknown disk_io field {other:?}")),
+        }
+    }
+    if io.read_mbps + io.write_mbps + io.read_iops + io.write_iops == 0 {
+        return Ok(None);
+    }
+    Ok(Some(io))
+}
+
+/// A process's start time (clock ticks since boot), or `None` when it is gone or a zombie.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // fields[0] is the state (field 3); the start time is field 22.
+    if fields.first() == Some(&"Z") {
+        return None;
+    }
+    fields.get(19)?.parse().ok()
+}
+
+fn alive(st: &ContainerState) -> bool {
+    st.pid > 0 && start_time(st.pid) == Some(st.start_time)
+}
+
+#[async_trait]
+impl Backend for ContainerBackend {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn runtime_kind(&self) -> &'static str {
+        "linux"
+    }
+
+    async fn create(&self, req: &CreateRequest) -> Result<BackendState, BackendError> {
+        let id = req.sandbox_id.as_str();
+        let lowers = self
+            .images
+            .get(&req.spec.image)
+            .cloned()
+            .ok_or_else(|| BackendError::ImageNotFound {
+                image: req.spec.image.clone(),
+            })?;
+        for p in req.spec.readonly_paths.iter().chain(&req.spec.masked_paths) {
+            setup::check_sandbox_path(p).map_err(|message| BackendError::Invalid {
+                sandbox_id: id.to_string(),
+                message,
+            })?;
+        }
+        let dir = self.sandbox_dir(id);
+        let sock = dir.join("aether.sock");
+        if sock.as_os_str().len() > 100 {
+            return Err(create_err(
+                id,
+                format!("socket path {} is too long for a unix socket; use a shorter state_dir", sock.display()),
+            ));
+        }
+        let result = self.create_inner(req, lowers, &dir, &sock).await;
+        match result {
+            Ok(state) => Ok(state),
+            Err(e) => {
+                if let Err(cleanup) = self.destroy(id).await {
+                    tracing::warn!(sandbox_id = id, error = %cleanup, "cleaning up a failed creation");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn stop(&self, sandbox: &Handle<'_>) -> Result<(), BackendError> {
+        self.destroy(sandbox.sandbox_id).await
+    }
+
+    async fn pause(&self, sandbox: &Handle<'_>) -> Result<BackendState, BackendError> {
+        let cg = self.cgroups.open(sandbox.sandbox_id);
+        let id = sandbox.sandbox_id.to_string();
+        tokio::task::spawn_blocking(move || cg.freeze())
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()))
+            .map_err(|message| BackendError::Operation {
+                op: "pause",
+                sandbox_id: id,
+                message,
+            })?;
+        Ok(sandbox.state.clone())
+    }
+
+    async fn resume(&self, sandbox: &Handle<'_>) -> Result<BackendState, BackendError> {
+        let cg = self.cgroups.open(sandbox.sandbox_id);
+        let id = sandbox.sandbox_id.to_string();
+        tokio::task::spawn_blocking(move || cg.thaw())
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()))
+            .map_err(|message| BackendError::Operation {
+                op: "resume",
+                sandbox_id: id,
+                message,
+            })?;
+        Ok(sandbox.state.clone())
+    }
+
+    async fn probe(&self, sandbox: &Handle<'_>) -> Health {
+        if alive(&Self::state_of(sandbox)) {
+            Health::Alive
+        } else {
+            Health::Lost("aether exited".into())
+        }
+    }
+
+    async fn adopt(
+        &self,
+        sandbox: &Handle<'_>,
+        _recorded: Recorded,
+    ) -> Result<Adopted, BackendError> {
+        let st = Self::state_of(sandbox);
+        let cg = self.cgroups.open(sandbox.sandbox_id);
+        if !alive(&st) || !cg.exists() {
+            return Err(BackendError::Lost {
+                sandbox_id: sandbox.sandbox_id.to_string(),
+                message: "aether is gone".into(),
+            });
+        }
+        Ok(Adopted {
+            state: sandbox.state.clone(),
+            paused: cg.frozen(),
+        })
+    }
+
+    async fn cleanup(&self, keep: &HashSet<String>) -> Result<CleanupReport, BackendError> {
+        let mut ids: HashSet<String> = self.cgroups.list().into_iter().collect();
+        ids.extend(self.disks.list());
+        if let Ok(rd) = std::fs::read_dir(&self.dir) {
+            ids.extend(rd.flatten().filter_map(|e| e.file_name().into_string().ok()));
+        }
+        let mut report = CleanupReport::default();
+        for id in ids {
+            if keep.contains(&id) {
+                continue;
+            }
+            self.destroy(&id).await?;
+            report.removed.push(format!("container {id}"));
+        }
+        Ok(report)
+    }
+
+    fn runtime(&self) -> Option<&dyn Runtime> {
+        Some(self)
+    }
+}
+
+impl ContainerBackend {
+    async fn create_inner(
+        &self,
+        req: &CreateRequest,
+        lowers: Vec<PathBuf>,
+        dir: &Path,
+        sock: &Path,
+    ) -> Result<BackendState, BackendError> {
+        let id = req.sandbox_id.as_str();
+        let spec = &req.spec;
+        let limits = Limits {
+            cpu_cores: spec.cpu_cores_limit,
+            idle: spec.qos == "BE",
+            memory_mb: spec.memory_limit_mb,
+            pids_max: self.pids_max,
+            disk_io: self.disk_io.clone(),
+        };
+        let (cgroups, disks, dir2, id2) = (
+            self.cgroups.clone(),
+            self.disks.clone(),
+            dir.to_path_buf(),
+            id.to_string(),
+        );
+        let disk_mb = spec.disk_mb.max(1) as u64;
+        let cg = tokio::task::spawn_blocking(move || -> Result<SandboxCgroup, String> {
+            std::fs::create_dir_all(&dir2).map_err(|e| format!("{}: {e}", dir2.display()))?;
+            disks.create(&id2, disk_mb).map_err(|e| e.to_string())?;
+            cgroups.create(&id2, &limits).map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|e| create_err(id, e))?
+        .map_err(|e| create_err(id, e))?;
+        let setup_spec = self.setup_spec(req, lowers, &cg);
+        let res = self.run_setup(&setup_spec).await.map_err(|e| create_err(id, e))?;
+        if let (Some(io), Some((maj, min))) = (&self.disk_io, res.loop_device.split_once(':')) {
+            if let (Ok(maj), Ok(min)) = (maj.parse(), min.parse()) {
+                cg.set_disk_io(maj, min, io).map_err(|e| create_err(id, e))?;
+            }
+        }
+        if self.core_sched && !res.core_sched && !self.warned_core_sched.swap(true, Ordering::Relaxed) {
+            tracing::info!("this kernel has no core scheduling; sandboxes run without a core-scheduling cookie");
+        }
+        let st = ContainerState {
+            pid: res.pid,
+            start_time: start_time(res.pid).ok_or_else(|| create_err(id, "aether exited at start"))?,
+            socket: sock.to_path_buf(),
+            loop_device: res.loop_device,
+        };
+        let ch = crate::rpc::uds::uds_channel(sock.to_path_buf());
+        let mut client = pb::runtime_client::RuntimeClient::new(ch.clone());
+        let first = tokio::time::timeout(AGENT_START_TIMEOUT, async {
+            let mut s = client.watch(pb::Empty {}).await?.into_inner();
+            s.message().await
+        })
+        .await;
+        match first {
+            Ok(Ok(Some(_))) => {}
+            Ok(Ok(None)) => return Err(create_err(id, "aether closed its Watch stream at start")),
+            Ok(Err(e)) => return Err(create_err(id, format!("aether did not start: {}", e.message()))),
+            Err(_) => return Err(create_err(id, "aether did not answer in time")),
+        }
+        self.channels().insert(id.to_string(), ch);
+        serde_json::to_value(&st).map_err(|e| create_err(id, e))
+    }
+}
+
+#[async_trait]
+impl Runtime for ContainerBackend {
+    async fn channel(&self, sandbox: &Handle<'_>) -> Result<Channel, BackendError> {
+        if let Some(ch) = self.channels().get(sandbox.sandbox_id) {
+            return Ok(ch.clone());
+        }
+        let st = Self::state_of(sandbox);
+        if !alive(&st) {
+            return Err(BackendError::Lost {
+                sandbox_id: sandbox.sandbox_id.to_string(),
+                message: "aether is gone".into(),
+            });
+        }
+        let ch = crate::rpc::uds::uds_channel(st.socket.clone());
+        self.channels().insert(sandbox.sandbox_id.to_string(), ch.clone());
+        Ok(ch)
+    }
+}

@@ -1,0 +1,189 @@
+//! The container setup process (`opendsec sandbox-init`), re-executed by the edge from a
+//! sealed memfd copy of its own binary, as runc does (22-components §6 "Startup"). It reads a
+//! [`SetupSpec`] on stdin, joins the sandbox's cgroup, unshares the mount, pid, uts, ipc, net
+//! and cgroup namespaces and forks the sandbox's PID 1, which builds the root file system,
+//! pivots into it, restricts itself (seccomp, capabilities) and execs aether. The setup
+//! process prints one [`SetupResult`] line and exits, so the sandbox is not a child of the
+//! edge and outlives it.
+//!
+//! It runs no async runtime and no thread: `fork` is only sound that way.
+
+use std::convert::Infallible;
+use std::ffi::CString;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixListener;
+use std::process::ExitCode;
+
+use nix::sched::{unshare, CloneFlags};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::{pipe2, Pid};
+
+use super::policy;
+use super::rootfs;
+use super::setup::{SetupResult, SetupSpec, AETHER_CONFIG, AGENT_PATH, LISTEN_FD};
+use crate::sys::loopdev::LoopDevice;
+use crate::sys::process::{close_fds_from, dup_to, fork_single_threaded, sched_core_create, Forked};
+
+/// A failed setup step.
+#[derive(Debug, thiserror::Error)]
+pub enum InitError {
+    #[error("reading the setup spec: {0}")]
+    Spec(String),
+    #[error("{step}: {source}")]
+    Sys {
+        step: &'static str,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Rootfs(#[from] rootfs::RootfsError),
+    #[error(transparent)]
+    Policy(#[from] policy::PolicyError),
+    #[error("sandbox setup failed: {0}")]
+    Child(String),
+}
+
+fn sys<T, E: Into<std::io::Error>>(step: &'static str, r: Result<T, E>) -> Result<T, InitError> {
+    r.map_err(|e| InitError::Sys {
+        step,
+        source: e.into(),
+    })
+}
+
+/// Entry point of `opendsec sandbox-init`; exit code 0 with a result line, 1 with an error
+/// line (both JSON [`SetupResult`]s on stdout).
+pub fn main() -> ExitCode {
+    let mut input = String::new();
+    let result = match std::io::stdin().read_to_string(&mut input) {
+        Err(e) => Err(InitError::Spec(e.to_string())),
+        Ok(_) => match serde_json::from_str::<SetupSpec>(&input) {
+            Err(e) => Err(InitError::Spec(e.to_string())),
+            Ok(spec) => run(&spec),
+        },
+    };
+    let (out, code) = match result {
+        Ok(r) => (r, ExitCode::SUCCESS),
+        Err(e) => (
+            SetupResult {
+                error: e.to_string(),
+                ..Default::default()
+            },
+            ExitCode::from(1),
+        ),
+    };
+    let line = serde_json::to_string(&out).unwrap_or_default();
+    let _ = writeln!(std::io::stdout(), "{line}");
+    code
+}
+
+fn run(spec: &SetupSpec) -> Result<SetupResult, InitError> {
+    // A session of its own: no signal for the edge's terminal or process group reaches it.
+    sys("setsid", nix::unistd::setsid())?;
+    for procs in &spec.cgroup_procs {
+        sys("join cgroup", std::fs::write(procs, "0"))?;
+    }
+    sys(
+        "unshare",
+        unshare(
+            CloneFlags::CLONE_NEWNS
+                | CloneFlags::CLONE_NEWUTS
+                | CloneFlags::CLONE_NEWIPC
+                | CloneFlags::CLONE_NEWNET
+                | CloneFlags::CLONE_NEWCGROUP
+                | CloneFlags::CLONE_NEWPID,
+        ),
+    )?;
+    let (r, w) = sys("pipe", pipe2(nix::fcntl::OFlag::O_CLOEXEC))?;
+    match sys("fork", fork_single_threaded())? {
+        Forked::Child => {
+            drop(r);
+            let err = match child(spec, &w) {
+                Ok(never) => match never {},
+                Err(e) => e,
+            };
+            let mut f = std::fs::File::from(w);
+            let _ = write!(f, "err {err}");
+            std::process::exit(1);
+        }
+        Forked::Parent { child } => {
+            drop(w);
+            let mut msg = String::new();
+            let _ = std::fs::File::from(r).read_to_string(&mut msg);
+            match msg.strip_prefix("ok ") {
+                Some(rest) => {
+                    let mut it = rest.split_whitespace();
+                    Ok(SetupResult {
+                        pid: child as u32,
+                        loop_device: it.next().unwrap_or_default().to_string(),
+                        core_sched: it.next() == Some("core"),
+                        error: String::new(),
+                    })
+                }
+                None => {
+                    let _ = kill(Pid::from_raw(child), Signal::SIGKILL);
+                    let why = msg.strip_prefix("err ").unwrap_or("the setup process died");
+                    Err(InitError::Child(why.to_string()))
+                }
+            }
+        }
+    }
+}
+
+/// PID 1 of the new pid namespace: builds the sandbox and becomes aether.
+fn child(spec: &SetupSpec, report: &OwnedFd) -> Result<Infallible, InitError> {
+    rootfs::make_private()?;
+    let (disk, root) = rootfs::scratch(&spec.dir)?;
+    let dev = sys(
+        "attach loop device",
+        LoopDevice::attach(&spec.disk_image, false, true),
+    )?;
+    let (major, minor) = dev.major_minor();
+    rootfs::overlay(dev.path(), &disk, &root, &spec.lowers)?;
+    // The mount now holds the device; with autoclear it frees itself once the sandbox's
+    // mount namespace is gone.
+    drop(dev);
+    rootfs::populate(&root, spec)?;
+    let sock = spec.dir.join("aether.sock");
+    let _ = std::fs::remove_file(&sock);
+    // Bound on the host side before the pivot: the sandbox never sees the socket file, so
+    // it cannot swap it for a link to something else.
+    let listener = sys("bind aether socket", UnixListener::bind(&sock))?;
+    rootfs::pivot(&root)?;
+    sys("sethostname", nix::unistd::sethostname(&spec.hostname))?;
+    rootfs::restrict(&spec.readonly_paths, &spec.masked_paths)?;
+    sys("bring up lo", crate::sys::net::set_up("lo"))?;
+    let core = spec.core_sched && sched_core_create().is_ok();
+    policy::install_seccomp()?;
+    policy::drop_capabilities()?;
+    let line = format!("ok {major}:{minor} {}", if core { "core" } else { "nocore" });
+    sys("report", nix::unistd::write(report, line.as_bytes()))?;
+    // From here on a failure shows as aether never answering; the edge times out and
+    // removes the sandbox.
+    sys("dup listener", dup_to(listener.as_fd(), LISTEN_FD))?;
+    let null = sys(
+        "open /dev/null",
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/null"),
+    )?;
+    for fd in 0..=2 {
+        sys("redirect stdio", dup_to(null.as_fd(), fd))?;
+    }
+    sys("close inherited fds", close_fds_from(LISTEN_FD as u32 + 1))?;
+    let path = cstr(AGENT_PATH)?;
+    let argv = [cstr("aether")?, cstr("--config")?, cstr(AETHER_CONFIG)?];
+    let env = [cstr("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")?];
+    let e = nix::unistd::execve(&path, &argv, &env);
+    Err(InitError::Sys {
+        step: "exec aether",
+        source: match e {
+            Err(e) => e.into(),
+            Ok(never) => match never {},
+        },
+    })
+}
+
+fn cstr(s: &str) -> Result<CString, InitError> {
+    CString::new(s).map_err(|e| InitError::Spec(e.to_string()))
+}

@@ -1,0 +1,10 @@
+//! The `container` backend, runtime `linux` (22-components §6, 19-security §2).
+
+pub mod agent;
+mod backend;
+pub mod init;
+pub mod policy;
+pub mod rootfs;
+pub mod setup;
+
+pub use backend::{ContainerBackend, ContainerState};

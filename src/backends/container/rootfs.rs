@@ -1,0 +1,368 @@
+//! The mount steps of the container setup process, all inside the sandbox's own mount
+//! namespace (never the host's mount table): the writable disk, the overlay root, /proc,
+//! /dev, a read-only /sys with the sandbox's own cgroup, /run/opendsec with the read-only
+//! agent, then pivot_root and the masked and read-only paths.
+
+use std::fs;
+use std::os::unix::fs::{symlink, DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+
+use super::setup::{SetupSpec, AETHER_CONFIG, AGENT_PATH, DEFAULT_MASKED, DEFAULT_READONLY};
+
+/// A failed mount step, with the path it was about.
+#[derive(Debug, thiserror::Error)]
+pub enum RootfsError {
+    #[error("{step} {path}: {source}")]
+    Mount {
+        step: &'static str,
+        path: String,
+        source: nix::Error,
+    },
+    #[error("{step} {path}: {source}")]
+    Io {
+        step: &'static str,
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+fn m(
+    step: &'static str,
+    src: Option<&str>,
+    target: &Path,
+    fstype: Option<&str>,
+    flags: MsFlags,
+    data: Option<&str>,
+) -> Result<(), RootfsError> {
+    mount(src, target, fstype, flags, data).map_err(|source| RootfsError::Mount {
+        step,
+        path: target.display().to_string(),
+        source,
+    })
+}
+
+fn io<T>(step: &'static str, path: &Path, r: std::io::Result<T>) -> Result<T, RootfsError> {
+    r.map_err(|source| RootfsError::Io {
+        step,
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+fn mkdir(p: &Path, mode: u32) -> Result<(), RootfsError> {
+    let r = fs::DirBuilder::new().recursive(true).mode(mode).create(p);
+    io("mkdir", p, r)
+}
+
+fn touch(p: &Path) -> Result<(), RootfsError> {
+    if p.exists() {
+        return Ok(());
+    }
+    io("create", p, fs::write(p, b""))
+}
+
+const NOSUID_NODEV_NOEXEC: MsFlags = MsFlags::MS_NOSUID
+    .union(MsFlags::MS_NODEV)
+    .union(MsFlags::MS_NOEXEC);
+
+/// Stops mount events from propagating back to the host.
+pub fn make_private() -> Result<(), RootfsError> {
+    m(
+        "make / private",
+        None,
+        Path::new("/"),
+        None,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None,
+    )
+}
+
+/// Mounts a small tmpfs at `<dir>/mnt` to hold the disk and root mount points; returns
+/// (disk mount point, root mount point).
+pub fn scratch(dir: &Path) -> Result<(PathBuf, PathBuf), RootfsError> {
+    let mnt = dir.join("mnt");
+    mkdir(&mnt, 0o700)?;
+    m(
+        "mount scratch tmpfs",
+        Some("tmpfs"),
+        &mnt,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=700,size=64k"),
+    )?;
+    let (disk, root) = (mnt.join("disk"), mnt.join("root"));
+    mkdir(&disk, 0o700)?;
+    mkdir(&root, 0o755)?;
+    Ok((disk, root))
+}
+
+/// Mounts the ext4 writable layer and the overlay root on top of the image's lowers.
+pub fn overlay(
+    device: &Path,
+    disk: &Path,
+    root: &Path,
+    lowers: &[PathBuf],
+) -> Result<(), RootfsError> {
+    let dev = device.to_string_lossy();
+    m(
+        "mount disk",
+        Some(&dev),
+        disk,
+        Some("ext4"),
+        MsFlags::empty(),
+        None,
+    )?;
+    let (upper, work) = (disk.join("upper"), disk.join("work"));
+    mkdir(&upper, 0o755)?;
+    mkdir(&work, 0o700)?;
+    let lower: Vec<String> = lowers
+        .iter()
+        .map(|l| l.to_string_lossy().into_owned())
+        .collect();
+    let opts = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        lower.join(":"),
+        upper.display(),
+        work.display()
+    );
+    m(
+        "mount overlay",
+        Some("overlay"),
+        root,
+        Some("overlay"),
+        MsFlags::empty(),
+        Some(&opts),
+    )
+}
+
+/// /proc (of the new pid namespace: the caller must be its PID 1), /dev, /sys read-only with
+/// the sandbox's cgroup, /run/opendsec with the agent and aether's config.
+pub fn populate(root: &Path, spec: &SetupSpec) -> Result<(), RootfsError> {
+    let proc_ = root.join("proc");
+    mkdir(&proc_, 0o555)?;
+    m("mount proc", Some("proc"), &proc_, Some("proc"), NOSUID_NODEV_NOEXEC, None)?;
+    dev(root)?;
+    let sys = root.join("sys");
+    mkdir(&sys, 0o555)?;
+    m(
+        "mount sysfs",
+        Some("sysfs"),
+        &sys,
+        Some("sysfs"),
+        NOSUID_NODEV_NOEXEC | MsFlags::MS_RDONLY,
+        None,
+    )?;
+    cgroup(root, spec)?;
+    run(root, spec)
+}
+
+fn dev(root: &Path) -> Result<(), RootfsError> {
+    let dev = root.join("dev");
+    mkdir(&dev, 0o755)?;
+    m(
+        "mount /dev",
+        Some("tmpfs"),
+        &dev,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_STRICTATIME,
+        Some("mode=755,size=65536k"),
+    )?;
+    for name in ["null", "zero", "full", "random", "urandom", "tty"] {
+        let target = dev.join(name);
+        touch(&target)?;
+        let src = Path::new("/dev").join(name);
+        let s = src.to_string_lossy();
+        m(
+            "bind device",
+            Some(&s),
+            &target,
+            None,
+            MsFlags::MS_BIND,
+            None,
+        )?;
+    }
+    let pts = dev.join("pts");
+    mkdir(&pts, 0o755)?;
+    m(
+        "mount devpts",
+        Some("devpts"),
+        &pts,
+        Some("devpts"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("newinstance,ptmxmode=0666,mode=0620,gid=5"),
+    )?;
+    let shm = dev.join("shm");
+    mkdir(&shm, 0o1777)?;
+    m(
+        "mount /dev/shm",
+        Some("shm"),
+        &shm,
+        Some("tmpfs"),
+        NOSUID_NODEV_NOEXEC,
+        Some("mode=1777,size=65536k"),
+    )?;
+    let mq = dev.join("mqueue");
+    mkdir(&mq, 0o755)?;
+    m("mount mqueue", Some("mqueue"), &mq, Some("mqueue"), NOSUID_NODEV_NOEXEC, None)?;
+    for (link, to) in [
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        let p = dev.join(link);
+        io("symlink", &p, symlink(to, &p))?;
+    }
+    Ok(())
+}
+
+fn cgroup(root: &Path, spec: &SetupSpec) -> Result<(), RootfsError> {
+    let cg = root.join("sys/fs/cgroup");
+    if !cg.is_dir() || spec.cgroup_mounts.is_empty() {
+        return Ok(());
+    }
+    let ro_bind = |src: &Path, target: &Path| -> Result<(), RootfsError> {
+        let s = src.to_string_lossy();
+        m("bind cgroup", Some(&s), target, None, MsFlags::MS_BIND, None)?;
+        m(
+            "remount cgroup read-only",
+            None,
+            target,
+            None,
+            MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | NOSUID_NODEV_NOEXEC,
+            None,
+        )
+    };
+    if let [(dir, name)] = spec.cgroup_mounts.as_slice() {
+        if name.is_empty() {
+            return ro_bind(dir, &cg);
+        }
+    }
+    m(
+        "mount cgroup tmpfs",
+        Some("tmpfs"),
+        &cg,
+        Some("tmpfs"),
+        NOSUID_NODEV_NOEXEC,
+        Some("mode=755,size=64k"),
+    )?;
+    for (dir, name) in &spec.cgroup_mounts {
+        let target = cg.join(name);
+        mkdir(&target, 0o555)?;
+        ro_bind(dir, &target)?;
+    }
+    m(
+        "remount cgroup tmpfs read-only",
+        None,
+        &cg,
+        None,
+        MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | NOSUID_NODEV_NOEXEC,
+        Some("mode=755,size=64k"),
+    )
+}
+
+fn run(root: &Path, spec: &SetupSpec) -> Result<(), RootfsError> {
+    let run = root.join("run");
+    mkdir(&run, 0o755)?;
+    m(
+        "mount /run",
+        Some("tmpfs"),
+        &run,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=755"),
+    )?;
+    let inside = |p: &str| root.join(p.trim_start_matches('/'));
+    let agent = inside(AGENT_PATH);
+    if let Some(parent) = agent.parent() {
+        mkdir(parent, 0o755)?;
+    }
+    touch(&agent)?;
+    let src = spec.agent.to_string_lossy();
+    // The file itself is bound (not its directory), so the sandbox keeps this inode even if
+    // the agent is replaced on the host.
+    m("bind agent", Some(&src), &agent, None, MsFlags::MS_BIND, None)?;
+    m(
+        "remount agent read-only",
+        None,
+        &agent,
+        None,
+        MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NODEV,
+        None,
+    )?;
+    let cfg = inside(AETHER_CONFIG);
+    let json = serde_json::to_vec(&spec.aether).unwrap_or_default();
+    io("write aether config", &cfg, fs::write(&cfg, json))?;
+    io(
+        "chmod aether config",
+        &cfg,
+        fs::set_permissions(&cfg, fs::Permissions::from_mode(0o600)),
+    )?;
+    mkdir(&inside("/run/opendsec/sessions"), 0o711)
+}
+
+/// Makes `root` the process's root: the pivot_root(".", ".") of runc, then detaches the old
+/// root, so nothing of the host's tree stays reachable.
+pub fn pivot(root: &Path) -> Result<(), RootfsError> {
+    io("chdir", root, std::env::set_current_dir(root))?;
+    nix::unistd::pivot_root(".", ".").map_err(|source| RootfsError::Mount {
+        step: "pivot_root",
+        path: root.display().to_string(),
+        source,
+    })?;
+    umount2(".", MntFlags::MNT_DETACH).map_err(|source| RootfsError::Mount {
+        step: "detach old root",
+        path: "/".into(),
+        source,
+    })?;
+    io("chdir /", Path::new("/"), std::env::set_current_dir("/"))
+}
+
+/// After the pivot: Docker's masked and read-only paths plus the caller's. A missing path
+/// is skipped; paths resolve inside the sandbox's root.
+pub fn restrict(readonly: &[String], masked: &[String]) -> Result<(), RootfsError> {
+    let masked_all = DEFAULT_MASKED.iter().map(|s| s.to_string()).chain(masked.iter().cloned());
+    for p in masked_all {
+        let path = Path::new(&p);
+        let Ok(meta) = fs::metadata(path) else { continue };
+        if meta.is_dir() {
+            m(
+                "mask directory",
+                Some("tmpfs"),
+                path,
+                Some("tmpfs"),
+                MsFlags::MS_RDONLY | NOSUID_NODEV_NOEXEC,
+                Some("size=0,mode=555"),
+            )?;
+        } else {
+            m("mask file", Some("/dev/null"), path, None, MsFlags::MS_BIND, None)?;
+        }
+    }
+    let ro_all = DEFAULT_READONLY.iter().map(|s| s.to_string()).chain(readonly.iter().cloned());
+    for p in ro_all {
+        let path = Path::new(&p);
+        if fs::symlink_metadata(path).is_err() {
+            continue;
+        }
+        m(
+            "bind read-only path",
+            Some(&p),
+            path,
+            None,
+            MsFlags::MS_BIND | MsFlags::MS_REC,
+            None,
+        )?;
+        m(
+            "remount read-only path",
+            None,
+            path,
+            None,
+            MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID,
+            None,
+        )?;
+    }
+    Ok(())
+}

@@ -1,0 +1,99 @@
+//! Process-wide operations of the container setup process: fork, closing inherited file
+//! descriptors, seccomp installation and core-scheduling cookies.
+
+use std::io;
+
+use super::cvt;
+
+/// Which side of a [`fork`] this is.
+pub enum Forked {
+    Parent { child: i32 },
+    Child,
+}
+
+/// `fork(2)`. Only for single-threaded callers: the container setup process calls it before
+/// any runtime or thread exists, so the child's copy of the address space holds no lock
+/// taken by another thread.
+pub fn fork_single_threaded() -> io::Result<Forked> {
+    // SAFETY: the caller is single-threaded (the setup process runs no runtime and spawns no
+    // thread), so the child inherits no lock held by a thread that does not exist in it, and
+    // may go on running ordinary Rust code.
+    let pid = cvt(unsafe { libc::fork() })?;
+    Ok(if pid == 0 {
+        Forked::Child
+    } else {
+        Forked::Parent { child: pid }
+    })
+}
+
+/// Closes every file descriptor from `first` up, so that nothing the edge had open leaks into
+/// a sandbox.
+pub fn close_fds_from(first: u32) -> io::Result<()> {
+    // SAFETY: close_range takes plain integers and touches no memory of ours; the caller
+    // holds no Rust object owning a descriptor at or above `first` that it uses afterwards
+    // (it is about to exec).
+    cvt(unsafe { libc::syscall(libc::SYS_close_range, first, u32::MAX, 0u32) } as i64)?;
+    Ok(())
+}
+
+/// Installs a seccomp BPF program for the calling thread *without* setting
+/// `no_new_privs` (the caller holds CAP_SYS_ADMIN), so setuid programs in the sandbox keep
+/// working, as with Docker's defaults. `filter` is a list of classic BPF instructions.
+pub fn install_seccomp(filter: &[libc::sock_filter]) -> io::Result<()> {
+    let len = u16::try_from(filter.len())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "seccomp program too long"))?;
+    let prog = libc::sock_fprog {
+        len,
+        filter: filter.as_ptr() as *mut libc::sock_filter,
+    };
+    // SAFETY: `prog` points at `filter`, which outlives the call; the kernel copies the
+    // program during the call and does not keep the pointer.
+    cvt(unsafe {
+        libc::prctl(
+            libc::PR_SET_SECCOMP,
+            libc::SECCOMP_MODE_FILTER as libc::c_ulong,
+            &prog as *const libc::sock_fprog as libc::c_ulong,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+        )
+    })?;
+    Ok(())
+}
+
+const PR_SCHED_CORE: libc::c_int = 62;
+const PR_SCHED_CORE_CREATE: libc::c_ulong = 1;
+const PIDTYPE_TGID: libc::c_ulong = 1;
+
+/// Gives the calling process a new core-scheduling cookie, inherited by its children, so no
+/// other sandbox's tasks share a physical core's SMT siblings with it at once. Errors:
+/// `EINVAL`/`ENODEV` where the kernel lacks core scheduling.
+pub fn sched_core_create() -> io::Result<()> {
+    // SAFETY: PR_SCHED_CORE_CREATE for pid 0 (the caller) takes integers only.
+    cvt(unsafe {
+        libc::prctl(
+            PR_SCHED_CORE,
+            PR_SCHED_CORE_CREATE,
+            0 as libc::c_ulong,
+            PIDTYPE_TGID,
+            0 as libc::c_ulong,
+        )
+    })?;
+    Ok(())
+}
+
+/// Makes `target` a copy of `fd` that survives exec (no FD_CLOEXEC), for handing
+/// descriptors to an exec'd program at fixed numbers (stdio, aether's listener on 3).
+pub fn dup_to(fd: std::os::fd::BorrowedFd<'_>, target: i32) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let raw = fd.as_raw_fd();
+    if raw == target {
+        // SAFETY: F_SETFD on a descriptor we borrow (open for the call) takes an integer.
+        cvt(unsafe { libc::fcntl(raw, libc::F_SETFD, 0) })?;
+    } else {
+        // SAFETY: dup2 takes integers; whatever `target` held is replaced atomically, and
+        // the caller owns no Rust object for `target` that it keeps using (it is about to
+        // exec).
+        cvt(unsafe { libc::dup2(raw, target) })?;
+    }
+    Ok(())
+}
