@@ -39,9 +39,9 @@ pub struct SetupExe {
 }
 
 impl SetupExe {
-    /// Copies `/proc/self/exe` into a memfd and seals it against any change.
-    pub fn new() -> Result<SetupExe, AgentError> {
-        let exe = Path::new("/proc/self/exe");
+    /// Copies the executable `exe` (normally `/proc/self/exe`) into a memfd and seals it
+    /// against any change.
+    pub fn new(exe: &Path) -> Result<SetupExe, AgentError> {
         let fd = io(
             "memfd_create",
             exe,
@@ -124,7 +124,7 @@ mod tests {
 
     #[test]
     fn setup_exe_is_sealed() {
-        let e = SetupExe::new().expect("memfd");
+        let e = SetupExe::new(Path::new("/proc/self/exe")).expect("memfd");
         let meta = fs::metadata(e.path()).expect("stat");
         assert!(meta.len() > 0);
         assert!(fs::OpenOptions::new().write(true).open(e.path()).and_then(|mut f| f.write_all(b"x")).is_err());

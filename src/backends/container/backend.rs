@@ -79,8 +79,8 @@ fn create_err(id: &str, message: impl std::fmt::Display) -> BackendError {
 
 impl ContainerBackend {
     /// Builds the backend: detects the cgroup layout, installs the agent binary (from
-    /// `agent_dir/opendsec-aether` if present, else this executable) and makes the sealed
-    /// setup copy. Errors: `Config` with the step that failed.
+    /// `agent_dir/opendsec-aether` or `agent_dir/opendsec` if present, else this executable)
+    /// and makes the sealed setup copy of the same file. Errors: `Config` with the step that failed.
     pub fn new(
         name: &str,
         cfg: &BackendConfig,
@@ -97,16 +97,15 @@ impl ContainerBackend {
         let dir = base.join("containers");
         std::fs::create_dir_all(&dir).map_err(|e| cfg_err(name, format!("{}: {e}", dir.display())))?;
         let disks = Disks::new(base.join("disks"));
-        let src = {
-            let named = ctx.agent_dir.join("opendsec-aether");
-            if named.is_file() {
-                named
-            } else {
-                PathBuf::from("/proc/self/exe")
-            }
-        };
+        // The agent and the setup program are this same executable; `agent_dir` may hold
+        // another build of it (tests run the backend inside a test harness).
+        let src = ["opendsec-aether", "opendsec"]
+            .iter()
+            .map(|n| ctx.agent_dir.join(n))
+            .find(|p| p.is_file())
+            .unwrap_or_else(|| PathBuf::from("/proc/self/exe"));
         let agent = agent::install(&src, &ctx.state_dir).map_err(|e| cfg_err(name, e))?;
-        let setup = SetupExe::new().map_err(|e| cfg_err(name, e))?;
+        let setup = SetupExe::new(&src).map_err(|e| cfg_err(name, e))?;
         let mut images = BTreeMap::new();
         for (img, lowers) in &ctx.images {
             let mut ls = Vec::new();

@@ -1,0 +1,207 @@
+//! The container backend (runtime `linux`) on its own, without an edge: create a sandbox from
+//! the `host` image, run commands in it through aether, pause, resume, adopt it from a second
+//! backend instance (what an edge restart does), stop it, and find nothing left behind.
+//! Needs root; under CI=true a missing privilege fails the test.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use opendsec::backends::{self, Backend, BackendContext, CreateRequest, Handle, Health, Recorded};
+use opendsec::config::BackendConfig;
+use opendsec::pb::{self, runtime_client::RuntimeClient};
+use opendsec::types::Reason;
+
+fn root_or_skip() -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!("container tests need root; CI runs as root");
+    }
+    eprintln!("skipping: not root");
+    false
+}
+
+fn ctx(state: &Path, edge: &str) -> BackendContext {
+    BackendContext {
+        edge_id: edge.into(),
+        state_dir: state.to_path_buf(),
+        agent_dir: PathBuf::from(env!("CARGO_BIN_EXE_opendsec"))
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default(),
+        images: BTreeMap::from([("host".to_string(), vec![PathBuf::from("/")])]),
+    }
+}
+
+fn backend(state: &Path, edge: &str) -> Arc<dyn Backend> {
+    let cfg = BackendConfig {
+        runtime: "linux".into(),
+        ..Default::default()
+    };
+    match backends::build("container", &cfg, &ctx(state, edge)) {
+        Ok(b) => b,
+        Err(e) => panic!("building the container backend: {e}"),
+    }
+}
+
+fn spec() -> pb::SandboxSpec {
+    pb::SandboxSpec {
+        backend: "container".into(),
+        image: "host".into(),
+        cpu_cores_limit: 1.0,
+        memory_limit_mb: 512,
+        disk_mb: 256,
+        ..Default::default()
+    }
+}
+
+async fn shell(b: &Arc<dyn Backend>, h: &Handle<'_>, cmd: &str) -> pb::ShellResult {
+    let rt = b.runtime().expect("runtime capability");
+    let ch = rt.channel(h).await.expect("channel");
+    let mut c = RuntimeClient::new(ch);
+    c.run_shell(pb::RunShellRequest {
+        sandbox_id: h.sandbox_id.into(),
+        cmd: cmd.into(),
+        timeout: 30.0,
+        ..Default::default()
+    })
+    .await
+    .expect("run_shell")
+    .into_inner()
+}
+
+fn leftovers(state: &Path, edge: &str, id: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for p in [
+        state.join(edge).join("containers").join(id),
+        state.join(edge).join("disks").join(format!("{id}.img")),
+    ] {
+        if p.exists() {
+            out.push(p.display().to_string());
+        }
+    }
+    if let Ok(rd) = std::fs::read_dir("/sys/fs/cgroup") {
+        for h in rd.flatten() {
+            let p = h.path().join("opendsec").join(edge).join(id);
+            if p.exists() {
+                out.push(p.display().to_string());
+            }
+        }
+    }
+    for (dev, backing) in opendsec::sys::loopdev::attached(state) {
+        out.push(format!("{} -> {}", dev.display(), backing.display()));
+    }
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    for l in mounts.lines().filter(|l| l.contains(id)) {
+        out.push(l.to_string());
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifecycle_adoption_and_nothing_left() {
+    if !root_or_skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let state = tmp.path();
+    let edge = "cb-0";
+    let b = backend(state, edge);
+    let id = format!("{edge}.lifecycle");
+    let spec = spec();
+    let st = b
+        .create(&CreateRequest {
+            sandbox_id: id.clone(),
+            project: "root".into(),
+            spec: spec.clone(),
+        })
+        .await
+        .expect("create");
+    let h = Handle {
+        sandbox_id: &id,
+        spec: &spec,
+        state: &st,
+    };
+    let r = shell(&b, &h, "echo hi; hostname; cat /proc/1/comm; ls /proc | grep -c '^[0-9]'").await;
+    assert_eq!(r.exit_code, 0, "{r:?}");
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.first(), Some(&"hi"));
+    assert_eq!(lines.get(1), Some(&"lifecycle"));
+    // Only the sandbox's own processes are visible: aether, chronus, the shell and a few.
+    let n: usize = lines.get(3).and_then(|s| s.trim().parse().ok()).unwrap_or(999);
+    assert!(n < 10, "{n} processes visible: {out}");
+    assert_eq!(b.probe(&h).await, Health::Alive);
+
+    // Nothing of the sandbox is in the host's mount table.
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    assert!(!mounts.contains(&id), "sandbox mounts leaked into the host");
+
+    b.pause(&h).await.expect("pause");
+    // A second backend instance, as after an edge restart, takes the sandbox over.
+    let b2 = backend(state, edge);
+    let adopted = b2.adopt(&h, Recorded::Paused).await.expect("adopt");
+    assert!(adopted.paused);
+    b2.resume(&h).await.expect("resume");
+    let r = shell(&b2, &h, "echo again").await;
+    assert_eq!(r.stdout, b"again\n");
+
+    b2.stop(&h).await.expect("stop");
+    assert_eq!(b2.probe(&h).await, Health::Lost("aether exited".into()));
+    assert_eq!(leftovers(state, edge, &id), Vec::<String>::new());
+    // Stopping again is fine.
+    b2.stop(&h).await.expect("second stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_leave_nothing_and_cleanup_removes_strays() {
+    if !root_or_skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let state = tmp.path();
+    let edge = "cb-1";
+    let b = backend(state, edge);
+    let mut s = spec();
+    s.image = "nope".into();
+    let id = format!("{edge}.badimage");
+    let e = b
+        .create(&CreateRequest {
+            sandbox_id: id.clone(),
+            project: "root".into(),
+            spec: s,
+        })
+        .await
+        .err()
+        .expect("unknown image refused");
+    assert_eq!(e.reason(), Reason::NotFound);
+    let mut s = spec();
+    s.masked_paths = vec!["/etc/../root".into()];
+    let e = b
+        .create(&CreateRequest {
+            sandbox_id: id.clone(),
+            project: "root".into(),
+            spec: s,
+        })
+        .await
+        .err()
+        .expect("bad path refused");
+    assert_eq!(e.reason(), Reason::Invalid);
+    assert_eq!(leftovers(state, edge, &id), Vec::<String>::new());
+
+    // A sandbox the edge has no record of is removed by cleanup.
+    let stray = format!("{edge}.stray");
+    let spec = spec();
+    b.create(&CreateRequest {
+        sandbox_id: stray.clone(),
+        project: "root".into(),
+        spec: spec.clone(),
+    })
+    .await
+    .expect("create");
+    let report = b.cleanup(&HashSet::new()).await.expect("cleanup");
+    assert!(report.removed.iter().any(|r| r.contains(&stray)), "{report:?}");
+    assert_eq!(leftovers(state, edge, &stray), Vec::<String>::new());
+}
