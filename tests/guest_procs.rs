@@ -714,3 +714,32 @@ fn keepalives_while_idle_and_request_ids() {
         assert_eq!((s2.pid, s2.out()), (s.pid, "done\n".to_string()));
     });
 }
+
+#[test]
+fn output_beyond_the_ring_drops_the_oldest_and_never_blocks() {
+    run(AetherConfig::default(), |p| async move {
+        const TOTAL: u64 = 20 << 20;
+        let ring = opendsec::guest::procs::OUTPUT_RING_BYTES as u64;
+        // Nobody reads the stream: the process must still run to its end.
+        let mut r = req("head", &["-c", &TOTAL.to_string(), "/dev/zero"]);
+        r.tag = "big".into();
+        drop(p.start(r).await.expect("start"));
+        let connect = |live| pb::ConnectProcessRequest {
+            process: by_tag("big"),
+            live,
+            ..Default::default()
+        };
+        let mut live = p.connect(connect(true)).await.expect("connect live");
+        while let Some(e) = next(&mut live).await {
+            if matches!(e.kind, Some(Kind::End(_))) {
+                break;
+            }
+        }
+        // From offset 0: what is left starts where the kept tail starts.
+        let mut ev = p.connect(connect(false)).await.expect("connect from 0");
+        let mut s = Seen::from(TOTAL - ring, 0);
+        to_end(&mut ev, &mut s).await;
+        assert_eq!(s.out.len() as u64, ring, "the last {ring} bytes are kept");
+        assert_eq!(s.end().exit_code, 0);
+    });
+}

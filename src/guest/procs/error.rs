@@ -45,6 +45,14 @@ pub enum ProcError {
         #[source]
         source: SpawnError,
     },
+    /// `internal`: the child's pipes or PTY could not be registered with the runtime (the
+    /// child has been killed).
+    #[error("registering the output of process {pid}: {source}")]
+    Register {
+        pid: u32,
+        #[source]
+        source: io::Error,
+    },
     /// `invalid`: the reference has neither a pid nor a tag.
     #[error("no process given (pid 0 and empty tag)")]
     NoSelector,
@@ -134,7 +142,7 @@ impl ProcError {
                 }
                 _ => Reason::Internal,
             },
-            WriteInput { .. } | Resize { .. } | Kill { .. } => Reason::Internal,
+            WriteInput { .. } | Resize { .. } | Kill { .. } | Register { .. } => Reason::Internal,
         }
     }
 }

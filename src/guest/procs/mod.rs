@@ -179,11 +179,9 @@ impl Procs {
         // From here on the child runs; registering its fds cannot fail short of the
         // runtime's reactor being gone, and then the reaper still collects the child.
         let fd_err = |source: std::io::Error| {
+            // Without its fds nobody could see or end it: end it now (the reaper collects it).
             let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
-            spawn_err(crate::sys::spawn::SpawnError::Stdio {
-                what: "async registration",
-                source,
-            })
+            ProcError::Register { pid, source }
         };
         let mut outputs = Vec::new();
         let mut input = None;
@@ -320,6 +318,9 @@ impl Procs {
         if req.pty && !p.pty {
             return Err(ProcError::NoPty { pid });
         }
+        if !p.is_running() {
+            return Err(ProcError::Ended { pid });
+        }
         let input = p.input.lock().await;
         let fd = match &*input {
             Some(Input::Pipe(fd)) => fd,
@@ -432,5 +433,25 @@ fn send(pid: u32, sig: Signal) -> Result<(), ProcError> {
         Err(nix::errno::Errno::ESRCH) if group.is_ok() => Ok(()),
         Err(nix::errno::Errno::ESRCH) => Err(ProcError::Ended { pid }),
         Err(source) => Err(ProcError::Kill { pid, source }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // aether's gRPC service holds a Procs and awaits its futures inside tonic handlers.
+    #[allow(dead_code)]
+    fn shareable_and_send(p: Procs) {
+        fn is<T: Send + Sync + Clone + 'static>(_: &T) {}
+        fn send<T: Send>(_: T) {}
+        is(&p);
+        send(p.start(Default::default()));
+        send(p.connect(Default::default()));
+        send(p.send_input(Default::default()));
+        send(p.close_input(Default::default()));
+        send(p.signal(Default::default()));
+        send(p.resize(Default::default()));
+        send(p.list());
     }
 }

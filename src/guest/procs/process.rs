@@ -150,13 +150,6 @@ pub(super) async fn drive(
         exit
     };
     let (errors, exit) = futures::join!(pumps, waiter);
-    // Input goes first: a writer blocked on a full pipe gets EPIPE now, and later calls see
-    // the end.
-    *proc.input.lock().await = None;
-    match proc.master.lock() {
-        Ok(mut g) => *g = None,
-        Err(p) => *p.into_inner() = None,
-    }
     let mut end = end_of(exit.ok());
     if let Some(e) = errors.into_iter().flatten().next() {
         if end.error.is_empty() {
@@ -165,6 +158,16 @@ pub(super) async fn drive(
     }
     tracing::info!(pid = proc.pid, status = %end.status, "process ended");
     proc.finish(end);
+    // Then close the input side (calls from now on see the end first). A writer still
+    // blocked on a pipe that a descendant holds open keeps the lock until its caller gives
+    // up; don't wait for it forever.
+    match proc.master.lock() {
+        Ok(mut g) => *g = None,
+        Err(p) => *p.into_inner() = None,
+    }
+    if let Ok(mut input) = tokio::time::timeout(DRAIN_MAX, proc.input.lock()).await {
+        *input = None;
+    }
 }
 
 /// Copies one output fd into its ring; returns an error message if reading failed.
