@@ -3,5 +3,6 @@
 //! session. This module imports no role and no backend; it stays small.
 
 pub mod config;
+pub mod procs;
 pub mod reaper;
 pub mod user;

@@ -7,6 +7,9 @@ pub mod loopdev;
 
 use std::io;
 
+pub mod pty;
+pub mod spawn;
+
 /// Turns a raw syscall return code into a `Result`: -1 becomes the thread's `errno`.
 pub fn cvt<T: IsMinusOne>(ret: T) -> io::Result<T> {
     if ret.is_minus_one() {
