@@ -3,6 +3,8 @@
 //! codes go through [`cvt`], which turns -1 into `io::Error::last_os_error()`.
 #![allow(unsafe_code)]
 
+pub mod loopdev;
+
 use std::io;
 
 /// Turns a raw syscall return code into a `Result`: -1 becomes the thread's `errno`.
