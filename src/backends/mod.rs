@@ -12,6 +12,7 @@
 //! may keep in-memory caches, but must be able to work from the state alone.
 
 mod caps;
+pub mod container;
 mod error;
 mod factory;
 pub mod container;

@@ -2,6 +2,8 @@
 
 pub mod agent;
 mod backend;
+pub mod cgroup;
+pub mod disk;
 pub mod init;
 pub mod policy;
 pub mod rootfs;
