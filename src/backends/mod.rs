@@ -15,7 +15,6 @@ mod caps;
 pub mod container;
 mod error;
 mod factory;
-pub mod container;
 pub mod sim;
 
 use std::collections::HashSet;

@@ -264,7 +264,6 @@ impl ContainerBackend {
     }
 }
 
-use std::os::unix::process::CommandExt as _;
 
 /// `disk_io` from the backend config: `{"read_mbps", "write_mbps", "read_iops",
 /// "write_iops"}`, 0 or absent for unlimited; `null`/`{}` for none.
