@@ -49,6 +49,8 @@ pub fn main(args: Vec<String>) -> ExitCode {
         "ctl" => crate::cli::ctl::main(rest),
         "iam" | "watcher" | "apiserver" | "edge" => crate::cli::roles::main(&role, &rest),
         "cluster" => crate::roles::cluster::main(rest),
+        "aether" => crate::guest::aether::main(rest),
+        "chronus" => crate::guest::chronus::main(rest),
         other => {
             eprintln!("opendsec: unknown role {other:?}\n\n{USAGE}");
             ExitCode::from(2)

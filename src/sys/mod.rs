@@ -23,3 +23,5 @@ macro_rules! minus_one {
     ($($t:ty),*) => { $(impl IsMinusOne for $t { fn is_minus_one(&self) -> bool { *self == -1 } })* };
 }
 minus_one!(i32, i64, isize);
+
+pub mod fd;
