@@ -51,6 +51,8 @@ pub fn main(args: Vec<String>) -> ExitCode {
         "cluster" => crate::roles::cluster::main(rest),
         // The container setup process (re-executed by the edge); single-threaded by design.
         "sandbox-init" => crate::backends::container::init::main(),
+        "aether" => crate::guest::aether::main(rest),
+        "chronus" => crate::guest::chronus::main(rest),
         other => {
             eprintln!("opendsec: unknown role {other:?}\n\n{USAGE}");
             ExitCode::from(2)

@@ -31,3 +31,4 @@ minus_one!(i32, i64, isize);
 
 pub mod process;
 pub mod net;
+pub mod fd;

@@ -1,0 +1,192 @@
+//! aether: one per sandbox, usually its PID 1 (22-components §11). `opendsec aether
+//! --config PATH` reads an [`AetherConfig`], serves the runtime API on a unix socket (an
+//! inherited listening fd, or a path it binds), routes session calls to one chronus per
+//! session, and answers ListSessions, CloseSession and Watch itself. A tokio
+//! current-thread runtime keeps an idle agent's memory small.
+
+pub mod service;
+pub mod sessions;
+
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use argh::FromArgs;
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::guest::config::AetherConfig;
+use crate::guest::reaper::Reaper;
+use crate::guest::{log_init, uds};
+
+/// Why aether could not start or serve.
+#[derive(Debug, thiserror::Error)]
+pub enum AetherError {
+    #[error("reading config {path}: {source}")]
+    ReadConfig {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("parsing config {path}: {source}")]
+    ParseConfig {
+        path: String,
+        source: serde_json::Error,
+    },
+    #[error("config {path}: {why}")]
+    BadConfig { path: String, why: String },
+    #[error("preparing run dir {path}: {source}")]
+    RunDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("taking the inherited listening socket fd {fd}: {source}")]
+    ListenFd { fd: i32, source: std::io::Error },
+    #[error("binding {path}: {source}")]
+    Bind {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("starting the runtime: {0}")]
+    Runtime(std::io::Error),
+    #[error("serving: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+/// aether's flags.
+#[derive(FromArgs, Debug)]
+/// aether: the agent in a sandbox serving the runtime API.
+pub struct AetherArgs {
+    /// the config file (JSON, see AetherConfig)
+    #[argh(option)]
+    pub config: String,
+}
+
+/// `opendsec aether --config PATH`: serves until SIGTERM, then exits 0; 1 if it cannot
+/// start.
+pub fn main(args: Vec<String>) -> ExitCode {
+    let a: AetherArgs = match crate::cli::flags::parse("aether", &args) {
+        Ok(a) => a,
+        Err(code) => return code,
+    };
+    log_init();
+    let r = load(&a.config).and_then(|cfg| {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(AetherError::Runtime)?;
+        rt.block_on(run(cfg, PathBuf::from(&a.config)))
+    });
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "aether failed");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Reads and checks the config: `agent` and `run_dir` are required, and a socket.
+pub fn load(path: &str) -> Result<AetherConfig, AetherError> {
+    let text = std::fs::read_to_string(path).map_err(|source| AetherError::ReadConfig {
+        path: path.to_string(),
+        source,
+    })?;
+    let cfg: AetherConfig =
+        serde_json::from_str(&text).map_err(|source| AetherError::ParseConfig {
+            path: path.to_string(),
+            source,
+        })?;
+    let bad = |why: &str| AetherError::BadConfig {
+        path: path.to_string(),
+        why: why.to_string(),
+    };
+    if cfg.agent.is_empty() {
+        return Err(bad("agent is empty"));
+    }
+    if cfg.run_dir.is_empty() {
+        return Err(bad("run_dir is empty"));
+    }
+    if cfg.listen_fd.is_none() && cfg.socket.is_empty() {
+        return Err(bad("neither listen_fd nor socket is set"));
+    }
+    Ok(cfg)
+}
+
+/// Makes `run_dir` (0755) and `run_dir/sessions` (0711: session users pass through to
+/// their own dir but cannot list the others).
+fn prepare_run_dir(run_dir: &Path) -> std::io::Result<()> {
+    let sessions = run_dir.join("sessions");
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(&sessions)?;
+    std::fs::set_permissions(run_dir, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::set_permissions(&sessions, std::fs::Permissions::from_mode(0o711))
+}
+
+fn listener(cfg: &AetherConfig) -> Result<tokio::net::UnixListener, AetherError> {
+    let std_l = match cfg.listen_fd {
+        Some(fd) => crate::sys::fd::take_unix_listener(fd)
+            .map_err(|source| AetherError::ListenFd { fd, source })?,
+        None => {
+            let _ = std::fs::remove_file(&cfg.socket);
+            let l = std::os::unix::net::UnixListener::bind(&cfg.socket).map_err(|source| {
+                AetherError::Bind {
+                    path: cfg.socket.clone(),
+                    source,
+                }
+            })?;
+            let _ = std::fs::set_permissions(&cfg.socket, std::fs::Permissions::from_mode(0o600));
+            l
+        }
+    };
+    std_l.set_nonblocking(true).map_err(AetherError::Runtime)?;
+    tokio::net::UnixListener::from_std(std_l).map_err(AetherError::Runtime)
+}
+
+async fn run(cfg: AetherConfig, config_path: PathBuf) -> Result<(), AetherError> {
+    if cfg.protect_from_oom {
+        if let Err(e) = std::fs::write("/proc/self/oom_score_adj", "-1000") {
+            // Expected without CAP_SYS_RESOURCE.
+            tracing::debug!(error = %e, "cannot lower aether's OOM score");
+        }
+    }
+    let is_pid1 = cfg.pid1 && std::process::id() == 1;
+    if !is_pid1 {
+        // Orphans of the sandbox come here, as they would to a PID 1.
+        if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
+            tracing::debug!(error = %e, "cannot become a subreaper");
+        }
+    }
+    let reaper = Reaper::start().map_err(AetherError::Runtime)?;
+    prepare_run_dir(Path::new(&cfg.run_dir)).map_err(|source| AetherError::RunDir {
+        path: PathBuf::from(&cfg.run_dir),
+        source,
+    })?;
+    let listener = listener(&cfg)?;
+    let config_path = std::path::absolute(&config_path).unwrap_or(config_path);
+    let cfg = Arc::new(cfg);
+    let sessions = sessions::Sessions::new(cfg.clone(), config_path, reaper);
+    let svc = service::Aether {
+        sessions: sessions.clone(),
+    };
+    let mut term = signal(SignalKind::terminate()).map_err(AetherError::Runtime)?;
+    let mut int = signal(SignalKind::interrupt()).map_err(AetherError::Runtime)?;
+    tracing::info!(sandbox_id = %cfg.sandbox_id, pid1 = is_pid1, "aether serving");
+    tokio::select! {
+        r = uds::serve(svc, listener, std::future::pending()) => r?,
+        _ = term.recv() => {},
+        _ = int.recv() => {},
+    }
+    if is_pid1 {
+        // PID 1 of the sandbox's pid namespace: -1 reaches every other process in it.
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(-1),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    } else {
+        sessions.close_all().await;
+    }
+    tracing::info!(sandbox_id = %cfg.sandbox_id, "aether stopped");
+    Ok(())
+}

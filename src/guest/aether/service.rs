@@ -1,0 +1,196 @@
+//! aether's `opendsec.v1.Runtime`: session calls are forwarded unchanged to the session's
+//! chronus; ListSessions, CloseSession and Watch are answered here; the process API is
+//! not wired yet (one place: [`processes`]).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+use super::sessions::{session_name, Sessions};
+use crate::pb;
+use crate::pb::runtime_client::RuntimeClient;
+use crate::rpc::to_status;
+use crate::types::{now_s, Failure};
+
+/// The service aether serves on its socket.
+pub struct Aether {
+    pub sessions: Arc<Sessions>,
+}
+
+type Res<T> = Result<Response<T>, Status>;
+type Boxed<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+/// The one answer of the process API until `procs` is wired in.
+fn processes<T>() -> Result<T, Status> {
+    Err(to_status(&Failure::invalid("process API not wired yet")))
+}
+
+fn boxed<T: Send + 'static>(s: tonic::Streaming<T>) -> Boxed<T> {
+    Box::pin(s)
+}
+
+impl Aether {
+    /// The client of session `name`, starting it as `user` when `start` (calls that only
+    /// read a command's output never start a session). Errors: `invalid` name or user,
+    /// `not_found` (not started), `unavailable` (chronus does not start).
+    async fn session(
+        &self,
+        name: &str,
+        user: &str,
+        start: bool,
+    ) -> Result<RuntimeClient<Channel>, Status> {
+        let name = session_name(name).map_err(|f| to_status(&f))?;
+        let live = if start {
+            self.sessions.get(&name, user).await
+        } else {
+            self.sessions
+                .existing(&name)
+                .ok_or_else(|| Failure::not_found(format!("session {name:?} does not exist")))
+        }
+        .map_err(|f| to_status(&f))?;
+        Ok(live.client.clone())
+    }
+}
+
+#[tonic::async_trait]
+impl pb::runtime_server::Runtime for Aether {
+    async fn run_shell(&self, req: Request<pb::RunShellRequest>) -> Res<pb::ShellResult> {
+        let r = req.into_inner();
+        let mut c = self.session(&r.session, &r.user, true).await?;
+        c.run_shell(r).await
+    }
+
+    async fn get_output(&self, req: Request<pb::GetOutputRequest>) -> Res<pb::ShellResult> {
+        let r = req.into_inner();
+        let mut c = self.session(&r.session, "", false).await?;
+        c.get_output(r).await
+    }
+
+    type StreamShellStream = Boxed<pb::ShellChunk>;
+    async fn stream_shell(
+        &self,
+        req: Request<pb::RunShellRequest>,
+    ) -> Res<Self::StreamShellStream> {
+        let r = req.into_inner();
+        let mut c = self.session(&r.session, &r.user, true).await?;
+        Ok(Response::new(boxed(c.stream_shell(r).await?.into_inner())))
+    }
+
+    type StreamOutputStream = Boxed<pb::ShellChunk>;
+    async fn stream_output(
+        &self,
+        req: Request<pb::GetOutputRequest>,
+    ) -> Res<Self::StreamOutputStream> {
+        let r = req.into_inner();
+        let mut c = self.session(&r.session, "", false).await?;
+        Ok(Response::new(boxed(c.stream_output(r).await?.into_inner())))
+    }
+
+    async fn list_sessions(
+        &self,
+        _: Request<pb::ListSessionsRequest>,
+    ) -> Res<pb::ListSessionsResponse> {
+        Ok(Response::new(pb::ListSessionsResponse {
+            sessions: self.sessions.list(),
+        }))
+    }
+
+    async fn close_session(&self, req: Request<pb::CloseSessionRequest>) -> Res<pb::Empty> {
+        let name = session_name(&req.get_ref().session).map_err(|f| to_status(&f))?;
+        self.sessions
+            .close(&name)
+            .await
+            .map_err(|f| to_status(&f))?;
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn read_file(&self, req: Request<pb::ReadFileRequest>) -> Res<pb::ReadFileResponse> {
+        let r = req.into_inner();
+        let mut c = self.session(&r.session, "", true).await?;
+        c.read_file(r).await
+    }
+
+    async fn write_file(&self, req: Request<pb::WriteFileRequest>) -> Res<pb::FileInfo> {
+        let r = req.into_inner();
+        let mut c = self.session(&r.session, "", true).await?;
+        c.write_file(r).await
+    }
+
+    async fn list_dir(&self, req: Request<pb::PathRequest>) -> Res<pb::ListDirResponse> {
+        let r = req.into_inner();
+        let mut c = self.session(&r.session, "", true).await?;
+        c.list_dir(r).await
+    }
+
+    async fn stat(&self, req: Request<pb::PathRequest>) -> Res<pb::FileInfo> {
+        let r = req.into_inner();
+        let mut c = self.session(&r.session, "", true).await?;
+        c.stat(r).await
+    }
+
+    async fn remove(&self, req: Request<pb::RemoveRequest>) -> Res<pb::Empty> {
+        let r = req.into_inner();
+        let mut c = self.session(&r.session, "", true).await?;
+        c.remove(r).await
+    }
+
+    async fn http(&self, req: Request<pb::HttpRequest>) -> Res<pb::HttpResponse> {
+        // HttpRequest names no session: it goes through the default one.
+        let r = req.into_inner();
+        let mut c = self.session("", "", true).await?;
+        c.http(r).await
+    }
+
+    type StartProcessStream = Boxed<pb::ProcessEvent>;
+    async fn start_process(
+        &self,
+        _: Request<pb::StartProcessRequest>,
+    ) -> Res<Self::StartProcessStream> {
+        processes()
+    }
+
+    type ConnectProcessStream = Boxed<pb::ProcessEvent>;
+    async fn connect_process(
+        &self,
+        _: Request<pb::ConnectProcessRequest>,
+    ) -> Res<Self::ConnectProcessStream> {
+        processes()
+    }
+
+    async fn send_process_input(&self, _: Request<pb::ProcessInputRequest>) -> Res<pb::Empty> {
+        processes()
+    }
+
+    async fn close_process_input(&self, _: Request<pb::ProcessRef>) -> Res<pb::Empty> {
+        processes()
+    }
+
+    async fn signal_process(&self, _: Request<pb::SignalProcessRequest>) -> Res<pb::Empty> {
+        processes()
+    }
+
+    async fn resize_process_pty(&self, _: Request<pb::ResizePtyRequest>) -> Res<pb::Empty> {
+        processes()
+    }
+
+    async fn list_processes(
+        &self,
+        _: Request<pb::ListProcessesRequest>,
+    ) -> Res<pb::ListProcessesResponse> {
+        processes()
+    }
+
+    type WatchStream = Boxed<pb::WatchEvent>;
+    async fn watch(&self, _: Request<pb::Empty>) -> Res<Self::WatchStream> {
+        let ticks = tokio_stream::wrappers::IntervalStream::new(tokio::time::interval(
+            Duration::from_secs(1),
+        ));
+        Ok(Response::new(Box::pin(
+            ticks.map(|_| Ok(pb::WatchEvent { at: now_s() })),
+        )))
+    }
+}

@@ -1,0 +1,273 @@
+//! aether's session table: one chronus per session name, started on first use as the
+//! user of that first call, reached over a unix socket in the session's own directory.
+
+use std::collections::{HashMap, HashSet};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use tokio::sync::{watch, OnceCell};
+use tonic::transport::Channel;
+
+use crate::guest::config::AetherConfig;
+use crate::guest::lock;
+use crate::guest::proctree;
+use crate::guest::reaper::Reaper;
+use crate::guest::{uds, user};
+use crate::pb::runtime_client::RuntimeClient;
+use crate::types::Failure;
+
+/// Environment variables chronus inherits from aether (logging, test limits).
+const PASS_ENV: [&str; 3] = [
+    "OPENDSEC_LOG",
+    "RUST_LOG",
+    crate::guest::chronus::table::LIMITS_ENV,
+];
+/// How long a new chronus may take to accept connections.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The session name a call means: "" is `default`. Errors: `invalid` unless 1 to 128
+/// printable ASCII characters.
+pub fn session_name(name: &str) -> Result<String, Failure> {
+    let name = if name.is_empty() { "default" } else { name };
+    if name.len() > 128 || !name.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        return Err(Failure::invalid(format!(
+            "session name {name:?} must be 1 to 128 printable ASCII characters"
+        )));
+    }
+    Ok(name.to_string())
+}
+
+/// `<run_dir>/sessions/<first 16 hex digits of sha256(name)>`.
+pub fn session_dir(run_dir: &Path, name: &str) -> PathBuf {
+    let h = hex::encode(Sha256::digest(name.as_bytes()));
+    run_dir.join("sessions").join(&h[..16])
+}
+
+/// A running session.
+pub struct Live {
+    pub pid: i32,
+    pub dir: PathBuf,
+    pub client: RuntimeClient<Channel>,
+    /// Turns true when chronus has ended.
+    exited: watch::Receiver<bool>,
+}
+
+#[derive(Default)]
+struct Slot {
+    cell: OnceCell<Arc<Live>>,
+}
+
+/// The sessions of this sandbox.
+pub struct Sessions {
+    cfg: Arc<AetherConfig>,
+    config_path: PathBuf,
+    reaper: Reaper,
+    map: Mutex<HashMap<String, Arc<Slot>>>,
+    me: Weak<Sessions>,
+}
+
+impl Sessions {
+    pub fn new(cfg: Arc<AetherConfig>, config_path: PathBuf, reaper: Reaper) -> Arc<Sessions> {
+        Arc::new_cyclic(|me| Sessions {
+            cfg,
+            config_path,
+            reaper,
+            map: Mutex::new(HashMap::new()),
+            me: me.clone(),
+        })
+    }
+
+    /// The running session `name`, if any (no session is started).
+    pub fn existing(&self, name: &str) -> Option<Arc<Live>> {
+        lock(&self.map)
+            .get(name)
+            .and_then(|s| s.cell.get().cloned())
+    }
+
+    /// Session `name`, started as `user` ("" = the sandbox's `init_user`) if it does not
+    /// run yet. Errors: `invalid` for an unknown user; `unavailable` when chronus does
+    /// not start.
+    pub async fn get(&self, name: &str, user: &str) -> Result<Arc<Live>, Failure> {
+        let slot = lock(&self.map).entry(name.to_string()).or_default().clone();
+        let live = slot
+            .cell
+            .get_or_try_init(|| self.start(name, user, slot.clone()))
+            .await?;
+        Ok(live.clone())
+    }
+
+    /// Names of the running sessions, sorted.
+    pub fn list(&self) -> Vec<String> {
+        let mut v: Vec<String> = lock(&self.map)
+            .iter()
+            .filter(|(_, s)| s.cell.initialized())
+            .map(|(n, _)| n.clone())
+            .collect();
+        v.sort();
+        v
+    }
+
+    async fn start(
+        &self,
+        name: &str,
+        user_spec: &str,
+        slot: Arc<Slot>,
+    ) -> Result<Arc<Live>, Failure> {
+        let spec = if user_spec.is_empty() {
+            self.cfg.init_user.as_str()
+        } else {
+            user_spec
+        };
+        let creds = user::resolve(spec, Path::new("/"))
+            .map_err(|e| Failure::invalid(format!("session {name:?}: {e}")))?;
+        let dir = session_dir(Path::new(&self.cfg.run_dir), name);
+        prepare_dir(&dir, creds.uid, creds.gid).map_err(|e| {
+            Failure::internal(format!(
+                "session {name:?}: preparing {}: {e}",
+                dir.display()
+            ))
+        })?;
+        let mut cmd = Command::new(&self.cfg.agent);
+        cmd.arg("chronus")
+            .arg("--dir")
+            .arg(&dir)
+            .arg("--user")
+            .arg(format!("{}:{}", creds.uid, creds.gid))
+            .arg("--config")
+            .arg(&self.config_path)
+            .env_clear()
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        for k in PASS_ENV {
+            if let Ok(v) = std::env::var(k) {
+                cmd.env(k, v);
+            }
+        }
+        let child = cmd.spawn().map_err(|e| {
+            Failure::unavailable(format!(
+                "session {name:?}: starting {}: {e}",
+                self.cfg.agent
+            ))
+        })?;
+        let pid = child.id() as i32;
+        let mut exit = self.reaper.watch(child.id());
+        drop(child);
+        let sock = dir.join("chronus.sock");
+        let deadline = tokio::time::Instant::now() + START_TIMEOUT;
+        let client = loop {
+            if let Ok(e) = exit.try_recv() {
+                return Err(Failure::unavailable(format!(
+                    "session {name:?}: chronus exited at start ({e:?})"
+                )));
+            }
+            if sock.exists() {
+                if let Ok(c) = uds::connect(&sock).await {
+                    break c;
+                }
+            }
+            if tokio::time::Instant::now() > deadline {
+                proctree::kill_tree(pid, true, &HashSet::new());
+                return Err(Failure::unavailable(format!(
+                    "session {name:?}: chronus did not answer within {START_TIMEOUT:?}"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        let (tx, exited) = watch::channel(false);
+        let me = self.me.clone();
+        let name_owned = name.to_string();
+        tokio::spawn(async move {
+            let e = exit.await;
+            tracing::info!(session = %name_owned, pid, exit = ?e.ok(), "chronus ended");
+            let _ = tx.send(true);
+            if let Some(me) = me.upgrade() {
+                let mut m = lock(&me.map);
+                if m.get(&name_owned).is_some_and(|s| Arc::ptr_eq(s, &slot)) {
+                    m.remove(&name_owned);
+                }
+            }
+        });
+        tracing::info!(session = %name, pid, uid = creds.uid, "session started");
+        Ok(Arc::new(Live {
+            pid,
+            dir,
+            client,
+            exited,
+        }))
+    }
+
+    /// Ends session `name`: kills chronus's whole process tree, then deletes its
+    /// directory. Errors: `not_found` for a session that does not run.
+    pub async fn close(&self, name: &str) -> Result<(), Failure> {
+        let slot = lock(&self.map)
+            .remove(name)
+            .ok_or_else(|| Failure::not_found(format!("session {name:?} does not exist")))?;
+        let Some(live) = slot.cell.get() else {
+            return Err(Failure::not_found(format!(
+                "session {name:?} does not exist"
+            )));
+        };
+        end(live).await;
+        tracing::info!(session = %name, "session closed");
+        Ok(())
+    }
+
+    /// Ends every session (aether's shutdown).
+    pub async fn close_all(&self) {
+        let slots: Vec<Arc<Slot>> = lock(&self.map).drain().map(|(_, s)| s).collect();
+        for s in slots {
+            if let Some(live) = s.cell.get() {
+                end(live).await;
+            }
+        }
+    }
+}
+
+async fn end(live: &Live) {
+    let mut exited = live.exited.clone();
+    for _ in 0..20 {
+        if *exited.borrow() {
+            break;
+        }
+        proctree::kill_tree(live.pid, true, &HashSet::new());
+        let _ = tokio::time::timeout(Duration::from_millis(250), exited.changed()).await;
+    }
+    if let Err(e) = std::fs::remove_dir_all(&live.dir) {
+        tracing::debug!(dir = %live.dir.display(), error = %e, "cannot remove a session dir");
+    }
+}
+
+/// Makes a fresh session dir owned by the session's user, mode 0700 (a stale one from a
+/// session of the same name is removed first).
+fn prepare_dir(dir: &Path, uid: u32, gid: u32) -> std::io::Result<()> {
+    if dir.exists() {
+        std::fs::remove_dir_all(dir)?;
+    }
+    std::fs::DirBuilder::new().mode(0o700).create(dir)?;
+    std::os::unix::fs::chown(dir, Some(uid), Some(gid))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_dirs() {
+        assert_eq!(session_name("").expect("default"), "default");
+        assert_eq!(session_name("a b~").expect("ok"), "a b~");
+        assert!(session_name(&"x".repeat(129)).is_err());
+        assert!(session_name("a\nb").is_err());
+        assert!(session_name("é").is_err());
+        let d = session_dir(Path::new("/run"), "default");
+        let leaf = d.file_name().and_then(|n| n.to_str()).expect("leaf");
+        assert_eq!(leaf.len(), 16);
+        assert!(d.starts_with("/run/sessions"));
+        assert_ne!(d, session_dir(Path::new("/run"), "other"));
+    }
+}

@@ -1,0 +1,163 @@
+//! Http: an HTTP/1.1 request made by chronus, so from inside the sandbox's network
+//! namespace, to reach services running in it (09-python-sdk "HTTP services").
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Bytes;
+use hyper::{Method, Request, Uri};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+use crate::pb;
+use crate::types::{Failure, Reason};
+
+/// Largest response body returned.
+pub const MAX_BODY: usize = 64 << 20;
+/// Seconds a request may take when the call sets no timeout.
+pub const DEFAULT_TIMEOUT_S: f64 = 30.0;
+
+/// Makes the request. Errors: `invalid` (not an `http://` URL, bad method or header,
+/// body over 64 MiB), `unavailable` (connection refused or broken), `timeout`.
+pub async fn request(req: pb::HttpRequest) -> Result<pb::HttpResponse, Failure> {
+    let url = req.url.trim();
+    if url.starts_with("https://") {
+        return Err(Failure::invalid("https is not supported: use http://"));
+    }
+    if !url.starts_with("http://") {
+        return Err(Failure::invalid(format!(
+            "url {url:?} is not an http:// URL"
+        )));
+    }
+    let uri: Uri = url
+        .parse()
+        .map_err(|e| Failure::invalid(format!("url {url:?}: {e}")))?;
+    let method = if req.method.is_empty() {
+        Method::GET
+    } else {
+        Method::from_bytes(req.method.to_ascii_uppercase().as_bytes())
+            .map_err(|_| Failure::invalid(format!("method {:?} is not valid", req.method)))?
+    };
+    let timeout = if req.timeout > 0.0 && req.timeout.is_finite() {
+        req.timeout
+    } else {
+        DEFAULT_TIMEOUT_S
+    };
+    let mut b = Request::builder().method(method).uri(uri);
+    for (k, v) in &req.headers {
+        b = b.header(k.as_str(), v.as_str());
+    }
+    let r = b
+        .body(Full::new(Bytes::from(req.body)))
+        .map_err(|e| Failure::invalid(format!("request: {e}")))?;
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(0)
+        .build_http();
+    let work = async {
+        let resp = client.request(r).await.map_err(|e| {
+            let why = std::error::Error::source(&e)
+                .map(|s| s.to_string())
+                .unwrap_or_else(|| e.to_string());
+            Failure::new(Reason::Unavailable, format!("{url}: {why}"))
+        })?;
+        let status = resp.status().as_u16() as i32;
+        let mut headers: HashMap<String, String> = HashMap::new();
+        for (k, v) in resp.headers() {
+            let v = String::from_utf8_lossy(v.as_bytes()).into_owned();
+            headers
+                .entry(k.as_str().to_string())
+                .and_modify(|old| {
+                    old.push_str(", ");
+                    old.push_str(&v);
+                })
+                .or_insert(v);
+        }
+        let body = Limited::new(resp.into_body(), MAX_BODY)
+            .collect()
+            .await
+            .map_err(|e| {
+                if e.downcast_ref::<http_body_util::LengthLimitError>()
+                    .is_some()
+                {
+                    Failure::invalid(format!("{url}: the response body is over {MAX_BODY} bytes"))
+                } else {
+                    Failure::unavailable(format!("{url}: reading the response: {e}"))
+                }
+            })?
+            .to_bytes();
+        Ok(pb::HttpResponse {
+            status,
+            headers,
+            body: body.to_vec(),
+        })
+    };
+    match tokio::time::timeout(Duration::from_secs_f64(timeout), work).await {
+        Ok(r) => r,
+        Err(_) => Err(Failure::new(
+            Reason::Timeout,
+            format!("{url}: no answer within {timeout} s"),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn refuses_https_and_garbage() {
+        let r = |url: &str| pb::HttpRequest {
+            url: url.into(),
+            ..Default::default()
+        };
+        let e = request(r("https://127.0.0.1/")).await.expect_err("https");
+        assert_eq!(e.reason, Reason::Invalid);
+        assert!(e.message.contains("https is not supported"));
+        assert_eq!(
+            request(r("ftp://x")).await.expect_err("ftp").reason,
+            Reason::Invalid
+        );
+    }
+
+    #[tokio::test]
+    async fn refused_is_unavailable_and_a_local_server_answers() {
+        // A port nothing listens on: bind, note it, close.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .expect("bind")
+            .local_addr()
+            .expect("addr")
+            .port();
+        let e = request(pb::HttpRequest {
+            url: format!("http://127.0.0.1:{port}/"),
+            ..Default::default()
+        })
+        .await
+        .expect_err("refused");
+        assert_eq!(e.reason, Reason::Unavailable);
+
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("addr");
+        tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let (mut c, _) = l.accept().await.expect("accept");
+            let mut buf = [0u8; 4096];
+            let _ = c.read(&mut buf).await;
+            let _ = c
+                .write_all(b"HTTP/1.1 201 Created\r\nx-a: 1\r\ncontent-length: 2\r\n\r\nok")
+                .await;
+        });
+        let r = request(pb::HttpRequest {
+            url: format!("http://{addr}/p"),
+            method: "post".into(),
+            body: b"x".to_vec(),
+            ..Default::default()
+        })
+        .await
+        .expect("request");
+        assert_eq!((r.status, r.body.as_slice()), (201, &b"ok"[..]));
+        assert_eq!(r.headers.get("x-a").map(String::as_str), Some("1"));
+    }
+}

@@ -1,0 +1,517 @@
+//! One session's commands: starting them (files, FIFOs, readers), ending them (reading in
+//! what is buffered, then `done`), and answering for their output by offset, whole or as
+//! a stream.
+
+use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nix::sys::stat::Mode;
+use tokio::net::unix::pipe;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use super::shell::{self, CmdFiles};
+use super::table::{read_record, Limits, Snap, Stream, Table};
+pub use crate::guest::lock;
+use crate::pb;
+use crate::types::Failure;
+
+/// A command for the shell driver, in submission order.
+pub struct Job {
+    pub id: i64,
+    pub line: String,
+    pub background: bool,
+    pub timeout: Option<Duration>,
+}
+
+/// The foreground command the shell runs now, and who waits for its control message.
+pub type Foreground = Option<(i64, oneshot::Sender<(i32, String)>)>;
+
+/// Bytes per streamed chunk.
+const CHUNK: u64 = 1 << 20;
+/// Reads per wakeup before a reader yields to other tasks (one thread serves them all).
+const READS_PER_TURN: usize = 16;
+
+/// A session's state shared by the service, the shell driver and the readers.
+pub struct Session {
+    dir: PathBuf,
+    pub table: Mutex<Table>,
+    /// The shell's current directory, from the `$PWD` each foreground command reports.
+    pub cwd: Mutex<PathBuf>,
+    pub fg: Mutex<Foreground>,
+    jobs: mpsc::UnboundedSender<Job>,
+}
+
+impl Session {
+    /// A session keeping its files in `dir` (`cmd/`, `io/`, `rec/`, `ctl`), starting in
+    /// `cwd`; the receiver feeds the shell driver.
+    pub fn new(
+        dir: PathBuf,
+        limits: Limits,
+        cwd: PathBuf,
+    ) -> (Arc<Session>, mpsc::UnboundedReceiver<Job>) {
+        let (jobs, rx) = mpsc::unbounded_channel();
+        let s = Session {
+            table: Mutex::new(Table::new(dir.join("rec"), limits)),
+            dir,
+            cwd: Mutex::new(cwd),
+            fg: Mutex::new(None),
+            jobs,
+        };
+        (Arc::new(s), rx)
+    }
+
+    /// The control FIFO's path.
+    pub fn ctl_path(&self) -> PathBuf {
+        self.dir.join("ctl")
+    }
+
+    fn files(&self, id: i64) -> CmdFiles {
+        CmdFiles {
+            script: self.dir.join("cmd").join(format!("{id}.sh")),
+            out: self.dir.join("io").join(format!("{id}.out")),
+            err: self.dir.join("io").join(format!("{id}.err")),
+            ctl: self.ctl_path(),
+        }
+    }
+
+    pub fn snap(&self, id: i64) -> Option<Snap> {
+        lock(&self.table).snap(id)
+    }
+
+    /// Starts a command (or finds the one this request id started) and returns its id.
+    /// Errors: `invalid` for a bad variable name, NUL bytes or a negative timeout;
+    /// `internal` when its files cannot be made.
+    pub fn start(self: &Arc<Self>, req: &pb::RunShellRequest) -> Result<i64, Failure> {
+        for (k, v) in &req.env {
+            if !shell::valid_env_name(k) {
+                return Err(Failure::invalid(format!(
+                    "env: {k:?} is not a variable name"
+                )));
+            }
+            if v.contains('\0') {
+                return Err(Failure::invalid(format!("env: the value of {k} holds NUL")));
+            }
+        }
+        if req.cwd.contains('\0') {
+            return Err(Failure::invalid("cwd holds NUL"));
+        }
+        if !(req.timeout >= 0.0 && req.timeout.is_finite()) {
+            return Err(Failure::invalid(format!(
+                "timeout {} is not a number of seconds >= 0",
+                req.timeout
+            )));
+        }
+        let id = {
+            let mut t = lock(&self.table);
+            if let Some(id) = t.by_request(&req.request_id) {
+                return Ok(id);
+            }
+            t.insert(req.background, &req.request_id).0
+        };
+        let env: BTreeMap<String, String> = req.env.clone().into_iter().collect();
+        let files = self.files(id);
+        let line = if req.background {
+            shell::background_line(id, &files, &req.cwd, &env)
+        } else {
+            shell::foreground_line(id, &files, &req.cwd, &env)
+        };
+        if let Err(e) = self.prepare(id, &files, &req.cmd) {
+            lock(&self.table).remove(id);
+            return Err(Failure::internal(format!(
+                "cannot prepare command {id} in {}: {e}",
+                self.dir.display()
+            )));
+        }
+        let job = Job {
+            id,
+            line,
+            background: req.background,
+            timeout: (req.timeout > 0.0).then(|| Duration::from_secs_f64(req.timeout)),
+        };
+        if self.jobs.send(job).is_err() {
+            lock(&self.table).remove(id);
+            return Err(Failure::unavailable("the session's shell driver is gone"));
+        }
+        Ok(id)
+    }
+
+    /// Writes the script, makes the two FIFOs and starts their readers.
+    fn prepare(self: &Arc<Self>, id: i64, f: &CmdFiles, cmd: &str) -> std::io::Result<()> {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&f.script)
+            .and_then(|mut file| std::io::Write::write_all(&mut file, cmd.as_bytes()))?;
+        let mut keepers = Vec::new();
+        let mut drains = Vec::new();
+        for (which, path) in [(Stream::Out, &f.out), (Stream::Err, &f.err)] {
+            let _ = std::fs::remove_file(path);
+            nix::unistd::mkfifo(path, Mode::from_bits_truncate(0o600))
+                .map_err(std::io::Error::from)?;
+            let r = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(path)?;
+            let w = std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(path)?;
+            let rx = pipe::Receiver::from_owned_fd(OwnedFd::from(r))?;
+            let rec = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .mode(0o600)
+                .open(lock(&self.table).record_path(id, which))?;
+            let (dtx, drx) = oneshot::channel();
+            tokio::spawn(pump(self.clone(), id, which, rx, rec, drx));
+            keepers.push(OwnedFd::from(w));
+            drains.push(dtx);
+        }
+        let mut t = lock(&self.table);
+        if let Some(c) = t.get_mut(id) {
+            c.keepers = keepers;
+            c.drains = drains;
+        }
+        Ok(())
+    }
+
+    /// Marks when the shell was given command `id` (its duration counts from here).
+    pub fn mark_started(&self, id: i64) {
+        if let Some(c) = lock(&self.table).get_mut(id) {
+            c.started = std::time::Instant::now();
+        }
+    }
+
+    /// Ends command `id`: lets go of its FIFOs, has the readers take in what is buffered,
+    /// then marks it done. A second call for the same command does nothing.
+    pub async fn finish(&self, id: i64, exit_code: i32, timed_out: bool) {
+        let (keepers, drains) = {
+            let mut t = lock(&self.table);
+            let Some(c) = t.get_mut(id) else { return };
+            if c.finishing {
+                return;
+            }
+            c.finishing = true;
+            (
+                std::mem::take(&mut c.keepers),
+                std::mem::take(&mut c.drains),
+            )
+        };
+        drop(keepers);
+        let mut acks = Vec::new();
+        for d in drains {
+            let (tx, rx) = oneshot::channel();
+            if d.send(tx).is_ok() {
+                acks.push(rx);
+            }
+        }
+        for a in acks {
+            let _ = tokio::time::timeout(Duration::from_secs(5), a).await;
+        }
+        if let Some(c) = lock(&self.table).get_mut(id) {
+            c.done = true;
+            c.exit_code = exit_code;
+            c.timed_out = timed_out;
+            c.duration = c.started.elapsed().as_secs_f64();
+            c.changed.send_modify(|v| *v += 1);
+        }
+        let f = self.files(id);
+        for p in [f.script, f.out, f.err] {
+            let _ = std::fs::remove_file(p);
+        }
+        tracing::debug!(cmd_id = id, exit_code, timed_out, "command ended");
+    }
+
+    /// Records a failure to run command `id` as its stderr and ends it with `code`.
+    pub async fn fail(&self, id: i64, code: i32, why: &str) {
+        {
+            let mut t = lock(&self.table);
+            let path = t.record_path(id, Stream::Err);
+            if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(path) {
+                let _ = t.append(
+                    id,
+                    Stream::Err,
+                    format!("chronus: {why}\n").as_bytes(),
+                    &mut f,
+                );
+            }
+        }
+        self.finish(id, code, false).await;
+    }
+
+    /// Waits until command `id` is done, or `deadline` passes (`None`: no limit).
+    /// Errors: `not_found` for an unknown or evicted command.
+    pub async fn wait_done(&self, id: i64, deadline: Option<Instant>) -> Result<(), Failure> {
+        let mut rx = lock(&self.table)
+            .subscribe(id)
+            .ok_or_else(|| not_found(id))?;
+        loop {
+            match self.snap(id) {
+                None => return Err(not_found(id)),
+                Some(s) if s.done => return Ok(()),
+                Some(_) => {}
+            }
+            let changed = rx.changed();
+            match deadline {
+                Some(d) => match tokio::time::timeout_at(d, changed).await {
+                    Err(_) => return Ok(()),
+                    Ok(Err(_)) => return Err(not_found(id)),
+                    Ok(Ok(())) => {}
+                },
+                None => changed.await.map_err(|_| not_found(id))?,
+            }
+        }
+    }
+
+    /// Command `id`'s result with up to the call limit of each stream from the offsets.
+    /// Errors: `not_found` (unknown or evicted), `invalid` (negative offset).
+    pub async fn result(
+        &self,
+        id: i64,
+        out_off: i64,
+        err_off: i64,
+    ) -> Result<pb::ShellResult, Failure> {
+        if out_off < 0 || err_off < 0 {
+            return Err(Failure::invalid("offsets must be >= 0"));
+        }
+        let (s, out_path, err_path, call) = {
+            let t = lock(&self.table);
+            let s = t.snap(id).ok_or_else(|| not_found(id))?;
+            (
+                s,
+                t.record_path(id, Stream::Out),
+                t.record_path(id, Stream::Err),
+                t.limits.call,
+            )
+        };
+        let stdout = part(id, out_path, out_off as u64, s.out.len, call).await?;
+        let stderr = part(id, err_path, err_off as u64, s.err.len, call).await?;
+        let truncated = (out_off as u64 + stdout.len() as u64) < s.out.len
+            || (err_off as u64 + stderr.len() as u64) < s.err.len;
+        let mut r = bare(id, &s, out_off, err_off);
+        r.stdout = stdout;
+        r.stderr = stderr;
+        r.truncated = truncated;
+        Ok(r)
+    }
+
+    /// Streams command `id`'s output from the offsets as it comes, then its end: the
+    /// messages of StreamShell (`started` first when `started`) and StreamOutput.
+    /// Errors: `not_found` at once for an unknown command, later in the stream if evicted.
+    pub fn stream(
+        self: &Arc<Self>,
+        id: i64,
+        out_off: i64,
+        err_off: i64,
+        started: bool,
+    ) -> Result<mpsc::Receiver<Result<pb::ShellChunk, tonic::Status>>, Failure> {
+        if out_off < 0 || err_off < 0 {
+            return Err(Failure::invalid("offsets must be >= 0"));
+        }
+        let mut changed = lock(&self.table)
+            .subscribe(id)
+            .ok_or_else(|| not_found(id))?;
+        let (tx, rx) = mpsc::channel(4);
+        let me = self.clone();
+        tokio::spawn(async move {
+            use pb::shell_chunk::Kind;
+            if started {
+                let first = pb::ShellChunk {
+                    kind: Some(Kind::Started(id)),
+                    offset: 0,
+                };
+                if tx.send(Ok(first)).await.is_err() {
+                    return;
+                }
+            }
+            let (mut o, mut e) = (out_off as u64, err_off as u64);
+            loop {
+                let Some(s) = me.snap(id) else {
+                    let _ = tx.send(Err(crate::rpc::to_status(&not_found(id)))).await;
+                    return;
+                };
+                for (which, off, len) in [
+                    (Stream::Out, &mut o, s.out.len),
+                    (Stream::Err, &mut e, s.err.len),
+                ] {
+                    while *off < len {
+                        let path = lock(&me.table).record_path(id, which);
+                        let data = match read_record(path, *off, (len - *off).min(CHUNK)).await {
+                            Ok(d) if !d.is_empty() => d,
+                            Ok(_) => break,
+                            Err(_) => {
+                                let _ = tx.send(Err(crate::rpc::to_status(&not_found(id)))).await;
+                                return;
+                            }
+                        };
+                        let at = *off as i64;
+                        *off += data.len() as u64;
+                        let kind = match which {
+                            Stream::Out => Kind::Stdout(data),
+                            Stream::Err => Kind::Stderr(data),
+                        };
+                        let msg = pb::ShellChunk {
+                            kind: Some(kind),
+                            offset: at,
+                        };
+                        if tx.send(Ok(msg)).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                if s.done && o >= s.out.len && e >= s.err.len {
+                    let end = pb::ShellChunk {
+                        kind: Some(Kind::Exit(bare(id, &s, o as i64, e as i64))),
+                        offset: 0,
+                    };
+                    let _ = tx.send(Ok(end)).await;
+                    return;
+                }
+                tokio::select! {
+                    r = changed.changed() => if r.is_err() {
+                        let _ = tx.send(Err(crate::rpc::to_status(&not_found(id)))).await;
+                        return;
+                    },
+                    _ = tx.closed() => return,
+                }
+            }
+        });
+        Ok(rx)
+    }
+}
+
+/// The result fields of a snapshot, without output.
+fn bare(id: i64, s: &Snap, out_off: i64, err_off: i64) -> pb::ShellResult {
+    pb::ShellResult {
+        cmd_id: id,
+        exit_code: s.exit_code,
+        stdout: vec![],
+        stderr: vec![],
+        done: s.done,
+        timed_out: s.timed_out,
+        duration: s.duration,
+        truncated: false,
+        dropped_bytes: (s.out.dropped + s.err.dropped) as i64,
+        stdout_offset: out_off,
+        stderr_offset: err_off,
+        stdout_total: s.out.len as i64,
+        stderr_total: s.err.len as i64,
+    }
+}
+
+fn not_found(id: i64) -> Failure {
+    Failure::not_found(format!(
+        "command {id} is not in this session (unknown, or its output was evicted)"
+    ))
+}
+
+async fn part(id: i64, path: PathBuf, off: u64, len: u64, call: u64) -> Result<Vec<u8>, Failure> {
+    if off >= len {
+        return Ok(vec![]);
+    }
+    read_record(path, off, (len - off).min(call))
+        .await
+        .map_err(|_| not_found(id))
+}
+
+/// Reads one stream of command `id` from its FIFO into its record until end of file; on a
+/// drain request (the command ended) it first takes in all that is buffered, then
+/// acknowledges. Readers outlive their command while a process it left behind still holds
+/// the FIFO, so late output is recorded too.
+async fn pump(
+    s: Arc<Session>,
+    id: i64,
+    which: Stream,
+    rx: pipe::Receiver,
+    mut rec: std::fs::File,
+    mut drain: oneshot::Receiver<oneshot::Sender<()>>,
+) {
+    let mut buf = vec![0u8; 64 << 10];
+    let mut pending = true;
+    loop {
+        tokio::select! {
+            r = rx.readable() => {
+                if r.is_err() {
+                    return;
+                }
+                match take_in(&s, id, which, &rx, &mut rec, &mut buf) {
+                    Taken::Eof => return,
+                    Taken::More => tokio::task::yield_now().await,
+                    Taken::Empty => {}
+                }
+            }
+            ack = &mut drain, if pending => {
+                pending = false;
+                let mut eof = false;
+                loop {
+                    match take_in(&s, id, which, &rx, &mut rec, &mut buf) {
+                        Taken::Eof => { eof = true; break; }
+                        Taken::More => continue,
+                        Taken::Empty => break,
+                    }
+                }
+                if let Ok(ack) = ack {
+                    let _ = ack.send(());
+                }
+                if eof {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+enum Taken {
+    /// The FIFO is empty for now.
+    Empty,
+    /// Stopped after a turn's worth of reads; more may be waiting.
+    More,
+    /// No writer is left.
+    Eof,
+}
+
+fn take_in(
+    s: &Session,
+    id: i64,
+    which: Stream,
+    rx: &pipe::Receiver,
+    rec: &mut std::fs::File,
+    buf: &mut [u8],
+) -> Taken {
+    for _ in 0..READS_PER_TURN {
+        match rx.try_read(buf) {
+            Ok(0) => return Taken::Eof,
+            Ok(n) => {
+                if let Err(e) = lock(&s.table).append(id, which, &buf[..n], rec) {
+                    tracing::warn!(cmd_id = id, error = %e, "cannot write an output record");
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Taken::Empty,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return Taken::Eof,
+        }
+    }
+    Taken::More
+}
+
+/// Makes the session's working directories and control FIFO under `dir`.
+/// Errors: the file system's.
+pub fn make_dirs(dir: &Path) -> std::io::Result<()> {
+    for sub in ["cmd", "io", "rec"] {
+        let p = dir.join(sub);
+        if p.exists() {
+            std::fs::remove_dir_all(&p)?;
+        }
+        std::fs::DirBuilder::new().mode(0o700).create(&p)?;
+    }
+    let ctl = dir.join("ctl");
+    let _ = std::fs::remove_file(&ctl);
+    nix::unistd::mkfifo(&ctl, Mode::from_bits_truncate(0o600)).map_err(std::io::Error::from)
+}

@@ -1,0 +1,64 @@
+//! Taking ownership of file descriptors a parent handed down by number (aether's listening
+//! socket, `listen_fd` in its config).
+
+use std::io;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixListener;
+
+use super::cvt;
+
+/// Takes ownership of the inherited, already listening unix socket `fd`.
+///
+/// Checks that `fd` is open and is a socket that listens (`SO_ACCEPTCONN`); the caller
+/// must not use the number again afterwards, and must call this at most once per fd.
+/// Errors: `EBADF` for a closed fd, `InvalidInput` when it is not a listening socket.
+pub fn take_unix_listener(fd: RawFd) -> io::Result<UnixListener> {
+    if fd < 0 {
+        return Err(io::Error::from_raw_os_error(libc::EBADF));
+    }
+    // SAFETY: F_GETFD only reads the descriptor flags of `fd`; a closed fd returns EBADF.
+    cvt(unsafe { libc::fcntl(fd, libc::F_GETFD) })?;
+    let mut listening: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `listening` and `len` are valid for writes of the sizes passed; the kernel
+    // checks that `fd` is a socket (ENOTSOCK otherwise).
+    cvt(unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_ACCEPTCONN,
+            (&mut listening as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    })?;
+    if listening == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("fd {fd} is a socket that does not listen"),
+        ));
+    }
+    // SAFETY: `fd` is open (checked above) and was handed to this process to own: the
+    // config that names it is the only reference, and callers take it once, so no other
+    // owner will close it.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    Ok(UnixListener::from(owned))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::IntoRawFd;
+
+    #[test]
+    fn takes_a_listening_socket_and_refuses_others() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let l = UnixListener::bind(d.path().join("s")).expect("bind");
+        let fd = l.into_raw_fd();
+        let l = take_unix_listener(fd).expect("take");
+        assert!(l.local_addr().is_ok());
+        let f = std::fs::File::open("/dev/null").expect("open");
+        let err = take_unix_listener(std::os::fd::AsRawFd::as_raw_fd(&f)).expect_err("file");
+        assert_eq!(err.raw_os_error(), Some(libc::ENOTSOCK));
+        assert!(take_unix_listener(-1).is_err());
+    }
+}

@@ -1,0 +1,823 @@
+//! aether and chronus end to end: the real binary as `opendsec aether --config ...` on a
+//! unix socket in a temp dir, driven through `RuntimeClient`. Needs root (sessions of
+//! another user); each test starts its own aether and stops it (by pid) at the end.
+
+use std::collections::HashMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use opendsec::pb::{self, runtime_client::RuntimeClient, shell_chunk::Kind};
+use opendsec::rpc::failure_from_status;
+use opendsec::types::Reason;
+use tonic::transport::Channel;
+
+fn root_or_skip(test: &str) -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!("{test} needs root");
+    }
+    eprintln!("skipping {test}: not root");
+    false
+}
+
+struct Agent {
+    child: Child,
+    dir: tempfile::TempDir,
+    c: RuntimeClient<Channel>,
+}
+
+impl Agent {
+    /// Starts aether; `limits` lowers chronus's output limits (`record,session,call`).
+    async fn start(limits: Option<&str>) -> Agent {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // Sessions of uid 1000 must reach their own dir under run/.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
+            .expect("chmod");
+        let sock = dir.path().join("aether.sock");
+        let cfg = serde_json::json!({
+            "sandbox_id": "test",
+            "socket": sock,
+            "run_dir": dir.path().join("run"),
+            "agent": env!("CARGO_BIN_EXE_opendsec"),
+            "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"},
+            "protect_from_oom": true,
+        });
+        let cfg_path = dir.path().join("aether.json");
+        std::fs::write(&cfg_path, cfg.to_string()).expect("config");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_opendsec"));
+        cmd.arg("aether").arg("--config").arg(&cfg_path);
+        cmd.env("OPENDSEC_LOG", "warn");
+        match limits {
+            Some(l) => cmd.env("OPENDSEC_CHRONUS_LIMITS", l),
+            None => cmd.env_remove("OPENDSEC_CHRONUS_LIMITS"),
+        };
+        let child = cmd.spawn().expect("spawn aether");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let c = loop {
+            if sock.exists() {
+                if let Ok(c) = opendsec::guest::uds::connect(&sock).await {
+                    break c;
+                }
+            }
+            assert!(Instant::now() < deadline, "aether did not start");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        Agent { child, dir, c }
+    }
+
+    fn path(&self, p: &str) -> PathBuf {
+        self.dir.path().join(p)
+    }
+
+    /// SIGTERM (aether closes its sessions), then SIGKILL if it lingers.
+    fn stop(mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    async fn run(&mut self, r: pb::RunShellRequest) -> pb::ShellResult {
+        self.c.run_shell(r).await.expect("run_shell").into_inner()
+    }
+
+    async fn sh(&mut self, cmd: &str) -> pb::ShellResult {
+        self.run(req(cmd)).await
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        // A failed test must not leave its aether behind.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn req(cmd: &str) -> pb::RunShellRequest {
+    pb::RunShellRequest {
+        cmd: cmd.into(),
+        ..Default::default()
+    }
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn reason(s: tonic::Status) -> Reason {
+    failure_from_status(&s).reason
+}
+
+fn alive(pid: i32) -> bool {
+    opendsec::guest::proctree::alive(pid)
+}
+
+async fn wait_gone(pid: i32) -> bool {
+    for _ in 0..100 {
+        if !alive(pid) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+async fn read_pid(p: &Path) -> i32 {
+    for _ in 0..200 {
+        if let Ok(t) = std::fs::read_to_string(p) {
+            if let Ok(pid) = t.trim().parse() {
+                return pid;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("no pid in {}", p.display());
+}
+
+#[tokio::test]
+async fn shell_state_exit_codes_and_bytes() {
+    if !root_or_skip("shell_state_exit_codes_and_bytes") {
+        return;
+    }
+    let mut a = Agent::start(None).await;
+    let r = a.sh("cd /tmp && export X=1 && f() { echo fn; }").await;
+    assert_eq!((r.cmd_id, r.exit_code, r.done), (1, 0, true));
+    let r = a.sh("pwd; echo $X; f").await;
+    assert_eq!((r.cmd_id, text(&r.stdout)), (2, "/tmp\n1\nfn\n".into()));
+
+    let r = a.sh("echo out; echo err >&2; (exit 4)").await;
+    assert_eq!(
+        (r.exit_code, text(&r.stdout), text(&r.stderr)),
+        (4, "out\n".into(), "err\n".into())
+    );
+    assert_eq!((r.stdout_total, r.stderr_total, r.truncated), (4, 4, false));
+
+    // Commands read /dev/null, not the shell's command stream.
+    let r = a.sh("cat; echo after-cat").await;
+    assert_eq!(text(&r.stdout), "after-cat\n");
+
+    let r = a.sh("if then fi (").await;
+    assert_ne!(r.exit_code, 0);
+    assert!(text(&r.stderr).contains("syntax"), "{}", text(&r.stderr));
+    assert_eq!(text(&a.sh("echo $X; f").await.stdout), "1\nfn\n");
+
+    let r = a.sh("echo bye; exit 3").await;
+    assert_eq!((r.exit_code, text(&r.stdout)), (3, "bye\n".into()));
+    let r = a.sh("pwd; echo ok").await;
+    assert_eq!((r.exit_code, text(&r.stdout)), (0, "/tmp\nok\n".into()));
+
+    // env and cwd apply to one command only.
+    let mut q = req("pwd; echo $Y");
+    q.cwd = "/".into();
+    q.env = HashMap::from([("Y".to_string(), "it's 2".to_string())]);
+    assert_eq!(text(&a.run(q).await.stdout), "/\nit's 2\n");
+    assert_eq!(
+        text(&a.sh("pwd; echo ${Y:-none}").await.stdout),
+        "/tmp\nnone\n"
+    );
+    let mut bad = req("true");
+    bad.env = HashMap::from([("A-B".to_string(), "x".to_string())]);
+    assert_eq!(
+        reason(a.c.run_shell(bad).await.expect_err("bad env")),
+        Reason::Invalid
+    );
+
+    // Binary and UTF-8 output byte for byte.
+    let r = a
+        .sh(r"printf '\000\377\376 h\303\251llo \342\230\203'; printf '\001\002' >&2")
+        .await;
+    assert_eq!(r.stdout, b"\x00\xff\xfe h\xc3\xa9llo \xe2\x98\x83");
+    assert_eq!(r.stderr, b"\x01\x02");
+
+    let mut bad = req("true");
+    bad.session = "a\nb".into();
+    assert_eq!(
+        reason(a.c.run_shell(bad).await.expect_err("name")),
+        Reason::Invalid
+    );
+    a.stop();
+}
+
+#[tokio::test]
+async fn timeouts_kill_what_the_command_started() {
+    if !root_or_skip("timeouts_kill_what_the_command_started") {
+        return;
+    }
+    let mut a = Agent::start(None).await;
+    a.sh("export Z=kept").await;
+    let pidfile = a.path("child.pid");
+    let mut q = req(&format!(
+        "trap '' TERM; bash -c 'trap \"\" TERM; echo $$ > {}; sleep 100'",
+        pidfile.display()
+    ));
+    q.timeout = 1.0;
+    let r = a.run(q).await;
+    assert!(r.timed_out && r.done, "{r:?}");
+    assert!(r.exit_code == -1 || r.exit_code == 137, "{r:?}");
+    let child = read_pid(&pidfile).await;
+    assert!(wait_gone(child).await, "child {child} survived");
+    assert_eq!(text(&a.sh("echo $Z").await.stdout), "kept\n");
+
+    // A builtin loop is the shell itself: it is restarted in the same directory.
+    a.sh("cd /usr").await;
+    let mut q = req("while :; do :; done");
+    q.timeout = 0.5;
+    let r = a.run(q).await;
+    assert!(r.timed_out, "{r:?}");
+    let r = a.sh("pwd").await;
+    assert_eq!((r.exit_code, text(&r.stdout)), (0, "/usr\n".into()));
+
+    // A background command's timeout kills its tree too.
+    let bgpid = a.path("bg.pid");
+    let mut q = req(&format!("sleep 100 & echo $! > {}; wait", bgpid.display()));
+    q.background = true;
+    q.timeout = 0.5;
+    let id = a.run(q).await.cmd_id;
+    let r =
+        a.c.get_output(pb::GetOutputRequest {
+            cmd_id: id,
+            wait: 20.0,
+            ..Default::default()
+        })
+        .await
+        .expect("get_output")
+        .into_inner();
+    assert!(r.done && r.timed_out, "{r:?}");
+    assert!(wait_gone(read_pid(&bgpid).await).await);
+    a.stop();
+}
+
+#[tokio::test]
+async fn background_commands_and_retries() {
+    if !root_or_skip("background_commands_and_retries") {
+        return;
+    }
+    let mut a = Agent::start(None).await;
+    let mut q = req("sleep 1; echo done-bg; exit 6");
+    q.background = true;
+    let r = a.run(q).await;
+    assert!(!r.done);
+    let id = r.cmd_id;
+    // Later commands are not blocked by it.
+    assert_eq!(text(&a.sh("echo fg").await.stdout), "fg\n");
+    let r =
+        a.c.get_output(pb::GetOutputRequest {
+            cmd_id: id,
+            wait: 20.0,
+            ..Default::default()
+        })
+        .await
+        .expect("get_output")
+        .into_inner();
+    assert_eq!(
+        (r.done, r.exit_code, text(&r.stdout)),
+        (true, 6, "done-bg\n".into())
+    );
+    let e =
+        a.c.get_output(pb::GetOutputRequest {
+            cmd_id: 999,
+            ..Default::default()
+        })
+        .await
+        .expect_err("unknown");
+    assert_eq!(reason(e), Reason::NotFound);
+    let mut q = pb::GetOutputRequest {
+        cmd_id: 1,
+        ..Default::default()
+    };
+    q.session = "never-started".into();
+    assert_eq!(
+        reason(a.c.get_output(q).await.expect_err("no session")),
+        Reason::NotFound
+    );
+
+    // A retry with the same request id, after the end and while running, runs nothing.
+    let log = a.path("log");
+    let mut q = req(&format!("echo x >> {}; echo hi", log.display()));
+    q.request_id = "r1".into();
+    let first = a.run(q.clone()).await;
+    let again = a.run(q).await;
+    assert_eq!(first.cmd_id, again.cmd_id);
+    assert_eq!(text(&again.stdout), "hi\n");
+    let slow = a.path("slow");
+    let mut q = req(&format!("sleep 1; echo y >> {}", slow.display()));
+    q.request_id = "r2".into();
+    let mut c2 = a.c.clone();
+    let q2 = q.clone();
+    let t = tokio::spawn(async move { c2.run_shell(q2).await.expect("run").into_inner() });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let b = a.run(q).await;
+    let f = t.await.expect("join");
+    assert_eq!(f.cmd_id, b.cmd_id);
+    assert_eq!(std::fs::read_to_string(&log).expect("log"), "x\n");
+    assert_eq!(std::fs::read_to_string(&slow).expect("slow"), "y\n");
+    a.stop();
+}
+
+async fn collect(
+    mut s: tonic::Streaming<pb::ShellChunk>,
+) -> (Vec<pb::ShellChunk>, Vec<u8>, Vec<u8>) {
+    let mut all = Vec::new();
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    while let Some(m) = s.next().await {
+        let m = m.expect("chunk");
+        match &m.kind {
+            Some(Kind::Stdout(d)) => {
+                assert_eq!(m.offset as usize, out.len());
+                out.extend_from_slice(d);
+            }
+            Some(Kind::Stderr(d)) => {
+                assert_eq!(m.offset as usize, err.len());
+                err.extend_from_slice(d);
+            }
+            _ => {}
+        }
+        all.push(m);
+    }
+    (all, out, err)
+}
+
+#[tokio::test]
+async fn streams_resume_from_offsets() {
+    if !root_or_skip("streams_resume_from_offsets") {
+        return;
+    }
+    let mut a = Agent::start(None).await;
+    let s =
+        a.c.stream_shell(req(
+            "for i in 1 2 3; do echo line$i; sleep 0.1; done; echo e >&2; exit 2",
+        ))
+        .await
+        .expect("stream")
+        .into_inner();
+    let (all, out, err) = collect(s).await;
+    let id = match all.first().and_then(|m| m.kind.clone()) {
+        Some(Kind::Started(id)) => id,
+        other => panic!("first message {other:?}"),
+    };
+    match all.last().and_then(|m| m.kind.clone()) {
+        Some(Kind::Exit(r)) => {
+            assert_eq!((r.cmd_id, r.exit_code, r.done), (id, 2, true));
+            assert!(r.stdout.is_empty());
+            assert_eq!(r.stdout_total, 18);
+        }
+        other => panic!("last message {other:?}"),
+    }
+    assert_eq!(
+        (text(&out), text(&err)),
+        ("line1\nline2\nline3\n".into(), "e\n".into())
+    );
+
+    // Resume the finished command from an offset.
+    let mut s =
+        a.c.stream_output(pb::GetOutputRequest {
+            cmd_id: id,
+            stdout_offset: 6,
+            ..Default::default()
+        })
+        .await
+        .expect("resume")
+        .into_inner();
+    let mut got = Vec::new();
+    let mut ended = false;
+    while let Some(m) = s.next().await {
+        let m = m.expect("chunk");
+        match m.kind {
+            Some(Kind::Stdout(d)) => {
+                assert_eq!(m.offset as usize, 6 + got.len());
+                got.extend_from_slice(&d);
+            }
+            Some(Kind::Exit(_)) => ended = true,
+            _ => {}
+        }
+    }
+    assert!(ended);
+    assert_eq!(text(&got), "line2\nline3\n");
+
+    // Break a stream of a running command, then resume where it broke.
+    let mut s =
+        a.c.stream_shell(req("echo a; sleep 1; echo b"))
+            .await
+            .expect("stream")
+            .into_inner();
+    let id = match s.next().await.and_then(|m| m.ok()).and_then(|m| m.kind) {
+        Some(Kind::Started(id)) => id,
+        other => panic!("{other:?}"),
+    };
+    let first = s.next().await.and_then(|m| m.ok()).expect("first chunk");
+    let Some(Kind::Stdout(d)) = first.kind else {
+        panic!("{first:?}")
+    };
+    assert_eq!(d, b"a\n");
+    drop(s);
+    let mut s =
+        a.c.stream_output(pb::GetOutputRequest {
+            cmd_id: id,
+            stdout_offset: 2,
+            ..Default::default()
+        })
+        .await
+        .expect("resume")
+        .into_inner();
+    let mut rest = Vec::new();
+    while let Some(m) = s.next().await {
+        if let Some(Kind::Stdout(d)) = m.expect("chunk").kind {
+            rest.extend_from_slice(&d);
+        }
+    }
+    assert_eq!(rest, b"b\n");
+    a.stop();
+}
+
+#[tokio::test]
+async fn lowered_limits_drop_truncate_and_evict() {
+    if !root_or_skip("lowered_limits_drop_truncate_and_evict") {
+        return;
+    }
+    let mut a = Agent::start(Some("1000,3000,300")).await;
+    let r = a
+        .sh("head -c 5000 /dev/zero | tr '\\0' a; echo tail >&2")
+        .await;
+    assert_eq!((r.done, r.exit_code), (true, 0));
+    assert_eq!(
+        (r.stdout_total, r.dropped_bytes, r.stdout.len()),
+        (1000, 4000, 300)
+    );
+    assert!(r.truncated);
+    assert_eq!(r.stderr, b"tail\n");
+    let id = r.cmd_id;
+    let mut all = r.stdout.clone();
+    while (all.len() as i64) < r.stdout_total {
+        let g =
+            a.c.get_output(pb::GetOutputRequest {
+                cmd_id: id,
+                stdout_offset: all.len() as i64,
+                stderr_offset: 5,
+                ..Default::default()
+            })
+            .await
+            .expect("get_output")
+            .into_inner();
+        assert_eq!(g.stdout_offset as usize, all.len());
+        assert!(g.stderr.is_empty());
+        all.extend_from_slice(&g.stdout);
+        assert_eq!(g.truncated, (all.len() as i64) < g.stdout_total);
+    }
+    assert_eq!(all, vec![b'a'; 1000]);
+    // 1005 + 3 x 1000 > 3000: the oldest finished command's records go.
+    for _ in 0..3 {
+        a.sh("head -c 1000 /dev/zero").await;
+    }
+    let e =
+        a.c.get_output(pb::GetOutputRequest {
+            cmd_id: id,
+            ..Default::default()
+        })
+        .await
+        .expect_err("evicted");
+    assert_eq!(reason(e), Reason::NotFound);
+    a.stop();
+}
+
+#[tokio::test]
+async fn real_record_limit_is_64_mib() {
+    if !root_or_skip("real_record_limit_is_64_mib") {
+        return;
+    }
+    let mut a = Agent::start(None).await;
+    let r = a.sh("head -c 70M /dev/zero; echo fine").await;
+    assert_eq!((r.done, r.exit_code), (true, 0));
+    assert_eq!(r.stdout_total, 64 << 20);
+    assert_eq!(r.dropped_bytes, (6 << 20) + 5);
+    assert_eq!(r.stdout.len(), 16 << 20);
+    assert!(r.truncated);
+    a.stop();
+}
+
+#[tokio::test]
+async fn unprivileged_sessions_are_fenced() {
+    if !root_or_skip("unprivileged_sessions_are_fenced") {
+        return;
+    }
+    let mut a = Agent::start(None).await;
+    let secret = a.path("secret");
+    a.sh(&format!(
+        "umask 077; echo s3cret > {}; echo root-output",
+        secret.display()
+    ))
+    .await;
+    let root_dir = opendsec::guest::aether::sessions::session_dir(&a.path("run"), "default");
+    let as_agent = |cmd: String| pb::RunShellRequest {
+        cmd,
+        session: "agent".into(),
+        user: "1000".into(),
+        ..Default::default()
+    };
+    let r = a.run(as_agent("id -u; echo $HOME".into())).await;
+    assert_eq!(text(&r.stdout).lines().next(), Some("1000"));
+    let r = a.run(as_agent(format!("cat {}", secret.display()))).await;
+    assert_ne!(r.exit_code, 0);
+    assert!(
+        text(&r.stderr).contains("Permission denied"),
+        "{}",
+        text(&r.stderr)
+    );
+    let r = a
+        .run(as_agent("echo x > /etc/opendsec-test-nope".into()))
+        .await;
+    assert_ne!(r.exit_code, 0);
+    let r = a
+        .run(as_agent(format!("ls {}/rec", root_dir.display())))
+        .await;
+    assert_ne!(r.exit_code, 0);
+    let r = a
+        .run(as_agent(format!(
+            "python3 -c \"import socket; s=socket.socket(socket.AF_UNIX); s.connect('{}/chronus.sock')\"",
+            root_dir.display()
+        )))
+        .await;
+    assert_ne!(r.exit_code, 0, "{}", text(&r.stdout));
+    // The session's user is fixed by its first call.
+    let mut q = as_agent("id -u".into());
+    q.user = "root".into();
+    assert_eq!(text(&a.run(q).await.stdout), "1000\n");
+    // File calls run as the session's user too.
+    let e =
+        a.c.read_file(pb::ReadFileRequest {
+            path: secret.to_string_lossy().into(),
+            session: "agent".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("secret");
+    assert_eq!(reason(e), Reason::Forbidden);
+    let e =
+        a.c.write_file(pb::WriteFileRequest {
+            path: "/etc/opendsec-test-nope".into(),
+            data: b"x".to_vec(),
+            session: "agent".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("etc");
+    assert_eq!(reason(e), Reason::Forbidden);
+    assert!(!Path::new("/etc/opendsec-test-nope").exists());
+    let l =
+        a.c.list_sessions(pb::ListSessionsRequest::default())
+            .await
+            .expect("list")
+            .into_inner();
+    assert_eq!(l.sessions, ["agent", "default"]);
+    a.stop();
+}
+
+fn pattern(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut v = Vec::with_capacity(n);
+    while v.len() < n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(n);
+    v
+}
+
+#[tokio::test]
+async fn file_calls() {
+    if !root_or_skip("file_calls") {
+        return;
+    }
+    let mut a = Agent::start(None).await;
+    let w = a.path("w");
+    std::fs::create_dir(&w).expect("mkdir");
+    a.sh(&format!("cd {}", w.display())).await;
+    let write = |path: &str, data: &[u8], append: bool, mode: u32| pb::WriteFileRequest {
+        path: path.into(),
+        data: data.to_vec(),
+        append,
+        mode,
+        ..Default::default()
+    };
+    let i =
+        a.c.write_file(write("rel.txt", b"hello", false, 0))
+            .await
+            .expect("write")
+            .into_inner();
+    assert_eq!((i.size, i.mode, i.r#type.as_str()), (5, 0o644, "file"));
+    assert_eq!(std::fs::read(w.join("rel.txt")).expect("on disk"), b"hello");
+    a.c.write_file(write("rel.txt", b" world", true, 0o600))
+        .await
+        .expect("append");
+    let read = |path: &str, offset: i64, length: i64| pb::ReadFileRequest {
+        path: path.into(),
+        offset,
+        length,
+        ..Default::default()
+    };
+    let d =
+        a.c.read_file(read("rel.txt", 0, 0))
+            .await
+            .expect("read")
+            .into_inner()
+            .data;
+    assert_eq!(d, b"hello world");
+    let path = |p: &str| pb::PathRequest {
+        path: p.into(),
+        ..Default::default()
+    };
+    let s = a.c.stat(path("rel.txt")).await.expect("stat").into_inner();
+    assert_eq!((s.size, s.mode), (11, 0o600));
+    assert_eq!(s.path, w.join("rel.txt").to_string_lossy());
+    std::fs::create_dir(w.join("sub")).expect("mkdir");
+    std::os::unix::fs::symlink("rel.txt", w.join("link")).expect("symlink");
+    let l = a.c.list_dir(path(".")).await.expect("list").into_inner();
+    let names: Vec<(String, String)> = l.entries.into_iter().map(|e| (e.name, e.r#type)).collect();
+    assert_eq!(
+        names,
+        [
+            ("link".to_string(), "symlink".to_string()),
+            ("rel.txt".into(), "file".into()),
+            ("sub".into(), "dir".into())
+        ]
+    );
+    let e =
+        a.c.write_file(write("nope/x", b"", false, 0))
+            .await
+            .expect_err("parent");
+    assert_eq!(reason(e), Reason::NotFound);
+    std::fs::write(w.join("sub/f"), b"f").expect("write");
+    let rm = |p: &str, recursive| pb::RemoveRequest {
+        path: p.into(),
+        recursive,
+        ..Default::default()
+    };
+    a.c.remove(rm("sub", true)).await.expect("rm -r");
+    assert!(!w.join("sub").exists());
+    let e = a.c.stat(path("sub")).await.expect_err("gone");
+    assert_eq!(reason(e), Reason::NotFound);
+
+    // The 64 MiB limit per call.
+    let big = w.join("big");
+    std::fs::write(&big, vec![7u8; (64 << 20) + 1]).expect("big");
+    let e = a.c.read_file(read("big", 0, 0)).await.expect_err("too big");
+    assert_eq!(reason(e), Reason::Invalid);
+    let tail =
+        a.c.read_file(read("big", 64 << 20, 0))
+            .await
+            .expect("tail")
+            .into_inner();
+    assert_eq!(tail.data, [7u8]);
+    let e =
+        a.c.write_file(write("big2", &vec![0u8; (64 << 20) + 1], false, 0))
+            .await
+            .expect_err("too big");
+    assert_eq!(reason(e), Reason::Invalid);
+    std::fs::remove_file(&big).expect("rm");
+
+    // 200 MB in 32 MiB pieces, byte for byte.
+    let data = pattern(200_000_000, 42);
+    for (i, piece) in data.chunks(32 << 20).enumerate() {
+        a.c.write_file(write("round", piece, i > 0, 0))
+            .await
+            .expect("write piece");
+    }
+    let mut back = Vec::with_capacity(data.len());
+    loop {
+        let part =
+            a.c.read_file(read("round", back.len() as i64, 32 << 20))
+                .await
+                .expect("read piece")
+                .into_inner()
+                .data;
+        if part.is_empty() {
+            break;
+        }
+        back.extend_from_slice(&part);
+    }
+    assert!(back == data, "round trip differs");
+    a.stop();
+}
+
+#[tokio::test]
+async fn close_session_kills_its_processes() {
+    if !root_or_skip("close_session_kills_its_processes") {
+        return;
+    }
+    let mut a = Agent::start(None).await;
+    let p1 = a.path("p1");
+    let p2 = a.path("p2");
+    let mut q = req(&format!(
+        "sleep 300 & echo $! > {}; (setsid sleep 301 & echo $! > {}); sleep 302",
+        p1.display(),
+        p2.display()
+    ));
+    q.session = "s2".into();
+    q.background = true;
+    a.run(q).await;
+    let (a1, a2) = (read_pid(&p1).await, read_pid(&p2).await);
+    assert!(alive(a1) && alive(a2));
+    a.c.close_session(pb::CloseSessionRequest {
+        session: "s2".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("close");
+    assert!(wait_gone(a1).await && wait_gone(a2).await);
+    let l =
+        a.c.list_sessions(pb::ListSessionsRequest::default())
+            .await
+            .expect("list")
+            .into_inner();
+    assert!(l.sessions.is_empty(), "{:?}", l.sessions);
+    let e =
+        a.c.close_session(pb::CloseSessionRequest {
+            session: "s2".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("closed");
+    assert_eq!(reason(e), Reason::NotFound);
+    // The name can be used again: a fresh session.
+    let mut q = req("echo again");
+    q.session = "s2".into();
+    assert_eq!(a.run(q).await.cmd_id, 1);
+    a.stop();
+}
+
+#[tokio::test]
+async fn http_to_a_server_in_the_sandbox_and_watch() {
+    if !root_or_skip("http_to_a_server_in_the_sandbox_and_watch") {
+        return;
+    }
+    let mut a = Agent::start(None).await;
+    let www = a.path("www");
+    std::fs::create_dir(&www).expect("mkdir");
+    std::fs::write(www.join("hello.txt"), "hi from inside").expect("write");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let mut q = req(&format!(
+        "exec python3 -m http.server {port} --bind 127.0.0.1"
+    ));
+    q.cwd = www.to_string_lossy().into();
+    q.background = true;
+    a.run(q).await;
+    let url = format!("http://127.0.0.1:{port}/hello.txt");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let r = loop {
+        match a
+            .c
+            .http(pb::HttpRequest {
+                url: url.clone(),
+                timeout: 5.0,
+                ..Default::default()
+            })
+            .await
+        {
+            Ok(r) => break r.into_inner(),
+            Err(e) => {
+                assert_eq!(reason(e), Reason::Unavailable);
+                assert!(Instant::now() < deadline, "server did not come up");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    assert_eq!((r.status, r.body.as_slice()), (200, &b"hi from inside"[..]));
+    assert!(r.headers.contains_key("content-length"));
+    let e =
+        a.c.http(pb::HttpRequest {
+            url: "https://127.0.0.1/".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("https");
+    assert_eq!(reason(e), Reason::Invalid);
+
+    let mut w = a.c.watch(pb::Empty {}).await.expect("watch").into_inner();
+    let first = w.next().await.expect("event").expect("ok");
+    let second = w.next().await.expect("event").expect("ok");
+    assert!(first.at > 0 && second.at >= first.at);
+    let e =
+        a.c.list_processes(pb::ListProcessesRequest::default())
+            .await
+            .expect_err("procs");
+    assert_eq!(reason(e), Reason::Invalid);
+    a.stop();
+}
