@@ -166,9 +166,11 @@ async fn run(cfg: AetherConfig, config_path: PathBuf) -> Result<(), AetherError>
     let listener = listener(&cfg)?;
     let config_path = std::path::absolute(&config_path).unwrap_or(config_path);
     let cfg = Arc::new(cfg);
+    let procs = crate::guest::procs::Procs::new(cfg.clone(), reaper.clone(), PathBuf::from("/"));
     let sessions = sessions::Sessions::new(cfg.clone(), config_path, reaper);
     let svc = service::Aether {
         sessions: sessions.clone(),
+        procs: procs.clone(),
     };
     let mut term = signal(SignalKind::terminate()).map_err(AetherError::Runtime)?;
     let mut int = signal(SignalKind::interrupt()).map_err(AetherError::Runtime)?;
@@ -185,6 +187,7 @@ async fn run(cfg: AetherConfig, config_path: PathBuf) -> Result<(), AetherError>
             nix::sys::signal::Signal::SIGKILL,
         );
     } else {
+        procs.kill_all();
         sessions.close_all().await;
     }
     tracing::info!(sandbox_id = %cfg.sandbox_id, "aether stopped");

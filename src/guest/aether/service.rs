@@ -1,6 +1,6 @@
 //! aether's `opendsec.v1.Runtime`: session calls are forwarded unchanged to the session's
-//! chronus; ListSessions, CloseSession and Watch are answered here; the process API is
-//! not wired yet (one place: [`processes`]).
+//! chronus; ListSessions, CloseSession and Watch are answered here; the process API goes to
+//! aether's own process table ([`Procs`]).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -11,6 +11,7 @@ use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use super::sessions::{session_name, Sessions};
+use crate::guest::procs::{ProcError, ProcessEvents, Procs};
 use crate::pb;
 use crate::pb::runtime_client::RuntimeClient;
 use crate::rpc::to_status;
@@ -19,14 +20,18 @@ use crate::types::{now_s, Failure};
 /// The service aether serves on its socket.
 pub struct Aether {
     pub sessions: Arc<Sessions>,
+    pub procs: Procs,
 }
 
 type Res<T> = Result<Response<T>, Status>;
 type Boxed<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
-/// The one answer of the process API until `procs` is wired in.
-fn processes<T>() -> Result<T, Status> {
-    Err(to_status(&Failure::invalid("process API not wired yet")))
+fn proc_status(e: ProcError) -> Status {
+    to_status(&e.failure())
+}
+
+fn events(s: ProcessEvents) -> Boxed<pb::ProcessEvent> {
+    Box::pin(s.map(Ok))
 }
 
 fn boxed<T: Send + 'static>(s: tonic::Streaming<T>) -> Boxed<T> {
@@ -148,40 +153,48 @@ impl pb::runtime_server::Runtime for Aether {
     type StartProcessStream = Boxed<pb::ProcessEvent>;
     async fn start_process(
         &self,
-        _: Request<pb::StartProcessRequest>,
+        req: Request<pb::StartProcessRequest>,
     ) -> Res<Self::StartProcessStream> {
-        processes()
+        let s = self.procs.start(req.into_inner()).await.map_err(proc_status)?;
+        Ok(Response::new(events(s)))
     }
 
     type ConnectProcessStream = Boxed<pb::ProcessEvent>;
     async fn connect_process(
         &self,
-        _: Request<pb::ConnectProcessRequest>,
+        req: Request<pb::ConnectProcessRequest>,
     ) -> Res<Self::ConnectProcessStream> {
-        processes()
+        let s = self.procs.connect(req.into_inner()).await.map_err(proc_status)?;
+        Ok(Response::new(events(s)))
     }
 
-    async fn send_process_input(&self, _: Request<pb::ProcessInputRequest>) -> Res<pb::Empty> {
-        processes()
+    async fn send_process_input(&self, req: Request<pb::ProcessInputRequest>) -> Res<pb::Empty> {
+        self.procs.send_input(req.into_inner()).await.map_err(proc_status)?;
+        Ok(Response::new(pb::Empty {}))
     }
 
-    async fn close_process_input(&self, _: Request<pb::ProcessRef>) -> Res<pb::Empty> {
-        processes()
+    async fn close_process_input(&self, req: Request<pb::ProcessRef>) -> Res<pb::Empty> {
+        self.procs.close_input(req.into_inner()).await.map_err(proc_status)?;
+        Ok(Response::new(pb::Empty {}))
     }
 
-    async fn signal_process(&self, _: Request<pb::SignalProcessRequest>) -> Res<pb::Empty> {
-        processes()
+    async fn signal_process(&self, req: Request<pb::SignalProcessRequest>) -> Res<pb::Empty> {
+        self.procs.signal(req.into_inner()).await.map_err(proc_status)?;
+        Ok(Response::new(pb::Empty {}))
     }
 
-    async fn resize_process_pty(&self, _: Request<pb::ResizePtyRequest>) -> Res<pb::Empty> {
-        processes()
+    async fn resize_process_pty(&self, req: Request<pb::ResizePtyRequest>) -> Res<pb::Empty> {
+        self.procs.resize(req.into_inner()).await.map_err(proc_status)?;
+        Ok(Response::new(pb::Empty {}))
     }
 
     async fn list_processes(
         &self,
         _: Request<pb::ListProcessesRequest>,
     ) -> Res<pb::ListProcessesResponse> {
-        processes()
+        Ok(Response::new(pb::ListProcessesResponse {
+            processes: self.procs.list().await,
+        }))
     }
 
     type WatchStream = Boxed<pb::WatchEvent>;
