@@ -165,6 +165,16 @@ async fn shell_state_exit_codes_and_bytes() {
     );
     assert_eq!((r.stdout_total, r.stderr_total, r.truncated), (4, 4, false));
 
+    // protect_from_oom: commands are the OOM killer's first choice.
+    assert_eq!(
+        text(&a.sh("cat /proc/self/oom_score_adj").await.stdout),
+        "1000\n"
+    );
+    // A timeout too large for the clock is taken as "very long", not a crash.
+    let mut q = req("echo long");
+    q.timeout = 1e300;
+    assert_eq!(text(&a.run(q).await.stdout), "long\n");
+
     // Commands read /dev/null, not the shell's command stream.
     let r = a.sh("cat; echo after-cat").await;
     assert_eq!(text(&r.stdout), "after-cat\n");
