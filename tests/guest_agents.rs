@@ -3,7 +3,7 @@
 //! another user); each test starts its own aether and stops it (by pid) at the end.
 
 use std::collections::HashMap;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -25,6 +25,16 @@ fn root_or_skip(test: &str) -> bool {
     false
 }
 
+/// How aether gets its socket and its place.
+enum Launch {
+    /// It binds `socket`.
+    Socket,
+    /// It takes an inherited listening fd 3.
+    InheritedFd,
+    /// PID 1 of a new pid namespace (the child is `unshare`).
+    Pid1,
+}
+
 struct Agent {
     child: Child,
     dir: tempfile::TempDir,
@@ -34,22 +44,49 @@ struct Agent {
 impl Agent {
     /// Starts aether; `limits` lowers chronus's output limits (`record,session,call`).
     async fn start(limits: Option<&str>) -> Agent {
+        Agent::start_with(limits, Launch::Socket).await
+    }
+
+    async fn start_with(limits: Option<&str>, how: Launch) -> Agent {
         let dir = tempfile::tempdir().expect("tempdir");
         // Sessions of uid 1000 must reach their own dir under run/.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
             .expect("chmod");
         let sock = dir.path().join("aether.sock");
-        let cfg = serde_json::json!({
+        let bin = env!("CARGO_BIN_EXE_opendsec");
+        let mut cfg = serde_json::json!({
             "sandbox_id": "test",
             "socket": sock,
             "run_dir": dir.path().join("run"),
-            "agent": env!("CARGO_BIN_EXE_opendsec"),
+            "agent": bin,
             "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"},
             "protect_from_oom": true,
         });
         let cfg_path = dir.path().join("aether.json");
+        let mut cmd = match how {
+            Launch::Socket => Command::new(bin),
+            Launch::InheritedFd => {
+                // As the container setup does: bound outside, handed down as fd 3.
+                let l = std::os::unix::net::UnixListener::bind(&sock).expect("bind");
+                cfg["socket"] = "".into();
+                cfg["listen_fd"] = 3.into();
+                // Handed over as bash's stdin (std dups it in the child only), moved to 3.
+                let mut c = Command::new("bash");
+                c.arg("-c")
+                    .arg("exec 3<&0 0</dev/null; exec \"$0\" \"$@\"")
+                    .arg(bin)
+                    .stdin(std::process::Stdio::from(std::os::fd::OwnedFd::from(l)));
+                c
+            }
+            Launch::Pid1 => {
+                cfg["pid1"] = true.into();
+                let mut c = Command::new("unshare");
+                c.args(["--pid", "--fork", "--mount-proc", "--kill-child"])
+                    .arg(bin);
+                c
+            }
+        };
         std::fs::write(&cfg_path, cfg.to_string()).expect("config");
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_opendsec"));
         cmd.arg("aether").arg("--config").arg(&cfg_path);
         cmd.env("OPENDSEC_LOG", "warn");
         match limits {
@@ -164,6 +201,16 @@ async fn shell_state_exit_codes_and_bytes() {
         (4, "out\n".into(), "err\n".into())
     );
     assert_eq!((r.stdout_total, r.stderr_total, r.truncated), (4, 4, false));
+
+    // protect_from_oom: commands are the OOM killer's first choice.
+    assert_eq!(
+        text(&a.sh("cat /proc/self/oom_score_adj").await.stdout),
+        "1000\n"
+    );
+    // A timeout too large for the clock is taken as "very long", not a crash.
+    let mut q = req("echo long");
+    q.timeout = 1e300;
+    assert_eq!(text(&a.run(q).await.stdout), "long\n");
 
     // Commands read /dev/null, not the shell's command stream.
     let r = a.sh("cat; echo after-cat").await;
@@ -820,4 +867,90 @@ async fn http_to_a_server_in_the_sandbox_and_watch() {
             .expect_err("procs");
     assert_eq!(reason(e), Reason::Invalid);
     a.stop();
+}
+
+#[tokio::test]
+async fn inherited_socket_fd_stays_out_of_the_sandbox() {
+    if !root_or_skip("inherited_socket_fd_stays_out_of_the_sandbox") {
+        return;
+    }
+    let mut a = Agent::start_with(None, Launch::InheritedFd).await;
+    let ino = std::fs::metadata(a.path("aether.sock"))
+        .expect("sock")
+        .ino();
+    let r = a
+        .sh("for f in /proc/$$/fd/* /proc/self/fd/*; do readlink $f; done")
+        .await;
+    let mut fds = text(&r.stdout);
+    // And chronus's own (and every other descendant's).
+    let none = std::collections::HashSet::new();
+    for p in opendsec::guest::proctree::descendants(a.child.id() as i32, &none) {
+        for e in std::fs::read_dir(format!("/proc/{p}/fd"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if let Ok(l) = std::fs::read_link(e.path()) {
+                fds.push_str(&format!("{p}: {}\n", l.display()));
+            }
+        }
+    }
+    // The socket inode of the listener differs from the file's; compare with what aether
+    // itself holds as fd 3.
+    let held = std::fs::read_link(format!("/proc/{}/fd/3", a.child.id()))
+        .expect("aether fd 3")
+        .to_string_lossy()
+        .into_owned();
+    assert!(held.starts_with("socket:"), "{held} ({ino})");
+    assert!(!fds.contains(&held), "{fds}");
+    a.stop();
+}
+
+#[tokio::test]
+async fn pid1_ends_every_process_on_sigterm() {
+    if !root_or_skip("pid1_ends_every_process_on_sigterm") {
+        return;
+    }
+    let mut a = Agent::start_with(None, Launch::Pid1).await;
+    let r = a.sh("echo $$; sleep 300 & echo started").await;
+    assert_eq!(text(&r.stdout).lines().nth(1), Some("started"));
+    let mut q = req("sleep 301");
+    q.session = "other".into();
+    q.background = true;
+    a.run(q).await;
+    let r = a.sh("cat /proc/1/cmdline | tr '\\0' ' '").await;
+    assert!(text(&r.stdout).contains("aether"), "{}", text(&r.stdout));
+    let unshare = a.child.id() as i32;
+    let none = std::collections::HashSet::new();
+    let mut tree = Vec::new();
+    for _ in 0..100 {
+        tree = opendsec::guest::proctree::descendants(unshare, &none);
+        if tree.len() >= 7 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // aether, 2 x (chronus, bash), sleep 300, the background subshell and sleep 301.
+    assert!(tree.len() >= 7, "{tree:?}");
+    let aether = tree
+        .iter()
+        .copied()
+        .find(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/stat"))
+                .map(|s| s.split_whitespace().nth(3) == Some(&unshare.to_string()))
+                .unwrap_or(false)
+        })
+        .expect("aether");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(aether),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("sigterm");
+    let st = tokio::task::spawn_blocking(move || a.child.wait().expect("wait"))
+        .await
+        .expect("join");
+    assert!(st.success(), "{st:?}");
+    for p in tree {
+        assert!(wait_gone(p).await, "{p} survived");
+    }
 }

@@ -9,7 +9,8 @@ use super::cvt;
 
 /// Takes ownership of the inherited, already listening unix socket `fd`.
 ///
-/// Checks that `fd` is open and is a socket that listens (`SO_ACCEPTCONN`); the caller
+/// Checks that `fd` is open and is a socket that listens (`SO_ACCEPTCONN`), and marks it
+/// close-on-exec; the caller
 /// must not use the number again afterwards, and must call this at most once per fd.
 /// Errors: `EBADF` for a closed fd, `InvalidInput` when it is not a listening socket.
 pub fn take_unix_listener(fd: RawFd) -> io::Result<UnixListener> {
@@ -41,6 +42,13 @@ pub fn take_unix_listener(fd: RawFd) -> io::Result<UnixListener> {
     // config that names it is the only reference, and callers take it once, so no other
     // owner will close it.
     let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    // Inherited fds lack close-on-exec: without it every process the agent starts (the
+    // sandbox's own commands) would hold the listening socket and could accept on it.
+    nix::fcntl::fcntl(
+        &owned,
+        nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+    )
+    .map_err(io::Error::from)?;
     Ok(UnixListener::from(owned))
 }
 
@@ -53,9 +61,17 @@ mod tests {
     fn takes_a_listening_socket_and_refuses_others() {
         let d = tempfile::tempdir().expect("tempdir");
         let l = UnixListener::bind(d.path().join("s")).expect("bind");
+        // As inherited: without close-on-exec.
+        nix::fcntl::fcntl(
+            &l,
+            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
+        )
+        .expect("clear");
         let fd = l.into_raw_fd();
         let l = take_unix_listener(fd).expect("take");
         assert!(l.local_addr().is_ok());
+        let flags = nix::fcntl::fcntl(&l, nix::fcntl::FcntlArg::F_GETFD).expect("flags");
+        assert_ne!(flags & libc::FD_CLOEXEC, 0);
         let f = std::fs::File::open("/dev/null").expect("open");
         let err = take_unix_listener(std::os::fd::AsRawFd::as_raw_fd(&f)).expect_err("file");
         assert_eq!(err.raw_os_error(), Some(libc::ENOTSOCK));

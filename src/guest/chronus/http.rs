@@ -92,7 +92,12 @@ pub async fn request(req: pb::HttpRequest) -> Result<pb::HttpResponse, Failure> 
             body: body.to_vec(),
         })
     };
-    match tokio::time::timeout(Duration::from_secs_f64(timeout), work).await {
+    match tokio::time::timeout(
+        Duration::from_secs_f64(timeout.min(super::session::MAX_SECONDS)),
+        work,
+    )
+    .await
+    {
         Ok(r) => r,
         Err(_) => Err(Failure::new(
             Reason::Timeout,

@@ -68,8 +68,8 @@ impl pb::runtime_server::Runtime for Chronus {
             ))));
         }
         if req.wait > 0.0 {
-            let deadline =
-                tokio::time::Instant::now() + Duration::from_secs_f64(req.wait.min(86_400.0));
+            let deadline = tokio::time::Instant::now()
+                + Duration::from_secs_f64(req.wait.min(super::session::MAX_SECONDS));
             s.wait_done(req.cmd_id, Some(deadline))
                 .await
                 .map_err(status)?;

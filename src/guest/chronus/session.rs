@@ -31,6 +31,10 @@ pub struct Job {
 /// The foreground command the shell runs now, and who waits for its control message.
 pub type Foreground = Option<(i64, oneshot::Sender<(i32, String)>)>;
 
+/// Longest timeout or wait honoured, in seconds (ten years): larger values would overflow
+/// the clock arithmetic.
+pub const MAX_SECONDS: f64 = 315_360_000.0;
+
 /// Bytes per streamed chunk.
 const CHUNK: u64 = 1 << 20;
 /// Reads per wakeup before a reader yields to other tasks (one thread serves them all).
@@ -131,7 +135,8 @@ impl Session {
             id,
             line,
             background: req.background,
-            timeout: (req.timeout > 0.0).then(|| Duration::from_secs_f64(req.timeout)),
+            timeout: (req.timeout > 0.0)
+                .then(|| Duration::from_secs_f64(req.timeout.min(MAX_SECONDS))),
         };
         if self.jobs.send(job).is_err() {
             lock(&self.table).remove(id);
