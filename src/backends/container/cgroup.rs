@@ -835,6 +835,19 @@ mod tests {
             assert_eq!(read(&cpu.join("cpu.cfs_quota_us")).trim(), "-1");
             assert_eq!(read(&pids_dir.join("pids.max")).trim(), "max");
             cg.set_limits(&lim).expect("back to the limits");
+        } else {
+            let dir = cg.dir(0);
+            assert_eq!(read(&dir.join("cpu.max")).trim(), "25000 100000");
+            assert_eq!(
+                read(&dir.join("memory.max")).trim(),
+                (256u64 << 20).to_string()
+            );
+            if dir.join("memory.swap.max").exists() {
+                assert_eq!(read(&dir.join("memory.swap.max")).trim(), "0");
+            }
+            if dir.join("cpu.idle").exists() {
+                assert_eq!(read(&dir.join("cpu.idle")).trim(), "0");
+            }
         }
 
         // A busy child: frozen, it gets no CPU.
