@@ -14,22 +14,16 @@ use std::collections::BTreeSet;
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
+mod layout;
+mod lifecycle;
+mod limits;
 
-/// The CFS period for CPU quotas, in µs (the kernel's default).
-const CPU_PERIOD_US: i64 = 100_000;
-/// The smallest quota the kernel accepts, in µs.
-const CPU_MIN_QUOTA_US: i64 = 1_000;
-/// How long `freeze` waits for the kernel to report FROZEN.
-const FREEZE_TIMEOUT: Duration = Duration::from_secs(2);
-/// How long `kill_all` waits for the cgroup to empty.
-const KILL_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long `remove` retries an rmdir that finds the cgroup still busy (exiting tasks).
-const RMDIR_TIMEOUT: Duration = Duration::from_secs(1);
+use layout::{
+    parent_path, parse_mountinfo, place, valid_component, CgroupMount, Ctl, Hierarchy, Placement,
+};
 
 /// Which cgroup interface the sandboxes' memory limits are on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,70 +115,6 @@ pub enum CgroupError {
     Remove { path: PathBuf, source: io::Error },
 }
 
-/// A controller the backend uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Ctl {
-    Cpu,
-    Cpuacct,
-    Memory,
-    Pids,
-    Freezer,
-    Io,
-}
-
-impl Ctl {
-    const ALL: [Ctl; 6] = [
-        Ctl::Cpu,
-        Ctl::Cpuacct,
-        Ctl::Memory,
-        Ctl::Pids,
-        Ctl::Freezer,
-        Ctl::Io,
-    ];
-
-    fn v1_name(self) -> &'static str {
-        match self {
-            Ctl::Cpu => "cpu",
-            Ctl::Cpuacct => "cpuacct",
-            Ctl::Memory => "memory",
-            Ctl::Pids => "pids",
-            Ctl::Freezer => "freezer",
-            Ctl::Io => "blkio",
-        }
-    }
-
-    /// The v2 controller to enable, or `None` where v2 has it built in (freezer) or folded
-    /// into another (cpuacct into cpu).
-    fn v2_name(self) -> Option<&'static str> {
-        match self {
-            Ctl::Cpu => Some("cpu"),
-            Ctl::Memory => Some("memory"),
-            Ctl::Pids => Some("pids"),
-            Ctl::Io => Some("io"),
-            Ctl::Cpuacct | Ctl::Freezer => None,
-        }
-    }
-}
-
-/// One mounted hierarchy the sandboxes use.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Hierarchy {
-    mount: PathBuf,
-    v2: bool,
-    /// v1: the controllers as mounted, e.g. `memory` or `cpu,cpuacct`; v2: empty.
-    name: String,
-}
-
-/// Which hierarchy (an index into `hierarchies`) holds each controller.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-struct Placement {
-    cpu: Option<usize>,
-    memory: Option<usize>,
-    pids: Option<usize>,
-    io: Option<usize>,
-    freezer: Option<usize>,
-}
-
 #[derive(Debug)]
 struct Layout {
     parent: PathBuf,
@@ -192,6 +122,8 @@ struct Layout {
     at: Placement,
     /// The v2 controllers to enable in the ancestors' `cgroup.subtree_control`.
     v2_enable: Vec<&'static str>,
+    /// Set once the ancestors have them, so later creates skip reading six files.
+    v2_enabled: AtomicBool,
 }
 
 /// The detected cgroup layout and the parent under which sandboxes get their cgroups.
@@ -199,146 +131,6 @@ struct Layout {
 #[derive(Debug, Clone)]
 pub struct Cgroups {
     layout: Arc<Layout>,
-}
-
-/// One cgroup mount from /proc/self/mountinfo.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct CgroupMount {
-    mount: PathBuf,
-    v2: bool,
-    /// v1: the controllers of the hierarchy (only those named in the super options).
-    controllers: Vec<String>,
-}
-
-/// Parses the cgroup and cgroup2 mounts out of /proc/self/mountinfo text. Read-only mounts
-/// are skipped (nothing can be created there).
-fn parse_mountinfo(text: &str) -> Vec<CgroupMount> {
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let Some((pre, post)) = line.split_once(" - ") else {
-            continue;
-        };
-        let pre: Vec<&str> = pre.split(' ').collect();
-        let post: Vec<&str> = post.split(' ').collect();
-        if pre.len() < 6 || post.len() < 3 {
-            continue;
-        }
-        let v2 = match post[0] {
-            "cgroup" => false,
-            "cgroup2" => true,
-            _ => continue,
-        };
-        if pre[5].split(',').any(|o| o == "ro") {
-            continue;
-        }
-        let controllers = if v2 {
-            Vec::new()
-        } else {
-            post[2]
-                .split(',')
-                .filter(|o| Ctl::ALL.iter().any(|c| c.v1_name() == *o))
-                .map(str::to_string)
-                .collect()
-        };
-        out.push(CgroupMount {
-            mount: PathBuf::from(unescape_mount(pre[4])),
-            v2,
-            controllers,
-        });
-    }
-    out
-}
-
-/// Undoes mountinfo's octal escapes (`\040` for a space).
-fn unescape_mount(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(u8::is_ascii_digit) {
-            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
-            out.push(v);
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// Decides which hierarchy holds each controller: a v1 hierarchy that has it, else the v2
-/// one when its root lists it in `cgroup.controllers`. The freezer falls back to v2, where
-/// it is built in. The first mount of a hierarchy wins (the same one may be mounted twice).
-fn place(mounts: &[CgroupMount], v2_controllers: &[String]) -> (Vec<Hierarchy>, Placement) {
-    let mut hierarchies: Vec<Hierarchy> = Vec::new();
-    let mut index = |h: Hierarchy| -> usize {
-        match hierarchies
-            .iter()
-            .position(|x| x.v2 == h.v2 && x.name == h.name)
-        {
-            Some(i) => i,
-            None => {
-                hierarchies.push(h);
-                hierarchies.len() - 1
-            }
-        }
-    };
-    let v2_mount = mounts.iter().find(|m| m.v2);
-    let mut at = Placement::default();
-    for ctl in Ctl::ALL {
-        let v1 = mounts
-            .iter()
-            .find(|m| !m.v2 && m.controllers.iter().any(|c| c == ctl.v1_name()));
-        let slot = if let Some(m) = v1 {
-            Some(index(Hierarchy {
-                mount: m.mount.clone(),
-                v2: false,
-                name: m.controllers.join(","),
-            }))
-        } else if let Some(m) = v2_mount {
-            let on_v2 = match ctl.v2_name() {
-                Some(n) => v2_controllers.iter().any(|c| c == n),
-                None => ctl == Ctl::Freezer,
-            };
-            on_v2.then(|| {
-                index(Hierarchy {
-                    mount: m.mount.clone(),
-                    v2: true,
-                    name: String::new(),
-                })
-            })
-        } else {
-            None
-        };
-        match ctl {
-            Ctl::Cpu => at.cpu = slot,
-            Ctl::Memory => at.memory = slot,
-            Ctl::Pids => at.pids = slot,
-            Ctl::Io => at.io = slot,
-            Ctl::Freezer => at.freezer = slot,
-            // Only accounted: it needs its directory (processes join it) but no file of ours.
-            Ctl::Cpuacct => {}
-        }
-    }
-    (hierarchies, at)
-}
-
-/// A single path component: no separators, not `.` or `..`, not empty.
-fn valid_component(s: &str) -> bool {
-    !s.is_empty() && s != "." && s != ".." && !s.contains('/') && !s.contains('\0')
-}
-
-/// `opendsec/<edge_id>` as a relative path; `None` when a component is unusable.
-fn parent_path(parent: &str) -> Option<PathBuf> {
-    let trimmed = parent.trim_matches('/');
-    if trimmed.is_empty() {
-        return Some(PathBuf::new());
-    }
-    trimmed
-        .split('/')
-        .all(valid_component)
-        .then(|| PathBuf::from(trimmed))
 }
 
 impl Cgroups {
@@ -434,6 +226,7 @@ impl Cgroups {
                 hierarchies,
                 at,
                 v2_enable,
+                v2_enabled: AtomicBool::new(false),
             }),
         }
     }
@@ -479,6 +272,10 @@ impl Cgroups {
         if l.v2_enable.is_empty() {
             return Ok(());
         }
+        // A parent removed meanwhile comes back without controllers: check it is there.
+        if l.v2_enabled.load(Ordering::Relaxed) && root.join(&l.parent).is_dir() {
+            return Ok(());
+        }
         let mut dir = root.to_path_buf();
         let mut components = l.parent.components();
         loop {
@@ -508,7 +305,10 @@ impl Cgroups {
             }
             match components.next() {
                 Some(c) => dir.push(c),
-                None => return Ok(()),
+                None => {
+                    l.v2_enabled.store(true, Ordering::Relaxed);
+                    return Ok(());
+                }
             }
         }
     }
@@ -597,265 +397,6 @@ impl SandboxCgroup {
         pids.into_iter().collect()
     }
 
-    /// Applies `limits` (see [`Cgroups::create`]); also what a warm sandbox taken for a
-    /// request with other limits needs. Errors: `Write` with the file the kernel refused.
-    pub fn set_limits(&self, limits: &Limits) -> Result<(), CgroupError> {
-        let at = self.layout.at.clone();
-        if let Some(h) = at.cpu {
-            self.set_cpu(h, limits)?;
-        }
-        if let Some(h) = at.memory {
-            self.set_memory(h, limits.memory_mb)?;
-        }
-        if let Some(h) = at.pids {
-            let v = if limits.pids_max > 0 {
-                limits.pids_max.to_string()
-            } else {
-                "max".into()
-            };
-            write_file(&self.dir(h).join("pids.max"), &v)?;
-        }
-        Ok(())
-    }
-
-    fn set_cpu(&self, h: usize, limits: &Limits) -> Result<(), CgroupError> {
-        let dir = self.dir(h);
-        let quota = (limits.cpu_cores.is_finite() && limits.cpu_cores > 0.0).then(|| {
-            ((limits.cpu_cores * CPU_PERIOD_US as f64).round() as i64).max(CPU_MIN_QUOTA_US)
-        });
-        if self.is_v2(h) {
-            let q = quota.map_or("max".to_string(), |q| q.to_string());
-            write_file(&dir.join("cpu.max"), &format!("{q} {CPU_PERIOD_US}"))?;
-            let idle = if limits.idle { "1" } else { "0" };
-            if !write_if_present(&dir.join("cpu.idle"), idle)? {
-                // Kernels before 5.15: the lowest weight is the closest to idle.
-                let weight = if limits.idle { "1" } else { "100" };
-                write_if_present(&dir.join("cpu.weight"), weight)?;
-            }
-        } else {
-            write_file(&dir.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
-            write_file(
-                &dir.join("cpu.cfs_quota_us"),
-                &quota.unwrap_or(-1).to_string(),
-            )?;
-            let shares = if limits.idle { "2" } else { "1024" };
-            write_file(&dir.join("cpu.shares"), shares)?;
-        }
-        Ok(())
-    }
-
-    fn set_memory(&self, h: usize, memory_mb: i64) -> Result<(), CgroupError> {
-        let dir = self.dir(h);
-        let bytes = (memory_mb > 0).then(|| memory_mb.saturating_mul(1 << 20));
-        if self.is_v2(h) {
-            let v = bytes.map_or("max".to_string(), |b| b.to_string());
-            write_file(&dir.join("memory.max"), &v)?;
-            write_if_present(&dir.join("memory.swap.max"), "0")?;
-            return Ok(());
-        }
-        let v = bytes.unwrap_or(-1).to_string();
-        let limit = dir.join("memory.limit_in_bytes");
-        let memsw = dir.join("memory.memsw.limit_in_bytes");
-        // memsw must stay >= the memory limit: lowering goes limit first, raising memsw
-        // first. Try the first order; EINVAL means it was a raise.
-        match write_raw(&limit, &v) {
-            Ok(()) => {
-                write_if_present(&memsw, &v)?;
-            }
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) && memsw.exists() => {
-                write_file(&memsw, &v)?;
-                write_file(&limit, &v)?;
-            }
-            Err(source) => {
-                return Err(CgroupError::Write {
-                    path: limit,
-                    value: v,
-                    source,
-                })
-            }
-        }
-        // The OOM killer must act in the sandbox (not hang it at the limit).
-        write_if_present(&dir.join("memory.oom_control"), "0")?;
-        Ok(())
-    }
-
-    /// Freezes every process of the sandbox and returns once the kernel reports the cgroup
-    /// frozen. Errors: `NoFreezer`, `Write`, or `FreezeTimeout` after about 2 s (the cgroup
-    /// is thawed again then).
-    pub fn freeze(&self) -> Result<(), CgroupError> {
-        self.freeze_within(FREEZE_TIMEOUT)
-    }
-
-    fn freeze_within(&self, timeout: Duration) -> Result<(), CgroupError> {
-        let (dir, v2) = self.freezer()?;
-        let (file, value) = if v2 {
-            (dir.join("cgroup.freeze"), "1")
-        } else {
-            (dir.join("freezer.state"), "FROZEN")
-        };
-        write_file(&file, value)?;
-        let start = Instant::now();
-        let mut pause = Duration::from_micros(200);
-        loop {
-            if self.frozen() {
-                return Ok(());
-            }
-            if start.elapsed() >= timeout {
-                let _ = self.thaw();
-                return Err(CgroupError::FreezeTimeout {
-                    path: dir,
-                    waited_ms: start.elapsed().as_millis() as u64,
-                });
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(20));
-        }
-    }
-
-    /// Lets the sandbox's processes run again. Errors: `NoFreezer`, `Write`.
-    pub fn thaw(&self) -> Result<(), CgroupError> {
-        let (dir, v2) = self.freezer()?;
-        if v2 {
-            write_file(&dir.join("cgroup.freeze"), "0")
-        } else {
-            write_file(&dir.join("freezer.state"), "THAWED")
-        }
-    }
-
-    /// Whether the kernel reports the cgroup frozen (not merely freezing).
-    pub fn frozen(&self) -> bool {
-        let Ok((dir, v2)) = self.freezer() else {
-            return false;
-        };
-        if v2 {
-            fs::read_to_string(dir.join("cgroup.events"))
-                .is_ok_and(|s| keyed_value(&s, "frozen") == Some(1))
-        } else {
-            fs::read_to_string(dir.join("freezer.state")).is_ok_and(|s| s.trim() == "FROZEN")
-        }
-    }
-
-    fn freezer(&self) -> Result<(PathBuf, bool), CgroupError> {
-        match self.layout.at.freezer {
-            Some(h) => Ok((self.dir(h), self.is_v2(h))),
-            None => Err(CgroupError::NoFreezer {
-                path: self.dirs().next().unwrap_or_default(),
-            }),
-        }
-    }
-
-    /// Kills every process in the cgroup and waits (bounded) until it is empty. Uses v2
-    /// `cgroup.kill` where there is one; else freezes (so nothing forks or exits meanwhile
-    /// and no pid is reused), sends SIGKILL to every member, and thaws so they can die; this
-    /// also works on a paused sandbox. Errors: `Signal`, or `KillTimeout` after about 5 s.
-    pub fn kill_all(&self) -> Result<(), CgroupError> {
-        let start = Instant::now();
-        let kill_file = (0..self.layout.hierarchies.len())
-            .filter(|h| self.is_v2(*h))
-            .map(|h| self.dir(h).join("cgroup.kill"))
-            .find(|p| p.exists());
-        let mut pause = Duration::from_micros(500);
-        loop {
-            let pids = self.pids();
-            if pids.is_empty() {
-                return Ok(());
-            }
-            if start.elapsed() >= KILL_TIMEOUT {
-                return Err(CgroupError::KillTimeout {
-                    path: self.dirs().next().unwrap_or_default(),
-                    left: pids.len(),
-                    waited_ms: start.elapsed().as_millis() as u64,
-                });
-            }
-            match &kill_file {
-                Some(f) => write_file(f, "1")?,
-                None => self.signal_all()?,
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(50));
-        }
-    }
-
-    fn signal_all(&self) -> Result<(), CgroupError> {
-        let has_freezer = self.layout.at.freezer.is_some();
-        if has_freezer && !self.frozen() {
-            // Best effort: a task stuck in the kernel may keep it FREEZING; kill anyway.
-            let _ = self.freeze_within(Duration::from_millis(200));
-        }
-        for pid in self.pids() {
-            let Ok(raw) = i32::try_from(pid) else {
-                continue;
-            };
-            match kill(Pid::from_raw(raw), Signal::SIGKILL) {
-                Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
-                Err(source) => {
-                    return Err(CgroupError::Signal {
-                        pid,
-                        path: self.dirs().next().unwrap_or_default(),
-                        source,
-                    })
-                }
-            }
-        }
-        if has_freezer {
-            // Frozen tasks die only once thawed.
-            self.thaw()?;
-        }
-        Ok(())
-    }
-
-    /// Removes the cgroup (and any cgroups the sandbox made below it) in every hierarchy,
-    /// killing what still runs in it first. A cgroup that is not there is fine. Errors:
-    /// those of [`kill_all`](Self::kill_all), and `Remove` with the directory.
-    pub fn remove(&self) -> Result<(), CgroupError> {
-        if !self.pids().is_empty() {
-            self.kill_all()?;
-        }
-        for dir in self.dirs() {
-            remove_tree(&dir)?;
-        }
-        tracing::debug!(sandbox_id = %self.id, "cgroup removed");
-        Ok(())
-    }
-
-    /// Throttles the sandbox's I/O on the block device `major:minor` (its loop device): v2
-    /// `io.max`, v1 `blkio.throttle.*`; 0 in `io` removes that limit. Errors:
-    /// `NoController` without an io/blkio controller, `Write`.
-    pub fn set_disk_io(&self, major: u32, minor: u32, io: &DiskIo) -> Result<(), CgroupError> {
-        let h = self
-            .layout
-            .at
-            .io
-            .ok_or(CgroupError::NoController { controller: "io" })?;
-        let dir = self.dir(h);
-        let bps = |mb: i64| (mb > 0).then(|| mb.saturating_mul(1 << 20));
-        let ops = |n: i64| (n > 0).then_some(n);
-        let vals = [
-            ("rbps", "read_bps_device", bps(io.read_mbps)),
-            ("wbps", "write_bps_device", bps(io.write_mbps)),
-            ("riops", "read_iops_device", ops(io.read_iops)),
-            ("wiops", "write_iops_device", ops(io.write_iops)),
-        ];
-        if self.is_v2(h) {
-            let parts: Vec<String> = vals
-                .iter()
-                .map(|(k, _, v)| format!("{k}={}", v.map_or("max".into(), |v| v.to_string())))
-                .collect();
-            write_file(
-                &dir.join("io.max"),
-                &format!("{major}:{minor} {}", parts.join(" ")),
-            )
-        } else {
-            for (_, file, v) in vals {
-                write_file(
-                    &dir.join(format!("blkio.throttle.{file}")),
-                    &format!("{major}:{minor} {}", v.unwrap_or(0)),
-                )?;
-            }
-            Ok(())
-        }
-    }
-
     /// The sandbox's current memory use in bytes (page cache included); 0 when unreadable.
     pub fn memory_bytes(&self) -> u64 {
         let Some(h) = self.layout.at.memory else {
@@ -922,43 +463,6 @@ fn collect_pids(dir: &Path, pids: &mut BTreeSet<u32>) {
     }
 }
 
-/// Removes a cgroup directory and the cgroups below it, deepest first. Control files
-/// cannot (and need not) be removed: rmdir of a cgroup takes them along. Retries briefly
-/// while the kernel still counts exiting tasks (`EBUSY`).
-fn remove_tree(dir: &Path) -> Result<(), CgroupError> {
-    let entries = match fs::read_dir(dir) {
-        Ok(e) => e,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(source) => {
-            return Err(CgroupError::Remove {
-                path: dir.to_path_buf(),
-                source,
-            })
-        }
-    };
-    for e in entries.flatten() {
-        if e.file_type().is_ok_and(|t| t.is_dir()) {
-            remove_tree(&e.path())?;
-        }
-    }
-    let start = Instant::now();
-    loop {
-        match fs::remove_dir(dir) {
-            Ok(()) => return Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(e) if e.raw_os_error() == Some(libc::EBUSY) && start.elapsed() < RMDIR_TIMEOUT => {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            Err(source) => {
-                return Err(CgroupError::Remove {
-                    path: dir.to_path_buf(),
-                    source,
-                })
-            }
-        }
-    }
-}
-
 /// `key N` out of a flat keyed file (`cgroup.events`, `memory.events`, v1 `oom_control`).
 fn keyed_value(text: &str, key: &str) -> Option<u64> {
     text.lines().find_map(|l| {
@@ -993,5 +497,485 @@ fn write_if_present(path: &Path, value: &str) -> Result<bool, CgroupError> {
             value: value.to_string(),
             source,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lifecycle::remove_tree;
+    use super::*;
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn bad_names_are_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cg = Cgroups::at(dir.path(), CgroupVersion::V2, "opendsec/e1");
+        for id in ["", ".", "..", "a/b"] {
+            let e = cg.create(id, &limits()).expect_err(id);
+            assert!(matches!(e, CgroupError::InvalidName { .. }), "{e}");
+        }
+        assert!(parent_path("opendsec/../x").is_none());
+        assert_eq!(
+            parent_path("/opendsec/e1/"),
+            Some(PathBuf::from("opendsec/e1"))
+        );
+    }
+
+    fn limits() -> Limits {
+        Limits {
+            cpu_cores: 1.5,
+            idle: true,
+            memory_mb: 512,
+            pids_max: 4096,
+            disk_io: None,
+        }
+    }
+
+    fn read(p: &Path) -> String {
+        fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+    }
+
+    /// Lays out `dir` as a kernel would: control files in the ancestors and the sandbox.
+    fn fake_v2(root: &Path, id: &str) -> PathBuf {
+        let all = "cpuset cpu io memory hugetlb pids rdma misc";
+        for (d, ctl) in [("", all), ("opendsec", ""), ("opendsec/e1", "")] {
+            let d = root.join(d);
+            fs::create_dir_all(&d).expect("mkdir");
+            // What the parent enabled is what this one has; the test only checks writes.
+            fs::write(
+                d.join("cgroup.controllers"),
+                if ctl.is_empty() { all } else { ctl },
+            )
+            .expect("controllers");
+            fs::write(
+                d.join("cgroup.subtree_control"),
+                if ctl.is_empty() { "" } else { "cpu" },
+            )
+            .expect("subtree");
+        }
+        let sb = root.join("opendsec/e1").join(id);
+        fs::create_dir_all(&sb).expect("mkdir sandbox");
+        for f in [
+            "cpu.max",
+            "cpu.idle",
+            "memory.max",
+            "memory.swap.max",
+            "pids.max",
+            "io.max",
+            "cgroup.procs",
+            "cgroup.freeze",
+            "cgroup.kill",
+        ] {
+            fs::write(sb.join(f), "").expect("control file");
+        }
+        fs::write(sb.join("cgroup.events"), "populated 0\nfrozen 1\n").expect("events");
+        fs::write(sb.join("memory.current"), "1234\n").expect("current");
+        fs::write(
+            sb.join("memory.events"),
+            "low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\noom_group_kill 0\n",
+        )
+        .expect("memory.events");
+        sb
+    }
+
+    #[test]
+    fn v2_writes_limits_and_controllers() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path();
+        let sb = fake_v2(root, "e1.a");
+        let cgs = Cgroups::at(root, CgroupVersion::V2, "opendsec/e1");
+        assert_eq!(cgs.version(), CgroupVersion::V2);
+        let cg = cgs.create("e1.a", &limits()).expect("create");
+        // The root had cpu already; the others get everything.
+        assert_eq!(
+            read(&root.join("cgroup.subtree_control")),
+            "+memory +pids +io"
+        );
+        assert_eq!(
+            read(&root.join("opendsec/cgroup.subtree_control")),
+            "+cpu +memory +pids +io"
+        );
+        assert_eq!(
+            read(&root.join("opendsec/e1/cgroup.subtree_control")),
+            "+cpu +memory +pids +io"
+        );
+        assert_eq!(read(&sb.join("cpu.max")), "150000 100000");
+        assert_eq!(read(&sb.join("cpu.idle")), "1");
+        assert_eq!(read(&sb.join("memory.max")), (512u64 << 20).to_string());
+        assert_eq!(read(&sb.join("memory.swap.max")), "0");
+        assert_eq!(read(&sb.join("pids.max")), "4096");
+
+        // Unlimited, not idle; no cpu.idle on this kernel: the weight instead.
+        fs::remove_file(sb.join("cpu.idle")).expect("rm cpu.idle");
+        fs::write(sb.join("cpu.weight"), "").expect("cpu.weight");
+        let unl = Limits {
+            cpu_cores: 0.0,
+            idle: false,
+            memory_mb: 0,
+            pids_max: 0,
+            disk_io: None,
+        };
+        cgs.create("e1.a", &unl).expect("create again");
+        assert_eq!(read(&sb.join("cpu.max")), "max 100000");
+        assert_eq!(read(&sb.join("cpu.weight")), "100");
+        assert_eq!(read(&sb.join("memory.max")), "max");
+        assert_eq!(read(&sb.join("pids.max")), "max");
+
+        let io = DiskIo {
+            read_mbps: 1,
+            write_mbps: 0,
+            read_iops: 100,
+            write_iops: 0,
+        };
+        cg.set_disk_io(7, 3, &io).expect("io");
+        assert_eq!(
+            read(&sb.join("io.max")),
+            "7:3 rbps=1048576 wbps=max riops=100 wiops=max"
+        );
+
+        cg.join(42).expect("join");
+        assert_eq!(read(&sb.join("cgroup.procs")), "42");
+        assert_eq!(cg.procs_files(), [sb.join("cgroup.procs")]);
+        assert_eq!(cg.pids(), [42]);
+        assert_eq!(cg.memory_bytes(), 1234);
+        assert_eq!(cg.oom_kills(), 2);
+        assert_eq!(cg.mounts(), [(sb.clone(), String::new())]);
+        assert!(cg.exists());
+        assert!(!cgs.open("e1.zz").exists());
+        assert_eq!(cgs.list(), ["e1.a"]);
+
+        cg.freeze().expect("freeze (the fake says frozen)");
+        assert_eq!(read(&sb.join("cgroup.freeze")), "1");
+        assert!(cg.frozen());
+        cg.thaw().expect("thaw");
+        assert_eq!(read(&sb.join("cgroup.freeze")), "0");
+
+        fs::write(sb.join("cgroup.events"), "populated 1\nfrozen 0\n").expect("events");
+        let e = cg.freeze().expect_err("never frozen");
+        assert!(matches!(e, CgroupError::FreezeTimeout { .. }), "{e}");
+        assert_eq!(
+            read(&sb.join("cgroup.freeze")),
+            "0",
+            "thawed after the timeout"
+        );
+
+        fs::write(sb.join("cgroup.procs"), "").expect("empty procs");
+        cg.kill_all().expect("kill_all");
+        assert_eq!(
+            read(&sb.join("cgroup.kill")),
+            "",
+            "nothing to kill: no write"
+        );
+        fs::write(sb.join("cgroup.procs"), "4242\n").expect("procs");
+        // The fake never empties: kill_all keeps writing cgroup.kill until its deadline.
+        let e = cg.kill_all().expect_err("never empties");
+        assert!(matches!(e, CgroupError::KillTimeout { left: 1, .. }), "{e}");
+        assert_eq!(read(&sb.join("cgroup.kill")), "1");
+    }
+
+    #[test]
+    fn v1_fake_tree_writes_limits() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path();
+        let cgs = Cgroups::at(root, CgroupVersion::V1, "opendsec/e1");
+        assert_eq!(cgs.version(), CgroupVersion::V1);
+        let sb = |c: &str| root.join(c).join("opendsec/e1/e1.a");
+        let files = [
+            ("cpu", "cpu.cfs_period_us"),
+            ("cpu", "cpu.cfs_quota_us"),
+            ("cpu", "cpu.shares"),
+            ("memory", "memory.limit_in_bytes"),
+            ("memory", "memory.oom_control"),
+            ("pids", "pids.max"),
+        ];
+        for (c, f) in files {
+            fs::create_dir_all(sb(c)).expect("mkdir");
+            fs::write(sb(c).join(f), "").expect("control file");
+        }
+        let cg = cgs.create("e1.a", &limits()).expect("create");
+        assert_eq!(read(&sb("cpu").join("cpu.cfs_period_us")), "100000");
+        assert_eq!(read(&sb("cpu").join("cpu.cfs_quota_us")), "150000");
+        assert_eq!(read(&sb("cpu").join("cpu.shares")), "2");
+        assert_eq!(
+            read(&sb("memory").join("memory.limit_in_bytes")),
+            (512u64 << 20).to_string()
+        );
+        assert_eq!(read(&sb("memory").join("memory.oom_control")), "0");
+        assert!(!sb("memory").join("memory.memsw.limit_in_bytes").exists());
+        assert_eq!(read(&sb("pids").join("pids.max")), "4096");
+        for c in ["cpuacct", "freezer", "blkio"] {
+            assert!(sb(c).is_dir(), "{c}");
+        }
+        let names: Vec<String> = cg.mounts().into_iter().map(|m| m.1).collect();
+        assert_eq!(
+            names,
+            ["cpu", "cpuacct", "memory", "pids", "freezer", "blkio"]
+        );
+        assert_eq!(cg.procs_files().len(), 6);
+    }
+
+    // ---- real v1 (or v2) hierarchies of this host: root only ----
+
+    fn root_or_skip(name: &str) -> bool {
+        if nix::unistd::geteuid().is_root() {
+            return true;
+        }
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!("{name} needs root");
+        }
+        eprintln!("skipping {name}: not root");
+        false
+    }
+
+    /// A parent of our own on the host's hierarchies, removed (with everything under it)
+    /// when dropped.
+    struct HostParent {
+        cgs: Cgroups,
+    }
+
+    impl HostParent {
+        fn new() -> HostParent {
+            let parent = format!(
+                "opendsec-test/{}-{:08x}",
+                std::process::id(),
+                rand::random::<u32>()
+            );
+            HostParent {
+                cgs: Cgroups::detect(&parent).expect("detect"),
+            }
+        }
+    }
+
+    impl Drop for HostParent {
+        fn drop(&mut self) {
+            let l = &self.cgs.layout;
+            for h in &l.hierarchies {
+                let _ = remove_tree(&h.mount.join(&l.parent));
+                // Shared with concurrent tests: only goes when empty.
+                let _ = fs::remove_dir(h.mount.join("opendsec-test"));
+            }
+        }
+    }
+
+    /// (utime + stime) of a process in clock ticks.
+    fn cpu_ticks(pid: u32) -> u64 {
+        let s = read(Path::new(&format!("/proc/{pid}/stat")));
+        let after = &s[s.rfind(')').expect("comm") + 2..];
+        let f: Vec<&str> = after.split(' ').collect();
+        f[11].parse::<u64>().expect("utime") + f[12].parse::<u64>().expect("stime")
+    }
+
+    fn spawn(args: &[&str]) -> Child {
+        Command::new(args[0])
+            .args(&args[1..])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn")
+    }
+
+    #[test]
+    fn host_lifecycle_limits_freeze_kill_remove() {
+        if !root_or_skip("host_lifecycle_limits_freeze_kill_remove") {
+            return;
+        }
+        let hp = HostParent::new();
+        let cgs = &hp.cgs;
+        let lim = Limits {
+            cpu_cores: 0.25,
+            idle: false,
+            memory_mb: 256,
+            pids_max: 64,
+            disk_io: None,
+        };
+        let cg = cgs.create("e1.a", &lim).expect("create");
+        cgs.create("e1.a", &lim).expect("create is idempotent");
+        assert!(cg.exists());
+        assert_eq!(cgs.list(), ["e1.a"]);
+        let mem = cg.layout.at.memory.map(|h| cg.dir(h)).expect("memory");
+        let pids_dir = cg.layout.at.pids.map(|h| cg.dir(h)).expect("pids");
+        assert_eq!(read(&pids_dir.join("pids.max")).trim(), "64");
+        if cgs.version() == CgroupVersion::V1 {
+            let cpu = cg.layout.at.cpu.map(|h| cg.dir(h)).expect("cpu");
+            assert_eq!(read(&cpu.join("cpu.cfs_quota_us")).trim(), "25000");
+            assert_eq!(read(&cpu.join("cpu.cfs_period_us")).trim(), "100000");
+            assert_eq!(read(&cpu.join("cpu.shares")).trim(), "1024");
+            assert_eq!(
+                read(&mem.join("memory.limit_in_bytes")).trim(),
+                (256u64 << 20).to_string()
+            );
+            if mem.join("memory.memsw.limit_in_bytes").exists() {
+                assert_eq!(
+                    read(&mem.join("memory.memsw.limit_in_bytes")).trim(),
+                    (256u64 << 20).to_string()
+                );
+            }
+            assert!(read(&mem.join("memory.oom_control")).contains("oom_kill_disable 0"));
+            // Raising the limit has to go memsw first.
+            let more = Limits {
+                memory_mb: 1024,
+                idle: true,
+                ..lim.clone()
+            };
+            cg.set_limits(&more).expect("raise memory");
+            assert_eq!(
+                read(&mem.join("memory.limit_in_bytes")).trim(),
+                (1024u64 << 20).to_string()
+            );
+            assert_eq!(read(&cpu.join("cpu.shares")).trim(), "2");
+            let unl = Limits {
+                memory_mb: 0,
+                cpu_cores: 0.0,
+                pids_max: 0,
+                ..lim.clone()
+            };
+            cg.set_limits(&unl).expect("unlimited");
+            assert_eq!(read(&cpu.join("cpu.cfs_quota_us")).trim(), "-1");
+            assert_eq!(read(&pids_dir.join("pids.max")).trim(), "max");
+            cg.set_limits(&lim).expect("back to the limits");
+        } else {
+            let dir = cg.dir(0);
+            assert_eq!(read(&dir.join("cpu.max")).trim(), "25000 100000");
+            assert_eq!(
+                read(&dir.join("memory.max")).trim(),
+                (256u64 << 20).to_string()
+            );
+            if dir.join("memory.swap.max").exists() {
+                assert_eq!(read(&dir.join("memory.swap.max")).trim(), "0");
+            }
+            if dir.join("cpu.idle").exists() {
+                assert_eq!(read(&dir.join("cpu.idle")).trim(), "0");
+            }
+        }
+
+        // A busy child: frozen, it gets no CPU.
+        let mut busy = spawn(&["sh", "-c", "while :; do :; done"]);
+        let mut idle = spawn(&["sleep", "1000"]);
+        cg.join(busy.id()).expect("join busy");
+        cg.join(idle.id()).expect("join sleep");
+        let mut want = vec![busy.id(), idle.id()];
+        want.sort();
+        assert_eq!(cg.pids(), want);
+        assert!(!cg.frozen());
+        cg.freeze().expect("freeze");
+        assert!(cg.frozen());
+        if let Some(h) = cg.layout.at.freezer.filter(|h| !cg.is_v2(*h)) {
+            assert_eq!(read(&cg.dir(h).join("freezer.state")).trim(), "FROZEN");
+        }
+        let t0 = cpu_ticks(busy.id());
+        std::thread::sleep(Duration::from_millis(400));
+        assert_eq!(cpu_ticks(busy.id()), t0, "a frozen child ran");
+        cg.thaw().expect("thaw");
+        assert!(!cg.frozen());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while cpu_ticks(busy.id()) == t0 {
+            assert!(Instant::now() < deadline, "the thawed child never ran");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+
+        // kill_all works on a paused sandbox.
+        cg.freeze().expect("freeze again");
+        cg.kill_all().expect("kill_all");
+        assert!(cg.pids().is_empty());
+        for c in [&mut busy, &mut idle] {
+            let st = c.wait().expect("reap");
+            use std::os::unix::process::ExitStatusExt;
+            assert_eq!(st.signal(), Some(libc::SIGKILL));
+        }
+        cg.remove().expect("remove");
+        assert!(!cg.exists());
+        cg.remove().expect("remove twice");
+        assert!(cgs.list().is_empty());
+    }
+
+    #[test]
+    fn host_remove_kills_what_is_left() {
+        if !root_or_skip("host_remove_kills_what_is_left") {
+            return;
+        }
+        let hp = HostParent::new();
+        let cg = hp.cgs.create("e1.b", &limits()).expect("create");
+        let mut child = spawn(&["sleep", "1000"]);
+        cg.join(child.id()).expect("join");
+        cg.remove().expect("remove with a process in it");
+        assert!(!cg.exists());
+        child.wait().expect("reap");
+    }
+
+    #[test]
+    fn host_oom_kills_in_the_sandbox() {
+        if !root_or_skip("host_oom_kills_in_the_sandbox") {
+            return;
+        }
+        let hp = HostParent::new();
+        let lim = Limits {
+            memory_mb: 32,
+            ..limits()
+        };
+        let cg = hp.cgs.create("e1.oom", &lim).expect("create");
+        assert_eq!(cg.oom_kills(), 0);
+        // Joins first, then allocates: `read` holds it until we say go.
+        let mut child = spawn(&[
+            "sh",
+            "-c",
+            "read x; exec dd if=/dev/zero of=/dev/null bs=100M count=1",
+        ]);
+        cg.join(child.id()).expect("join");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(b"go\n")
+            .expect("go");
+        let st = child.wait().expect("reap");
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(st.signal(), Some(libc::SIGKILL), "{st:?}");
+        assert!(cg.oom_kills() >= 1);
+        assert!(cg.memory_bytes() <= 32 << 20);
+        cg.remove().expect("remove");
+    }
+
+    #[test]
+    fn host_disk_io_throttle() {
+        if !root_or_skip("host_disk_io_throttle") {
+            return;
+        }
+        let hp = HostParent::new();
+        let cg = hp.cgs.create("e1.io", &limits()).expect("create");
+        // loop0's numbers (7:0); the rule needs an existing block device.
+        let io = DiskIo {
+            read_mbps: 2,
+            write_mbps: 1,
+            read_iops: 0,
+            write_iops: 50,
+        };
+        cg.set_disk_io(7, 0, &io).expect("set");
+        let h = cg.layout.at.io.expect("io controller");
+        let dir = cg.dir(h);
+        if cg.is_v2(h) {
+            assert!(read(&dir.join("io.max")).contains("7:0 rbps=2097152 wbps=1048576"));
+        } else {
+            assert_eq!(
+                read(&dir.join("blkio.throttle.read_bps_device")).trim(),
+                "7:0 2097152"
+            );
+            assert_eq!(
+                read(&dir.join("blkio.throttle.write_bps_device")).trim(),
+                "7:0 1048576"
+            );
+            assert_eq!(
+                read(&dir.join("blkio.throttle.read_iops_device")).trim(),
+                ""
+            );
+            assert_eq!(
+                read(&dir.join("blkio.throttle.write_iops_device")).trim(),
+                "7:0 50"
+            );
+            cg.set_disk_io(7, 0, &DiskIo::default()).expect("clear");
+            assert_eq!(read(&dir.join("blkio.throttle.read_bps_device")).trim(), "");
+        }
+        cg.remove().expect("remove");
     }
 }

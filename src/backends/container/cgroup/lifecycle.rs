@@ -1,0 +1,197 @@
+//! Pausing and ending a sandbox's processes: the freezer, killing every member, and
+//! removing the cgroup.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+use super::{keyed_value, write_file, CgroupError, SandboxCgroup};
+
+/// How long `freeze` waits for the kernel to report FROZEN.
+const FREEZE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long `kill_all` waits for the cgroup to empty.
+const KILL_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long `remove` retries an rmdir that finds the cgroup still busy (exiting tasks).
+const RMDIR_TIMEOUT: Duration = Duration::from_secs(1);
+
+impl SandboxCgroup {
+    /// Freezes every process of the sandbox and returns once the kernel reports the cgroup
+    /// frozen. Errors: `NoFreezer`, `Write`, or `FreezeTimeout` after about 2 s (the cgroup
+    /// is thawed again then).
+    pub fn freeze(&self) -> Result<(), CgroupError> {
+        self.freeze_within(FREEZE_TIMEOUT)
+    }
+
+    fn freeze_within(&self, timeout: Duration) -> Result<(), CgroupError> {
+        let (dir, v2) = self.freezer()?;
+        let (file, value) = if v2 {
+            (dir.join("cgroup.freeze"), "1")
+        } else {
+            (dir.join("freezer.state"), "FROZEN")
+        };
+        write_file(&file, value)?;
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(200);
+        loop {
+            if self.frozen() {
+                return Ok(());
+            }
+            if start.elapsed() >= timeout {
+                let _ = self.thaw();
+                return Err(CgroupError::FreezeTimeout {
+                    path: dir,
+                    waited_ms: start.elapsed().as_millis() as u64,
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(20));
+        }
+    }
+
+    /// Lets the sandbox's processes run again. Errors: `NoFreezer`, `Write`.
+    pub fn thaw(&self) -> Result<(), CgroupError> {
+        let (dir, v2) = self.freezer()?;
+        if v2 {
+            write_file(&dir.join("cgroup.freeze"), "0")
+        } else {
+            write_file(&dir.join("freezer.state"), "THAWED")
+        }
+    }
+
+    /// Whether the kernel reports the cgroup frozen (not merely freezing).
+    pub fn frozen(&self) -> bool {
+        let Ok((dir, v2)) = self.freezer() else {
+            return false;
+        };
+        if v2 {
+            fs::read_to_string(dir.join("cgroup.events"))
+                .is_ok_and(|s| keyed_value(&s, "frozen") == Some(1))
+        } else {
+            fs::read_to_string(dir.join("freezer.state")).is_ok_and(|s| s.trim() == "FROZEN")
+        }
+    }
+
+    fn freezer(&self) -> Result<(PathBuf, bool), CgroupError> {
+        match self.layout.at.freezer {
+            Some(h) => Ok((self.dir(h), self.is_v2(h))),
+            None => Err(CgroupError::NoFreezer {
+                path: self.dirs().next().unwrap_or_default(),
+            }),
+        }
+    }
+
+    /// Kills every process in the cgroup and waits (bounded) until it is empty. Uses v2
+    /// `cgroup.kill` where there is one; else freezes (so nothing forks or exits meanwhile
+    /// and no pid is reused), sends SIGKILL to every member, and thaws so they can die; this
+    /// also works on a paused sandbox. Errors: `Signal`, or `KillTimeout` after about 5 s.
+    pub fn kill_all(&self) -> Result<(), CgroupError> {
+        let start = Instant::now();
+        let kill_file = (0..self.layout.hierarchies.len())
+            .filter(|h| self.is_v2(*h))
+            .map(|h| self.dir(h).join("cgroup.kill"))
+            .find(|p| p.exists());
+        let mut pause = Duration::from_micros(500);
+        loop {
+            let pids = self.pids();
+            if pids.is_empty() {
+                return Ok(());
+            }
+            if start.elapsed() >= KILL_TIMEOUT {
+                return Err(CgroupError::KillTimeout {
+                    path: self.dirs().next().unwrap_or_default(),
+                    left: pids.len(),
+                    waited_ms: start.elapsed().as_millis() as u64,
+                });
+            }
+            match &kill_file {
+                Some(f) => write_file(f, "1")?,
+                None => self.signal_all()?,
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(50));
+        }
+    }
+
+    fn signal_all(&self) -> Result<(), CgroupError> {
+        let has_freezer = self.layout.at.freezer.is_some();
+        if has_freezer && !self.frozen() {
+            // Best effort: a task stuck in the kernel may keep it FREEZING; kill anyway.
+            let _ = self.freeze_within(Duration::from_millis(200));
+        }
+        for pid in self.pids() {
+            let Ok(raw) = i32::try_from(pid) else {
+                continue;
+            };
+            match kill(Pid::from_raw(raw), Signal::SIGKILL) {
+                Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+                Err(source) => {
+                    return Err(CgroupError::Signal {
+                        pid,
+                        path: self.dirs().next().unwrap_or_default(),
+                        source,
+                    })
+                }
+            }
+        }
+        if has_freezer {
+            // Frozen tasks die only once thawed.
+            self.thaw()?;
+        }
+        Ok(())
+    }
+
+    /// Removes the cgroup (and any cgroups the sandbox made below it) in every hierarchy,
+    /// killing what still runs in it first. A cgroup that is not there is fine. Errors:
+    /// those of [`kill_all`](Self::kill_all), and `Remove` with the directory.
+    pub fn remove(&self) -> Result<(), CgroupError> {
+        if !self.pids().is_empty() {
+            self.kill_all()?;
+        }
+        for dir in self.dirs() {
+            remove_tree(&dir)?;
+        }
+        tracing::debug!(sandbox_id = %self.id, "cgroup removed");
+        Ok(())
+    }
+}
+
+/// Removes a cgroup directory and the cgroups below it, deepest first. Control files
+/// cannot (and need not) be removed: rmdir of a cgroup takes them along. Retries briefly
+/// while the kernel still counts exiting tasks (`EBUSY`).
+pub(super) fn remove_tree(dir: &Path) -> Result<(), CgroupError> {
+    let entries = match fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(source) => {
+            return Err(CgroupError::Remove {
+                path: dir.to_path_buf(),
+                source,
+            })
+        }
+    };
+    for e in entries.flatten() {
+        if e.file_type().is_ok_and(|t| t.is_dir()) {
+            remove_tree(&e.path())?;
+        }
+    }
+    let start = Instant::now();
+    loop {
+        match fs::remove_dir(dir) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) && start.elapsed() < RMDIR_TIMEOUT => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(source) => {
+                return Err(CgroupError::Remove {
+                    path: dir.to_path_buf(),
+                    source,
+                })
+            }
+        }
+    }
+}
