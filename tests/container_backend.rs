@@ -124,14 +124,22 @@ async fn lifecycle_adoption_and_nothing_left() {
         spec: &spec,
         state: &st,
     };
-    let r = shell(&b, &h, "echo hi; hostname; cat /proc/1/comm; ls /proc | grep -c '^[0-9]'").await;
+    let r = shell(
+        &b,
+        &h,
+        "echo hi; hostname; cat /proc/1/comm; ls /proc | grep -c '^[0-9]'",
+    )
+    .await;
     assert_eq!(r.exit_code, 0, "{r:?}");
     let out = String::from_utf8_lossy(&r.stdout).to_string();
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines.first(), Some(&"hi"));
     assert_eq!(lines.get(1), Some(&"lifecycle"));
     // Only the sandbox's own processes are visible: aether, chronus, the shell and a few.
-    let n: usize = lines.get(3).and_then(|s| s.trim().parse().ok()).unwrap_or(999);
+    let n: usize = lines
+        .get(3)
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(999);
     assert!(n < 10, "{n} processes visible: {out}");
     assert_eq!(b.probe(&h).await, Health::Alive);
 
@@ -202,6 +210,9 @@ async fn bad_requests_leave_nothing_and_cleanup_removes_strays() {
     .await
     .expect("create");
     let report = b.cleanup(&HashSet::new()).await.expect("cleanup");
-    assert!(report.removed.iter().any(|r| r.contains(&stray)), "{report:?}");
+    assert!(
+        report.removed.iter().any(|r| r.contains(&stray)),
+        "{report:?}"
+    );
     assert_eq!(leftovers(state, edge, &stray), Vec::<String>::new());
 }

@@ -29,6 +29,6 @@ macro_rules! minus_one {
 }
 minus_one!(i32, i64, isize);
 
-pub mod process;
-pub mod net;
 pub mod fd;
+pub mod net;
+pub mod process;

@@ -127,6 +127,10 @@ mod tests {
         let e = SetupExe::new(Path::new("/proc/self/exe")).expect("memfd");
         let meta = fs::metadata(e.path()).expect("stat");
         assert!(meta.len() > 0);
-        assert!(fs::OpenOptions::new().write(true).open(e.path()).and_then(|mut f| f.write_all(b"x")).is_err());
+        assert!(fs::OpenOptions::new()
+            .write(true)
+            .open(e.path())
+            .and_then(|mut f| f.write_all(b"x"))
+            .is_err());
     }
 }

@@ -95,7 +95,8 @@ impl ContainerBackend {
         // Per edge, so that edges sharing a state_dir never clean up each other's sandboxes.
         let base = ctx.state_dir.join(&ctx.edge_id);
         let dir = base.join("containers");
-        std::fs::create_dir_all(&dir).map_err(|e| cfg_err(name, format!("{}: {e}", dir.display())))?;
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| cfg_err(name, format!("{}: {e}", dir.display())))?;
         let disks = Disks::new(base.join("disks"));
         // The agent and the setup program are this same executable; `agent_dir` may hold
         // another build of it (tests run the backend inside a test harness).
@@ -117,7 +118,11 @@ impl ContainerBackend {
         }
         Ok(ContainerBackend {
             name: name.to_string(),
-            pids_max: if cfg.pids_max > 0 { cfg.pids_max } else { DEFAULT_PIDS_MAX },
+            pids_max: if cfg.pids_max > 0 {
+                cfg.pids_max
+            } else {
+                DEFAULT_PIDS_MAX
+            },
             disk_io,
             core_sched: cfg.core_sched.unwrap_or(true),
             images,
@@ -142,7 +147,12 @@ impl ContainerBackend {
         }
     }
 
-    fn setup_spec(&self, req: &CreateRequest, lowers: Vec<PathBuf>, cg: &SandboxCgroup) -> SetupSpec {
+    fn setup_spec(
+        &self,
+        req: &CreateRequest,
+        lowers: Vec<PathBuf>,
+        cg: &SandboxCgroup,
+    ) -> SetupSpec {
         let id = &req.sandbox_id;
         let host = id.rsplit('.').next().unwrap_or(id);
         let hostname: String = host
@@ -158,7 +168,11 @@ impl ContainerBackend {
             cgroup_procs: cg.procs_files(),
             cgroup_mounts: cg.mounts(),
             agent: self.agent.clone(),
-            hostname: if hostname.is_empty() { "sandbox".into() } else { hostname },
+            hostname: if hostname.is_empty() {
+                "sandbox".into()
+            } else {
+                hostname
+            },
             readonly_paths: req.spec.readonly_paths.clone(),
             masked_paths: req.spec.masked_paths.clone(),
             core_sched: self.core_sched,
@@ -190,7 +204,10 @@ impl ContainerBackend {
             .spawn()
             .map_err(|e| format!("starting the setup process: {e}"))?;
         if let Some(mut stdin) = child.stdin.take() {
-            stdin.write_all(&input).await.map_err(|e| format!("writing the setup spec: {e}"))?;
+            stdin
+                .write_all(&input)
+                .await
+                .map_err(|e| format!("writing the setup spec: {e}"))?;
         }
         let mut out = String::new();
         if let Some(mut stdout) = child.stdout.take() {
@@ -200,8 +217,12 @@ impl ContainerBackend {
                 .map_err(|e| format!("reading the setup result: {e}"))?;
         }
         let _ = child.wait().await;
-        let res: SetupResult = serde_json::from_str(out.trim())
-            .map_err(|e| format!("bad setup result {:?}: {e}", crate::types::names::shown(&out)))?;
+        let res: SetupResult = serde_json::from_str(out.trim()).map_err(|e| {
+            format!(
+                "bad setup result {:?}: {e}",
+                crate::types::names::shown(&out)
+            )
+        })?;
         if !res.error.is_empty() || res.pid == 0 {
             return Err(res.error);
         }
@@ -264,7 +285,6 @@ impl ContainerBackend {
     }
 }
 
-
 /// `disk_io` from the backend config: `{"read_mbps", "write_mbps", "read_iops",
 /// "write_iops"}`, 0 or absent for unlimited; `null`/`{}` for none.
 fn parse_disk_io(v: &serde_json::Value) -> Result<Option<DiskIo>, String> {
@@ -325,13 +345,11 @@ impl Backend for ContainerBackend {
 
     async fn create(&self, req: &CreateRequest) -> Result<BackendState, BackendError> {
         let id = req.sandbox_id.as_str();
-        let lowers = self
-            .images
-            .get(&req.spec.image)
-            .cloned()
-            .ok_or_else(|| BackendError::ImageNotFound {
+        let lowers = self.images.get(&req.spec.image).cloned().ok_or_else(|| {
+            BackendError::ImageNotFound {
                 image: req.spec.image.clone(),
-            })?;
+            }
+        })?;
         for p in req.spec.readonly_paths.iter().chain(&req.spec.masked_paths) {
             setup::check_sandbox_path(p).map_err(|message| BackendError::Invalid {
                 sandbox_id: id.to_string(),
@@ -343,7 +361,10 @@ impl Backend for ContainerBackend {
         if sock.as_os_str().len() > 100 {
             return Err(create_err(
                 id,
-                format!("socket path {} is too long for a unix socket; use a shorter state_dir", sock.display()),
+                format!(
+                    "socket path {} is too long for a unix socket; use a shorter state_dir",
+                    sock.display()
+                ),
             ));
         }
         let result = self.create_inner(req, lowers, &dir, &sock).await;
@@ -423,7 +444,10 @@ impl Backend for ContainerBackend {
         let mut ids: HashSet<String> = self.cgroups.list().into_iter().collect();
         ids.extend(self.disks.list());
         if let Ok(rd) = std::fs::read_dir(&self.dir) {
-            ids.extend(rd.flatten().filter_map(|e| e.file_name().into_string().ok()));
+            ids.extend(
+                rd.flatten()
+                    .filter_map(|e| e.file_name().into_string().ok()),
+            );
         }
         let mut report = CleanupReport::default();
         for id in ids {
@@ -474,18 +498,26 @@ impl ContainerBackend {
         .map_err(|e| create_err(id, e))?
         .map_err(|e| create_err(id, e))?;
         let setup_spec = self.setup_spec(req, lowers, &cg);
-        let res = self.run_setup(&setup_spec).await.map_err(|e| create_err(id, e))?;
+        let res = self
+            .run_setup(&setup_spec)
+            .await
+            .map_err(|e| create_err(id, e))?;
         if let (Some(io), Some((maj, min))) = (&self.disk_io, res.loop_device.split_once(':')) {
             if let (Ok(maj), Ok(min)) = (maj.parse(), min.parse()) {
-                cg.set_disk_io(maj, min, io).map_err(|e| create_err(id, e))?;
+                cg.set_disk_io(maj, min, io)
+                    .map_err(|e| create_err(id, e))?;
             }
         }
-        if self.core_sched && !res.core_sched && !self.warned_core_sched.swap(true, Ordering::Relaxed) {
+        if self.core_sched
+            && !res.core_sched
+            && !self.warned_core_sched.swap(true, Ordering::Relaxed)
+        {
             tracing::info!("this kernel has no core scheduling; sandboxes run without a core-scheduling cookie");
         }
         let st = ContainerState {
             pid: res.pid,
-            start_time: start_time(res.pid).ok_or_else(|| create_err(id, "aether exited at start"))?,
+            start_time: start_time(res.pid)
+                .ok_or_else(|| create_err(id, "aether exited at start"))?,
             socket: sock.to_path_buf(),
             loop_device: res.loop_device,
         };
@@ -499,7 +531,12 @@ impl ContainerBackend {
         match first {
             Ok(Ok(Some(_))) => {}
             Ok(Ok(None)) => return Err(create_err(id, "aether closed its Watch stream at start")),
-            Ok(Err(e)) => return Err(create_err(id, format!("aether did not start: {}", e.message()))),
+            Ok(Err(e)) => {
+                return Err(create_err(
+                    id,
+                    format!("aether did not start: {}", e.message()),
+                ))
+            }
             Err(_) => return Err(create_err(id, "aether did not answer in time")),
         }
         self.channels().insert(id.to_string(), ch);
@@ -521,7 +558,8 @@ impl Runtime for ContainerBackend {
             });
         }
         let ch = crate::rpc::uds::uds_channel(st.socket.clone());
-        self.channels().insert(sandbox.sandbox_id.to_string(), ch.clone());
+        self.channels()
+            .insert(sandbox.sandbox_id.to_string(), ch.clone());
         Ok(ch)
     }
 }

@@ -23,7 +23,9 @@ use super::policy;
 use super::rootfs;
 use super::setup::{SetupResult, SetupSpec, AETHER_CONFIG, AGENT_PATH, LISTEN_FD};
 use crate::sys::loopdev::LoopDevice;
-use crate::sys::process::{close_fds_from, dup_to, fork_single_threaded, sched_core_create, Forked};
+use crate::sys::process::{
+    close_fds_from, dup_to, fork_single_threaded, sched_core_create, Forked,
+};
 
 /// A failed setup step.
 #[derive(Debug, thiserror::Error)]
@@ -155,7 +157,10 @@ fn child(spec: &SetupSpec, report: &OwnedFd) -> Result<Infallible, InitError> {
     let core = spec.core_sched && sched_core_create().is_ok();
     policy::install_seccomp()?;
     policy::drop_capabilities()?;
-    let line = format!("ok {major}:{minor} {}", if core { "core" } else { "nocore" });
+    let line = format!(
+        "ok {major}:{minor} {}",
+        if core { "core" } else { "nocore" }
+    );
     sys("report", nix::unistd::write(report, line.as_bytes()))?;
     // From here on a failure shows as aether never answering; the edge times out and
     // removes the sandbox.
@@ -173,7 +178,9 @@ fn child(spec: &SetupSpec, report: &OwnedFd) -> Result<Infallible, InitError> {
     sys("close inherited fds", close_fds_from(LISTEN_FD as u32 + 1))?;
     let path = cstr(AGENT_PATH)?;
     let argv = [cstr("aether")?, cstr("--config")?, cstr(AETHER_CONFIG)?];
-    let env = [cstr("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")?];
+    let env = [cstr(
+        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    )?];
     let e = nix::unistd::execve(&path, &argv, &env);
     Err(InitError::Sys {
         step: "exec aether",

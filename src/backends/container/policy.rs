@@ -83,10 +83,7 @@ const DENIED: &[i64] = &[
     libc::SYS_uselib,
 ];
 
-fn filter(
-    rules: BTreeMap<i64, Vec<SeccompRule>>,
-    errno: u32,
-) -> Result<BpfProgram, PolicyError> {
+fn filter(rules: BTreeMap<i64, Vec<SeccompRule>>, errno: u32) -> Result<BpfProgram, PolicyError> {
     let f = SeccompFilter::new(
         rules,
         SeccompAction::Allow,
@@ -94,7 +91,8 @@ fn filter(
         TargetArch::x86_64,
     )
     .map_err(|e| PolicyError::Build(e.to_string()))?;
-    f.try_into().map_err(|e: seccompiler::BackendError| PolicyError::Build(e.to_string()))
+    f.try_into()
+        .map_err(|e: seccompiler::BackendError| PolicyError::Build(e.to_string()))
 }
 
 /// The two seccomp programs: the EPERM deny-list (plus `clone`/`unshare` with

@@ -142,7 +142,14 @@ pub fn overlay(
 pub fn populate(root: &Path, spec: &SetupSpec) -> Result<(), RootfsError> {
     let proc_ = root.join("proc");
     mkdir(&proc_, 0o555)?;
-    m("mount proc", Some("proc"), &proc_, Some("proc"), NOSUID_NODEV_NOEXEC, None)?;
+    m(
+        "mount proc",
+        Some("proc"),
+        &proc_,
+        Some("proc"),
+        NOSUID_NODEV_NOEXEC,
+        None,
+    )?;
     dev(root)?;
     let sys = root.join("sys");
     mkdir(&sys, 0o555)?;
@@ -205,7 +212,14 @@ fn dev(root: &Path) -> Result<(), RootfsError> {
     )?;
     let mq = dev.join("mqueue");
     mkdir(&mq, 0o755)?;
-    m("mount mqueue", Some("mqueue"), &mq, Some("mqueue"), NOSUID_NODEV_NOEXEC, None)?;
+    m(
+        "mount mqueue",
+        Some("mqueue"),
+        &mq,
+        Some("mqueue"),
+        NOSUID_NODEV_NOEXEC,
+        None,
+    )?;
     for (link, to) in [
         ("ptmx", "pts/ptmx"),
         ("fd", "/proc/self/fd"),
@@ -226,7 +240,14 @@ fn cgroup(root: &Path, spec: &SetupSpec) -> Result<(), RootfsError> {
     }
     let ro_bind = |src: &Path, target: &Path| -> Result<(), RootfsError> {
         let s = src.to_string_lossy();
-        m("bind cgroup", Some(&s), target, None, MsFlags::MS_BIND, None)?;
+        m(
+            "bind cgroup",
+            Some(&s),
+            target,
+            None,
+            MsFlags::MS_BIND,
+            None,
+        )?;
         m(
             "remount cgroup read-only",
             None,
@@ -284,7 +305,14 @@ fn run(root: &Path, spec: &SetupSpec) -> Result<(), RootfsError> {
     let src = spec.agent.to_string_lossy();
     // The file itself is bound (not its directory), so the sandbox keeps this inode even if
     // the agent is replaced on the host.
-    m("bind agent", Some(&src), &agent, None, MsFlags::MS_BIND, None)?;
+    m(
+        "bind agent",
+        Some(&src),
+        &agent,
+        None,
+        MsFlags::MS_BIND,
+        None,
+    )?;
     m(
         "remount agent read-only",
         None,
@@ -324,10 +352,15 @@ pub fn pivot(root: &Path) -> Result<(), RootfsError> {
 /// After the pivot: Docker's masked and read-only paths plus the caller's. A missing path
 /// is skipped; paths resolve inside the sandbox's root.
 pub fn restrict(readonly: &[String], masked: &[String]) -> Result<(), RootfsError> {
-    let masked_all = DEFAULT_MASKED.iter().map(|s| s.to_string()).chain(masked.iter().cloned());
+    let masked_all = DEFAULT_MASKED
+        .iter()
+        .map(|s| s.to_string())
+        .chain(masked.iter().cloned());
     for p in masked_all {
         let path = Path::new(&p);
-        let Ok(meta) = fs::metadata(path) else { continue };
+        let Ok(meta) = fs::metadata(path) else {
+            continue;
+        };
         if meta.is_dir() {
             m(
                 "mask directory",
@@ -338,10 +371,20 @@ pub fn restrict(readonly: &[String], masked: &[String]) -> Result<(), RootfsErro
                 Some("size=0,mode=555"),
             )?;
         } else {
-            m("mask file", Some("/dev/null"), path, None, MsFlags::MS_BIND, None)?;
+            m(
+                "mask file",
+                Some("/dev/null"),
+                path,
+                None,
+                MsFlags::MS_BIND,
+                None,
+            )?;
         }
     }
-    let ro_all = DEFAULT_READONLY.iter().map(|s| s.to_string()).chain(readonly.iter().cloned());
+    let ro_all = DEFAULT_READONLY
+        .iter()
+        .map(|s| s.to_string())
+        .chain(readonly.iter().cloned());
     for p in ro_all {
         let path = Path::new(&p);
         if fs::symlink_metadata(path).is_err() {

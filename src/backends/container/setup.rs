@@ -88,10 +88,16 @@ pub const DEFAULT_READONLY: &[&str] = &[
 /// NUL, no `.` or `..` component, not `/` itself. Errors: the reason why, for `invalid`.
 pub fn check_sandbox_path(p: &str) -> Result<(), String> {
     if !p.starts_with('/') || p.len() > 4096 || p.contains('\0') {
-        return Err(format!("path {:?} must be absolute (at most 4096 bytes)", crate::types::names::shown(p)));
+        return Err(format!(
+            "path {:?} must be absolute (at most 4096 bytes)",
+            crate::types::names::shown(p)
+        ));
     }
     if p.split('/').any(|c| c == "." || c == "..") {
-        return Err(format!("path {:?} must not contain . or ..", crate::types::names::shown(p)));
+        return Err(format!(
+            "path {:?} must not contain . or ..",
+            crate::types::names::shown(p)
+        ));
     }
     if p.trim_end_matches('/').is_empty() {
         return Err("path / cannot be masked or made read-only".into());
@@ -103,7 +109,9 @@ pub fn check_sandbox_path(p: &str) -> Result<(), String> {
 pub fn check_lower(p: &std::path::Path) -> Result<(), String> {
     let s = p.to_string_lossy();
     if s.contains([':', ',', '\n']) || !p.is_absolute() {
-        return Err(format!("lower directory {s:?} must be absolute without ':' or ','"));
+        return Err(format!(
+            "lower directory {s:?} must be absolute without ':' or ','"
+        ));
     }
     Ok(())
 }

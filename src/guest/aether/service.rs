@@ -155,7 +155,11 @@ impl pb::runtime_server::Runtime for Aether {
         &self,
         req: Request<pb::StartProcessRequest>,
     ) -> Res<Self::StartProcessStream> {
-        let s = self.procs.start(req.into_inner()).await.map_err(proc_status)?;
+        let s = self
+            .procs
+            .start(req.into_inner())
+            .await
+            .map_err(proc_status)?;
         Ok(Response::new(events(s)))
     }
 
@@ -164,27 +168,43 @@ impl pb::runtime_server::Runtime for Aether {
         &self,
         req: Request<pb::ConnectProcessRequest>,
     ) -> Res<Self::ConnectProcessStream> {
-        let s = self.procs.connect(req.into_inner()).await.map_err(proc_status)?;
+        let s = self
+            .procs
+            .connect(req.into_inner())
+            .await
+            .map_err(proc_status)?;
         Ok(Response::new(events(s)))
     }
 
     async fn send_process_input(&self, req: Request<pb::ProcessInputRequest>) -> Res<pb::Empty> {
-        self.procs.send_input(req.into_inner()).await.map_err(proc_status)?;
+        self.procs
+            .send_input(req.into_inner())
+            .await
+            .map_err(proc_status)?;
         Ok(Response::new(pb::Empty {}))
     }
 
     async fn close_process_input(&self, req: Request<pb::ProcessRef>) -> Res<pb::Empty> {
-        self.procs.close_input(req.into_inner()).await.map_err(proc_status)?;
+        self.procs
+            .close_input(req.into_inner())
+            .await
+            .map_err(proc_status)?;
         Ok(Response::new(pb::Empty {}))
     }
 
     async fn signal_process(&self, req: Request<pb::SignalProcessRequest>) -> Res<pb::Empty> {
-        self.procs.signal(req.into_inner()).await.map_err(proc_status)?;
+        self.procs
+            .signal(req.into_inner())
+            .await
+            .map_err(proc_status)?;
         Ok(Response::new(pb::Empty {}))
     }
 
     async fn resize_process_pty(&self, req: Request<pb::ResizePtyRequest>) -> Res<pb::Empty> {
-        self.procs.resize(req.into_inner()).await.map_err(proc_status)?;
+        self.procs
+            .resize(req.into_inner())
+            .await
+            .map_err(proc_status)?;
         Ok(Response::new(pb::Empty {}))
     }
 
