@@ -36,11 +36,21 @@ fn ctx(state: &Path, edge: &str) -> BackendContext {
 }
 
 fn backend(state: &Path, edge: &str) -> Arc<dyn Backend> {
+    backend_with(state, edge, BTreeMap::new())
+}
+
+fn backend_with(
+    state: &Path,
+    edge: &str,
+    extra_images: BTreeMap<String, Vec<PathBuf>>,
+) -> Arc<dyn Backend> {
     let cfg = BackendConfig {
         runtime: "linux".into(),
         ..Default::default()
     };
-    match backends::build("container", &cfg, &ctx(state, edge)) {
+    let mut c = ctx(state, edge);
+    c.images.extend(extra_images);
+    match backends::build("container", &cfg, &c) {
         Ok(b) => b,
         Err(e) => panic!("building the container backend: {e}"),
     }
@@ -215,4 +225,64 @@ async fn bad_requests_leave_nothing_and_cleanup_removes_strays() {
         "{report:?}"
     );
     assert_eq!(leftovers(state, edge, &stray), Vec::<String>::new());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_nodes_in_an_image_open_nothing() {
+    if !root_or_skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let state = tmp.path().join("state");
+    // A whole image of its own (overlayfs refuses a lower layer inside another one, so not
+    // on top of the host's /): static busybox as the shell, plus the hostile node.
+    let layer = tmp.path().join("layer");
+    std::fs::create_dir_all(layer.join("bin")).expect("mkdir");
+    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
+        .into_iter()
+        .find(|p| Path::new(p).is_file())
+        .expect("busybox-static is installed (.ci/run installs it)");
+    std::fs::copy(busybox, layer.join("bin/busybox")).expect("copy busybox");
+    for tool in ["sh", "head", "test", "echo"] {
+        std::os::unix::fs::symlink("busybox", layer.join("bin").join(tool)).expect("symlink");
+    }
+    // A block device node for the host's first disk, as a hostile image could carry.
+    let node = layer.join("disk0");
+    let made = std::process::Command::new("mknod")
+        .arg(&node)
+        .args(["b", "253", "0"])
+        .status()
+        .expect("mknod");
+    assert!(made.success());
+    let edge = "cb-2";
+    let b = backend_with(
+        &state,
+        edge,
+        BTreeMap::from([("withdev".to_string(), vec![layer.clone()])]),
+    );
+    let id = format!("{edge}.devnode");
+    let mut spec = spec();
+    spec.image = "withdev".into();
+    let st = b
+        .create(&CreateRequest {
+            sandbox_id: id.clone(),
+            project: "root".into(),
+            spec: spec.clone(),
+        })
+        .await
+        .expect("create");
+    let h = Handle {
+        sandbox_id: &id,
+        spec: &spec,
+        state: &st,
+    };
+    let r = shell(&b, &h, "test -b /disk0 && echo is-block; head -c 1 /disk0").await;
+    assert_eq!(r.stdout, b"is-block\n");
+    assert_ne!(r.exit_code, 0);
+    assert!(
+        String::from_utf8_lossy(&r.stderr).contains("Permission denied"),
+        "{:?}",
+        String::from_utf8_lossy(&r.stderr)
+    );
+    b.stop(&h).await.expect("stop");
 }

@@ -862,9 +862,8 @@ async fn http_to_a_server_in_the_sandbox_and_watch() {
     let second = w.next().await.expect("event").expect("ok");
     assert!(first.at > 0 && second.at >= first.at);
     // The process API is aether's own table, reached through the same socket.
-    let mut events = a
-        .c
-        .start_process(pb::StartProcessRequest {
+    let mut events =
+        a.c.start_process(pb::StartProcessRequest {
             cmd: "echo".into(),
             args: vec!["from-procs".into()],
             ..Default::default()

@@ -106,12 +106,14 @@ pub fn overlay(
     lowers: &[PathBuf],
 ) -> Result<(), RootfsError> {
     let dev = device.to_string_lossy();
+    // nodev on both: a device node in an image or written by the sandbox opens nothing
+    // (the sandbox's /dev is a separate tmpfs with a few nodes bound in).
     m(
         "mount disk",
         Some(&dev),
         disk,
         Some("ext4"),
-        MsFlags::empty(),
+        MsFlags::MS_NODEV,
         None,
     )?;
     let (upper, work) = (disk.join("upper"), disk.join("work"));
@@ -132,7 +134,7 @@ pub fn overlay(
         Some("overlay"),
         root,
         Some("overlay"),
-        MsFlags::empty(),
+        MsFlags::MS_NODEV,
         Some(&opts),
     )
 }
