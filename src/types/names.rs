@@ -185,6 +185,24 @@ pub fn image_project(image: &str) -> Option<&str> {
     image.rfind('/').map(|i| &image[..i])
 }
 
+/// Checks a caller's `readonly_paths`/`masked_paths` entry: absolute, at most 4096 bytes, no
+/// NUL, no `.` or `..` component, not `/` itself. Errors: the reason why, for `invalid`.
+pub fn check_sandbox_path(p: &str) -> Result<(), String> {
+    if !p.starts_with('/') || p.len() > 4096 || p.contains('\0') {
+        return Err(format!(
+            "path {:?} must be absolute (at most 4096 bytes)",
+            shown(p)
+        ));
+    }
+    if p.split('/').any(|c| c == "." || c == "..") {
+        return Err(format!("path {:?} must not contain . or ..", shown(p)));
+    }
+    if p.trim_end_matches('/').is_empty() {
+        return Err("path / cannot be masked or made read-only".into());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -59,6 +59,10 @@ class DSecRunArgs:
     labels: dict[str, str] = field(default_factory=dict)
     #: The project to create in; ``None``: the client's project.
     project: Optional[str] = None
+    #: Absolute paths made read-only in the sandbox (19-security "Path restrictions").
+    readonly_paths: list[str] = field(default_factory=list)
+    #: Absolute paths hidden in the sandbox (an empty directory or file in their place).
+    masked_paths: list[str] = field(default_factory=list)
 
     def _image(self) -> str:
         return self.image
@@ -80,6 +84,8 @@ class DSecRunArgs:
             task_id=self.task_id,
             qos=self.qos,
             labels={str(k): str(v) for k, v in (self.labels or {}).items()},
+            readonly_paths=[str(p) for p in (self.readonly_paths or [])],
+            masked_paths=[str(p) for p in (self.masked_paths or [])],
         )
 
 

@@ -84,26 +84,7 @@ pub const DEFAULT_READONLY: &[&str] = &[
     "/proc/sysrq-trigger",
 ];
 
-/// Checks a caller's `readonly_paths`/`masked_paths` entry: absolute, at most 4096 bytes, no
-/// NUL, no `.` or `..` component, not `/` itself. Errors: the reason why, for `invalid`.
-pub fn check_sandbox_path(p: &str) -> Result<(), String> {
-    if !p.starts_with('/') || p.len() > 4096 || p.contains('\0') {
-        return Err(format!(
-            "path {:?} must be absolute (at most 4096 bytes)",
-            crate::types::names::shown(p)
-        ));
-    }
-    if p.split('/').any(|c| c == "." || c == "..") {
-        return Err(format!(
-            "path {:?} must not contain . or ..",
-            crate::types::names::shown(p)
-        ));
-    }
-    if p.trim_end_matches('/').is_empty() {
-        return Err("path / cannot be masked or made read-only".into());
-    }
-    Ok(())
-}
+pub use crate::types::names::check_sandbox_path;
 
 /// Checks a lower directory for overlayfs's option syntax (`:` and `,` separate options).
 pub fn check_lower(p: &std::path::Path) -> Result<(), String> {

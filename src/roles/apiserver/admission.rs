@@ -79,6 +79,8 @@ const MAX_DISK_MB: i64 = 64 << 20;
 const MAX_GPUS: i32 = 64;
 const MAX_LABELS: usize = 64;
 const MAX_TEXT: usize = 256;
+/// At most this many `readonly_paths` and `masked_paths` together (each is a mount).
+const MAX_RESTRICTED_PATHS: usize = 64;
 
 /// Fills the defaults of 02-concepts §2.2/§2.4 into `spec` and checks every field.
 /// Errors are `invalid`, naming the field and value; nothing is changed on error.
@@ -205,10 +207,13 @@ pub fn normalize_spec(
             "network_rules: at most 1024 rules, each 1..253 characters without spaces",
         ));
     }
+    if s.readonly_paths.len() + s.masked_paths.len() > MAX_RESTRICTED_PATHS {
+        return Err(Failure::invalid(format!(
+            "readonly_paths and masked_paths: at most {MAX_RESTRICTED_PATHS} paths in all"
+        )));
+    }
     for p in s.readonly_paths.iter().chain(s.masked_paths.iter()) {
-        if !p.starts_with('/') || p.len() > 4096 || p.contains('\0') {
-            return Err(Failure::invalid(format!("path {p:?} must be absolute")));
-        }
+        names::check_sandbox_path(p).map_err(Failure::invalid)?;
     }
     if !s.image.is_empty() && s.image.contains('/') {
         let proj = names::image_project(&s.image).unwrap_or_default();

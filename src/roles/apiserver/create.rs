@@ -279,7 +279,7 @@ impl Inner {
                                     items,
                                 }))
                                 .await
-                                .map(|r| r.into_inner().results)
+                                .map(|r| r.into_inner())
                                 .map_err(|s| failure_from_status(&s)),
                         },
                     };
@@ -307,14 +307,19 @@ impl Inner {
                             }
                         }
                     }
-                    Ok(results) => {
-                        let mut results = results.into_iter();
+                    Ok(resp) => {
+                        let (inc, seq) = (resp.incarnation, resp.admitted_seq);
+                        let mut results = resp.results.into_iter();
                         for mut l in group {
                             match results.next() {
                                 Some(pb::EdgeCreateResult {
                                     sandbox: Some(sb),
                                     error: None,
                                 }) => {
+                                    self.overlay
+                                        .lock()
+                                        .unwrap_or_else(|p| p.into_inner())
+                                        .settle(&edge, &res, &inc, seq);
                                     self.projects
                                         .lock()
                                         .unwrap_or_else(|p| p.into_inner())

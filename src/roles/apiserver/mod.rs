@@ -167,6 +167,11 @@ async fn snapshot_loop(inner: Arc<Inner>, every: f64, shutdown: Shutdown, ready:
                 Ok(r) => {
                     let snap = r.into_inner();
                     if snap.version > 0 {
+                        inner
+                            .overlay
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .observe(&snap);
                         *inner.snapshot.write().await = Arc::new(snap);
                         inner.snapshot_at.store(now_s(), Ordering::Relaxed);
                     }

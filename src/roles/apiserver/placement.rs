@@ -23,28 +23,66 @@ pub struct Request<'a> {
     pub res: Res,
 }
 
+/// One recent placement: when, what, and once the edge has answered, the edge state that
+/// includes it (incarnation, admitted_seq).
+struct Placed {
+    at: Instant,
+    res: Res,
+    shown_by: Option<(String, u64)>,
+}
+
 /// Recent placements not yet visible in the snapshot, and recent rejections.
 #[derive(Default)]
 pub struct Overlay {
-    placed: HashMap<String, Vec<(Instant, Res)>>,
+    placed: HashMap<String, Vec<Placed>>,
     penalties: HashMap<String, Instant>,
 }
 
 impl Overlay {
-    /// Counts `res` toward `edge`'s load for `grace`.
+    /// Counts `res` toward `edge`'s load until the snapshot shows it, for `grace` at most
+    /// (15-configuration `overlay_grace`).
     pub fn add(&mut self, edge: &str, res: Res) {
         self.placed
             .entry(edge.to_string())
             .or_default()
-            .push((Instant::now(), res));
+            .push(Placed {
+                at: Instant::now(),
+                res,
+                shown_by: None,
+            });
     }
     /// Takes back a placement that did not happen (the edge rejected it).
     pub fn remove(&mut self, edge: &str, res: &Res) {
         if let Some(v) = self.placed.get_mut(edge) {
-            if let Some(i) = v.iter().rposition(|(_, r)| r == res) {
+            if let Some(i) = v
+                .iter()
+                .rposition(|p| p.res == *res && p.shown_by.is_none())
+            {
                 v.swap_remove(i);
             }
         }
+    }
+    /// Records that the edge created a placement of `res`: every state of edge process
+    /// `incarnation` with `admitted_seq >= seq` counts it in `allocated`.
+    pub fn settle(&mut self, edge: &str, res: &Res, incarnation: &str, seq: u64) {
+        if let Some(v) = self.placed.get_mut(edge) {
+            if let Some(p) = v.iter_mut().find(|p| p.res == *res && p.shown_by.is_none()) {
+                p.shown_by = Some((incarnation.to_string(), seq));
+            }
+        }
+    }
+    /// Drops the placements a new snapshot shows (or that a restarted edge reports for
+    /// itself), so nothing is counted twice.
+    pub fn observe(&mut self, snap: &pb::Snapshot) {
+        for e in &snap.edges {
+            if let Some(v) = self.placed.get_mut(&e.id) {
+                v.retain(|p| match &p.shown_by {
+                    None => true,
+                    Some((inc, seq)) => *inc == e.incarnation && e.admitted_seq < *seq,
+                });
+            }
+        }
+        self.placed.retain(|_, v| !v.is_empty());
     }
     /// Ranks `edge` last until `penalty` has passed.
     pub fn penalize(&mut self, edge: &str, penalty: Duration) {
@@ -55,7 +93,7 @@ impl Overlay {
     pub fn expire(&mut self, grace: Duration) {
         let now = Instant::now();
         self.placed.retain(|_, v| {
-            v.retain(|(t, _)| now.duration_since(*t) < grace);
+            v.retain(|p| now.duration_since(p.at) < grace);
             !v.is_empty()
         });
         self.penalties.retain(|_, until| *until > now);
@@ -63,8 +101,8 @@ impl Overlay {
     fn extra(&self, edge: &str) -> Res {
         let mut r = Res::default();
         if let Some(v) = self.placed.get(edge) {
-            for (_, x) in v {
-                r.add(x);
+            for p in v {
+                r.add(&p.res);
             }
         }
         r
@@ -362,6 +400,45 @@ mod tests {
         );
         ov.remove("a", &req(2.0).res);
         assert!(choose(&snap, &ov, &req(1.0), 2, 0.2, &[], &mut rng).is_ok());
+    }
+
+    #[test]
+    fn a_placement_the_snapshot_shows_is_counted_once() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let mut ov = Overlay::default();
+        let one = req(1.0).res;
+        ov.add("a", one);
+        ov.settle("a", &one, "inc-1", 7);
+        // A snapshot from before the creation: still counted.
+        let mut before = edge("a", 2.0, 0.0);
+        before.incarnation = "inc-1".into();
+        before.admitted_seq = 6;
+        let snap = pb::Snapshot {
+            edges: vec![before],
+            ..Default::default()
+        };
+        ov.observe(&snap);
+        assert_eq!(ov.extra("a").cpu_cores, 1.0);
+        // The snapshot shows it (1 core allocated): the overlay stops counting it, so a
+        // second 1-core sandbox fits on the 2-core edge.
+        let mut after = edge("a", 2.0, 1.0);
+        after.incarnation = "inc-1".into();
+        after.admitted_seq = 7;
+        let snap = pb::Snapshot {
+            edges: vec![after],
+            ..Default::default()
+        };
+        ov.observe(&snap);
+        assert_eq!(ov.extra("a").cpu_cores, 0.0);
+        assert!(choose(&snap, &ov, &req(1.0), 2, 0.2, &[], &mut rng).is_ok());
+        // An unanswered placement stays until the grace runs out; a restarted edge (new
+        // incarnation) reports what it holds itself.
+        ov.add("a", one);
+        ov.observe(&snap);
+        assert_eq!(ov.extra("a").cpu_cores, 1.0);
+        ov.settle("a", &one, "inc-0", 99);
+        ov.observe(&snap);
+        assert_eq!(ov.extra("a").cpu_cores, 0.0);
     }
 
     #[test]

@@ -211,6 +211,8 @@ pub async fn start_with_backends(
         retention: ec.stopped_retention().ceil() as i64,
         lease_checks: tokio::sync::Semaphore::new(64),
         real,
+        admitted_seq: std::sync::atomic::AtomicU64::new(0),
+        incarnation: hex::encode(rand::random::<[u8; 8]>()),
         cfg: ec.clone(),
     });
     loops::sample_into(&core, first);

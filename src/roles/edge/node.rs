@@ -92,6 +92,11 @@ pub(crate) struct Core {
     pub lease_checks: tokio::sync::Semaphore,
     /// Any backend that runs something (capacity defaults to the host's).
     pub real: bool,
+    /// Creation calls finished by this process (EdgeState.admitted_seq): bumped after a
+    /// batch's sandboxes are in `alloc`, read before `alloc` when reporting.
+    pub admitted_seq: std::sync::atomic::AtomicU64,
+    /// A random id of this edge process (EdgeState.incarnation).
+    pub incarnation: String,
 }
 
 impl Core {

@@ -79,10 +79,18 @@ impl pb::edge_server::Edge for EdgeService {
             r.items.first().map(|i| i.sandbox_id.as_str()).unwrap_or(""),
         );
         let core = self.core.clone();
+        let seq_core = self.core.clone();
         answer(
             detached(async move { core.create_batch(r.spec, r.items).await }.instrument(span))
                 .await
-                .map(|results| pb::EdgeCreateResponse { results }),
+                .map(|results| pb::EdgeCreateResponse {
+                    results,
+                    admitted_seq: seq_core
+                        .admitted_seq
+                        .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+                        + 1,
+                    incarnation: seq_core.incarnation.clone(),
+                }),
         )
     }
 

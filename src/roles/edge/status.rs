@@ -11,6 +11,9 @@ impl Core {
     /// This edge as the watcher sees it. Capacity is after overcommit, 0 where unlimited;
     /// `sandboxes_by_backend` counts live (creating, running, paused) sandboxes.
     pub fn edge_state(&self) -> pb::EdgeState {
+        // Read before the allocation: a reader that sees sequence N sees every sandbox of the
+        // calls up to N (they were in `alloc` before N was published).
+        let admitted_seq = self.admitted_seq.load(Ordering::SeqCst);
         let host = read(&self.host);
         let press = pressures(&read(&self.reserves), &host);
         let alloc = lock(&self.alloc).clone();
@@ -59,6 +62,8 @@ impl Core {
             last_seen: 0,
             consecutive_failures: 0,
             version: crate::VERSION.to_string(),
+            admitted_seq,
+            incarnation: self.incarnation.clone(),
         }
     }
 
