@@ -1,0 +1,1088 @@
+"""End-to-end acceptance tests: real Linux container sandboxes driven through the Python SDK.
+
+A module fixture starts ``opendsec cluster up -config F`` with one edge whose ``container``
+backend has runtime ``linux`` and the development image ``host`` (the host's / as a read-only
+lower layer), in a fresh temporary state directory. The config is what ``cluster up -runtime
+linux -sim-edges 1`` generates, with three changes that keep these tests independent of
+anything else on the machine: a unique edge id (the container backend's cgroups live under
+``opendsec/<edge id>``, and an edge starting up removes every sandbox there it has no record
+of, so two clusters with the default id ``node-0`` would stop each other's sandboxes), a CPU
+overcommit (a 2-core test machine would otherwise admit only two 1-core sandboxes), and
+``pids_max: 1024`` (so that a fork bomb reaches the limit in about a second).
+
+The edge and apiserver kill tests run the roles as separate processes instead (``procs.py``).
+
+Needs root and the release binary (``target/x86_64-unknown-linux-gnu/release/opendsec`` or
+``$OPENDSEC_BIN``); without either the tests are skipped, except under ``CI=true``, where
+they fail. Every sandbox is stopped and every process started here is killed (by pid) at the
+end, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import hashlib
+import json
+import os
+import queue
+import secrets
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import pytest
+
+import opendsec
+from opendsec import DSecClient, DSecError, DSecRunArgs, Sandbox
+
+from procs import RoleCluster
+
+pytestmark = pytest.mark.containers
+
+REPO = Path(__file__).resolve().parents[3]
+SDK = REPO / "sdk" / "python"
+DEFAULT_BIN = REPO / "target" / "x86_64-unknown-linux-gnu" / "release" / "opendsec"
+START_TIMEOUT_S = float(os.environ.get("OPENDSEC_CLUSTER_START_TIMEOUT", "90"))
+LEAK_CYCLES = int(os.environ.get("OPENDSEC_LEAK_CYCLES", "500"))
+#: "0" turns the machine-wide leak counts (all mounts, loop devices, cgroups, processes) into
+#: a report only; the counts scoped to this test's cluster are always asserted.
+LEAK_GLOBAL = os.environ.get("OPENDSEC_LEAK_GLOBAL", "1") != "0"
+#: The container backend's pids limit in the module cluster (see the module doc).
+PIDS_MAX = 1024
+WANTED = ("OPENDSEC_ADDR", "OPENDSEC_TOKEN", "OPENDSEC_PROJECT")
+EPERM, EAGAIN, ENOSYS = 1, 11, 38
+
+
+def require_root_and_binary() -> Path:
+    """The opendsec binary; skips without it or without root, except under ``CI=true`` (fails)."""
+    problems = []
+    if os.geteuid() != 0:
+        problems.append("container sandboxes need root")
+    binary = Path(os.environ.get("OPENDSEC_BIN") or DEFAULT_BIN)
+    if not binary.is_file():
+        problems.append(f"opendsec binary not found at {binary} (cargo build --release, or set OPENDSEC_BIN)")
+    if problems:
+        msg = "; ".join(problems)
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg + "; under CI=true the container tests must run", pytrace=False)
+        pytest.skip(msg)
+    return binary
+
+
+def parse_export(line: str) -> Optional[tuple[str, str]]:
+    """``export NAME=value`` (value possibly shell-quoted) -> (NAME, value)."""
+    line = line.strip()
+    if not line.startswith("export "):
+        return None
+    name, sep, value = line[len("export "):].partition("=")
+    if not sep:
+        return None
+    parts = shlex.split(value) if value else [""]
+    return name.strip(), (parts[0] if parts else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# What a sandbox leaves on the host, and a last-resort sweep of it.
+
+
+def cgroup_dirs(edge_id: str, sandbox_id: str = "*") -> list[str]:
+    """The sandbox cgroup directories of ``edge_id`` on every hierarchy (v1 and v2)."""
+    pats = [f"/sys/fs/cgroup/*/opendsec/{edge_id}/{sandbox_id}", f"/sys/fs/cgroup/opendsec/{edge_id}/{sandbox_id}"]
+    return sorted(d for p in pats for d in glob.glob(p) if os.path.isdir(d))
+
+
+def loop_devices() -> dict[str, str]:
+    """Attached loop devices: ``/dev/loopN`` -> backing file."""
+    out = {}
+    for f in glob.glob("/sys/block/loop*/loop/backing_file"):
+        try:
+            out["/dev/" + f.split("/")[3]] = Path(f).read_text().strip()
+        except OSError:  # detached meanwhile
+            pass
+    return out
+
+
+def mountinfo() -> list[str]:
+    return Path("/proc/self/mountinfo").read_text().splitlines()
+
+
+def pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def pids_in_cgroups(edge_id: str) -> list[int]:
+    """Processes (anywhere on the host) whose cgroup is under ``opendsec/<edge_id>``."""
+    mark = f"/opendsec/{edge_id}/"
+    out = []
+    for p in pids():
+        try:
+            if mark in Path(f"/proc/{p}/cgroup").read_text():
+                out.append(p)
+        except OSError:
+            pass
+    return out
+
+
+def descendants(root: int) -> list[int]:
+    """Processes below ``root`` (children, grandchildren, ...), from /proc/*/stat."""
+    parent: dict[int, int] = {}
+    for p in pids():
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            continue
+        parent[p] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, todo = [], [root]
+    while todo:
+        cur = todo.pop()
+        kids = [p for p, pp in parent.items() if pp == cur]
+        out += kids
+        todo += kids
+    return out
+
+
+def traces(edge_id: str, state_dir: Path, sandbox_id: str) -> dict[str, list[str]]:
+    """Everything of one sandbox still on the host; all lists empty once it is cleaned up."""
+    return {
+        "cgroups": cgroup_dirs(edge_id, sandbox_id),
+        "loop devices": [f"{d} ({b})" for d, b in loop_devices().items() if sandbox_id in b],
+        "mounts": [m for m in mountinfo() if sandbox_id in m],
+        "files": [
+            str(p)
+            for p in state_dir.rglob(f"*{sandbox_id}*")
+            if "edges" not in p.relative_to(state_dir).parts  # the edge's record of it is kept
+        ],
+        "processes": [str(p) for p in pids_in_cgroups(edge_id) if sandbox_id in _cgroup_of(p)],
+    }
+
+
+def _cgroup_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return ""
+
+
+def sweep(edge_id: str, state_dir: Path) -> list[str]:
+    """Last resort after a failed test: kills what is left of the edge's sandboxes (by the pids
+    in its cgroups), detaches their loop devices and removes their cgroups. Returns what it did."""
+    did = []
+    for d in glob.glob(f"/sys/fs/cgroup/freezer/opendsec/{edge_id}/*"):
+        try:
+            Path(d, "freezer.state").write_text("THAWED")
+        except OSError:
+            pass
+    for d in glob.glob(f"/sys/fs/cgroup/opendsec/{edge_id}/*") + glob.glob(f"/sys/fs/cgroup/unified/opendsec/{edge_id}/*"):
+        try:
+            Path(d, "cgroup.freeze").write_text("0")
+        except OSError:
+            pass
+    for _ in range(3):
+        left = pids_in_cgroups(edge_id)
+        if not left:
+            break
+        for p in left:
+            try:
+                os.kill(p, signal.SIGKILL)
+                did.append(f"killed {p}")
+            except OSError:
+                pass
+        time.sleep(0.5)
+    for dev, backing in loop_devices().items():
+        if backing.startswith(str(state_dir)):
+            subprocess.run(["losetup", "-d", dev], capture_output=True)
+            did.append(f"detached {dev}")
+    for d in cgroup_dirs(edge_id):
+        try:
+            os.rmdir(d)
+            did.append(f"removed {d}")
+        except OSError:
+            pass
+    # The edge's own (empty) parent cgroups stay after it exits; the ids here are unique per run.
+    for d in glob.glob(f"/sys/fs/cgroup/*/opendsec/{edge_id}") + glob.glob(f"/sys/fs/cgroup/opendsec/{edge_id}"):
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
+    return did
+
+
+async def stop_all(c: DSecClient) -> None:
+    """Stops every sandbox of the client's project (best effort)."""
+    try:
+        for sb in await c.list_sandboxes():
+            try:
+                await sb.stop()
+            except DSecError:
+                pass
+    except DSecError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# The module's cluster.
+
+
+@dataclass
+class LinuxCluster:
+    """A running ``opendsec cluster up`` with real containers."""
+
+    proc: subprocess.Popen
+    env: dict[str, str]
+    state_dir: Path
+    edge_id: str
+    log_path: str
+
+    def client(self, **kw) -> DSecClient:
+        kw.setdefault("retry_timeout", 30)
+        return DSecClient(
+            endpoint=self.env["OPENDSEC_ADDR"], token=self.env["OPENDSEC_TOKEN"], project=self.env["OPENDSEC_PROJECT"], **kw
+        )
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def traces(self, sandbox_id: str) -> dict[str, list[str]]:
+        return traces(self.edge_id, self.state_dir, sandbox_id)
+
+
+@pytest.fixture(scope="module")
+def linux() -> Iterator[LinuxCluster]:
+    binary = require_root_and_binary()
+    # Short: aether's unix socket lives under it, and socket paths have a 108-byte limit.
+    base = Path(tempfile.mkdtemp(prefix="odc-", dir="/tmp"))
+    state_dir = base / "state"
+    edge_id = f"e2e-{secrets.token_hex(3)}"
+    config = {
+        "service_token": secrets.token_hex(20),
+        "iam": {"addr": "127.0.0.1:0", "admin_token": f"dsk.admin.{secrets.token_hex(20)}"},
+        "watcher": {"addr": "127.0.0.1:0", "probe_interval": 0.25, "reconcile_interval": 5.0},
+        "apiserver": [{"addr": "127.0.0.1:0", "snapshot_refresh": 0.25}],
+        "edges": [
+            {
+                "id": edge_id,
+                "addr": "127.0.0.1:0",
+                "state_dir": str(state_dir),
+                "persist_state": True,
+                "images": {"host": ["/"]},
+                "cpu_overcommit": 32,
+                "mem_reserve_mb": 0,
+                "disk_reserve_mb": 512,
+                "backends": {"container": {"runtime": "linux", "default_disk_mb": 1024, "pids_max": PIDS_MAX}},
+            }
+        ],
+    }
+    cfg_path = base / "opendsec.json"
+    cfg_path.write_text(json.dumps(config, indent=2))
+    os.chmod(cfg_path, 0o600)
+    log_path = str(base / "cluster.log")
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [str(binary), "cluster", "up", "-config", str(cfg_path), "-log", "info"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
+    )
+    log.close()
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:  # keeps reading so that the pipe never fills up
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    env: dict[str, str] = {}
+    failure = ""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not failure and not all(k in env for k in WANTED):
+        try:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            failure = f"cluster up printed no {WANTED} within {START_TIMEOUT_S:.0f} s"
+            break
+        if line is None:
+            failure = f"cluster up exited with {proc.wait()} before printing {WANTED}"
+            break
+        kv = parse_export(line)
+        if kv and kv[0] in WANTED:
+            env[kv[0]] = kv[1]
+    cluster = LinuxCluster(proc, env, state_dir, edge_id, log_path)
+    try:
+        if failure:
+            pytest.fail(f"{failure}\n{cluster.log_tail()}", pytrace=False)
+        yield cluster
+    finally:
+        if env and proc.poll() is None:
+
+            async def stop_everything() -> None:
+                async with cluster.client(retry_timeout=5) as c:
+                    await stop_all(c)
+
+            try:
+                asyncio.run(asyncio.wait_for(stop_everything(), 120))
+            except Exception as e:  # keep tearing down
+                print(f"stopping the sandboxes at teardown: {e!r}")
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        left = sweep(edge_id, state_dir)
+        if left:
+            print(f"teardown swept leftovers of {edge_id}: {left}")
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def container(**kw) -> DSecRunArgs:
+    """Arguments for a container sandbox from the ``host`` image (1 core, 512 MB, 256 MB disk by default)."""
+    kw.setdefault("cpu_cores_limit", 1)
+    kw.setdefault("memory_limit_mb", 512)
+    kw.setdefault("disk_mb", 256)
+    return DSecRunArgs(backend="container", image="host", **kw)
+
+
+async def wait_state(sb: Sandbox, *states: str, within: float = 15.0) -> Sandbox:
+    """Refreshes until the sandbox is in one of ``states``."""
+    end = time.monotonic() + within
+    while sb.state not in states:
+        if time.monotonic() > end:
+            raise AssertionError(f"{sb.id} is {sb.state} ({sb.info.message!r}), wanted {states} within {within:.0f} s")
+        await asyncio.sleep(0.2)
+        await sb.refresh()
+    return sb
+
+
+async def wait_clean(cluster: LinuxCluster, sandbox_id: str, within: float = 5.0) -> None:
+    """Asserts that nothing of the sandbox is left on the host (allowing ``within`` seconds)."""
+    end = time.monotonic() + within
+    while True:
+        t = cluster.traces(sandbox_id)
+        if not any(t.values()):
+            return
+        if time.monotonic() > end:
+            raise AssertionError(f"left behind by {sandbox_id}: { {k: v for k, v in t.items() if v} }")
+        await asyncio.sleep(0.2)
+
+
+async def sh(sb: Sandbox, cmd: str, **kw):
+    kw.setdefault("timeout", 60)
+    return await sb.run_shell(cmd, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. The quickstart.
+
+
+async def test_quickstart_prints_42(linux):
+    env = {**os.environ, **linux.env, "PYTHONPATH": str(SDK)}
+    env.pop("OPENDSEC_CA", None)
+    r = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, str(SDK / "examples" / "quickstart.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert (r.returncode, r.stdout) == (0, "42\n"), f"stderr:\n{r.stderr}\n{linux.log_tail()}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The RL pattern: a root grader session and an unprivileged agent session.
+
+
+async def test_rl_grader_and_agent_sessions(linux):
+    secret = f"s3cret-{secrets.token_hex(8)}"
+    async with linux.client() as c:
+        sb = await c.run_sandbox(container())
+        try:
+            r = await sh(sb, f"mkdir -p /grader && umask 077 && printf %s {secret} > /grader/secret && stat -c '%a %u' /grader/secret",
+                         session="grader")
+            assert (r.exit_code, r.stdout) == (0, "600 0\n"), r
+            r = await sh(sb, "echo score for $(cat /grader/secret)", session="grader")
+            assert (r.exit_code, r.stdout) == (0, f"score for {secret}\n"), r
+
+            # The agent runs as uid 1000 ...
+            r = await sh(sb, "id -u", session="agent", user="1000")
+            assert (r.exit_code, r.stdout) == (0, "1000\n"), r
+            r = await sh(sb, "id -u", session="agent", user="0")  # the user was fixed by the first command
+            assert r.stdout == "1000\n", r
+            # ... and cannot read the secret ...
+            r = await sh(sb, "cat /grader/secret", session="agent")
+            assert r.exit_code != 0 and "Permission denied" in r.stderr and secret not in r.stdout, r
+            with pytest.raises(DSecError) as ei:
+                await sb.read_file("/grader/secret", session="agent")
+            assert ei.value.reason == opendsec.FORBIDDEN, ei.value
+            assert (await sb.read_file("/grader/secret", session="grader")).decode() == secret
+            # ... nor write the image's files.
+            r = await sh(sb, "touch /etc/x", session="agent")
+            assert r.exit_code != 0 and "Permission denied" in r.stderr, r
+            r = await sh(sb, "test -e /etc/x; echo $?", session="grader")
+            assert r.stdout == "1\n", "the agent's touch created /etc/x"
+
+            # The grader's output records: found as root, closed to the agent.
+            r = await sh(sb, "stat -c '%u %a %n' /run/opendsec/sessions/*", session="grader")
+            dirs = dict(line.rsplit(" ", 1)[::-1] for line in r.stdout.splitlines())  # path -> "uid mode"
+            assert sorted(dirs.values()) == ["0 700", "1000 700"], r.stdout
+            grader_dir = next(p for p, v in dirs.items() if v == "0 700")
+            r = await sh(sb, f"grep -rl -- {secret} {grader_dir}/rec", session="grader")
+            records = r.stdout.split()
+            assert r.exit_code == 0 and records, f"no output record holds the secret: {r}"
+
+            r = await sh(sb, "ls /run/opendsec/sessions", session="agent")
+            assert r.exit_code != 0 and "Permission denied" in r.stderr, r
+            r = await sh(sb, f"ls {grader_dir} {grader_dir}/rec", session="agent")
+            assert r.exit_code != 0 and r.stdout == "" and "Permission denied" in r.stderr, r
+            r = await sh(sb, f"cat {records[0]}", session="agent")
+            assert r.exit_code != 0 and secret not in r.stdout and "Permission denied" in r.stderr, r
+            with pytest.raises(DSecError) as ei:
+                await sb.read_file(records[0], session="agent")
+            assert ei.value.reason == opendsec.FORBIDDEN, ei.value
+            with pytest.raises(DSecError) as ei:
+                await sb.list_dir(grader_dir, session="agent")
+            assert ei.value.reason == opendsec.FORBIDDEN, ei.value
+        finally:
+            await sb.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Isolation.
+
+#: Run inside the sandbox: each syscall with harmless arguments, printing {name: [ret, errno]}.
+SYSCALLS_PY = r"""
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def call(nr, *args):
+    ctypes.set_errno(0)
+    ret = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])
+    return [ret, ctypes.get_errno()]
+def addr(b):
+    return ctypes.cast(b, ctypes.c_void_p).value
+tmp, none, tmpfs = (ctypes.create_string_buffer(s) for s in (b"/tmp", b"none", b"tmpfs"))
+mnt_ns = os.open("/proc/self/ns/mnt", os.O_RDONLY)
+print(json.dumps({
+    "mount": call(165, addr(none), addr(tmp), addr(tmpfs), 0, 0),
+    "umount2": call(166, addr(tmp), 0),
+    "pivot_root": call(155, addr(tmp), addr(tmp)),
+    "setns": call(308, mnt_ns, 0),
+    "unshare(CLONE_NEWUSER)": call(272, 0x10000000),
+    "open_by_handle_at": call(304, -100, 0, 0),
+    "bpf": call(321, 0, 0, 0),
+    "keyctl": call(250, 0, 0, 0, 0, 0),
+    "kexec_load": call(246, 0, 0, 0, 0),
+    "init_module": call(175, 0, 0, 0),
+    "perf_event_open": call(298, 0, 0, -1, -1, 0),
+    "userfaultfd": call(323, 0),
+    "clone3": call(435, 0, 0),
+}))
+"""
+
+#: Run inside the sandbox: the pids it sees and whether any other process's command line has 4242.
+PROCS_PY = r"""
+import json, os
+me = os.getpid()
+seen, marked = [], []
+for p in os.listdir("/proc"):
+    if not p.isdigit() or int(p) == me:
+        continue
+    seen.append(int(p))
+    try:
+        if b"4242" in open(f"/proc/{p}/cmdline", "rb").read():
+            marked.append(int(p))
+    except OSError:
+        pass
+print(json.dumps({"pids": sorted(seen), "marked": marked}))
+"""
+
+
+async def test_isolation(linux):
+    marker = subprocess.Popen(["sleep", "4242"], start_new_session=True)
+    core_pattern = Path("/proc/sys/kernel/core_pattern").read_text()
+    try:
+        async with linux.client() as c:
+            sb = await c.run_sandbox(container())
+            try:
+                await sb.write_file("/tmp/syscalls.py", SYSCALLS_PY)
+                r = await sh(sb, "python3 /tmp/syscalls.py")
+                assert r.exit_code == 0, r
+                got = json.loads(r.stdout)
+                want = {name: [-1, EPERM] for name in got}
+                want["clone3"] = [-1, ENOSYS]  # so that libc falls back to clone, which is filtered
+                assert got == want
+
+                r = await sh(sb, "mknod /tmp/blk b 7 0")
+                assert r.exit_code != 0 and "Operation not permitted" in r.stderr, r
+                r = await sh(sb, "test -e /tmp/blk; echo $?")
+                assert r.stdout == "1\n"
+
+                for path in ("/proc/sysrq-trigger", "/proc/sys/kernel/core_pattern", "/sys/kernel/mm/ksm/run",
+                             "/sys/kernel/profiling"):
+                    r = await sh(sb, f"echo 1 > {path}")
+                    assert r.exit_code != 0 and r.stderr, f"{path}: {r}"
+                assert Path("/proc/sys/kernel/core_pattern").read_text() == core_pattern
+
+                # The host's processes are invisible: the marker is running on the host only.
+                assert b"4242" in Path(f"/proc/{marker.pid}/cmdline").read_bytes()
+                await sb.write_file("/tmp/procs.py", PROCS_PY)
+                r = await sh(sb, "python3 /tmp/procs.py")
+                seen = json.loads(r.stdout)
+                assert seen["marked"] == [], seen
+                # aether (1), the session's chronus and shell, the shell of this command.
+                assert 1 in seen["pids"] and len(seen["pids"]) <= 8, seen
+                r = await sh(sb, "cat /proc/1/cmdline | tr '\\0' ' '")
+                assert r.stdout.startswith("aether "), r
+            finally:
+                await sb.stop()
+    finally:
+        marker.kill()
+        marker.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Resources.
+
+
+async def test_memory_limit_kills_the_command_not_the_sandbox(linux):
+    async with linux.client() as c:
+        sb = await c.run_sandbox(container(memory_limit_mb=128))
+        try:
+            r = await sh(sb, 'python3 -c "x=bytearray(400<<20)"')
+            assert r.done and not r.timed_out, r
+            assert r.exit_code == 137 or (r.exit_code != 0 and "Killed" in r.stderr), r
+            assert "MemoryError" not in r.stderr, r  # killed by the cgroup, not refused by malloc
+            r = await sh(sb, "echo ok")
+            assert (r.exit_code, r.stdout) == (0, "ok\n"), r
+            r = await sh(sb, "cat /proc/1/comm; tr '\\0' ' ' < /proc/1/cmdline")
+            assert r.stdout.startswith("opendsec\naether "), r  # aether: the agent executable, argv[0] aether
+        finally:
+            await sb.stop()
+
+
+#: Run inside the sandbox: forks children (each execs sleep) until fork fails, records
+#: "<children> <errno>" in /tmp/bomb.state, holds them for argv[1] seconds, then kills them all.
+BOMB_PY = r"""
+import os, signal, sys, time
+kids, err = [], None
+end = time.monotonic() + 8
+while time.monotonic() < end:
+    try:
+        pid = os.fork()
+    except OSError as e:
+        err = e.errno
+        break
+    if pid == 0:
+        try:
+            os.execv("/bin/sleep", ["sleep", "60"])
+        finally:
+            os._exit(127)
+    kids.append(pid)
+with open("/tmp/bomb.state.tmp", "w") as f:
+    f.write(f"{len(kids)} {err}\n")
+os.rename("/tmp/bomb.state.tmp", "/tmp/bomb.state")
+time.sleep(float(sys.argv[1]))
+for k in kids:
+    os.kill(k, signal.SIGKILL)
+for k in kids:
+    os.waitpid(k, 0)
+print(len(kids), err)
+"""
+
+
+async def test_pids_limit_contains_a_fork_bomb(linux):
+    async with linux.client() as c:
+        bomb, other = await asyncio.gather(c.run_sandbox(container()), c.run_sandbox(container(memory_limit_mb=256)))
+        try:
+            await bomb.write_file("/tmp/bomb.py", BOMB_PY)
+            cmd_id = await bomb.run_shell_background("timeout 10 python3 /tmp/bomb.py 3", session="bomb")
+            # Wait for the bomb to hit the limit. Read through aether's file API: the sandbox
+            # cannot fork a shell now.
+            end = time.monotonic() + 10
+            state = b""
+            while not state:
+                try:
+                    state = await bomb.read_file("/tmp/bomb.state")
+                except DSecError as e:
+                    assert e.reason == opendsec.NOT_FOUND, e
+                    assert time.monotonic() < end, "the fork bomb did not reach the pids limit within 10 s"
+                    await asyncio.sleep(0.1)
+            n, err = state.decode().split()
+            assert err == str(EAGAIN), f"fork stopped with errno {err} after {n} children, wanted EAGAIN"
+            assert PIDS_MAX - 32 <= int(n) < PIDS_MAX, state
+
+            # Another sandbox is not affected while this one is at its limit.
+            t0 = time.monotonic()
+            r = await other.run_shell("echo alive", timeout=10)
+            took = time.monotonic() - t0
+            assert (r.ok, r.stdout) == (True, "alive\n"), r
+            assert took < 5, f"echo alive in another sandbox took {took:.1f} s during the fork bomb"
+
+            r = await bomb.get_output(cmd_id, session="bomb", wait=30)
+            assert (r.done, r.exit_code, r.stdout) == (True, 0, f"{n} {EAGAIN}\n"), r
+            r = await sh(bomb, "echo ok", session="bomb")  # forks work again once the children are gone
+            assert (r.exit_code, r.stdout) == (0, "ok\n"), r
+        finally:
+            await asyncio.gather(bomb.stop(), other.stop())
+
+
+async def test_disk_limit(linux):
+    async with linux.client() as c:
+        sb = await c.run_sandbox(container(disk_mb=64))
+        try:
+            img = next(linux.state_dir.rglob(f"{sb.id}.img"))
+            st = os.statvfs(linux.state_dir)
+            free_before = st.f_bavail * st.f_frsize
+            r = await sh(sb, "dd if=/dev/zero of=/tmp/fill bs=1M count=200")
+            assert r.exit_code != 0 and "No space left on device" in r.stderr, r
+            r = await sh(sb, "sync; stat -c %s /tmp/fill")
+            written = int(r.stdout)
+            assert 0 < written <= 64 << 20, r
+            st = os.statvfs(linux.state_dir)
+            used = free_before - st.f_bavail * st.f_frsize
+            allocated = os.stat(img).st_blocks * 512
+            print(f"\ndisk_mb=64: dd wrote {written >> 20} MiB; the image holds {allocated >> 20} MiB; "
+                  f"host free space dropped by {used / (1 << 20):.0f} MiB")
+            assert allocated <= (64 << 20) + (4 << 20), f"the 64 MiB disk image takes {allocated} bytes"
+            # The other helpers on this machine write too: allow some noise, far below 200 MiB.
+            assert used < 128 << 20, f"host free space dropped by {used >> 20} MiB"
+            r = await sh(sb, "rm /tmp/fill && echo x > /tmp/after && cat /tmp/after")
+            assert (r.exit_code, r.stdout) == (0, "x\n"), r
+        finally:
+            await sb.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Robustness.
+
+
+async def test_large_output_is_capped_and_counted(linux):
+    total = 73400320  # 70 MiB
+    limit = 64 << 20  # recorded per stream
+    async with linux.client() as c:
+        sb = await c.run_sandbox(container())
+        try:
+            r = await sh(sb, f"head -c {total} /dev/zero", timeout=180)
+            assert (r.done, r.exit_code, r.truncated) == (True, 0, True), r
+            assert r.dropped_bytes == total - limit, r
+            got = len(r.stdout_bytes)
+            assert got > 0 and r.stdout_bytes == bytes(got)
+            while got < limit:  # the rest of the record, in pieces
+                more = await sb.get_output(r.cmd_id, stdout_offset=got)
+                assert more.stdout_offset == got and more.stdout_bytes, more
+                assert more.stdout_bytes == bytes(len(more.stdout_bytes))
+                got += len(more.stdout_bytes)
+            assert got == limit
+        finally:
+            await sb.stop()
+
+
+async def test_large_file_round_trip(linux):
+    size, chunk = 200 << 20, 32 << 20
+    async with linux.client() as c:
+        sb = await c.run_sandbox(container(memory_limit_mb=1024, disk_mb=512))
+        try:
+            sent = hashlib.sha256()
+            for off in range(0, size, chunk):
+                data = os.urandom(min(chunk, size - off))
+                sent.update(data)
+                info = await sb.write_file("/tmp/big", data, append=off > 0)
+                assert info.size == off + len(data)
+            assert (await sb.stat("/tmp/big")).size == size
+            got, off = hashlib.sha256(), 0
+            while True:
+                part = await sb.read_file("/tmp/big", offset=off, length=chunk)
+                if not part:
+                    break
+                assert len(part) <= chunk
+                got.update(part)
+                off += len(part)
+            assert off == size
+            assert got.hexdigest() == sent.hexdigest()
+            r = await sh(sb, "sha256sum /tmp/big")
+            assert r.stdout.split()[0] == sent.hexdigest()
+        finally:
+            await sb.stop()
+
+
+async def test_bytes_timeouts_and_pause(linux):
+    async with linux.client() as c:
+        sb = await c.run_sandbox(container())
+        try:
+            r = await sh(sb, "printf 'h\\xc3\\xa9llo \\xe2\\x9c\\x93 \\xe6\\x97\\xa5\\xe6\\x9c\\xac\\n'")
+            assert r.stdout_bytes == "héllo ✓ 日本\n".encode()
+            r = await sh(sb, "printf 'héllo ✓ 日本\\n'")
+            assert (r.stdout_bytes, r.stdout) == ("héllo ✓ 日本\n".encode(), "héllo ✓ 日本\n")
+
+            r = await sh(sb, "head -c 4096 /dev/urandom | tee /tmp/b")
+            assert r.exit_code == 0 and len(r.stdout_bytes) == 4096
+            assert await sb.read_file("/tmp/b") == r.stdout_bytes
+
+            t0 = time.monotonic()
+            r = await sb.run_shell("trap '' TERM; sleep 100", timeout=2)
+            took = time.monotonic() - t0
+            assert (r.done, r.timed_out) == (True, True), r
+            assert took < 10, f"a 2 s timeout of a TERM-ignoring command returned after {took:.1f} s"
+            r = await sh(sb, "echo ok")
+            assert (r.exit_code, r.stdout) == (0, "ok\n"), r
+
+            await sb.write_file("/tmp/kept", "before the pause")
+            await wait_state(await sb.pause(), "PAUSED")
+            r = await sh(sb, "echo resumed; cat /tmp/kept")
+            assert (r.exit_code, r.stdout) == (0, "resumed\nbefore the pause"), r
+            await wait_state(await sb.refresh(), "RUNNING")
+        finally:
+            await sb.stop()
+
+
+async def test_ttls_stop_and_clean_up(linux):
+    async with linux.client() as c:
+        idle, busy = await asyncio.gather(
+            c.run_sandbox(container(memory_limit_mb=256, ttl_running_stop=3)),
+            c.run_sandbox(container(memory_limit_mb=256, ttl_max=5)),
+        )
+        try:
+            for sb in (idle, busy):  # both exist on the host now
+                t = linux.traces(sb.id)
+                assert t["cgroups"] and t["loop devices"] and t["files"], t
+            await sh(busy, "echo working")
+            await busy.run_shell_background("sleep 60")
+            t0 = time.monotonic()
+
+            async def keep_busy() -> None:
+                while True:
+                    await asyncio.sleep(0.5)
+                    try:
+                        await busy.run_shell("true", timeout=5)
+                    except DSecError:
+                        return
+
+            keeper = asyncio.create_task(keep_busy())
+            try:
+                await wait_state(idle, "STOPPED", within=15)
+                await wait_state(busy, "STOPPED", within=15)
+            finally:
+                keeper.cancel()
+            print(f"\nidle sandbox stopped by ttl_running_stop=3, busy one by ttl_max=5 ({busy.info.message!r}); "
+                  f"{time.monotonic() - t0:.1f} s")
+            for sb in (idle, busy):
+                await wait_clean(linux, sb.id)
+        finally:
+            await asyncio.gather(idle.stop(), busy.stop(), return_exceptions=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Leaks.
+
+
+def leak_counts(cluster: LinuxCluster) -> dict[str, int]:
+    """Counts of what sandboxes use on the host: this cluster's own, and machine-wide."""
+    sd = str(cluster.state_dir)
+    files = [
+        p
+        for p in cluster.state_dir.rglob("*")
+        if p.relative_to(cluster.state_dir).parts[0] not in ("edges", "agents")  # records, agent copies
+    ]
+    own_pids = set(pids_in_cgroups(cluster.edge_id)) | set(descendants(cluster.proc.pid))
+    loops = loop_devices()
+    mounts = mountinfo()
+    return {
+        "own mounts": sum(1 for m in mounts if sd in m),
+        "own loop devices": sum(1 for b in loops.values() if b.startswith(sd)),
+        "own cgroup dirs": len(cgroup_dirs(cluster.edge_id)),
+        "own processes": len(own_pids),
+        "state files": len(files),
+        "cluster fds": len(os.listdir(f"/proc/{cluster.proc.pid}/fd")),
+        "cluster threads": len(os.listdir(f"/proc/{cluster.proc.pid}/task")),
+        "mounts": len(mounts),
+        "loop devices": len(loops),
+        "cgroup dirs": sum(
+            len(dirs) for top in glob.glob("/sys/fs/cgroup/*/opendsec") + glob.glob("/sys/fs/cgroup/opendsec")
+            for _, dirs, _ in os.walk(top)
+        ),
+        "processes": len(pids()),
+    }
+
+
+GLOBAL_KEYS = ("mounts", "loop devices", "cgroup dirs", "processes")
+
+
+def leaks(before: dict[str, int], after: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """The counts that changed, as (before, after).
+
+    This cluster's own counts must be equal. The machine-wide ones may only go down (other
+    programs here, e.g. other clusters, end their own sandboxes meanwhile), and processes may
+    grow by 2 (unrelated programs coming and going). The cluster's open fds may go down too
+    (idle connections between its roles close after a while). Its threads are reported only:
+    tokio's blocking pool grows and shrinks on its own.
+    """
+    out = {}
+    for k, b in before.items():
+        a = after[k]
+        if k == "cluster threads" or (k in GLOBAL_KEYS and not LEAK_GLOBAL):
+            continue
+        if k in GLOBAL_KEYS or k == "cluster fds":
+            # Machine-wide counts, and the cluster's idle connections (closed after a while).
+            if a <= b + (2 if k == "processes" else 0):
+                continue
+        elif a == b:
+            continue
+        out[k] = (b, a)
+    return out
+
+
+async def test_no_leaks_after_many_cycles(linux):
+    # A small CPU share: the apiserver counts each placement for 2 s even after the sandbox
+    # has stopped (see test_placement_counts_a_sandbox_once), so fast churn of big sandboxes
+    # runs into no_capacity; that is retried here, as a client should, and reported.
+    args = container(cpu_cores_limit=0.1, memory_limit_mb=128, disk_mb=64)
+    failures: list[str] = []
+    no_capacity = 0
+
+    async def cycle(c: DSecClient, i: int) -> None:
+        nonlocal no_capacity
+        while True:
+            try:
+                sb = await c.run_sandbox(args, timeout=120)
+                break
+            except DSecError as e:
+                if e.reason == opendsec.NO_CAPACITY and no_capacity < 10 * LEAK_CYCLES:
+                    no_capacity += 1
+                    await asyncio.sleep(0.25)
+                    continue
+                failures.append(f"cycle {i} run_sandbox: {e}")
+                return
+        try:
+            r = await sb.run_shell("true", timeout=60)
+            if not r.ok:
+                failures.append(f"cycle {i}: true -> {r}")
+        except DSecError as e:
+            failures.append(f"cycle {i} run_shell: {e}")
+        finally:
+            try:
+                await sb.stop()
+            except DSecError as e:
+                failures.append(f"cycle {i} stop: {e}")
+
+    async def run(c: DSecClient, n: int, width: int = 8) -> None:
+        todo = iter(range(n))
+
+        async def worker() -> None:
+            for i in todo:
+                await cycle(c, i)
+
+        await asyncio.gather(*(worker() for _ in range(width)))
+
+    async with linux.client() as c:
+        # Warm up: the disk template, the agent copy, connections and thread pools. The
+        # watcher's lease reconciliation (every 5 s) opens its connection to IAM the first
+        # time it finds a sandbox: keep one alive over a whole pass.
+        held = await c.run_sandbox(args)
+        await run(c, 16)
+        await asyncio.sleep(6)
+        await held.stop()
+        assert failures == [], failures[:5]
+        await asyncio.sleep(1)
+        before = leak_counts(linux)
+        t0 = time.monotonic()
+        await run(c, LEAK_CYCLES)
+        took = time.monotonic() - t0
+        assert failures == [], f"{len(failures)} failed cycles, e.g. {failures[:5]}"
+        assert await c.list_sandboxes() == []
+        # A stop returns once the sandbox is STOPPED; allow a moment for anything asynchronous,
+        # and for unrelated processes on the machine to come and go.
+        end = time.monotonic() + 15
+        while True:
+            after = leak_counts(linux)
+            diff = leaks(before, after)
+            if not diff or time.monotonic() > end:
+                break
+            await asyncio.sleep(0.5)
+    print(f"\n{LEAK_CYCLES} create/run/stop cycles, 8 at a time, in {took:.1f} s ({LEAK_CYCLES / took:.1f}/s; "
+          f"{no_capacity} creations retried after no_capacity)\nbefore: {before}\nafter:  {after}")
+    assert diff == {}, f"counts (before, after) that changed over {LEAK_CYCLES} cycles: {diff}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="apiserver placement: a sandbox it just placed counts toward the edge's load for the whole "
+    "overlay_grace (2 s) even once the snapshot shows it, or after it has stopped (placement.rs Overlay; "
+    "15-configuration says 'until the snapshot shows it'), so it is counted twice and creations that fit "
+    "are refused with no_capacity",
+    raises=DSecError,
+)
+async def test_placement_counts_a_sandbox_once(linux):
+    """Two sandboxes of a quarter of the edge's CPU each, running and shown in the snapshot:
+    two more of a quarter each still fit."""
+    async with linux.client() as c:
+        edge = next(e for e in (await c.cluster_status()).edges if e.id == linux.edge_id)
+        quarter = edge.capacity.cpu_cores / 4
+        args = container(cpu_cores_limit=quarter, memory_limit_mb=128, disk_mb=64)
+        started: list[Sandbox] = []
+        try:
+            t0 = time.monotonic()
+            started += [await c.run_sandbox(args), await c.run_sandbox(args)]
+            while True:  # the snapshot shows them (it refreshes every 0.25 s)
+                edge = next(e for e in (await c.cluster_status()).edges if e.id == linux.edge_id)
+                if edge.allocated.cpu_cores >= 2 * quarter - 1e-6:
+                    break
+                await asyncio.sleep(0.05)
+            if time.monotonic() - t0 > 1.5:
+                pytest.skip("the snapshot took too long to show the sandboxes to observe the double count")
+            for _ in range(2):
+                try:
+                    started.append(await c.run_sandbox(args))
+                except DSecError as e:  # no_capacity while double counted; anything else fails
+                    if e.reason != opendsec.NO_CAPACITY:
+                        pytest.fail(f"run_sandbox: {e}")
+                    raise
+        finally:
+            await asyncio.gather(*(sb.stop() for sb in started), return_exceptions=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Killing the edge and the apiserver (roles as separate processes).
+
+
+@pytest.fixture
+def role_cluster() -> Iterator:
+    """Starts a role cluster whose edge runs real containers; on the way out stops its
+    sandboxes, kills its processes (by pid) and sweeps what an interrupted test left."""
+    binary = require_root_and_binary()
+    made: list[tuple[RoleCluster, Path, str]] = []
+
+    def start(apiservers: int = 1) -> RoleCluster:
+        base = Path(tempfile.mkdtemp(prefix="odr-", dir="/tmp"))  # short: aether's socket is under it
+        rc = RoleCluster(binary, base, apiservers=apiservers)
+        edge_id = f"e2e-r{secrets.token_hex(3)}"
+        edge = rc.config["edges"][0]
+        edge["id"] = edge_id
+        edge["backends"]["container"] = {"runtime": "linux", "default_disk_mb": 1024, "pids_max": PIDS_MAX}
+        edge["images"] = {"host": ["/"]}
+        edge["persist_state"] = True
+        rc.config_path.write_text(json.dumps(rc.config, indent=2))
+        argv = rc.roles["edge"].argv
+        argv[argv.index("-id") + 1] = edge_id
+        made.append((rc, base, edge_id))
+        return rc.start()
+
+    try:
+        yield start
+    finally:
+        for rc, base, edge_id in made:
+
+            async def stop_everything() -> None:
+                async with DSecClient(endpoint=",".join(rc.api_addrs), token=rc.admin_token, project="root",
+                                      retry_timeout=5) as c:
+                    await stop_all(c)
+
+            try:
+                asyncio.run(asyncio.wait_for(stop_everything(), 60))
+            except Exception as e:  # keep tearing down
+                print(f"stopping the sandboxes at teardown: {e!r}")
+            rc.close()
+            left = sweep(edge_id, base / "edge")
+            if left:
+                print(f"teardown swept leftovers of {edge_id}: {left}")
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def role_client(rc: RoleCluster, endpoint: Optional[str] = None, **kw) -> DSecClient:
+    kw.setdefault("retry_timeout", 30)
+    return DSecClient(endpoint=endpoint or rc.endpoint, token=rc.admin_token, project="root", **kw)
+
+
+async def container_edge_up(c: DSecClient, within: float = 30.0) -> None:
+    end = time.monotonic() + within
+    while True:
+        try:
+            snap = await c.cluster_status()
+            if any(e.healthy and "container" in e.backends for e in snap.edges):
+                return
+        except DSecError:
+            pass
+        assert time.monotonic() < end, "no healthy edge with the container backend"
+        await asyncio.sleep(0.1)
+
+
+async def test_edge_sigkill_during_background_command(role_cluster):
+    rc = role_cluster()
+    try:
+        async with role_client(rc) as c:
+            await container_edge_up(c)
+            sb = await c.run_sandbox(container())
+            try:
+                await sb.write_file("/tmp/before", "written before the kill")
+                cmd_id = await sb.run_shell_background("sleep 3; echo done")
+                rc.kill("edge")
+                await asyncio.to_thread(rc.restart, "edge")  # the same port and state directory
+                r = await sb.get_output(cmd_id, wait=10)
+                assert (r.done, r.exit_code, r.stdout) == (True, 0, "done\n"), r
+                r = await sh(sb, "cat /proc/1/comm /tmp/before")
+                assert (r.exit_code, r.stdout) == (0, "opendsec\nwritten before the kill"), r
+                assert (await sb.refresh()).state == "RUNNING"
+            finally:
+                await sb.stop()
+        rc.check_alive()
+    except BaseException:
+        print(rc.logs())
+        raise
+
+
+async def test_apiserver_sigkill_during_stream(role_cluster):
+    rc = role_cluster(apiservers=2)
+    try:
+        async with role_client(rc, endpoint=",".join(rc.api_addrs)) as c:
+            await container_edge_up(c)
+            sb = await c.run_sandbox(container())
+            try:
+                out = b""
+                exit_result = None
+                kills: list[str] = []
+                restart: Optional[asyncio.Task] = None
+                # The stream runs on one of the two apiservers: kill the first early, start it
+                # again, then kill the second, so that one of the kills certainly breaks it.
+                async for kind, data in sb.stream_shell("for i in $(seq 1 50); do echo $i; sleep 0.1; done", timeout=120):
+                    if kind == "stdout":
+                        out += data
+                    elif kind == "exit":
+                        exit_result = data
+                    n = out.count(b"\n")
+                    if n >= 10 and not kills:
+                        rc.kill("apiserver")
+                        kills.append("apiserver")
+                        restart = asyncio.create_task(asyncio.to_thread(rc.restart, "apiserver"))
+                    elif n >= 25 and len(kills) == 1:
+                        assert restart is not None
+                        await restart  # up again before the other one goes
+                        rc.kill("apiserver1")
+                        kills.append("apiserver1")
+                assert kills == ["apiserver", "apiserver1"], f"the command ended after {out!r}"
+                assert out.decode().split("\n") == [str(i) for i in range(1, 51)] + [""], out
+                assert exit_result is not None and exit_result.exit_code == 0, exit_result
+            finally:
+                await sb.stop()
+        rc.roles["apiserver1"].start()
+        await asyncio.to_thread(rc.roles["apiserver1"].wait_ready)
+        rc.check_alive()
+    except BaseException:
+        print(rc.logs())
+        raise
