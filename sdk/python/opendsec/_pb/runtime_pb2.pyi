@@ -282,16 +282,18 @@ class ProcessRef(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., pid: _Optional[int] = ..., tag: _Optional[str] = ...) -> None: ...
 
 class ConnectProcessRequest(_message.Message):
-    __slots__ = ("sandbox_id", "process", "stdout_offset", "stderr_offset")
+    __slots__ = ("sandbox_id", "process", "stdout_offset", "stderr_offset", "live")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     PROCESS_FIELD_NUMBER: _ClassVar[int]
     STDOUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     STDERR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     process: ProcessRef
     stdout_offset: int
     stderr_offset: int
-    def __init__(self, sandbox_id: _Optional[str] = ..., process: _Optional[_Union[ProcessRef, _Mapping]] = ..., stdout_offset: _Optional[int] = ..., stderr_offset: _Optional[int] = ...) -> None: ...
+    live: bool
+    def __init__(self, sandbox_id: _Optional[str] = ..., process: _Optional[_Union[ProcessRef, _Mapping]] = ..., stdout_offset: _Optional[int] = ..., stderr_offset: _Optional[int] = ..., live: bool = ...) -> None: ...
 
 class ProcessEvent(_message.Message):
     __slots__ = ("start_pid", "stdout", "stderr", "pty", "end", "keepalive", "offset")

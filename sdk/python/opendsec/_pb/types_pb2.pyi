@@ -121,7 +121,7 @@ class Resources(_message.Message):
     def __init__(self, cpu_cores: _Optional[float] = ..., memory_mb: _Optional[int] = ..., gpus: _Optional[int] = ..., disk_mb: _Optional[int] = ..., sandboxes: _Optional[int] = ...) -> None: ...
 
 class EdgeState(_message.Message):
-    __slots__ = ("id", "addr", "healthy", "draining", "zone", "backends", "capacity", "allocated", "sandboxes_by_backend", "max_sandboxes", "mem_available_mb", "disk_available_mb", "under_pressure", "pressure_reason", "cpu_usage", "mem_usage", "images", "last_seen", "consecutive_failures", "version")
+    __slots__ = ("id", "addr", "healthy", "draining", "zone", "backends", "capacity", "allocated", "sandboxes_by_backend", "max_sandboxes", "mem_available_mb", "disk_available_mb", "under_pressure", "pressure_reason", "cpu_usage", "mem_usage", "images", "last_seen", "consecutive_failures", "version", "admitted_seq", "incarnation")
     class SandboxesByBackendEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,8 @@ class EdgeState(_message.Message):
     LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
     CONSECUTIVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     id: str
     addr: str
     healthy: bool
@@ -176,7 +178,9 @@ class EdgeState(_message.Message):
     last_seen: int
     consecutive_failures: int
     version: str
-    def __init__(self, id: _Optional[str] = ..., addr: _Optional[str] = ..., healthy: bool = ..., draining: bool = ..., zone: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., allocated: _Optional[_Union[Resources, _Mapping]] = ..., sandboxes_by_backend: _Optional[_Mapping[str, int]] = ..., max_sandboxes: _Optional[_Mapping[str, int]] = ..., mem_available_mb: _Optional[int] = ..., disk_available_mb: _Optional[int] = ..., under_pressure: bool = ..., pressure_reason: _Optional[str] = ..., cpu_usage: _Optional[float] = ..., mem_usage: _Optional[float] = ..., images: _Optional[_Iterable[str]] = ..., last_seen: _Optional[int] = ..., consecutive_failures: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    admitted_seq: int
+    incarnation: str
+    def __init__(self, id: _Optional[str] = ..., addr: _Optional[str] = ..., healthy: bool = ..., draining: bool = ..., zone: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., allocated: _Optional[_Union[Resources, _Mapping]] = ..., sandboxes_by_backend: _Optional[_Mapping[str, int]] = ..., max_sandboxes: _Optional[_Mapping[str, int]] = ..., mem_available_mb: _Optional[int] = ..., disk_available_mb: _Optional[int] = ..., under_pressure: bool = ..., pressure_reason: _Optional[str] = ..., cpu_usage: _Optional[float] = ..., mem_usage: _Optional[float] = ..., images: _Optional[_Iterable[str]] = ..., last_seen: _Optional[int] = ..., consecutive_failures: _Optional[int] = ..., version: _Optional[str] = ..., admitted_seq: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class Snapshot(_message.Message):
     __slots__ = ("version", "generated_at", "edges")
