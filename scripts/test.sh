@@ -12,5 +12,12 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/pip install -q --disable-pip-version-check ./sdk/python pytest pytest-asyncio
-cd sdk/python
-../../.venv/bin/python -m pytest -q tests
+(cd sdk/python && ../../.venv/bin/python -m pytest -q tests)
+
+# The README's first command, end to end: it must print exactly 42.
+out=$(bash scripts/quickstart.sh)
+if [ "$out" != "42" ]; then
+  echo "scripts/quickstart.sh printed ${out@Q}, not 42" >&2
+  exit 1
+fi
+echo "scripts/quickstart.sh printed 42"

@@ -406,6 +406,62 @@ async def test_quickstart_prints_42(linux):
     assert (r.returncode, r.stdout) == (0, "42\n"), f"stderr:\n{r.stderr}\n{linux.log_tail()}"
 
 
+async def test_cli_exec_and_cp(linux, tmp_path):
+    """`opendsec ctl exec` exits with the command's code, quotes several arguments as ssh and
+    docker exec do, and `ctl cp` copies both ways (10-cli)."""
+    binary = require_root_and_binary()
+    env = {**os.environ, **linux.env}
+    env.pop("OPENDSEC_CA", None)
+
+    def ctl(*args: str, stdin: Optional[bytes] = None) -> subprocess.CompletedProcess:
+        return subprocess.run([str(binary), "ctl", *args], env=env, capture_output=True, timeout=120, input=stdin)
+
+    async with linux.client() as c:
+        sb = await c.run_sandbox(container(memory_limit_mb=256, disk_mb=128))
+        try:
+            r = await asyncio.to_thread(ctl, "exec", sb.id, "python3", "-c", "print(6*7)")
+            assert (r.returncode, r.stdout) == (0, b"42\n"), r.stderr
+            r = await asyncio.to_thread(ctl, "exec", sb.id, "exit 7")
+            assert r.returncode == 7, r.stderr
+            # Several arguments are each quoted: the ; stays an argument of echo.
+            r = await asyncio.to_thread(ctl, "exec", sb.id, "--", "echo", "a;b", "$HOME")
+            assert r.stdout == b"a;b $HOME\n", r.stderr
+            r = await asyncio.to_thread(ctl, "exec", sb.id, "echo out; echo err >&2; exit 3")
+            assert (r.returncode, r.stdout, r.stderr) == (3, b"out\n", b"err\n")
+            src = tmp_path / "in.bin"
+            src.write_bytes(bytes(range(256)) * 1000)
+            r = await asyncio.to_thread(ctl, "cp", str(src), f"{sb.id}:/tmp/in.bin")
+            assert r.returncode == 0, r.stderr
+            assert await sb.read_file("/tmp/in.bin") == src.read_bytes()
+            back = tmp_path / "back.bin"
+            r = await asyncio.to_thread(ctl, "cp", f"{sb.id}:/tmp/in.bin", str(back))
+            assert r.returncode == 0, r.stderr
+            assert back.read_bytes() == src.read_bytes()
+            r = await asyncio.to_thread(ctl, "cp", f"{sb.id}:/nonexistent", str(back))
+            assert r.returncode != 0 and b"not_found" in r.stderr
+        finally:
+            await sb.stop()
+
+
+async def test_agents_are_read_only(linux):
+    """The agent binary in the sandbox cannot be changed, even by root in it (19-security
+    "Read-only agents"), and aether's config is root's only."""
+    async with linux.client() as c:
+        sb = await c.run_sandbox(container(memory_limit_mb=256, disk_mb=128))
+        try:
+            r = await sb.run_shell("echo x >> /run/opendsec/bin/opendsec; echo rc=$?; "
+                                   "awk '$5 == \"/run/opendsec/bin/opendsec\" {print $6}' /proc/self/mountinfo")
+            # The write fails (the running binary is busy, and its mount is read-only anyway).
+            assert r.stdout.startswith("rc=1\nro,"), r
+            r = await sb.run_shell("cat /proc/1/exe > /dev/null && echo readable; echo x > /proc/1/exe; echo rc=$?")
+            assert "rc=1" in r.stdout, r
+            r = await sb.run_shell("stat -c '%a %U' /run/opendsec/aether.json; cat /run/opendsec/aether.json",
+                                   session="agent", user="1000")
+            assert r.stdout.startswith("600 root") and "Permission denied" in r.stderr, r
+        finally:
+            await sb.stop()
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. The RL pattern: a root grader session and an unprivileged agent session.
 

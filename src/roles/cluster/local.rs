@@ -97,7 +97,10 @@ pub struct LocalCluster {
     pub api_addrs: Vec<String>,
     /// The administrator's token.
     pub admin_token: String,
+    /// Stops every role but IAM (`down` stops IAM after them).
     pub shutdown: Shutdown,
+    iam_shutdown: Shutdown,
+    iam: JoinHandle<()>,
     handles: Vec<JoinHandle<()>>,
     readies: Vec<Ready>,
 }
@@ -269,11 +272,13 @@ impl LocalCluster {
     ) -> Result<LocalCluster, ClusterError> {
         let cfg = Arc::new(cfg);
         let shutdown = Shutdown::new();
+        // IAM stops last: edges release the leases of the sandboxes they stop on the way out.
+        let iam_shutdown = Shutdown::new();
         let mut handles = Vec::new();
         let mut readies = Vec::new();
         let r = Ready::default();
-        handles
-            .push(crate::roles::iam::start(cfg.clone(), iam_l, shutdown.clone(), r.clone()).await?);
+        let iam =
+            crate::roles::iam::start(cfg.clone(), iam_l, iam_shutdown.clone(), r.clone()).await?;
         readies.push(r);
         for (e, l) in cfg.edges.clone().iter().zip(edge_ls) {
             let r = Ready::default();
@@ -316,6 +321,8 @@ impl LocalCluster {
             api_addrs,
             admin_token,
             shutdown,
+            iam_shutdown,
+            iam,
             handles,
             readies,
         };
@@ -342,11 +349,14 @@ impl LocalCluster {
         self.readies.iter().all(|r| r.get())
     }
 
-    /// Stops every role and waits for them.
+    /// Stops every role and waits for them; IAM last, so that edges can release the leases
+    /// of the sandboxes they stop.
     pub async fn down(self) {
         self.shutdown.fire();
         for h in self.handles {
             let _ = tokio::time::timeout(std::time::Duration::from_secs(10), h).await;
         }
+        self.iam_shutdown.fire();
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(10), self.iam).await;
     }
 }
