@@ -13,14 +13,7 @@ use opendsec::pb::{self, runtime_client::RuntimeClient};
 use opendsec::types::Reason;
 
 fn root_or_skip() -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("container tests need root; CI runs as root");
-    }
-    eprintln!("skipping: not root");
-    false
+    opendsec::sys::root_or_skip("the container backend tests")
 }
 
 fn ctx(state: &Path, edge: &str) -> BackendContext {

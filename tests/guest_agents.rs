@@ -14,16 +14,7 @@ use opendsec::rpc::failure_from_status;
 use opendsec::types::Reason;
 use tonic::transport::Channel;
 
-fn root_or_skip(test: &str) -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("{test} needs root");
-    }
-    eprintln!("skipping {test}: not root");
-    false
-}
+use opendsec::sys::root_or_skip;
 
 /// How aether gets its socket and its place.
 enum Launch {

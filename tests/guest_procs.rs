@@ -60,14 +60,7 @@ where
 }
 
 fn is_root() -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("this test needs root");
-    }
-    println!("skip: not root");
-    false
+    opendsec::sys::root_or_skip("this test")
 }
 
 fn req(cmd: &str, args: &[&str]) -> pb::StartProcessRequest {

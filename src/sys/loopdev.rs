@@ -309,16 +309,7 @@ mod tests {
     use std::sync::Arc;
     use std::time::Instant;
 
-    fn root_or_skip(name: &str) -> bool {
-        if nix::unistd::geteuid().is_root() {
-            return true;
-        }
-        if std::env::var("CI").as_deref() == Ok("true") {
-            panic!("{name} needs root");
-        }
-        eprintln!("skipping {name}: not root");
-        false
-    }
+    use crate::sys::root_or_skip;
 
     /// A small ext4 image in `dir`.
     fn image(dir: &Path, name: &str) -> PathBuf {

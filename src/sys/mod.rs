@@ -32,3 +32,17 @@ minus_one!(i32, i64, isize);
 pub mod fd;
 pub mod net;
 pub mod process;
+
+/// For tests that need root (DESIGN.md §7.9): true as root; otherwise a skip line and false,
+/// except under `CI=true`, where a missing privilege fails the test (CI runs as root, so a
+/// silent skip would hide it).
+pub fn root_or_skip(test: &str) -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!("{test} needs root; CI runs as root");
+    }
+    eprintln!("skipping {test}: not root");
+    false
+}

@@ -717,16 +717,7 @@ mod tests {
 
     // ---- real v1 (or v2) hierarchies of this host: root only ----
 
-    fn root_or_skip(name: &str) -> bool {
-        if nix::unistd::geteuid().is_root() {
-            return true;
-        }
-        if std::env::var("CI").as_deref() == Ok("true") {
-            panic!("{name} needs root");
-        }
-        eprintln!("skipping {name}: not root");
-        false
-    }
+    use crate::sys::root_or_skip;
 
     /// A parent of our own on the host's hierarchies, removed (with everything under it)
     /// when dropped.
