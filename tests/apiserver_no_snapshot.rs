@@ -123,12 +123,10 @@ async fn an_apiserver_without_a_snapshot_answers_unavailable() {
         .await
         .unwrap()
         .into_inner();
-    let end = loop {
-        match s.message().await {
-            Ok(Some(item)) => panic!("no item expected, got {item:?}"),
-            Ok(None) => panic!("the stream ended without an error"),
-            Err(st) => break st,
-        }
+    let end = match s.message().await {
+        Ok(Some(item)) => panic!("no item expected, got {item:?}"),
+        Ok(None) => panic!("the stream ended without an error"),
+        Err(st) => st,
     };
     assert_eq!(reason(&end), Reason::Unavailable, "{end:?}");
     // Nothing was admitted: no quota is held.

@@ -185,8 +185,7 @@ async fn bad_requests_leave_nothing_and_cleanup_removes_strays() {
             spec: s,
         })
         .await
-        .err()
-        .expect("unknown image refused");
+        .expect_err("unknown image refused");
     assert_eq!(e.reason(), Reason::NotFound);
     let mut s = spec();
     s.masked_paths = vec!["/etc/../root".into()];
@@ -197,8 +196,7 @@ async fn bad_requests_leave_nothing_and_cleanup_removes_strays() {
             spec: s,
         })
         .await
-        .err()
-        .expect("bad path refused");
+        .expect_err("bad path refused");
     assert_eq!(e.reason(), Reason::Invalid);
     assert_eq!(leftovers(state, edge, &id), Vec::<String>::new());
 

@@ -5,6 +5,8 @@ use std::time::Duration;
 use opendsec::guest::reaper::{Exit, Reaper};
 
 #[tokio::test]
+// The children are reaped by the Reaper, which is what this tests.
+#[allow(clippy::zombie_processes)]
 async fn statuses_reach_their_watchers() {
     let r = Reaper::start().expect("reaper");
     let c = std::process::Command::new("sh")

@@ -66,11 +66,8 @@ impl Reaper {
 
     /// Reaps every child that has ended, without blocking.
     pub fn reap_now(&self) {
-        loop {
-            let st = match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
-                Ok(st) => st,
-                Err(_) => break, // ECHILD: no children
-            };
+        // Err is ECHILD: no children left.
+        while let Ok(st) = waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
             let (pid, exit) = match st {
                 WaitStatus::Exited(p, c) => (p.as_raw(), Exit::Code(c)),
                 WaitStatus::Signaled(p, s, _) => (p.as_raw(), Exit::Signal(s as i32)),

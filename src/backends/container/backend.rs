@@ -480,7 +480,7 @@ impl ContainerBackend {
             idle: spec.qos == "BE",
             memory_mb: spec.memory_limit_mb,
             pids_max: self.pids_max,
-            disk_io: self.disk_io.clone(),
+            disk_io: self.disk_io,
         };
         let (cgroups, disks, dir2, id2) = (
             self.cgroups.clone(),
