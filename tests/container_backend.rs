@@ -210,12 +210,36 @@ async fn bad_requests_leave_nothing_and_cleanup_removes_strays() {
     })
     .await
     .expect("create");
+    // Another cluster on this machine with the same edge id (its own state dir) keeps its
+    // sandbox when this one cleans up.
+    let other_tmp = tempfile::tempdir().expect("tempdir");
+    let other = backend(other_tmp.path(), edge);
+    let theirs = format!("{edge}.theirs");
+    let st = other
+        .create(&CreateRequest {
+            sandbox_id: theirs.clone(),
+            project: "root".into(),
+            spec: spec.clone(),
+        })
+        .await
+        .expect("create theirs");
     let report = b.cleanup(&HashSet::new()).await.expect("cleanup");
     assert!(
         report.removed.iter().any(|r| r.contains(&stray)),
         "{report:?}"
     );
+    assert!(
+        !report.removed.iter().any(|r| r.contains(&theirs)),
+        "{report:?}"
+    );
     assert_eq!(leftovers(state, edge, &stray), Vec::<String>::new());
+    let h = Handle {
+        sandbox_id: &theirs,
+        spec: &spec,
+        state: &st,
+    };
+    assert_eq!(other.probe(&h).await, Health::Alive);
+    other.stop(&h).await.expect("stop theirs");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,7 +1,7 @@
 //! Serving a tonic router on an already bound listener until shutdown.
 
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 
 use crate::shutdown::Shutdown;
 
@@ -12,7 +12,9 @@ pub async fn serve(
     shutdown: Shutdown,
 ) -> Result<(), tonic::transport::Error> {
     let _ = listener.set_ttl(64);
-    let incoming = TcpListenerStream::new(listener);
+    // The builder's tcp_nodelay applies only to listeners tonic binds itself; without it a
+    // streamed reply waits ~40 ms for the client's delayed ACK (Nagle).
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     router
         .serve_with_incoming_shutdown(incoming, async move { shutdown.wait().await })
         .await

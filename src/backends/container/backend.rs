@@ -441,8 +441,10 @@ impl Backend for ContainerBackend {
     }
 
     async fn cleanup(&self, keep: &HashSet<String>) -> Result<CleanupReport, BackendError> {
-        let mut ids: HashSet<String> = self.cgroups.list().into_iter().collect();
-        ids.extend(self.disks.list());
+        // Only what this state dir holds is ours. A cgroup under the same edge id without a
+        // directory or disk here belongs to another cluster that uses the same edge id (the
+        // cgroup tree is machine-wide); ours never lose their directory before their cgroup.
+        let mut ids: HashSet<String> = self.disks.list().into_iter().collect();
         if let Ok(rd) = std::fs::read_dir(&self.dir) {
             ids.extend(
                 rd.flatten()

@@ -141,7 +141,7 @@ impl Sessions {
             .arg(&self.config_path)
             .env_clear()
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         for k in PASS_ENV {
             if let Ok(v) = std::env::var(k) {
@@ -156,27 +156,39 @@ impl Sessions {
         })?;
         let pid = child.id() as i32;
         let mut exit = self.reaper.watch(child.id());
+        let mut child = child;
+        let ready_pipe = child.stdout.take();
         drop(child);
         let sock = dir.join("chronus.sock");
-        let deadline = tokio::time::Instant::now() + START_TIMEOUT;
-        let client = loop {
-            if let Ok(e) = exit.try_recv() {
+        // chronus prints one line once its socket is bound; then a connect cannot fail.
+        let ready = async {
+            let Some(out) = ready_pipe else { return false };
+            let Ok(out) = tokio::process::ChildStdout::from_std(out) else {
+                return false;
+            };
+            let mut line = Vec::new();
+            let mut r = tokio::io::BufReader::new(out);
+            matches!(
+                tokio::io::AsyncBufReadExt::read_until(&mut r, b'\n', &mut line).await,
+                Ok(n) if n > 0
+            ) && line == crate::guest::chronus::READY_LINE
+        };
+        let started = tokio::select! {
+            ok = tokio::time::timeout(START_TIMEOUT, ready) => ok.unwrap_or(false),
+            e = &mut exit => {
                 return Err(Failure::unavailable(format!(
-                    "session {name:?}: chronus exited at start ({e:?})"
+                    "session {name:?}: chronus exited at start ({:?})", e.ok()
                 )));
             }
-            if sock.exists() {
-                if let Ok(c) = uds::connect(&sock).await {
-                    break c;
-                }
-            }
-            if tokio::time::Instant::now() > deadline {
+        };
+        let client = match (started, uds::connect(&sock).await) {
+            (true, Ok(c)) => c,
+            _ => {
                 proctree::kill_tree(pid, true, &HashSet::new());
                 return Err(Failure::unavailable(format!(
                     "session {name:?}: chronus did not answer within {START_TIMEOUT:?}"
                 )));
             }
-            tokio::time::sleep(Duration::from_millis(10)).await;
         };
         let (tx, exited) = watch::channel(false);
         let me = self.me.clone();

@@ -130,6 +130,13 @@ fn run(a: ChronusArgs) -> Result<(), ChronusError> {
             source,
         })?;
     let _ = std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600));
+    // Tell aether the socket is there: connections queue from now on, so its first call
+    // goes out at once instead of polling for the file.
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout();
+        let _ = out.write_all(READY_LINE).and_then(|_| out.flush());
+    }
     nix::sys::prctl::set_child_subreaper(true).map_err(ChronusError::Subreaper)?;
     drop_privileges(&creds)?;
     // If aether dies, so does the session (set after the uid change, which clears it).
@@ -185,6 +192,9 @@ fn start_dirs(cfg: &AetherConfig, c: &Credentials) -> Vec<PathBuf> {
     }
     out
 }
+
+/// What chronus writes on its stdout once its socket is bound.
+pub const READY_LINE: &[u8] = b"ready\n";
 
 async fn serve(
     cfg: AetherConfig,
