@@ -960,3 +960,42 @@ async fn pid1_ends_every_process_on_sigterm() {
         assert!(wait_gone(p).await, "{p} survived");
     }
 }
+
+#[tokio::test]
+async fn the_warm_default_session_never_fixes_the_user() {
+    if !root_or_skip("the_warm_default_session_never_fixes_the_user") {
+        return;
+    }
+    // aether starts `default` ahead of time as init_user (root); it is no session yet, and a
+    // first call as another user still gets that user.
+    let mut a = Agent::start(None).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let listed =
+        a.c.list_sessions(pb::ListSessionsRequest::default())
+            .await
+            .expect("list")
+            .into_inner()
+            .sessions;
+    assert!(listed.is_empty(), "{listed:?}");
+    let mut q = req("id -u");
+    q.user = "1000".into();
+    assert_eq!(text(&a.run(q).await.stdout), "1000\n");
+    a.stop();
+
+    // The first call as init_user takes the warm one.
+    let mut b = Agent::start(None).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(text(&b.sh("id -u").await.stdout), "0\n");
+    let listed =
+        b.c.list_sessions(pb::ListSessionsRequest::default())
+            .await
+            .expect("list")
+            .into_inner()
+            .sessions;
+    assert_eq!(listed, vec!["default".to_string()]);
+    // Later calls as another user do not change it.
+    let mut q = req("id -u");
+    q.user = "1000".into();
+    assert_eq!(text(&b.run(q).await.stdout), "0\n");
+    b.stop();
+}

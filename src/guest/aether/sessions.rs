@@ -61,12 +61,24 @@ struct Slot {
     cell: OnceCell<Arc<Live>>,
 }
 
+/// A `default` session started ahead of its first call, as `init_user`, with the uid and
+/// gid it runs as: the first command skips chronus's start (a sandbox's first command is
+/// nearly always in `default`). It is not a session until that call takes it; a first call
+/// as another user ends it and starts its own, so the first call still fixes the user.
+struct Warm {
+    slot: Arc<Slot>,
+    uid: u32,
+    gid: u32,
+}
+
 /// The sessions of this sandbox.
 pub struct Sessions {
     cfg: Arc<AetherConfig>,
     config_path: PathBuf,
     reaper: Reaper,
     map: Mutex<HashMap<String, Arc<Slot>>>,
+    warm: OnceCell<Option<Warm>>,
+    warm_taken: std::sync::atomic::AtomicBool,
     me: Weak<Sessions>,
 }
 
@@ -77,8 +89,61 @@ impl Sessions {
             config_path,
             reaper,
             map: Mutex::new(HashMap::new()),
+            warm: OnceCell::new(),
+            warm_taken: std::sync::atomic::AtomicBool::new(false),
             me: me.clone(),
         })
+    }
+
+    /// Starts the `default` session's chronus ahead of its first call (see [`Warm`]).
+    pub async fn prewarm(&self) {
+        self.warm.get_or_init(|| self.start_warm()).await;
+    }
+
+    async fn start_warm(&self) -> Option<Warm> {
+        let creds = user::resolve(&self.cfg.init_user, Path::new("/")).ok()?;
+        let slot = Arc::new(Slot::default());
+        match self.start("default", "", slot.clone()).await {
+            Ok(live) => {
+                let _ = slot.cell.set(live);
+                Some(Warm {
+                    slot,
+                    uid: creds.uid,
+                    gid: creds.gid,
+                })
+            }
+            Err(f) => {
+                tracing::debug!(error = %f.message, "no warm default session");
+                None
+            }
+        }
+    }
+
+    /// The warm `default` session if the first call's user is the one it runs as; else
+    /// it is ended. Only the first call to `default` asks.
+    async fn take_warm(&self, user_spec: &str) -> Option<Arc<Slot>> {
+        if self
+            .warm_taken
+            .swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            return None;
+        }
+        let warm = self.warm.get_or_init(|| self.start_warm()).await.as_ref()?;
+        let spec = if user_spec.is_empty() {
+            self.cfg.init_user.as_str()
+        } else {
+            user_spec
+        };
+        let alive = warm.slot.cell.get().is_some_and(|l| !*l.exited.borrow());
+        let same = user::resolve(spec, Path::new("/"))
+            .is_ok_and(|c| (c.uid, c.gid) == (warm.uid, warm.gid));
+        if alive && same {
+            return Some(warm.slot.clone());
+        }
+        if let Some(live) = warm.slot.cell.get() {
+            end(live).await;
+        }
+        None
     }
 
     /// The running session `name`, if any (no session is started).
@@ -92,12 +157,35 @@ impl Sessions {
     /// run yet. Errors: `invalid` for an unknown user; `unavailable` when chronus does
     /// not start.
     pub async fn get(&self, name: &str, user: &str) -> Result<Arc<Live>, Failure> {
+        if name == "default" && !self.warm_taken.load(std::sync::atomic::Ordering::SeqCst) {
+            if let Some(slot) = self.take_warm(user).await {
+                let taken = self.install(name, &slot);
+                if let Some(live) = slot.cell.get() {
+                    if taken {
+                        return Ok(live.clone());
+                    }
+                    end(live).await;
+                }
+            }
+        }
         let slot = lock(&self.map).entry(name.to_string()).or_default().clone();
         let live = slot
             .cell
             .get_or_try_init(|| self.start(name, user, slot.clone()))
             .await?;
         Ok(live.clone())
+    }
+
+    /// Makes `slot` session `name` unless a call started that session meanwhile.
+    fn install(&self, name: &str, slot: &Arc<Slot>) -> bool {
+        let mut m = lock(&self.map);
+        match m.get(name) {
+            Some(s) if s.cell.initialized() => false,
+            _ => {
+                m.insert(name.to_string(), slot.clone());
+                true
+            }
+        }
     }
 
     /// Names of the running sessions, sorted.
@@ -231,7 +319,15 @@ impl Sessions {
 
     /// Ends every session (aether's shutdown).
     pub async fn close_all(&self) {
-        let slots: Vec<Arc<Slot>> = lock(&self.map).drain().map(|(_, s)| s).collect();
+        let mut slots: Vec<Arc<Slot>> = lock(&self.map).drain().map(|(_, s)| s).collect();
+        if !self
+            .warm_taken
+            .swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            if let Some(Some(w)) = self.warm.get() {
+                slots.push(w.slot.clone());
+            }
+        }
         for s in slots {
             if let Some(live) = s.cell.get() {
                 end(live).await;
