@@ -28,10 +28,9 @@ fi
 # Short: each sandbox's aether socket path lives under it and must fit a unix socket name.
 STATE=$(mktemp -d /tmp/odb.XXXXXX)
 OUT=$STATE.env
-# The edge gets an id of its own: an edge's container backend removes, when it starts, every
-# sandbox cgroup under opendsec/<edge id> that its records do not know, so two clusters with
-# the default id `node-0` on one host remove each other's sandboxes. So the config is written
-# by a sim-only cluster (which touches no cgroup) and turned into `-runtime linux`'s here.
+# The edge gets an id of its own, so that its cgroups are easy to tell from any other
+# cluster's on this host. So the config is written by a sim-only cluster (which touches no
+# cgroup) and turned into `-runtime linux`'s here.
 "$BIN" cluster up -sim-edges 1 -addr 127.0.0.1:0 -state-dir "$STATE" -log warn \
   -write-config "$STATE/cluster.json" >"$OUT" &
 PID=$!
