@@ -782,6 +782,36 @@ async def test_large_file_round_trip(linux):
             await sb.stop()
 
 
+async def test_http_inside_the_sandbox(linux):
+    """sb.http() reaches a server listening on the sandbox's own loopback (its network
+    namespace), and a closed port is `unavailable`."""
+    async with linux.client() as c:
+        sb = await c.run_sandbox(container(memory_limit_mb=256, disk_mb=128))
+        try:
+            await sb.run_shell("mkdir -p /srv/www && echo hello-from-inside > /srv/www/index.html")
+            await sb.run_shell_background("cd /srv/www && exec python3 -m http.server 8000 --bind 127.0.0.1")
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    r = await sb.http("http://127.0.0.1:8000/index.html", timeout=5)
+                    break
+                except DSecError as e:
+                    assert e.reason == opendsec.UNAVAILABLE and time.monotonic() < deadline, e
+                    await asyncio.sleep(0.2)
+            assert (r.status, r.body) == (200, b"hello-from-inside\n")
+            with pytest.raises(DSecError) as ei:
+                await sb.http("http://127.0.0.1:8001/", timeout=5)
+            assert ei.value.reason == opendsec.UNAVAILABLE
+            # The host's own loopback is another namespace: nothing the host listens on is
+            # reachable as 127.0.0.1 from inside (the cluster's apiserver listens there).
+            port = linux.env["OPENDSEC_ADDR"].rsplit(":", 1)[1]
+            with pytest.raises(DSecError) as ei:
+                await sb.http(f"http://127.0.0.1:{port}/", timeout=5)
+            assert ei.value.reason == opendsec.UNAVAILABLE
+        finally:
+            await sb.stop()
+
+
 async def test_bytes_timeouts_and_pause(linux):
     async with linux.client() as c:
         sb = await c.run_sandbox(container())
