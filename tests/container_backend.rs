@@ -242,6 +242,63 @@ async fn bad_requests_leave_nothing_and_cleanup_removes_strays() {
     other.stop(&h).await.expect("stop theirs");
 }
 
+/// A tiny image at `dir`: static busybox as the shell and a few tools.
+fn busybox_layer(dir: &Path) -> PathBuf {
+    std::fs::create_dir_all(dir.join("bin")).expect("mkdir");
+    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
+        .into_iter()
+        .find(|p| Path::new(p).is_file())
+        .expect("busybox-static is installed (.ci/run installs it)");
+    std::fs::copy(busybox, dir.join("bin/busybox")).expect("copy busybox");
+    for tool in ["sh", "head", "test", "echo", "pwd"] {
+        std::os::unix::fs::symlink("busybox", dir.join("bin").join(tool)).expect("symlink");
+    }
+    dir.to_path_buf()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bundles_config_gives_env_and_working_directory() {
+    if !root_or_skip() {
+        return;
+    }
+    // As `umoci unpack` lays an image out: BUNDLE/rootfs and BUNDLE/config.json.
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let rootfs = busybox_layer(&tmp.path().join("bundle/rootfs"));
+    std::fs::create_dir_all(rootfs.join("srv/app")).expect("mkdir");
+    std::fs::write(
+        tmp.path().join("bundle/config.json"),
+        r#"{"ociVersion": "1.0.2", "process": {"cwd": "/srv/app",
+            "env": ["PATH=/bin", "GREETING=from-the-image"], "args": ["sh"]}}"#,
+    )
+    .expect("config");
+    let state = tmp.path().join("state");
+    let edge = "cb-3";
+    let b = backend_with(
+        &state,
+        edge,
+        BTreeMap::from([("bundled".to_string(), vec![rootfs.clone()])]),
+    );
+    let id = format!("{edge}.bundled");
+    let mut spec = spec();
+    spec.image = "bundled".into();
+    let st = b
+        .create(&CreateRequest {
+            sandbox_id: id.clone(),
+            project: "root".into(),
+            spec: spec.clone(),
+        })
+        .await
+        .expect("create");
+    let h = Handle {
+        sandbox_id: &id,
+        spec: &spec,
+        state: &st,
+    };
+    let r = shell(&b, &h, "echo $GREETING; pwd").await;
+    assert_eq!(r.stdout, b"from-the-image\n/srv/app\n", "{r:?}");
+    b.stop(&h).await.expect("stop");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn device_nodes_in_an_image_open_nothing() {
     if !root_or_skip() {
@@ -250,17 +307,8 @@ async fn device_nodes_in_an_image_open_nothing() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let state = tmp.path().join("state");
     // A whole image of its own (overlayfs refuses a lower layer inside another one, so not
-    // on top of the host's /): static busybox as the shell, plus the hostile node.
-    let layer = tmp.path().join("layer");
-    std::fs::create_dir_all(layer.join("bin")).expect("mkdir");
-    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
-        .into_iter()
-        .find(|p| Path::new(p).is_file())
-        .expect("busybox-static is installed (.ci/run installs it)");
-    std::fs::copy(busybox, layer.join("bin/busybox")).expect("copy busybox");
-    for tool in ["sh", "head", "test", "echo"] {
-        std::os::unix::fs::symlink("busybox", layer.join("bin").join(tool)).expect("symlink");
-    }
+    // on top of the host's /).
+    let layer = busybox_layer(&tmp.path().join("layer"));
     // A block device node for the host's first disk, as a hostile image could carry.
     let node = layer.join("disk0");
     let made = std::process::Command::new("mknod")

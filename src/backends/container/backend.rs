@@ -160,6 +160,10 @@ impl ContainerBackend {
             .filter(|c| c.is_ascii_alphanumeric() || *c == '-')
             .take(63)
             .collect();
+        let image = lowers
+            .first()
+            .map(|top| super::image::defaults(top))
+            .unwrap_or_default();
         SetupSpec {
             sandbox_id: id.clone(),
             dir: self.sandbox_dir(id),
@@ -183,8 +187,8 @@ impl ContainerBackend {
                 run_dir: RUN_DIR.into(),
                 agent: AGENT_PATH.into(),
                 init_user: req.spec.init_user.clone(),
-                env: BTreeMap::new(),
-                workdir: String::new(),
+                env: image.env,
+                workdir: image.workdir,
                 pid1: true,
                 protect_from_oom: true,
             },
