@@ -136,6 +136,22 @@ async fn lost_edges_turn_unhealthy_and_their_quota_is_released() {
     }
     let mut c = pb::d_sec_client::DSecClient::new(channel(&api_a, Duration::from_secs(1)).unwrap());
     let t = "dsk.admin.topsecret";
+    // The apiserver places from its own copy of the snapshot, refreshed on its own schedule:
+    // wait until that copy has both edges too.
+    let mut seen = 0;
+    for _ in 0..100 {
+        let s = c
+            .cluster_status(with_token(pb::Empty {}, t))
+            .await
+            .unwrap()
+            .into_inner();
+        seen = s.edges.iter().filter(|e| e.healthy).count();
+        if seen == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(seen, 2, "the apiserver's snapshot never showed both edges");
     let mut s = c
         .create_sandboxes(with_token(
             pb::CreateSandboxesRequest {

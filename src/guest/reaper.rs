@@ -35,6 +35,10 @@ impl Exit {
 /// Statuses of children nobody watched yet are kept this long (a child may end between
 /// `spawn` and `watch`).
 const UNCLAIMED_TTL: Duration = Duration::from_secs(60);
+/// At most this many unclaimed statuses are kept.
+const MAX_UNCLAIMED: usize = 4096;
+/// Children reaped per turn of the loop before it yields.
+const REAP_BATCH: usize = 256;
 
 #[derive(Default)]
 struct Inner {
@@ -57,7 +61,12 @@ impl Reaper {
         let me = r.clone();
         tokio::spawn(async move {
             loop {
-                me.reap_now();
+                if me.reap_some() == REAP_BATCH {
+                    // More may be waiting (a fork bomb's orphans come without end): let the
+                    // rest of this single-threaded agent run before the next batch.
+                    tokio::task::yield_now().await;
+                    continue;
+                }
                 let _ = tokio::time::timeout(Duration::from_secs(1), sigchld.recv()).await;
             }
         });
@@ -66,14 +75,24 @@ impl Reaper {
 
     /// Reaps every child that has ended, without blocking.
     pub fn reap_now(&self) {
+        while self.reap_some() == REAP_BATCH {}
+    }
+
+    /// Reaps up to [`REAP_BATCH`] ended children; returns how many.
+    fn reap_some(&self) -> usize {
+        let mut n = 0;
         // Err is ECHILD: no children left.
-        while let Ok(st) = waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+        while n < REAP_BATCH {
+            let Ok(st) = waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) else {
+                break;
+            };
             let (pid, exit) = match st {
                 WaitStatus::Exited(p, c) => (p.as_raw(), Exit::Code(c)),
                 WaitStatus::Signaled(p, s, _) => (p.as_raw(), Exit::Signal(s as i32)),
                 WaitStatus::StillAlive => break,
                 _ => continue,
             };
+            n += 1;
             let mut g = match self.inner.lock() {
                 Ok(g) => g,
                 Err(p) => p.into_inner(),
@@ -84,12 +103,20 @@ impl Reaper {
                 }
                 None => {
                     let now = Instant::now();
-                    g.unclaimed
-                        .retain(|_, (_, at)| now.duration_since(*at) < UNCLAIMED_TTL);
+                    // Pruned only when full: orphans (thousands under a fork bomb) are reaped
+                    // here too, and a scan per reap would make the loop quadratic.
+                    if g.unclaimed.len() >= MAX_UNCLAIMED {
+                        g.unclaimed
+                            .retain(|_, (_, at)| now.duration_since(*at) < UNCLAIMED_TTL);
+                        if g.unclaimed.len() >= MAX_UNCLAIMED {
+                            g.unclaimed.clear();
+                        }
+                    }
                     g.unclaimed.insert(pid, (exit, now));
                 }
             }
         }
+        n
     }
 
     /// Resolves when child `pid` ends. Call right after spawning it.

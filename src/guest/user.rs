@@ -153,6 +153,10 @@ pub fn resolve(spec: &str, root: &Path) -> Result<Credentials, UserError> {
             .ok_or_else(|| UserError::UnknownName(user.to_string()))?
     };
     let gid = gid_override.unwrap_or(found.gid);
+    // (uid_t)-1 means "leave unchanged" to setresuid/setresgid: never a user.
+    if found.uid == u32::MAX || gid == u32::MAX {
+        return Err(UserError::Malformed(spec.to_string()));
+    }
     let groups = groups_of(root, &found.name, gid);
     Ok(Credentials {
         uid: found.uid,
@@ -231,6 +235,13 @@ mod tests {
             resolve("../x", d.path()),
             Err(UserError::Malformed(_))
         ));
+        // (uid_t)-1 is "unchanged" to setresuid, never a user.
+        for bad in ["4294967295", "5:4294967295"] {
+            assert!(matches!(
+                resolve(bad, d.path()),
+                Err(UserError::Malformed(_))
+            ));
+        }
     }
 
     #[test]

@@ -190,15 +190,37 @@ pub fn image_project(image: &str) -> Option<&str> {
 pub fn check_sandbox_path(p: &str) -> Result<(), String> {
     if !p.starts_with('/') || p.len() > 4096 || p.contains('\0') {
         return Err(format!(
-            "path {:?} must be absolute (at most 4096 bytes)",
+            "path {} must be absolute (at most 4096 bytes)",
             shown(p)
         ));
     }
     if p.split('/').any(|c| c == "." || c == "..") {
-        return Err(format!("path {:?} must not contain . or ..", shown(p)));
+        return Err(format!("path {} must not contain . or ..", shown(p)));
     }
-    if p.trim_end_matches('/').is_empty() {
+    let p = p.trim_end_matches('/');
+    if p.is_empty() {
         return Err("path / cannot be masked or made read-only".into());
+    }
+    // The agents live in /run/opendsec, and they need /proc and /dev: hiding them would
+    // leave a sandbox that cannot start or run anything.
+    const AGENTS: &str = "/run/opendsec";
+    let squeezed: String = {
+        let mut out = String::new();
+        for c in p.split('/').filter(|c| !c.is_empty()) {
+            out.push('/');
+            out.push_str(c);
+        }
+        out
+    };
+    let within = |a: &str, b: &str| a == b || a.starts_with(&format!("{b}/"));
+    if within(&squeezed, AGENTS)
+        || within(AGENTS, &squeezed)
+        || ["/proc", "/dev"].contains(&squeezed.as_str())
+    {
+        return Err(format!(
+            "path {} holds the sandbox's agents or /proc or /dev and cannot be masked or made read-only",
+            shown(&squeezed)
+        ));
     }
     Ok(())
 }

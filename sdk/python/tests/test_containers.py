@@ -458,8 +458,20 @@ async def test_agents_are_read_only(linux):
             r = await sb.run_shell("stat -c '%a %U' /run/opendsec/aether.json; cat /run/opendsec/aether.json",
                                    session="agent", user="1000")
             assert r.stdout.startswith("600 root") and "Permission denied" in r.stderr, r
+            # Root in the sandbox may overwrite aether's config file; sessions started
+            # afterwards still work (chronus gets the config from aether, not from the file).
+            r = await sb.run_shell("echo garbage > /run/opendsec/aether.json", timeout=30)
+            assert r.exit_code == 0, r
+            r = await sb.run_shell("echo fresh", session="later", timeout=30)
+            assert (r.exit_code, r.stdout) == (0, "fresh\n"), r
         finally:
             await sb.stop()
+        # Hiding or freezing the agents' directory is refused before anything is made.
+        for field in ("masked_paths", "readonly_paths"):
+            for p in ("/run/opendsec", "/run", "/run/opendsec/bin", "/proc"):
+                with pytest.raises(DSecError) as ei:
+                    await c.run_sandbox(container(memory_limit_mb=256, disk_mb=128, **{field: [p]}))
+                assert ei.value.reason == opendsec.INVALID, (field, p, ei.value)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -580,3 +580,26 @@ async def test_wrong_argument_types_are_invalid_not_python_exceptions():
                 assert e.reason == INVALID, e
             else:
                 raise AssertionError("accepted")
+
+
+def test_a_message_over_grpcs_size_limit_is_invalid_not_rate_limited():
+    """gRPC's own size check answers RESOURCE_EXHAUSTED; that is a bad request (09-python-sdk
+    "Files"), while a bare RESOURCE_EXHAUSTED from elsewhere stays rate_limited."""
+    from opendsec.errors import error_from_rpc
+
+    class Err(grpc.RpcError):
+        def __init__(self, details: str) -> None:
+            self._details = details
+
+        def code(self):
+            return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        def details(self):
+            return self._details
+
+        def trailing_metadata(self):
+            return ()
+
+    big = error_from_rpc(Err("CLIENT: Sent message larger than max (100000079 vs. 83886080)"))
+    assert big.reason == opendsec.INVALID
+    assert error_from_rpc(Err("slow down")).reason == opendsec.RATE_LIMITED

@@ -104,7 +104,22 @@ mod tests {
     #[test]
     fn sandbox_paths() {
         assert!(check_sandbox_path("/etc/secret").is_ok());
-        for bad in ["etc", "/a/../b", "/", "/./x", "/a\0"] {
+        assert!(check_sandbox_path("/proc/sys").is_ok());
+        assert!(check_sandbox_path("/running").is_ok());
+        for bad in [
+            "etc",
+            "/a/../b",
+            "/",
+            "/./x",
+            "/a\0",
+            "/run",
+            "/run/opendsec",
+            "//run//opendsec/bin",
+            "/run/opendsec/aether.json",
+            "/proc",
+            "/dev/",
+            "/",
+        ] {
             assert!(check_sandbox_path(bad).is_err(), "{bad}");
         }
         assert!(check_lower(std::path::Path::new("/a:b")).is_err());

@@ -74,7 +74,7 @@ pub fn main(args: Vec<String>) -> ExitCode {
             .enable_all()
             .build()
             .map_err(AetherError::Runtime)?;
-        rt.block_on(run(cfg, PathBuf::from(&a.config)))
+        rt.block_on(run(cfg))
     });
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -144,7 +144,7 @@ fn listener(cfg: &AetherConfig) -> Result<tokio::net::UnixListener, AetherError>
     tokio::net::UnixListener::from_std(std_l).map_err(AetherError::Runtime)
 }
 
-async fn run(cfg: AetherConfig, config_path: PathBuf) -> Result<(), AetherError> {
+async fn run(cfg: AetherConfig) -> Result<(), AetherError> {
     if cfg.protect_from_oom {
         if let Err(e) = std::fs::write("/proc/self/oom_score_adj", "-1000") {
             // Expected without CAP_SYS_RESOURCE.
@@ -164,10 +164,9 @@ async fn run(cfg: AetherConfig, config_path: PathBuf) -> Result<(), AetherError>
         source,
     })?;
     let listener = listener(&cfg)?;
-    let config_path = std::path::absolute(&config_path).unwrap_or(config_path);
     let cfg = Arc::new(cfg);
     let procs = crate::guest::procs::Procs::new(cfg.clone(), reaper.clone(), PathBuf::from("/"));
-    let sessions = sessions::Sessions::new(cfg.clone(), config_path, reaper);
+    let sessions = sessions::Sessions::new(cfg.clone(), reaper);
     let svc = service::Aether {
         sessions: sessions.clone(),
         procs: procs.clone(),

@@ -74,7 +74,6 @@ struct Warm {
 /// The sessions of this sandbox.
 pub struct Sessions {
     cfg: Arc<AetherConfig>,
-    config_path: PathBuf,
     reaper: Reaper,
     map: Mutex<HashMap<String, Arc<Slot>>>,
     warm: OnceCell<Option<Warm>>,
@@ -83,10 +82,9 @@ pub struct Sessions {
 }
 
 impl Sessions {
-    pub fn new(cfg: Arc<AetherConfig>, config_path: PathBuf, reaper: Reaper) -> Arc<Sessions> {
+    pub fn new(cfg: Arc<AetherConfig>, reaper: Reaper) -> Arc<Sessions> {
         Arc::new_cyclic(|me| Sessions {
             cfg,
-            config_path,
             reaper,
             map: Mutex::new(HashMap::new()),
             warm: OnceCell::new(),
@@ -219,16 +217,18 @@ impl Sessions {
                 dir.display()
             ))
         })?;
-        let mut cmd = Command::new(&self.cfg.agent);
+        // aether's own executable (the read-only agent file it was started from), not a path
+        // in the sandbox that its root could redirect; the config goes over stdin.
+        let mut cmd = Command::new("/proc/self/exe");
         cmd.arg("chronus")
             .arg("--dir")
             .arg(&dir)
             .arg("--user")
             .arg(format!("{}:{}", creds.uid, creds.gid))
             .arg("--config")
-            .arg(&self.config_path)
+            .arg("-")
             .env_clear()
-            .stdin(Stdio::null())
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         for k in PASS_ENV {
@@ -245,6 +245,13 @@ impl Sessions {
         let pid = child.id() as i32;
         let mut exit = self.reaper.watch(child.id());
         let mut child = child;
+        if let Some(mut stdin) = child.stdin.take() {
+            let json = serde_json::to_vec(self.cfg.as_ref()).unwrap_or_default();
+            // A pipe holds 64 KiB; a bigger config (a huge image env) is written by a thread.
+            std::thread::spawn(move || {
+                let _ = std::io::Write::write_all(&mut stdin, &json);
+            });
+        }
         let ready_pipe = child.stdout.take();
         drop(child);
         let sock = dir.join("chronus.sock");

@@ -39,6 +39,12 @@ pub async fn request(req: pb::HttpRequest) -> Result<pb::HttpResponse, Failure> 
         Method::from_bytes(req.method.to_ascii_uppercase().as_bytes())
             .map_err(|_| Failure::invalid(format!("method {:?} is not valid", req.method)))?
     };
+    if req.timeout < 0.0 || req.timeout.is_nan() {
+        return Err(Failure::invalid(format!(
+            "timeout {} must be 0 (the default) or more seconds",
+            req.timeout
+        )));
+    }
     let timeout = if req.timeout > 0.0 && req.timeout.is_finite() {
         req.timeout
     } else {

@@ -101,9 +101,17 @@ pub fn main(args: Vec<String>) -> ExitCode {
     }
 }
 
-/// Reads aether's config file.
+/// Reads aether's config: from stdin when `path` is `-` (how aether starts chronus: the
+/// sandbox's root can rewrite the file under /run/opendsec, but not what aether read at its
+/// start), else from the file.
 pub fn read_config(path: &str) -> Result<AetherConfig, ChronusError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ChronusError::ReadConfig {
+    let read = if path == "-" {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).map(|_| s)
+    } else {
+        std::fs::read_to_string(path)
+    };
+    let text = read.map_err(|source| ChronusError::ReadConfig {
         path: path.to_string(),
         source,
     })?;
