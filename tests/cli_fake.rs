@@ -64,7 +64,7 @@ impl Fake {
     }
 
     /// The fake command: prints its command line; `fail7` exits 7 with stderr output;
-    /// `slow` with a timeout times out.
+    /// `oom` exits 137, killed by the OOM killer; `slow` with a timeout times out.
     fn shell_result(req: &pb::RunShellRequest) -> (Vec<u8>, Vec<u8>, pb::ShellResult) {
         let out = format!("{}\n", req.cmd).into_bytes();
         let err = if req.cmd.contains("fail7") {
@@ -74,7 +74,14 @@ impl Fake {
         };
         let res = pb::ShellResult {
             cmd_id: 42,
-            exit_code: if req.cmd.contains("fail7") { 7 } else { 0 },
+            exit_code: if req.cmd.contains("fail7") {
+                7
+            } else if req.cmd.contains("oom") {
+                137
+            } else {
+                0
+            },
+            oom_killed: req.cmd.contains("oom"),
             timed_out: req.cmd.contains("slow") && req.timeout > 0.0,
             done: true,
             ..Default::default()
@@ -709,6 +716,13 @@ async fn exec_streams_quotes_and_passes_exit_codes() {
     let r = ctl(&s.addr, &["exec", "edge-1.a", "run fail7"]).await;
     assert_eq!(r.code, 7);
     assert_eq!(r.stderr, "it failed\n");
+
+    let r = ctl(&s.addr, &["exec", "edge-1.a", "run oom"]).await;
+    assert_eq!(r.code, 137);
+    assert_eq!(
+        r.stderr,
+        "opendsecctl: the sandbox's OOM killer ended a process of the command (memory_limit_mb)\n"
+    );
 
     let r = ctl(&s.addr, &["exec", "edge-1.a", "-timeout", "2", "slow"]).await;
     assert_eq!(r.code, 124);

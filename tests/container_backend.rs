@@ -349,3 +349,241 @@ async fn device_nodes_in_an_image_open_nothing() {
     );
     b.stop(&h).await.expect("stop");
 }
+
+/// One sandbox of its own backend, for the tests below.
+struct Sb {
+    b: Arc<dyn Backend>,
+    id: String,
+    spec: pb::SandboxSpec,
+    st: opendsec::backends::BackendState,
+    _tmp: tempfile::TempDir,
+}
+
+impl Sb {
+    async fn new(edge: &str, spec: pb::SandboxSpec) -> Sb {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let b = backend(tmp.path(), edge);
+        let id = format!("{edge}.t");
+        let st = b
+            .create(&CreateRequest {
+                sandbox_id: id.clone(),
+                project: "root".into(),
+                spec: spec.clone(),
+            })
+            .await
+            .expect("create");
+        Sb {
+            b,
+            id,
+            spec,
+            st,
+            _tmp: tmp,
+        }
+    }
+
+    fn h(&self) -> Handle<'_> {
+        Handle {
+            sandbox_id: &self.id,
+            spec: &self.spec,
+            state: &self.st,
+        }
+    }
+
+    async fn client(&self) -> RuntimeClient<tonic::transport::Channel> {
+        let rt = self.b.runtime().expect("runtime capability");
+        RuntimeClient::new(rt.channel(&self.h()).await.expect("channel"))
+    }
+
+    async fn sh(&self, session: &str, cmd: &str) -> pb::ShellResult {
+        self.client()
+            .await
+            .run_shell(pb::RunShellRequest {
+                sandbox_id: self.id.clone(),
+                cmd: cmd.into(),
+                session: session.into(),
+                timeout: 60.0,
+                ..Default::default()
+            })
+            .await
+            .expect("run_shell")
+            .into_inner()
+    }
+
+    async fn stop(self) {
+        self.b.stop(&self.h()).await.expect("stop");
+    }
+}
+
+/// Run by the sandbox's root: tries to ptrace, and to open the memory of, aether (PID 1)
+/// and every chronus; prints `pid what errno-name` lines.
+const ATTACK_PY: &str = r#"
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+PTRACE_ATTACH, PTRACE_DETACH = 16, 17
+def name(e):
+    return errno.errorcode.get(e, str(e))
+targets = [1]
+for p in os.listdir("/proc"):
+    if p.isdigit():
+        try:
+            argv = open(f"/proc/{p}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"chronus" in argv[:2]:
+            targets.append(int(p))
+for pid in targets:
+    r = libc.ptrace(PTRACE_ATTACH, pid, None, None)
+    e = ctypes.get_errno()
+    if r == 0:
+        os.waitpid(pid, os.__dict__.get("WALL", 0x40000000))
+        libc.ptrace(PTRACE_DETACH, pid, None, None)
+        print(pid, "attach", "ok")
+    else:
+        print(pid, "attach", name(e))
+    for mode, what in (("rb", "mem-read"), ("r+b", "mem-write")):
+        try:
+            open(f"/proc/{pid}/mem", mode).close()
+            print(pid, what, "ok")
+        except OSError as ex:
+            print(pid, what, name(ex.errno))
+"#;
+
+/// Item: the agents are out of the sandbox root's reach. Without non-dumpable agents the
+/// root of the sandbox (same uid, same capabilities as aether) attaches to PID 1 and reads
+/// its memory; the same for another session's root chronus.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sandbox_root_cannot_trace_or_read_the_agents() {
+    if !root_or_skip() {
+        return;
+    }
+    let sb = Sb::new("cb-9", spec()).await;
+    // Another root session, whose chronus the attacker goes after too.
+    let r = sb.sh("victim", "true").await;
+    assert_eq!(r.exit_code, 0, "{r:?}");
+    let r = sb
+        .sh(
+            "attacker",
+            &format!("id -u; grep CapEff /proc/self/status; python3 -c '{ATTACK_PY}'"),
+        )
+        .await;
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    assert_eq!(
+        r.exit_code,
+        0,
+        "{out} {}",
+        String::from_utf8_lossy(&r.stderr)
+    );
+    let mut lines = out.lines();
+    assert_eq!(lines.next(), Some("0"), "{out}");
+    // CAP_SYS_PTRACE (bit 19) is in no session.
+    let cap = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|h| u64::from_str_radix(h, 16).ok())
+        .expect("CapEff");
+    assert_eq!(cap & (1 << 19), 0, "CAP_SYS_PTRACE in the session: {cap:x}");
+    let rest: Vec<&str> = lines.collect();
+    let pids: HashSet<&str> = rest.iter().filter_map(|l| l.split(' ').next()).collect();
+    // aether and at least the two sessions' chronus.
+    assert!(pids.len() >= 3, "{out}");
+    for l in &rest {
+        let f: Vec<&str> = l.split(' ').collect();
+        let want = if f.get(1) == Some(&"attach") {
+            "EPERM"
+        } else {
+            "EACCES"
+        };
+        assert_eq!(f.get(2), Some(&want), "{l}\n{out}");
+    }
+    // SIGSTOP and SIGKILL to PID 1 from inside do nothing; the agents keep answering.
+    let r = sb
+        .sh("attacker", "kill -STOP 1; kill -KILL 1; echo sent")
+        .await;
+    assert_eq!(r.stdout, b"sent\n", "{r:?}");
+    let r = sb.sh("victim", "echo alive").await;
+    assert_eq!(r.stdout, b"alive\n", "{r:?}");
+    sb.stop().await;
+}
+
+/// Item: OOM is visible. A command the OOM killer ends has `oom_killed`; a plain `kill -9`
+/// (the same exit code 137) and a later command do not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oom_killed_tells_the_oom_killer_from_kill_9() {
+    if !root_or_skip() {
+        return;
+    }
+    let mut s = spec();
+    s.memory_limit_mb = 256;
+    let sb = Sb::new("cb-10", s).await;
+    let r = sb
+        .sh("default", "python3 -c 'x = bytearray(1 << 30)'")
+        .await;
+    assert_eq!((r.exit_code, r.oom_killed), (137, true), "{r:?}");
+    let r = sb.sh("default", "sh -c 'kill -9 $$'").await;
+    assert_eq!((r.exit_code, r.oom_killed), (137, false), "{r:?}");
+    let r = sb.sh("default", "echo ok").await;
+    assert_eq!((r.exit_code, r.oom_killed), (0, false), "{r:?}");
+    // In another session as well (its own chronus).
+    let r = sb.sh("other", "python3 -c 'x = bytearray(1 << 30)'").await;
+    assert_eq!((r.exit_code, r.oom_killed), (137, true), "{r:?}");
+    sb.stop().await;
+}
+
+/// Item: files. A FIFO, socket or device is `invalid` at once (a FIFO blocked the call for
+/// ever); a full disk is `invalid` naming disk_mb, not `no_capacity`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn special_files_and_a_full_disk_are_invalid() {
+    if !root_or_skip() {
+        return;
+    }
+    let mut s = spec();
+    s.disk_mb = 64;
+    let sb = Sb::new("cb-11", s).await;
+    let r = sb
+        .sh(
+            "default",
+            "mkfifo /tmp/fifo && python3 -c 'import socket; socket.socket(socket.AF_UNIX).bind(\"/tmp/sock\")'",
+        )
+        .await;
+    assert_eq!(r.exit_code, 0, "{r:?}");
+    let mut c = sb.client().await;
+    for p in ["/tmp/fifo", "/tmp/sock", "/dev/null", "/dev/zero"] {
+        let call = c.read_file(pb::ReadFileRequest {
+            sandbox_id: sb.id.clone(),
+            path: p.into(),
+            ..Default::default()
+        });
+        let e = tokio::time::timeout(std::time::Duration::from_secs(10), call)
+            .await
+            .unwrap_or_else(|_| panic!("read_file {p} blocked"))
+            .expect_err(p);
+        let f = opendsec::rpc::failure_from_status(&e);
+        assert_eq!(f.reason, Reason::Invalid, "{p}: {f:?}");
+        assert!(f.message.contains("not a regular file"), "{p}: {f:?}");
+    }
+    let r = sb
+        .sh("default", "dd if=/dev/zero of=/fill bs=1M count=100 2>&1")
+        .await;
+    assert!(
+        String::from_utf8_lossy(&r.stdout).contains("No space left"),
+        "{r:?}"
+    );
+    let e = c
+        .write_file(pb::WriteFileRequest {
+            sandbox_id: sb.id.clone(),
+            path: "/tmp/more".into(),
+            data: vec![7u8; 4 << 20],
+            ..Default::default()
+        })
+        .await
+        .expect_err("disk full");
+    let f = opendsec::rpc::failure_from_status(&e);
+    assert_eq!(f.reason, Reason::Invalid, "{f:?}");
+    assert!(
+        f.message
+            .contains("no space left on the sandbox's disk (disk_mb 64)"),
+        "{f:?}"
+    );
+    sb.stop().await;
+}

@@ -52,6 +52,8 @@ impl Agent {
             "agent": bin,
             "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"},
             "protect_from_oom": true,
+            // Where chronus counts OOM kills; a test may put a counter there.
+            "cgroup_dir": dir.path().join("cg"),
         });
         let cfg_path = dir.path().join("aether.json");
         let mut cmd = match how {
@@ -998,4 +1000,32 @@ async fn the_warm_default_session_never_fixes_the_user() {
     q.user = "1000".into();
     assert_eq!(text(&b.run(q).await.stdout), "0\n");
     b.stop();
+}
+
+/// `oom_killed` follows the sandbox cgroup's OOM kill count over the command's lifetime
+/// (here a fake v2 counter the command itself bumps, as the kernel would while it runs),
+/// and needs the command to end by SIGKILL: a plain kill -9, or a count that rose while a
+/// command ended otherwise, is no OOM kill of that command.
+#[tokio::test]
+async fn oom_killed_follows_the_cgroup_count() {
+    if !root_or_skip("oom_killed_follows_the_cgroup_count") {
+        return;
+    }
+    let mut a = Agent::start(None).await;
+    let cg = a.path("cg");
+    std::fs::create_dir_all(cg.join("workload")).expect("mkdir");
+    std::fs::write(cg.join("memory.events.local"), "oom 0\noom_kill 0\n").expect("write");
+    let counter = cg.join("workload/memory.events.local");
+    std::fs::write(&counter, "oom_kill 0\n").expect("write");
+    std::fs::set_permissions(&cg, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let bump = |n: u32| format!("printf 'oom_kill {n}\\n' > {}", counter.display());
+    let r = a.sh("sh -c 'kill -9 $$'").await;
+    assert_eq!((r.exit_code, r.oom_killed), (137, false), "{r:?}");
+    let r = a.sh(&format!("{}; sh -c 'kill -9 $$'", bump(1))).await;
+    assert_eq!((r.exit_code, r.oom_killed), (137, true), "{r:?}");
+    let r = a.sh(&format!("{}; true", bump(2))).await;
+    assert_eq!((r.exit_code, r.oom_killed), (0, false), "{r:?}");
+    let r = a.sh("sh -c 'kill -9 $$'").await;
+    assert_eq!((r.exit_code, r.oom_killed), (137, false), "{r:?}");
+    a.stop();
 }

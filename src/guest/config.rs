@@ -33,4 +33,9 @@ pub struct AetherConfig {
     /// session shells and processes a higher one, so the OOM killer takes the sandbox's
     /// processes and not the agents.
     pub protect_from_oom: bool,
+    /// The sandbox's disk size in MB, named when a write finds it full (0: unknown).
+    pub disk_mb: u64,
+    /// The sandbox's own cgroup as mounted inside it (containers: /sys/fs/cgroup), where
+    /// chronus counts OOM kills for `ShellResult.oom_killed`; "" = none.
+    pub cgroup_dir: String,
 }

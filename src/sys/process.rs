@@ -97,3 +97,51 @@ pub fn dup_to(fd: std::os::fd::BorrowedFd<'_>, target: i32) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// Makes the calling process non-dumpable (`PR_SET_DUMPABLE` 0): without CAP_SYS_PTRACE,
+/// which no sandbox session holds, nothing can ptrace it or open its `/proc/<pid>/mem`,
+/// even a process of the same uid (the sandbox's root against a root agent), and its
+/// `/proc/<pid>` files belong to root. exec and every change of the effective uid or gid
+/// reset the flag, so the agents call this after each (see docs/architecture.md,
+/// "In the sandbox"). Errors: the prctl's errno.
+pub fn set_nondumpable() -> io::Result<()> {
+    nix::sys::prctl::set_dumpable(false).map_err(io::Error::from)
+}
+
+/// Whether the calling process is dumpable (see [`set_nondumpable`]).
+pub fn is_dumpable() -> io::Result<bool> {
+    nix::sys::prctl::get_dumpable().map_err(io::Error::from)
+}
+
+/// The real gid a child of [`exec_nondumpable`] runs with until it sets its gids itself.
+pub const EXEC_REAL_GID: libc::gid_t = 65534;
+
+/// Has `cmd`'s child exec with a real gid ([`EXEC_REAL_GID`]) different from its effective
+/// one: the kernel then makes the new program non-dumpable from its first instruction,
+/// as for a setgid program (`fs.suid_dumpable`, 0 unless an administrator changed it),
+/// instead of dumpable until it reaches [`set_nondumpable`], a window in which a process
+/// of the same uid could attach. The capabilities stay those of the effective uid. The
+/// child must set its gids (setgid) before it relies on its real gid; exec also runs it
+/// in secure mode (`AT_SECURE`: the C library drops `LD_*`, `TMPDIR` and the like from
+/// its environment). Does nothing for a parent whose effective uid or gid is not 0 (it
+/// could not set such a real gid; tests run agents unprivileged).
+pub fn exec_nondumpable(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    if !(nix::unistd::geteuid().is_root() && nix::unistd::getegid().as_raw() == 0) {
+        return;
+    }
+    // SAFETY: the closure runs in the forked child before exec, where only
+    // async-signal-safe calls are allowed; it makes one setresgid syscall (raw, not the
+    // C library's wrapper, which synchronises across threads) and allocates nothing.
+    unsafe {
+        cmd.pre_exec(|| {
+            let r = libc::syscall(
+                libc::SYS_setresgid,
+                EXEC_REAL_GID,
+                libc::gid_t::MAX,
+                libc::gid_t::MAX,
+            );
+            cvt(r as i64).map(|_| ())
+        });
+    }
+}

@@ -136,6 +136,9 @@ class ShellResult:
     stdout_total: int = 0
     #: Stderr bytes recorded so far.
     stderr_total: int = 0
+    #: The kernel's OOM killer ended a process of the command (the sandbox's
+    #: ``memory_limit_mb``): ``exit_code`` is then 137. A plain ``kill -9`` leaves it False.
+    oom_killed: bool = False
 
     @property
     def stdout(self) -> str:
@@ -169,6 +172,7 @@ class ShellResult:
             stderr_offset=m.stderr_offset,
             stdout_total=m.stdout_total,
             stderr_total=m.stderr_total,
+            oom_killed=m.oom_killed,
         )
 
 

@@ -14,7 +14,13 @@ from opendsec.models import FileInfo, HttpResult, ShellResult
 if TYPE_CHECKING:
     from opendsec.client import DSecClient
 
-__all__ = ["Sandbox", "StreamItem"]
+__all__ = ["Sandbox", "StreamItem", "FILE_CHUNK_BYTES"]
+
+#: Bytes per call of :meth:`Sandbox.read_file` and :meth:`Sandbox.write_file`, which split
+#: larger files into calls of this size. Our servers take up to 64 MiB per call, but a
+#: message of 2 MiB also passes anything in between that keeps gRPC's default 4 MB limit,
+#: and keeps the memory of each call small.
+FILE_CHUNK_BYTES = 2 << 20
 
 #: What :meth:`Sandbox.stream_shell` yields: ``("stdout", bytes)``, ``("stderr", bytes)``,
 #: then ``("exit", ShellResult)``.
@@ -258,9 +264,28 @@ class Sandbox:
     # ---------------------------------------------------------------- files
 
     async def read_file(self, path: str, offset: int = 0, length: int = 0, session: str = "default") -> bytes:
-        """Reads a file (at most 64 MB per call); ``length=0`` reads to the end. Past the end: ``b""``."""
+        """Reads a file; ``length=0`` reads to the end. Past the end: ``b""``.
+
+        Any size (up to the sandbox's disk) works: the file is read in calls of
+        :data:`FILE_CHUNK_BYTES` each, one after the other. A FIFO, socket or device is
+        ``invalid`` ("not a regular file").
+        """
+        pos, length = int(offset), int(length)
+        if pos < 0 or length < 0:
+            # One call: the server refuses it, naming the bad value.
+            return await self._read_part(path, pos, length, session)
+        out = bytearray()
+        while True:
+            want = FILE_CHUNK_BYTES if length == 0 else min(FILE_CHUNK_BYTES, length - len(out))
+            part = await self._read_part(path, pos, want, session)
+            out += part
+            pos += len(part)
+            if len(part) < want or (length and len(out) == length):
+                return bytes(out)
+
+    async def _read_part(self, path: str, offset: int, length: int, session: str) -> bytes:
         req = runtime_pb2.ReadFileRequest(
-            sandbox_id=self.id, path=path, offset=int(offset), length=int(length), session=session
+            sandbox_id=self.id, path=path, offset=offset, length=length, session=session
         )
         return bytes((await self._client._unary("ReadFile", req, retry=True)).data)
 
@@ -274,15 +299,33 @@ class Sandbox:
     ) -> FileInfo:
         """Writes a file (``str`` is encoded as UTF-8). Not retried automatically.
 
+        Any size (up to the sandbox's disk) works: more than :data:`FILE_CHUNK_BYTES` goes
+        in several calls, the first replacing the file (or appending), the others writing
+        at their offsets. A failure part way leaves the file partly written; writing it
+        again from the start is safe. A full disk is ``invalid`` ("no space left on the
+        sandbox's disk").
+
         Args:
             mode: Permission bits, e.g. ``0o755``; 0 for the default.
             append: Append instead of replacing.
         """
-        raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
-        req = runtime_pb2.WriteFileRequest(
-            sandbox_id=self.id, path=path, data=raw, mode=int(mode), append=append, session=session
-        )
-        return FileInfo.from_pb(await self._client._unary("WriteFile", req, retry=False))
+        raw = memoryview(data.encode("utf-8") if isinstance(data, str) else bytes(data))
+        info: Optional[runtime_pb2.FileInfo] = None
+        start = 0
+        while info is None or start < len(raw):
+            piece = raw[start : start + FILE_CHUNK_BYTES]
+            req = runtime_pb2.WriteFileRequest(
+                sandbox_id=self.id,
+                path=path,
+                data=bytes(piece),
+                mode=int(mode),
+                append=append,
+                offset=0 if append else start,
+                session=session,
+            )
+            info = await self._client._unary("WriteFile", req, retry=False)
+            start += len(piece)
+        return FileInfo.from_pb(info)
 
     async def list_dir(self, path: str, session: str = "default") -> list[FileInfo]:
         """Lists a directory."""

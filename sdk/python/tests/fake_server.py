@@ -262,7 +262,14 @@ class FakeDSec:
 
     async def WriteFile(self, request, context):
         await self._enter("WriteFile", context)
-        data = self.files.get(request.path, b"") + request.data if request.append else request.data
+        old = self.files.get(request.path, b"")
+        if request.append:
+            data = old + request.data
+        elif request.offset > 0:
+            at = request.offset
+            data = old[:at].ljust(at, b"\0") + request.data + old[at + len(request.data):]
+        else:
+            data = request.data
         self.files[request.path] = data
         return runtime_pb2.FileInfo(name=request.path.rsplit("/", 1)[-1], type="file", size=len(data), path=request.path)
 

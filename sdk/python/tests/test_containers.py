@@ -641,6 +641,9 @@ async def test_memory_limit_kills_the_command_not_the_sandbox(linux):
             assert r.done and not r.timed_out, r
             assert r.exit_code == 137 or (r.exit_code != 0 and "Killed" in r.stderr), r
             assert "MemoryError" not in r.stderr, r  # killed by the cgroup, not refused by malloc
+            assert r.oom_killed, r  # the OOM killer, told apart from any SIGKILL
+            r = await sh(sb, "sh -c 'kill -9 $$'")
+            assert (r.exit_code, r.oom_killed) == (137, False), r
             r = await sh(sb, "echo ok")
             assert (r.exit_code, r.stdout) == (0, "ok\n"), r
             r = await sh(sb, "cat /proc/1/comm; tr '\\0' ' ' < /proc/1/cmdline")
@@ -735,6 +738,11 @@ async def test_disk_limit(linux):
             assert allocated <= (64 << 20) + (4 << 20), f"the 64 MiB disk image takes {allocated} bytes"
             # The other helpers on this machine write too: allow some noise, far below 200 MiB.
             assert used < 128 << 20, f"host free space dropped by {used >> 20} MiB"
+            # The sandbox's own limit, not the cluster's: never no_capacity (retry elsewhere).
+            with pytest.raises(DSecError) as ei:
+                await sb.write_file("/tmp/more", b"x" * (1 << 20))
+            assert ei.value.reason == opendsec.INVALID, ei.value
+            assert "no space left on the sandbox's disk (disk_mb 64)" in str(ei.value), ei.value
             r = await sh(sb, "rm /tmp/fill && echo x > /tmp/after && cat /tmp/after")
             assert (r.exit_code, r.stdout) == (0, "x\n"), r
         finally:
@@ -767,29 +775,31 @@ async def test_large_output_is_capped_and_counted(linux):
 
 
 async def test_large_file_round_trip(linux):
+    """More than one gRPC message's worth (80 MB) in one write_file and one read_file: the
+    SDK chunks both ways; pieces with offset and length still work."""
     size, chunk = 200 << 20, 32 << 20
     async with linux.client() as c:
         sb = await c.run_sandbox(container(memory_limit_mb=1024, disk_mb=512))
         try:
-            sent = hashlib.sha256()
-            for off in range(0, size, chunk):
-                data = os.urandom(min(chunk, size - off))
-                sent.update(data)
-                info = await sb.write_file("/tmp/big", data, append=off > 0)
-                assert info.size == off + len(data)
-            assert (await sb.stat("/tmp/big")).size == size
-            got, off = hashlib.sha256(), 0
-            while True:
-                part = await sb.read_file("/tmp/big", offset=off, length=chunk)
-                if not part:
-                    break
-                assert len(part) <= chunk
-                got.update(part)
-                off += len(part)
-            assert off == size
-            assert got.hexdigest() == sent.hexdigest()
+            data = os.urandom(size)
+            want = hashlib.sha256(data).hexdigest()
+            info = await sb.write_file("/tmp/big", data)
+            assert info.size == size
             r = await sh(sb, "sha256sum /tmp/big")
-            assert r.stdout.split()[0] == sent.hexdigest()
+            assert r.stdout.split()[0] == want
+            got = await sb.read_file("/tmp/big")
+            assert len(got) == size and hashlib.sha256(got).hexdigest() == want
+            del got
+            assert await sb.read_file("/tmp/big", offset=size - 10, length=100) == data[-10:]
+            assert await sb.read_file("/tmp/big", offset=chunk, length=chunk) == data[chunk : 2 * chunk]
+            await sb.write_file("/tmp/big", data[:3], append=True)
+            assert (await sb.stat("/tmp/big")).size == size + 3
+            # A FIFO is not read (it would block the call for ever), nor a device.
+            await sh(sb, "mkfifo /tmp/fifo")
+            for p in ("/tmp/fifo", "/dev/zero"):
+                with pytest.raises(DSecError) as ei:
+                    await asyncio.wait_for(sb.read_file(p), timeout=10)
+                assert ei.value.reason == opendsec.INVALID and "not a regular file" in str(ei.value), ei.value
         finally:
             await sb.stop()
 
@@ -814,6 +824,11 @@ async def test_http_inside_the_sandbox(linux):
             with pytest.raises(DSecError) as ei:
                 await sb.http("http://127.0.0.1:8001/", timeout=5)
             assert ei.value.reason == opendsec.UNAVAILABLE
+            assert "connection refused on port 8001 in the sandbox" in str(ei.value), ei.value
+            for port in (0, 65536, 70000):
+                with pytest.raises(DSecError) as ei:
+                    await sb.http(f"http://127.0.0.1:{port}/", timeout=5)
+                assert ei.value.reason == opendsec.INVALID and "port" in str(ei.value), ei.value
             # The host's own loopback is another namespace: nothing the host listens on is
             # reachable as 127.0.0.1 from inside (the cluster's apiserver listens there).
             port = linux.env["OPENDSEC_ADDR"].rsplit(":", 1)[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import grpc
@@ -452,6 +453,29 @@ async def test_files_and_http(fake):
         assert ei.value.reason == opendsec.NOT_FOUND
         h = await sb.http("http://127.0.0.1:8000/health")
         assert (h.status, h.headers, h.body) == (200, {"x": "y"}, b"ok")
+
+
+async def test_files_larger_than_one_call_are_chunked(fake):
+    """A file of more than one call's worth (an 80 MB message would not pass) goes in
+    FILE_CHUNK_BYTES pieces both ways, and comes back byte for byte."""
+    chunk = opendsec.sandbox.FILE_CHUNK_BYTES
+    data = os.urandom(2 * chunk + 12345)
+    async with client_for(fake.addr) as c:
+        sb = await new_sandbox(c)
+        fi = await sb.write_file("/big", data)
+        assert fi.size == len(data)
+        assert fake.service.calls["WriteFile"] == 3
+        assert fake.service.files["/big"] == data
+        await sb.write_file("/big", data[:10])  # a rewrite replaces, shorter
+        assert fake.service.files["/big"] == data[:10]
+        await sb.write_file("/big", data)
+        fake.service.calls["ReadFile"] = 0
+        assert await sb.read_file("/big") == data
+        assert fake.service.calls["ReadFile"] == 3
+        assert await sb.read_file("/big", offset=chunk - 1, length=chunk + 2) == data[chunk - 1 : 2 * chunk + 1]
+        await sb.write_file("/big", data[:5], append=True)
+        assert fake.service.files["/big"] == data + data[:5]
+        assert await sb.read_file("/big", offset=len(data) + 5) == b""
 
 
 async def test_lifecycle_and_tasks(fake):

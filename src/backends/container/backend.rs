@@ -191,6 +191,8 @@ impl ContainerBackend {
                 workdir: image.workdir,
                 pid1: true,
                 protect_from_oom: true,
+                disk_mb: req.spec.disk_mb.max(1) as u64,
+                cgroup_dir: crate::guest::chronus::oom::CGROUP_ROOT.into(),
             },
         }
     }

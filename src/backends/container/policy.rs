@@ -178,5 +178,7 @@ mod tests {
         assert!(progs[0].len() > DENIED.len());
         assert!(!KEPT_CAPS.contains(&Capability::CAP_MKNOD));
         assert!(!KEPT_CAPS.contains(&Capability::CAP_SYS_ADMIN));
+        // With it a session could trace the (non-dumpable) agents.
+        assert!(!KEPT_CAPS.contains(&Capability::CAP_SYS_PTRACE));
     }
 }

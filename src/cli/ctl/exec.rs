@@ -129,6 +129,12 @@ impl ExecArgs {
             output::err(b"opendsecctl: command timed out\n")?;
             return Err(CtlError::Exit(TIMED_OUT_EXIT));
         }
+        if result.oom_killed {
+            // The exit code (137) alone reads like any SIGKILL.
+            output::err(
+                b"opendsecctl: the sandbox's OOM killer ended a process of the command (memory_limit_mb)\n",
+            )?;
+        }
         match exit_code(result.exit_code) {
             0 => Ok(()),
             c => Err(CtlError::Exit(c)),

@@ -69,6 +69,12 @@ pub fn main(args: Vec<String>) -> ExitCode {
         Err(code) => return code,
     };
     log_init();
+    // First, before anything of the sandbox runs: its root must not ptrace aether or read
+    // its memory (docs/architecture.md, "In the sandbox").
+    if let Err(e) = crate::sys::process::set_nondumpable() {
+        tracing::error!(error = %e, "cannot make aether non-dumpable");
+        return ExitCode::FAILURE;
+    }
     let r = load(&a.config).and_then(|cfg| {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()

@@ -236,6 +236,9 @@ impl Sessions {
                 cmd.env(k, v);
             }
         }
+        // Non-dumpable from exec on: a root session must never ptrace a root chronus, not
+        // even in the instant before it makes itself non-dumpable.
+        crate::sys::process::exec_nondumpable(&mut cmd);
         let child = cmd.spawn().map_err(|e| {
             Failure::unavailable(format!(
                 "session {name:?}: starting {}: {e}",

@@ -23,16 +23,62 @@ pub fn resolve(cwd: &Path, p: &str) -> Result<PathBuf, Failure> {
 }
 
 /// Maps an I/O error of `op` on `path` to its reason: ENOENT `not_found`, EACCES, EPERM
-/// and EROFS `forbidden`, ENOSPC and EDQUOT `no_capacity`, others `invalid`.
-pub fn failure(op: &str, path: &Path, e: &std::io::Error) -> Failure {
+/// and EROFS `forbidden`, others `invalid`. A full disk (ENOSPC, EDQUOT) is `invalid` as
+/// well, the sandbox's own limit and not the cluster's (`no_capacity` would tell the
+/// caller to retry elsewhere): "no space left on the sandbox's disk (disk_mb N)", N being
+/// `disk_mb` when known (not 0).
+pub fn failure(op: &str, path: &Path, e: &std::io::Error, disk_mb: u64) -> Failure {
     let reason = match e.raw_os_error() {
         Some(libc::ENOENT) | Some(libc::ENOTDIR) => Reason::NotFound,
         Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => Reason::Forbidden,
-        Some(libc::ENOSPC) | Some(libc::EDQUOT) => Reason::NoCapacity,
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => {
+            let limit = if disk_mb > 0 {
+                format!(" (disk_mb {disk_mb})")
+            } else {
+                String::new()
+            };
+            return Failure::invalid(format!(
+                "{op} {}: no space left on the sandbox's disk{limit}",
+                path.display()
+            ));
+        }
         _ if e.kind() == std::io::ErrorKind::NotFound => Reason::NotFound,
         _ => Reason::Invalid,
     };
     Failure::new(reason, format!("{op} {}: {e}", path.display()))
+}
+
+/// Opens `path` for reading without blocking on a FIFO or a device, and refuses what is
+/// not a regular file or a directory: the type is taken from the opened descriptor (no
+/// race with a rename), then blocking mode comes back for the reads. Errors: `invalid`
+/// "not a regular file" (a FIFO, socket or device), the file system's.
+fn open_regular(path: &Path) -> Result<(std::fs::File, std::fs::Metadata), Failure> {
+    let not_regular = || {
+        Failure::invalid(format!(
+            "{} is not a regular file (a FIFO, socket or device): read_file reads files",
+            path.display()
+        ))
+    };
+    let f = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+    {
+        Ok(f) => f,
+        // A unix socket cannot be opened at all.
+        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => return Err(not_regular()),
+        Err(e) => return Err(failure("open", path, &e, 0)),
+    };
+    let m = f.metadata().map_err(|e| failure("stat", path, &e, 0))?;
+    if !(m.is_file() || m.is_dir()) {
+        return Err(not_regular());
+    }
+    nix::fcntl::fcntl(
+        &f,
+        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()),
+    )
+    .map_err(|e| failure("fcntl", path, &std::io::Error::from(e), 0))?;
+    Ok((f, m))
 }
 
 /// Describes `path` from its (not followed) metadata.
@@ -83,8 +129,7 @@ pub async fn read(cwd: PathBuf, req: pb::ReadFileRequest) -> Result<pb::ReadFile
     }
     let path = resolve(&cwd, &req.path)?;
     blocking(move || {
-        let f = std::fs::File::open(&path).map_err(|e| failure("open", &path, &e))?;
-        let m = f.metadata().map_err(|e| failure("stat", &path, &e))?;
+        let (f, m) = open_regular(&path)?;
         if m.is_dir() {
             return Err(Failure::invalid(format!(
                 "{} is a directory",
@@ -97,7 +142,7 @@ pub async fn read(cwd: PathBuf, req: pb::ReadFileRequest) -> Result<pb::ReadFile
             let mut data = Vec::new();
             let mut r = std::io::BufReader::new(f);
             std::io::copy(&mut (&mut r).take(offset), &mut std::io::sink())
-                .map_err(|e| failure("read", &path, &e))?;
+                .map_err(|e| failure("read", &path, &e, 0))?;
             let cap = if req.length == 0 {
                 MAX_FILE_CALL + 1
             } else {
@@ -105,7 +150,7 @@ pub async fn read(cwd: PathBuf, req: pb::ReadFileRequest) -> Result<pb::ReadFile
             };
             r.take(cap)
                 .read_to_end(&mut data)
-                .map_err(|e| failure("read", &path, &e))?;
+                .map_err(|e| failure("read", &path, &e, 0))?;
             if data.len() as u64 > MAX_FILE_CALL {
                 return Err(too_big(&path));
             }
@@ -130,7 +175,7 @@ pub async fn read(cwd: PathBuf, req: pb::ReadFileRequest) -> Result<pb::ReadFile
                 Ok(0) => break,
                 Ok(n) => got += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(failure("read", &path, &e)),
+                Err(e) => return Err(failure("read", &path, &e, 0)),
             }
         }
         data.truncate(got);
@@ -146,19 +191,38 @@ fn too_big(path: &Path) -> Failure {
     ))
 }
 
-/// WriteFile: creates or truncates (or appends to) the file; a new file gets `mode`, 0
-/// meaning 0644; a non-zero `mode` is also applied to an existing file. The parent must
-/// exist. Errors: `invalid` for data over 64 MiB; the file system's (a missing parent is
-/// `not_found`).
-pub async fn write(cwd: PathBuf, req: pb::WriteFileRequest) -> Result<pb::FileInfo, Failure> {
+/// WriteFile: creates or truncates (or appends to) the file, or with `offset` > 0 writes
+/// the data at that offset keeping the rest (one chunk of a larger write: repeating it
+/// changes nothing, so it can be retried); a new file gets `mode`, 0 meaning 0644; a
+/// non-zero `mode` is also applied to an existing file. The parent must exist. Errors:
+/// `invalid` for data over 64 MiB, a negative offset, an offset with `append`, a full
+/// disk (see [`failure`]; `disk_mb` is the sandbox's, 0 if unknown); the file system's (a
+/// missing parent is `not_found`).
+pub async fn write(
+    cwd: PathBuf,
+    disk_mb: u64,
+    req: pb::WriteFileRequest,
+) -> Result<pb::FileInfo, Failure> {
     if req.data.len() as u64 > MAX_FILE_CALL {
         return Err(Failure::invalid(format!(
-            "{} bytes is over the {MAX_FILE_CALL} bytes one write_file takes: write in pieces with append",
+            "{} bytes is over the {MAX_FILE_CALL} bytes one write_file takes: write in pieces with offset",
             req.data.len()
         )));
     }
+    if req.offset < 0 {
+        return Err(Failure::invalid(format!(
+            "offset {} must be >= 0",
+            req.offset
+        )));
+    }
+    if req.offset > 0 && req.append {
+        return Err(Failure::invalid(
+            "offset and append exclude each other: append writes at the end",
+        ));
+    }
     let path = resolve(&cwd, &req.path)?;
     blocking(move || {
+        let fail = |op: &str, e: &std::io::Error| failure(op, &path, e, disk_mb);
         let mode = if req.mode == 0 {
             0o644
         } else {
@@ -168,17 +232,21 @@ pub async fn write(cwd: PathBuf, req: pb::WriteFileRequest) -> Result<pb::FileIn
         o.write(true).create(true).mode(mode);
         if req.append {
             o.append(true);
-        } else {
+        } else if req.offset == 0 {
             o.truncate(true);
         }
-        let mut f = o.open(&path).map_err(|e| failure("open", &path, &e))?;
-        f.write_all(&req.data)
-            .map_err(|e| failure("write", &path, &e))?;
+        let mut f = o.open(&path).map_err(|e| fail("open", &e))?;
+        let written = if req.offset > 0 {
+            f.write_all_at(&req.data, req.offset as u64)
+        } else {
+            f.write_all(&req.data)
+        };
+        written.map_err(|e| fail("write", &e))?;
         if req.mode != 0 {
             f.set_permissions(std::fs::Permissions::from_mode(mode))
-                .map_err(|e| failure("chmod", &path, &e))?;
+                .map_err(|e| fail("chmod", &e))?;
         }
-        let m = f.metadata().map_err(|e| failure("stat", &path, &e))?;
+        let m = f.metadata().map_err(|e| fail("stat", &e))?;
         Ok(info(&path, &m))
     })
     .await
@@ -188,10 +256,10 @@ pub async fn write(cwd: PathBuf, req: pb::WriteFileRequest) -> Result<pb::FileIn
 pub async fn list(cwd: PathBuf, req: pb::PathRequest) -> Result<pb::ListDirResponse, Failure> {
     let path = resolve(&cwd, &req.path)?;
     blocking(move || {
-        let rd = std::fs::read_dir(&path).map_err(|e| failure("list", &path, &e))?;
+        let rd = std::fs::read_dir(&path).map_err(|e| failure("list", &path, &e, 0))?;
         let mut entries = Vec::new();
         for e in rd {
-            let e = e.map_err(|e| failure("list", &path, &e))?;
+            let e = e.map_err(|e| failure("list", &path, &e, 0))?;
             let p = e.path();
             // An entry removed meanwhile is skipped.
             if let Ok(m) = std::fs::symlink_metadata(&p) {
@@ -209,7 +277,7 @@ pub async fn list(cwd: PathBuf, req: pb::PathRequest) -> Result<pb::ListDirRespo
 pub async fn stat(cwd: PathBuf, req: pb::PathRequest) -> Result<pb::FileInfo, Failure> {
     let path = resolve(&cwd, &req.path)?;
     blocking(move || {
-        let m = std::fs::symlink_metadata(&path).map_err(|e| failure("stat", &path, &e))?;
+        let m = std::fs::symlink_metadata(&path).map_err(|e| failure("stat", &path, &e, 0))?;
         Ok(info(&path, &m))
     })
     .await
@@ -220,7 +288,7 @@ pub async fn stat(cwd: PathBuf, req: pb::PathRequest) -> Result<pb::FileInfo, Fa
 pub async fn remove(cwd: PathBuf, req: pb::RemoveRequest) -> Result<pb::Empty, Failure> {
     let path = resolve(&cwd, &req.path)?;
     blocking(move || {
-        let m = std::fs::symlink_metadata(&path).map_err(|e| failure("remove", &path, &e))?;
+        let m = std::fs::symlink_metadata(&path).map_err(|e| failure("remove", &path, &e, 0))?;
         let r = if m.is_dir() {
             if req.recursive {
                 std::fs::remove_dir_all(&path)
@@ -230,7 +298,7 @@ pub async fn remove(cwd: PathBuf, req: pb::RemoveRequest) -> Result<pb::Empty, F
         } else {
             std::fs::remove_file(&path)
         };
-        r.map_err(|e| failure("remove", &path, &e))?;
+        r.map_err(|e| failure("remove", &path, &e, 0))?;
         Ok(pb::Empty {})
     })
     .await
@@ -243,12 +311,25 @@ mod tests {
     #[test]
     fn errors_map_to_reasons() {
         let p = Path::new("/x");
-        let f = |n| failure("op", p, &std::io::Error::from_raw_os_error(n)).reason;
+        let f = |n| failure("op", p, &std::io::Error::from_raw_os_error(n), 0).reason;
         assert_eq!(f(libc::ENOENT), Reason::NotFound);
         assert_eq!(f(libc::EACCES), Reason::Forbidden);
         assert_eq!(f(libc::EPERM), Reason::Forbidden);
         assert_eq!(f(libc::EROFS), Reason::Forbidden);
-        assert_eq!(f(libc::ENOSPC), Reason::NoCapacity);
+        assert_eq!(f(libc::ENOSPC), Reason::Invalid);
+        assert_eq!(f(libc::EDQUOT), Reason::Invalid);
+        let full = failure(
+            "write",
+            p,
+            &std::io::Error::from_raw_os_error(libc::ENOSPC),
+            256,
+        );
+        assert_eq!(full.reason, Reason::Invalid);
+        assert!(
+            full.message
+                .contains("no space left on the sandbox's disk (disk_mb 256)"),
+            "{full:?}"
+        );
         assert_eq!(f(libc::EISDIR), Reason::Invalid);
     }
 
@@ -262,11 +343,11 @@ mod tests {
             append,
             ..Default::default()
         };
-        let i = write(cwd.clone(), w("a.txt", b"hello", false))
+        let i = write(cwd.clone(), 0, w("a.txt", b"hello", false))
             .await
             .expect("write");
         assert_eq!((i.size, i.mode, i.r#type.as_str()), (5, 0o644, "file"));
-        write(cwd.clone(), w("a.txt", b" world", true))
+        write(cwd.clone(), 0, w("a.txt", b" world", true))
             .await
             .expect("append");
         let r = read(
@@ -292,7 +373,7 @@ mod tests {
         .await
         .expect("read");
         assert!(past.data.is_empty());
-        let e = write(cwd.clone(), w("no/such/b", b"", false))
+        let e = write(cwd.clone(), 0, w("no/such/b", b"", false))
             .await
             .expect_err("parent");
         assert_eq!(e.reason, Reason::NotFound);
@@ -346,5 +427,71 @@ mod tests {
             .reason,
             Reason::NotFound
         );
+    }
+
+    fn rd(path: &str) -> pb::ReadFileRequest {
+        pb::ReadFileRequest {
+            path: path.into(),
+            ..Default::default()
+        }
+    }
+
+    /// Without the check a FIFO with no writer blocks the read for ever, and so the call.
+    #[tokio::test]
+    async fn fifos_sockets_and_devices_are_not_read() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let cwd = d.path().to_path_buf();
+        nix::unistd::mkfifo(
+            &d.path().join("fifo"),
+            nix::sys::stat::Mode::from_bits_truncate(0o644),
+        )
+        .expect("mkfifo");
+        let _sock = std::os::unix::net::UnixListener::bind(d.path().join("sock")).expect("bind");
+        for p in ["fifo", "sock", "/dev/null", "/dev/zero"] {
+            let r =
+                tokio::time::timeout(std::time::Duration::from_secs(10), read(cwd.clone(), rd(p)))
+                    .await
+                    .unwrap_or_else(|_| panic!("read_file of {p} blocked"));
+            let e = r.expect_err(p);
+            assert_eq!(e.reason, Reason::Invalid, "{p}: {e:?}");
+            assert!(e.message.contains("not a regular file"), "{p}: {e:?}");
+        }
+        // /proc files report no size and still read.
+        let r = read(cwd, rd("/proc/self/status")).await.expect("proc");
+        assert!(r.data.starts_with(b"Name:"));
+    }
+
+    #[tokio::test]
+    async fn a_write_at_an_offset_keeps_the_rest_and_can_be_repeated() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let cwd = d.path().to_path_buf();
+        let w = |data: &[u8], offset: i64, append: bool| pb::WriteFileRequest {
+            path: "f".into(),
+            data: data.to_vec(),
+            offset,
+            append,
+            ..Default::default()
+        };
+        write(cwd.clone(), 0, w(b"0123456789", 0, false))
+            .await
+            .expect("first");
+        for _ in 0..2 {
+            let i = write(cwd.clone(), 0, w(b"ab", 4, false))
+                .await
+                .expect("chunk");
+            assert_eq!(i.size, 10);
+        }
+        let i = write(cwd.clone(), 0, w(b"xyz", 10, false))
+            .await
+            .expect("tail");
+        assert_eq!(i.size, 13);
+        assert_eq!(
+            std::fs::read(d.path().join("f")).expect("read"),
+            b"0123ab6789xyz"
+        );
+        for bad in [w(b"x", -1, false), w(b"x", 3, true)] {
+            let e = write(cwd.clone(), 0, bad).await.expect_err("bad");
+            assert_eq!(e.reason, Reason::Invalid);
+        }
     }
 }

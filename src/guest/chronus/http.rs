@@ -33,6 +33,7 @@ pub async fn request(req: pb::HttpRequest) -> Result<pb::HttpResponse, Failure> 
     let uri: Uri = url
         .parse()
         .map_err(|e| Failure::invalid(format!("url {url:?}: {e}")))?;
+    let port = port_of(&uri)?;
     let method = if req.method.is_empty() {
         Method::GET
     } else {
@@ -62,6 +63,14 @@ pub async fn request(req: pb::HttpRequest) -> Result<pb::HttpResponse, Failure> 
         .build_http();
     let work = async {
         let resp = client.request(r).await.map_err(|e| {
+            if refused(&e) {
+                // Nothing listens there: the caller's service, not the path to the
+                // sandbox (an edge or aether being down reads otherwise).
+                return Failure::new(
+                    Reason::Unavailable,
+                    format!("{url}: connection refused on port {port} in the sandbox"),
+                );
+            }
             let why = std::error::Error::source(&e)
                 .map(|s| s.to_string())
                 .unwrap_or_else(|| e.to_string());
@@ -112,6 +121,44 @@ pub async fn request(req: pb::HttpRequest) -> Result<pb::HttpResponse, Failure> 
     }
 }
 
+/// The URL's port (80 when it names none). Errors: `invalid` for a port outside 1–65535.
+/// Read from the authority's text: `Uri::port` gives `None` for a port that is no u16,
+/// and the connector would then go to port 80.
+fn port_of(uri: &Uri) -> Result<u16, Failure> {
+    let auth = uri.authority().map(|a| a.as_str()).unwrap_or_default();
+    let host_port = auth.rsplit('@').next().unwrap_or_default();
+    let port = match host_port.rsplit_once(':') {
+        // A colon inside an IPv6 literal's brackets is no port separator.
+        Some((_, p)) if !p.contains(']') => p,
+        _ => "",
+    };
+    if port.is_empty() {
+        return Ok(80);
+    }
+    match port.parse::<u16>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(bad_port(port)),
+    }
+}
+
+fn bad_port(p: &str) -> Failure {
+    Failure::invalid(format!("url: port {p} is outside 1-65535"))
+}
+
+/// Whether the connection was refused (ECONNREFUSED somewhere in the error's chain).
+fn refused(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(c) = cur {
+        if let Some(io) = c.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::ConnectionRefused {
+                return true;
+            }
+        }
+        cur = c.source();
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,6 +178,32 @@ mod tests {
         );
     }
 
+    #[test]
+    fn ports_come_from_the_authority() {
+        let p = |u: &str| port_of(&u.parse::<Uri>().expect("uri")).map_err(|e| e.reason);
+        assert_eq!(p("http://a/"), Ok(80));
+        assert_eq!(p("http://a:8080/x"), Ok(8080));
+        assert_eq!(p("http://u:pw@a:99/"), Ok(99));
+        assert_eq!(p("http://[::1]/"), Ok(80));
+        assert_eq!(p("http://[::1]:65535/"), Ok(65535));
+        assert_eq!(p("http://[::1]:0/"), Err(Reason::Invalid));
+    }
+
+    #[tokio::test]
+    async fn a_port_outside_1_to_65535_is_invalid() {
+        for port in ["0", "65536", "70000", "99999999999"] {
+            let e = request(pb::HttpRequest {
+                url: format!("http://127.0.0.1:{port}/"),
+                timeout: 5.0,
+                ..Default::default()
+            })
+            .await
+            .expect_err(port);
+            assert_eq!(e.reason, Reason::Invalid, "port {port}: {e:?}");
+            assert!(e.message.contains("port"), "port {port}: {e:?}");
+        }
+    }
+
     #[tokio::test]
     async fn refused_is_unavailable_and_a_local_server_answers() {
         // A port nothing listens on: bind, note it, close.
@@ -146,6 +219,11 @@ mod tests {
         .await
         .expect_err("refused");
         assert_eq!(e.reason, Reason::Unavailable);
+        assert!(
+            e.message
+                .contains(&format!("connection refused on port {port} in the sandbox")),
+            "{e:?}"
+        );
 
         let l = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await

@@ -9,6 +9,7 @@
 pub mod driver;
 pub mod files;
 pub mod http;
+pub mod oom;
 pub mod service;
 pub mod session;
 pub mod shell;
@@ -59,6 +60,8 @@ pub enum ChronusError {
     },
     #[error("running as uid {current}, cannot become uid {wanted}")]
     NotRoot { current: u32, wanted: u32 },
+    #[error("making chronus non-dumpable: {0}")]
+    Nondumpable(std::io::Error),
     #[error("preparing session dir {path}: {source}")]
     SessionDir {
         path: PathBuf,
@@ -92,6 +95,12 @@ pub fn main(args: Vec<String>) -> ExitCode {
         Err(code) => return code,
     };
     log_init();
+    // aether execs chronus non-dumpable already (see `sys::process::exec_nondumpable`);
+    // this covers a chronus started otherwise.
+    if let Err(e) = crate::sys::process::set_nondumpable() {
+        tracing::error!(error = %e, "cannot make chronus non-dumpable");
+        return ExitCode::FAILURE;
+    }
     match run(a) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -147,12 +156,16 @@ fn run(a: ChronusArgs) -> Result<(), ChronusError> {
     }
     nix::sys::prctl::set_child_subreaper(true).map_err(ChronusError::Subreaper)?;
     drop_privileges(&creds)?;
+    // A change of uid or gid resets the flag to `fs.suid_dumpable`, which an administrator
+    // may have set to 1: the session's own processes (same uid) must not trace chronus.
+    crate::sys::process::set_nondumpable().map_err(ChronusError::Nondumpable)?;
     // If aether dies, so does the session (set after the uid change, which clears it).
     let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM);
     session::make_dirs(&dir).map_err(|source| ChronusError::SessionDir {
         path: dir.clone(),
         source,
     })?;
+    oom::set_root(&cfg.cgroup_dir);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -238,7 +251,10 @@ async fn serve(
         uid = creds.uid,
         "chronus serving"
     );
-    let svc = service::Chronus { session: s };
+    let svc = service::Chronus {
+        session: s,
+        disk_mb: cfg.disk_mb,
+    };
     tokio::select! {
         r = crate::guest::uds::serve(svc, listener, std::future::pending()) => r?,
         _ = term.recv() => {

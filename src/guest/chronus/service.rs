@@ -18,6 +18,8 @@ use crate::types::Failure;
 /// The service of one session.
 pub struct Chronus {
     pub session: Arc<Session>,
+    /// The sandbox's disk size in MB, for the message of a full disk (0: unknown).
+    pub disk_mb: u64,
 }
 
 type Res<T> = Result<Response<T>, Status>;
@@ -126,7 +128,7 @@ impl pb::runtime_server::Runtime for Chronus {
     }
 
     async fn write_file(&self, req: Request<pb::WriteFileRequest>) -> Res<pb::FileInfo> {
-        let r = files::write(self.cwd(), req.into_inner())
+        let r = files::write(self.cwd(), self.disk_mb, req.into_inner())
             .await
             .map_err(status)?;
         Ok(Response::new(r))

@@ -189,8 +189,10 @@ impl Session {
 
     /// Marks when the shell was given command `id` (its duration counts from here).
     pub fn mark_started(&self, id: i64) {
+        let oom = super::oom::count();
         if let Some(c) = lock(&self.table).get_mut(id) {
             c.started = std::time::Instant::now();
+            c.oom_before = oom;
         }
     }
 
@@ -220,10 +222,12 @@ impl Session {
         for a in acks {
             let _ = tokio::time::timeout(Duration::from_secs(5), a).await;
         }
+        let oom_after = super::oom::count();
         if let Some(c) = lock(&self.table).get_mut(id) {
             c.done = true;
             c.exit_code = exit_code;
             c.timed_out = timed_out;
+            c.oom_killed = super::oom::killed(c.oom_before, oom_after, exit_code);
             c.duration = c.started.elapsed().as_secs_f64();
             c.changed.send_modify(|v| *v += 1);
         }
@@ -401,6 +405,7 @@ fn bare(id: i64, s: &Snap, out_off: i64, err_off: i64) -> pb::ShellResult {
         stderr: vec![],
         done: s.done,
         timed_out: s.timed_out,
+        oom_killed: s.oom_killed,
         duration: s.duration,
         truncated: false,
         dropped_bytes: (s.out.dropped + s.err.dropped) as i64,

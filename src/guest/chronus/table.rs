@@ -99,6 +99,10 @@ pub struct Cmd {
     pub finishing: bool,
     pub exit_code: i32,
     pub timed_out: bool,
+    /// The sandbox's OOM kill count when the command started (see `oom`).
+    pub oom_before: Option<u64>,
+    /// The OOM killer ended a process of the command (set at its end).
+    pub oom_killed: bool,
     /// Seconds from start to end.
     pub duration: f64,
     /// The pid of a background command's subshell, once the shell reported it.
@@ -120,6 +124,7 @@ pub struct Snap {
     pub done: bool,
     pub exit_code: i32,
     pub timed_out: bool,
+    pub oom_killed: bool,
     pub duration: f64,
     pub background: bool,
     pub pid: Option<i32>,
@@ -183,6 +188,8 @@ impl Table {
                 finishing: false,
                 exit_code: -1,
                 timed_out: false,
+                oom_before: None,
+                oom_killed: false,
                 duration: 0.0,
                 pid: None,
                 changed,
@@ -217,6 +224,7 @@ impl Table {
             done: c.done,
             exit_code: c.exit_code,
             timed_out: c.timed_out,
+            oom_killed: c.oom_killed,
             duration: c.duration,
             background: c.background,
             pid: c.pid,
