@@ -12,6 +12,7 @@ use std::time::Duration;
 pub const BIN: &str = env!("CARGO_BIN_EXE_opendsec");
 
 /// Root-only tests use `opendsec::sys::root_or_skip` (a visible `SKIPPED` line outside CI).
+#[allow(unused_imports)] // not every test binary has root-only tests
 pub use opendsec::sys::root_or_skip;
 
 /// A free TCP port on 127.0.0.1 (free when asked; good enough for tests).
