@@ -105,7 +105,7 @@ fn a_bad_command_line_exits_2_and_help_exits_0_in_single_dash_style() {
     assert_eq!(h.code, 0, "{}", h.err);
     assert!(!h.out.contains("--"), "{}", h.out);
     assert!(
-        h.out.contains("(default 4)") && h.out.contains("(default sim)"),
+        h.out.contains("(default 4)") && h.out.contains("(default 1)"),
         "{}",
         h.out
     );
