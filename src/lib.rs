@@ -1,4 +1,4 @@
-//! OpenDsec: sandbox infrastructure in one executable. See DESIGN.md for the layout.
+//! OpenDsec: sandbox infrastructure in one executable. See docs/architecture.md for the layout.
 #![deny(unsafe_code)]
 
 pub mod backends;

@@ -9,31 +9,14 @@
     clippy::indexing_slicing
 )]
 
-use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_opendsec");
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+mod common;
+use common::{free_port, UpOptions, BIN};
 
 fn http_code(port: u16, path: &str) -> Option<u16> {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut body = String::new();
-    s.read_to_string(&mut body).ok()?;
-    body.split_whitespace().nth(1).and_then(|c| c.parse().ok())
+    common::http_get(port, path).map(|(code, _)| code)
 }
 
 struct Kill(Child);
@@ -46,38 +29,13 @@ impl Drop for Kill {
 
 #[test]
 fn apiserver_process_serves_then_drains_on_sigterm() {
+    let up = common::cluster_up(&UpOptions {
+        write_config: true,
+        ..Default::default()
+    });
+    let token = up.token.clone();
     let dir = tempfile::tempdir().unwrap();
-    let cfg_path = dir.path().join("cluster.json");
-    let mut up = Command::new(BIN)
-        .args([
-            "cluster",
-            "up",
-            "-sim-edges",
-            "1",
-            "-addr",
-            "127.0.0.1:0",
-            "-log",
-            "warn",
-            "-disk-reserve-mb",
-            "-1",
-        ])
-        .arg("-state-dir")
-        .arg(dir.path())
-        .arg("-write-config")
-        .arg(&cfg_path)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
-    let mut token = String::new();
-    for _ in 0..3 {
-        let l = lines.next().unwrap().unwrap();
-        if let Some(t) = l.strip_prefix("export OPENDSEC_TOKEN=") {
-            token = t.to_string();
-        }
-    }
-    let _up = Kill(up);
+    let cfg_path = up.config_path.clone();
     // A second apiserver on its own port, as its own process, from the same config.
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();

@@ -9,11 +9,10 @@
     clippy::indexing_slicing
 )]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
-const BIN: &str = env!("CARGO_BIN_EXE_opendsec");
+mod common;
+use common::BIN;
 
 #[test]
 fn bench_compares_random_with_power_of_two() {
@@ -55,69 +54,25 @@ fn bench_compares_random_with_power_of_two() {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn get(port: u16, path: &str) -> (u16, String) {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).unwrap();
-    let code = body
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    (code, body)
+    common::http_get(port, path).unwrap_or((0, String::new()))
 }
 
 #[test]
 fn cluster_up_serves_health_and_metrics_and_writes_its_config() {
-    let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let cfg = dir.path().join("cluster.json");
-    let mut child = Command::new(BIN)
-        .args([
-            "cluster",
-            "up",
-            "-sim-edges",
-            "2",
-            "-addr",
-            "127.0.0.1:0",
-            "-log",
-            "warn",
-            "-disk-reserve-mb",
-            "-1",
-        ])
-        .arg("-state-dir")
-        .arg(dir.path())
-        .arg("-metrics")
-        .arg(format!("127.0.0.1:{port}"))
-        .arg("-write-config")
-        .arg(&cfg)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut env = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while env.len() < 3 && Instant::now() < deadline {
-        match lines.next() {
-            Some(Ok(l)) => env.push(l),
-            _ => break,
-        }
-    }
+    let port = common::free_port();
+    let up = common::cluster_up(&common::UpOptions {
+        sim_edges: 2,
+        extra: vec!["-metrics".into(), format!("127.0.0.1:{port}")],
+        write_config: true,
+        ..Default::default()
+    });
+    let cfg = up.config_path.clone();
+    let env = [
+        format!("export OPENDSEC_ADDR={}", up.addr),
+        format!("export OPENDSEC_TOKEN={}", up.token),
+        format!("export OPENDSEC_PROJECT={}", up.project),
+    ];
     let result = std::panic::catch_unwind(|| {
         assert!(
             env[0].starts_with("export OPENDSEC_ADDR=127.0.0.1:"),
@@ -153,11 +108,7 @@ fn cluster_up_serves_health_and_metrics_and_writes_its_config() {
             "the config holds secrets"
         );
     });
-    let _ = Command::new("kill")
-        .arg("-TERM")
-        .arg(child.id().to_string())
-        .status();
-    let _ = child.wait();
+    drop(up);
     if let Err(e) = result {
         std::panic::resume_unwind(e);
     }

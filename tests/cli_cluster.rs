@@ -11,147 +11,14 @@
     clippy::indexing_slicing
 )]
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_opendsec");
-
-/// A `cluster up` child; stopped with SIGTERM (then SIGKILL) when dropped.
-struct Cluster {
-    child: Child,
-    addr: String,
-    token: String,
-    project: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .arg("-TERM")
-            .arg(self.child.id().to_string())
-            .status();
-        for _ in 0..100 {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+mod common;
+use common::{Cluster, UpOptions};
 
 fn cluster_up() -> Cluster {
-    let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("state");
-    let log_path = dir.path().join("cluster.log");
-    let log = std::fs::File::create(&log_path).unwrap();
-    let mut child = Command::new(BIN)
-        .args([
-            "cluster",
-            "up",
-            "-sim-edges",
-            "1",
-            "-addr",
-            "127.0.0.1:0",
-            "-disk-reserve-mb",
-            "-1",
-            "-log",
-            "warn",
-        ])
-        .arg("-state-dir")
-        .arg(&state)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let (mut addr, mut token, mut project) = (None, None, None);
-    while addr.is_none() || token.is_none() || project.is_none() {
-        // A generous bound so a broken cluster fails the test instead of hanging it.
-        let line = match rx.recv_timeout(Duration::from_secs(120)) {
-            Ok(l) => l,
-            Err(e) => {
-                let _ = child.kill();
-                let status = child.wait();
-                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-                panic!("cluster up printed no environment ({e}); exit: {status:?}; stderr:\n{log}");
-            }
-        };
-        let Some((k, v)) = line
-            .strip_prefix("export ")
-            .and_then(|kv| kv.split_once('='))
-        else {
-            continue;
-        };
-        match k {
-            "OPENDSEC_ADDR" => addr = Some(v.to_string()),
-            "OPENDSEC_TOKEN" => token = Some(v.to_string()),
-            "OPENDSEC_PROJECT" => project = Some(v.to_string()),
-            _ => {}
-        }
-    }
-    Cluster {
-        child,
-        addr: addr.unwrap(),
-        token: token.unwrap(),
-        project: project.unwrap(),
-        _dir: dir,
-    }
-}
-
-struct Run {
-    code: i32,
-    out: String,
-    err: String,
-}
-
-impl Run {
-    fn json(&self) -> serde_json::Value {
-        serde_json::from_str(&self.out)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {}\nstderr: {}", self.out, self.err))
-    }
-    fn ok(self) -> Run {
-        assert_eq!(self.code, 0, "stdout: {}\nstderr: {}", self.out, self.err);
-        self
-    }
-}
-
-impl Cluster {
-    /// `opendsec ctl <args>` as the administrator, with the printed environment.
-    fn ctl(&self, args: &[&str]) -> Run {
-        self.ctl_as(&self.token, args)
-    }
-
-    fn ctl_as(&self, token: &str, args: &[&str]) -> Run {
-        let out = Command::new(BIN)
-            .arg("ctl")
-            .args(args)
-            .env_remove("OPENDSEC_CA")
-            .env("OPENDSEC_ADDR", &self.addr)
-            .env("OPENDSEC_TOKEN", token)
-            .env("OPENDSEC_PROJECT", &self.project)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
-        Run {
-            code: out.status.code().unwrap_or(-1),
-            out: String::from_utf8_lossy(&out.stdout).into_owned(),
-            err: String::from_utf8_lossy(&out.stderr).into_owned(),
-        }
-    }
+    common::cluster_up(&UpOptions::default())
 }
 
 fn ids(list: &serde_json::Value) -> Vec<String> {
@@ -165,7 +32,7 @@ fn ids(list: &serde_json::Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Retries `f` until it holds: for effects the spec gives "about 1 s" (token revocation).
+/// Retries `f` until it holds: for effects documented as "about 1 s" (token revocation).
 fn eventually(what: &str, mut f: impl FnMut() -> bool) {
     let start = Instant::now();
     while !f() {

@@ -551,9 +551,7 @@ async fn create_checks_input_before_calling() {
             "-image",
             "root/py:3.12",
             "-backend",
-            "microvm",
-            "-net",
-            "pypi,github.com:443,!npm",
+            "container",
             "-ttl-idle",
             "-1",
         ],
@@ -562,7 +560,6 @@ async fn create_checks_input_before_calling() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     let v = r.json();
     assert_eq!(v["id"], "edge-1.new");
-    assert_eq!(v["spec"]["network_rules"]["npm"], false);
     let sent = s.fake.last_create.lock().unwrap().clone().unwrap();
     let spec = sent.spec.unwrap();
     assert_eq!(
@@ -572,7 +569,7 @@ async fn create_checks_input_before_calling() {
             spec.memory_limit_mb,
             spec.ttl_running_stop
         ),
-        ("microvm", 1.0, 1024, -1)
+        ("container", 1.0, 1024, -1)
     );
     assert_eq!(sent.project, "root");
     assert!(!sent.idempotency_key.is_empty());
@@ -582,6 +579,14 @@ async fn create_checks_input_before_calling() {
         (
             &["sandbox", "create", "-net", "pypi,,npm"][..],
             "error: invalid: -net: bad rule \"\"",
+        ),
+        (
+            &["sandbox", "create", "-net", "pypi,!npm"],
+            "error: invalid: -net: network policy is not built yet",
+        ),
+        (
+            &["sandbox", "create", "-gpus", "1"],
+            "error: invalid: -gpus 1: GPU sandboxes are not built yet",
         ),
         (
             &["sandbox", "create", "-mem", "lots"],

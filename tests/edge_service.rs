@@ -457,7 +457,7 @@ async fn lifecycle_retry_drain_and_restart() {
     let d2 = create(&mut c, spec(""), vec![item("d", "L-d")]).await;
     assert!(d2[0].is_ok(), "{:?}", d2[0]);
 
-    // Metrics are named as 17-monitoring says.
+    // Metrics are named as docs/architecture.md says.
     tokio::time::sleep(Duration::from_millis(1200)).await; // one sampling tick for the gauges
     let text = metrics.render();
     for name in [

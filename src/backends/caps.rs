@@ -1,4 +1,4 @@
-//! Optional capabilities of a backend (22-components "Backend interface"). A backend offers
+//! Optional capabilities of a backend (docs/architecture.md). A backend offers
 //! one by returning `Some(self)` from the matching accessor of `Backend`; the defaults say
 //! `None`, so the sim backend implements none of them.
 

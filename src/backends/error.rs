@@ -21,6 +21,25 @@ pub enum BackendError {
         sandbox_id: String,
         message: String,
     },
+    /// Stopping, pausing or resuming failed (`op` as in `Operation`), with its typed cause.
+    #[error("{op} of sandbox {sandbox_id}")]
+    Step {
+        op: &'static str,
+        sandbox_id: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// A step failed, and removing what it had made failed too: both are kept, the step's
+    /// error first (its reason is the caller's).
+    #[error(
+        "{}; cleaning up after it failed too: {}",
+        crate::types::chain(&*.primary),
+        crate::types::chain(&*.cleanup)
+    )]
+    CleanupFailed {
+        primary: Box<BackendError>,
+        cleanup: Box<BackendError>,
+    },
     /// The sandbox is gone on the node (its process, VM or agent died).
     #[error("sandbox {sandbox_id} is lost: {message}")]
     Lost { sandbox_id: String, message: String },
@@ -40,7 +59,7 @@ pub enum BackendError {
     #[error("image {image:?} is not on this edge")]
     ImageNotFound { image: String },
     /// A file or device step failed.
-    #[error("{step} {path}: {source}")]
+    #[error("{step} {path}")]
     Io {
         step: &'static str,
         path: String,
@@ -49,7 +68,7 @@ pub enum BackendError {
 }
 
 impl BackendError {
-    /// The stable reason a caller sees for this error (02-concepts §9).
+    /// The stable reason a caller sees for this error (docs/concepts.md).
     pub fn reason(&self) -> Reason {
         match self {
             BackendError::Config { .. }
@@ -57,8 +76,10 @@ impl BackendError {
             | BackendError::Invalid { .. } => Reason::Invalid,
             BackendError::Lost { .. } | BackendError::ImageNotFound { .. } => Reason::NotFound,
             BackendError::Exhausted { .. } => Reason::NoCapacity,
+            BackendError::CleanupFailed { primary, .. } => primary.reason(),
             BackendError::Create { .. }
             | BackendError::Operation { .. }
+            | BackendError::Step { .. }
             | BackendError::Adopt { .. }
             | BackendError::Io { .. } => Reason::Internal,
         }
@@ -66,7 +87,7 @@ impl BackendError {
 
     /// This error as a domain failure for the caller.
     pub fn to_failure(&self) -> crate::types::Failure {
-        crate::types::Failure::new(self.reason(), self.to_string())
+        crate::types::Failure::new(self.reason(), crate::types::chain(self))
     }
 }
 
@@ -98,5 +119,36 @@ mod tests {
         };
         assert_eq!(k.reason(), Reason::Internal);
         assert_eq!(k.to_failure().message, "creating sandbox e.x: boom");
+    }
+
+    #[test]
+    fn a_failed_cleanup_keeps_both_errors_and_the_primary_reason() {
+        let primary = BackendError::Invalid {
+            sandbox_id: "e.x".into(),
+            message: "no such user".into(),
+        };
+        let cleanup = BackendError::Step {
+            op: "stop",
+            sandbox_id: "e.x".into(),
+            source: Box::new(std::io::Error::from_raw_os_error(libc::EBUSY)),
+        };
+        let both = BackendError::CleanupFailed {
+            primary: Box::new(primary),
+            cleanup: Box::new(cleanup),
+        };
+        let f = both.to_failure();
+        assert_eq!(f.reason, Reason::Invalid);
+        assert!(
+            f.message.starts_with("sandbox e.x: no such user; "),
+            "{}",
+            f.message
+        );
+        assert!(
+            f.message
+                .contains("stop of sandbox e.x: Device or resource busy"),
+            "{}",
+            f.message
+        );
+        assert_eq!(f.message.matches("busy").count(), 1, "{}", f.message);
     }
 }

@@ -1,4 +1,4 @@
-//! Builds a backend from its config (`edges[].backends.<name>`, 15-configuration).
+//! Builds a backend from its config (`edges[].backends.<name>`, docs/configuration.md).
 
 use std::sync::Arc;
 

@@ -1,6 +1,6 @@
 //! Sandbox backends: the `Backend` trait every backend implements, its optional capability
 //! traits, and the factory that builds a backend from `edges[].backends.<name>`
-//! (15-configuration, 22-components "Backend interface").
+//! (docs/configuration.md, docs/architecture.md).
 //!
 //! A backend knows how to make, stop, pause and resume one sandbox on this node, nothing more:
 //! admission, records, TTLs and leases belong to the edge. Backends never import roles and
@@ -99,7 +99,7 @@ pub struct BackendContext {
     pub images: std::collections::BTreeMap<String, Vec<PathBuf>>,
 }
 
-/// A sandbox backend (22-components "Backend interface"). One instance serves every sandbox
+/// A sandbox backend (docs/architecture.md). One instance serves every sandbox
 /// of one configured backend name on one edge; calls for different sandboxes may run
 /// concurrently, the edge never runs two lifecycle calls for one sandbox at once.
 #[async_trait]

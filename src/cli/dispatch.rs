@@ -13,7 +13,8 @@ roles:
   ctl        the CLI (also installed as opendsecctl)
   version    print this build's version
 
-Run `opendsec <role> --help` for a role's flags.";
+Run `opendsec <role> -help` for a role's flags. Exit status: 0 ok, 1 when the command or
+the cluster fails, 2 for a bad command line.";
 
 /// Entry point shared by every name the executable is installed under.
 pub fn main(args: Vec<String>) -> ExitCode {

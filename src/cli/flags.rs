@@ -1,4 +1,4 @@
-//! Go-style flags: the spec's commands take `-flag value` with one dash. argh wants two, so
+//! Go-style flags: the commands take `-flag value` with one dash. argh wants two, so
 //! single-dash long flags are rewritten before parsing.
 
 /// Rewrites `-name` and `-name=value` to `--name`/`--name=value` and `-h` to `--help`, leaving
@@ -43,10 +43,11 @@ pub fn parse<T: argh::FromArgs>(
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     T::from_args(&[command], &refs).map_err(|e| {
         if e.status.is_ok() {
-            println!("{}", e.output);
+            // argh writes `--flag`; the commands are documented and typed with one dash.
+            println!("{}", crate::cli::ctl::single_dash(&e.output));
             std::process::ExitCode::SUCCESS
         } else {
-            eprintln!("{}", e.output);
+            eprintln!("{}", crate::cli::ctl::single_dash(&e.output));
             std::process::ExitCode::from(2)
         }
     })
@@ -63,7 +64,10 @@ pub fn block_on<F: std::future::Future<Output = anyhow::Result<()>>>(
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("error: internal: starting the runtime: {e}");
+            eprintln!(
+                "error: internal: starting the runtime: {e}",
+                e = crate::types::chain(&e)
+            );
             return std::process::ExitCode::from(1);
         }
     };

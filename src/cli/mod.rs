@@ -1,5 +1,5 @@
 //! Command lines: role dispatch (`opendsec <role>`), the role runners, and the CLI
-//! `opendsec ctl` (10-cli).
+//! `opendsec ctl` (docs/cli.md).
 
 pub mod ctl;
 pub mod dispatch;

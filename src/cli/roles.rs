@@ -1,4 +1,4 @@
-//! Running one role as its own process from the shared config file (15-configuration
+//! Running one role as its own process from the shared config file (docs/configuration.md
 //! "Command-line flags of the components"): `opendsec iam|watcher|apiserver|edge -config F`.
 
 use std::path::PathBuf;
@@ -12,39 +12,41 @@ use crate::config::Config;
 use crate::shutdown::Shutdown;
 use crate::telemetry::Ready;
 
-/// Flags every server role takes.
+/// Flags every server role takes (`opendsec iam|watcher|apiserver|edge`).
 #[derive(FromArgs, Debug)]
-/// Run one OpenDsec role from the cluster config.
+/// Run one OpenDsec role from the cluster config (docs/configuration.md). Exit status: 0 after
+/// a clean shutdown (SIGINT or SIGTERM), 1 when the role fails, 2 for a bad command line.
+#[argh(help_triggers("-h", "--help", "help"))]
 pub struct RoleFlags {
-    /// the cluster config file (JSON)
+    /// the cluster config file (JSON; default /etc/opendsec/opendsec.json)
     #[argh(option, default = "PathBuf::from(\"/etc/opendsec/opendsec.json\")")]
     pub config: PathBuf,
-    /// address for /metrics, /healthz and /readyz, e.g. 127.0.0.1:9463
+    /// address for /metrics, /healthz and /readyz, e.g. 127.0.0.1:9463 (default: none)
     #[argh(option, default = "String::new()")]
     pub metrics: String,
-    /// log level: error, warn, info, debug
+    /// log level: error, warn, info, debug (default info)
     #[argh(option, default = "String::from(\"info\")")]
     pub log: String,
-    /// apiserver: which entry of `apiserver` to run
+    /// apiserver: which entry of `apiserver` to run (default 0)
     #[argh(option, default = "0")]
     pub index: usize,
-    /// edge: the edge id(s), comma separated, or `all`
+    /// edge: the edge id(s), comma separated, or `all` (required for edge)
     #[argh(option, default = "String::new()")]
     pub id: String,
-    /// edge: listen address overriding the config's
+    /// edge: listen address overriding the config's (default: the config's)
     #[argh(option, default = "String::new()")]
     pub addr: String,
-    /// edge: address registered with the watchers
+    /// edge: address registered with the watchers (default: the config's)
     #[argh(option, default = "String::new()")]
     pub advertise: String,
     /// iam/watcher: which replica to run (replicated mode; not built yet)
     #[argh(option, default = "String::new()")]
     pub replica: String,
     /// apiserver: on SIGTERM, fail /readyz and keep serving this long (e.g. 6s) so a load
-    /// balancer takes the instance out first
+    /// balancer takes the instance out first (default 6s)
     #[argh(option, default = "String::from(\"6s\")")]
     pub drain_delay: String,
-    /// then give calls in flight this long (e.g. 30s) before exiting
+    /// then give calls in flight this long before exiting (default 30s)
     #[argh(option, default = "String::from(\"30s\")")]
     pub grace: String,
 }

@@ -1,4 +1,4 @@
-//! 15-configuration `edges[]` and `edge_template`, with their backends.
+//! docs/configuration.md `edges[]` and `edge_template`, with their backends.
 
 use std::collections::BTreeMap;
 
@@ -47,7 +47,7 @@ pub struct CapacityConfig {
 }
 
 /// One backend of an edge (`edges[].backends.<name>`). Runtime-specific fields live side by
-/// side, as in the spec; each runtime reads its own.
+/// side, as in docs/configuration.md; each runtime reads its own.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct BackendConfig {
@@ -161,6 +161,11 @@ impl EdgeConfig {
         names::check_edge_id(&self.id)
             .map_err(|e| ConfigError::Invalid(format!("edges: {}", e.message)))?;
         let id = &self.id;
+        super::unused(
+            &format!("edge {id}: network"),
+            &self.network,
+            "network policy",
+        )?;
         if !matches!(self.zone(), "onprem" | "cloud") {
             return Err(ConfigError::Invalid(format!(
                 "edge {id}: zone must be onprem or cloud, not {:?}",

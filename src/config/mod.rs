@@ -1,4 +1,4 @@
-//! The cluster config: one JSON file shared by every role (15-configuration). Read once at
+//! The cluster config: one JSON file shared by every role (docs/configuration.md). Read once at
 //! start, validated before any socket or mount, then passed down as plain data.
 //! Durations are seconds (fractions allowed); 0 or absent means the default.
 
@@ -15,12 +15,12 @@ use crate::types::names;
 /// A config file could not be read or is invalid; the message names the field.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("reading config {path}: {source}")]
+    #[error("reading config {path}")]
     Read {
         path: String,
         source: std::io::Error,
     },
-    #[error("parsing config {path}: {source}")]
+    #[error("parsing config {path}")]
     Parse {
         path: String,
         source: serde_json::Error,
@@ -29,7 +29,7 @@ pub enum ConfigError {
     Invalid(String),
 }
 
-/// The whole cluster config (15-configuration "Top level").
+/// The whole cluster config (docs/configuration.md).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
@@ -61,7 +61,7 @@ pub struct ImageStoreConfig {
     pub root: String,
 }
 
-/// 15-configuration `iam` (standalone fields; `replicas` is for the Raft issue).
+/// docs/configuration.md `iam` (standalone fields; `replicas` is for the Raft issue).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct IamConfig {
@@ -76,7 +76,7 @@ pub struct IamConfig {
     pub max_token_ttl_s: i64,
 }
 
-/// 15-configuration `watcher`.
+/// docs/configuration.md `watcher`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct WatcherConfig {
@@ -99,7 +99,7 @@ pub struct WatcherReplica {
     pub addr: String,
 }
 
-/// 15-configuration `apiserver[]`.
+/// docs/configuration.md `apiserver[]`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ApiserverConfig {
@@ -111,7 +111,7 @@ pub struct ApiserverConfig {
     pub snapshot_refresh: f64,
 }
 
-/// 15-configuration `placement`.
+/// docs/configuration.md `placement`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PlacementConfig {
@@ -124,7 +124,7 @@ pub struct PlacementConfig {
     pub burst_eligible_images: Vec<String>,
 }
 
-/// 15-configuration `admission`. Timeouts: 0 = default, -1 = none. Rates: -1 disables.
+/// docs/configuration.md `admission`. Timeouts: 0 = default, -1 = none. Rates: -1 disables.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdmissionConfig {
@@ -337,7 +337,7 @@ impl Config {
         Ok(cfg)
     }
 
-    /// Checks the constraints of 15-configuration that can be checked without the machine.
+    /// Checks the constraints of docs/configuration.md that can be checked without the machine.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         if self.tls.dir.is_empty() && self.service_token.is_empty() {
@@ -370,6 +370,18 @@ impl Config {
         if self.admission.max_ttl_max_s < 0 {
             return bad("admission.max_ttl_max_s may not be negative".into());
         }
+        // Parsed so that a spec-shaped file loads, but nothing reads them yet: a value set
+        // there would be silently ignored, so it is refused like an unknown field.
+        for (field, v, feature) in [
+            ("network", &self.network, "network policy"),
+            ("fleet", &self.fleet, "fleet management"),
+            ("e2b", &self.e2b, "the E2B gateway"),
+        ] {
+            unused(field, v, feature)?;
+        }
+        if let Some(t) = &self.edge_template {
+            unused("edge_template.network", &t.network, "network policy")?;
+        }
         let mut seen = std::collections::HashSet::new();
         for e in &self.edges {
             e.validate()?;
@@ -393,6 +405,23 @@ impl Config {
             t
         })
     }
+}
+
+/// Refuses a config subtree that this build parses but does not use, unless it sets nothing
+/// (absent, `null`, `{}` or `[]`). Errors: `Invalid` naming the field and the missing feature.
+pub(crate) fn unused(field: &str, v: &serde_json::Value, feature: &str) -> Result<(), ConfigError> {
+    let empty = match v {
+        serde_json::Value::Null => true,
+        serde_json::Value::Object(m) => m.is_empty(),
+        serde_json::Value::Array(a) => a.is_empty(),
+        _ => false,
+    };
+    if empty {
+        return Ok(());
+    }
+    Err(ConfigError::Invalid(format!(
+        "{field}: {feature} is not built yet, so this field would be ignored; remove it"
+    )))
 }
 
 #[cfg(test)]
@@ -420,6 +449,35 @@ mod tests {
     fn unknown_fields_are_refused() {
         let r: Result<Config, _> = serde_json::from_str(r#"{"service_token":"x","admision":{}}"#);
         assert!(r.is_err());
+    }
+
+    #[test]
+    fn unused_subtrees_are_refused_when_set() {
+        let set = [
+            r#"{"network":{"default_rules":["pypi"]}}"#,
+            r#"{"fleet":{"cloud":"aws"}}"#,
+            r#"{"e2b":{"addr":":3000"}}"#,
+            r#"{"edges":[{"id":"n1","network":{"bridge":"br0"}}]}"#,
+            r#"{"edge_template":{"network":{"bridge":"br0"}}}"#,
+        ];
+        for text in set {
+            let mut c: Config = serde_json::from_str(text).unwrap();
+            c.service_token = "s".into();
+            c.iam.admin_token = "dsk.admin.secret".into();
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("is not built yet"), "{text}: {e}");
+        }
+        let empty = [
+            r#"{"network":{}}"#,
+            r#"{"fleet":null}"#,
+            r#"{"edges":[{"id":"n1"}]}"#,
+        ];
+        for text in empty {
+            let mut c: Config = serde_json::from_str(text).unwrap();
+            c.service_token = "s".into();
+            c.iam.admin_token = "dsk.admin.secret".into();
+            c.validate().unwrap_or_else(|e| panic!("{text}: {e}"));
+        }
     }
 
     #[test]

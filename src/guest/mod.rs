@@ -1,4 +1,4 @@
-//! The in-sandbox agents (22-components §11): aether, PID 1 of each sandbox, serving the
+//! The in-sandbox agents (docs/architecture.md): aether, PID 1 of each sandbox, serving the
 //! runtime API on a unix socket the edge reaches, and chronus, one process per shell
 //! session. This module imports no role and no backend; it stays small.
 
@@ -30,6 +30,7 @@ pub fn log_init() {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .with_target(false)
         .try_init();

@@ -1,5 +1,5 @@
 //! Process trees by parent pid, read from /proc: what a session or a timed-out command
-//! started, so it can be killed as a whole (22-components §11, `proctree`).
+//! started, so it can be killed as a whole (docs/architecture.md, `proctree`).
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;

@@ -1,4 +1,4 @@
-//! Session users: resolving a `user` parameter (a name or `uid[:gid]`, 02-concepts §3) against
+//! Session users: resolving a `user` parameter (a name or `uid[:gid]`, docs/concepts.md) against
 //! the sandbox's own /etc/passwd and /etc/group (never the host's NSS), and the environment a
 //! session or process of that user starts with.
 

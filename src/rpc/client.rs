@@ -9,7 +9,7 @@ use tonic::transport::{Channel, Endpoint};
 /// A channel could not be built for this address.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    #[error("bad address {addr:?}: {source}")]
+    #[error("bad address {addr:?}")]
     BadAddress {
         addr: String,
         source: tonic::transport::Error,

@@ -15,7 +15,7 @@ pub const SERVICE_TOKEN: &str = "x-opendsec-service-token";
 /// Metadata key with which an apiserver tells IAM the original caller's address.
 pub const CLIENT_ADDR: &str = "x-opendsec-client-addr";
 
-/// Most bytes one message may carry (09-python-sdk: messages may be up to 80 MB).
+/// Most bytes one message may carry (docs/python-sdk.md: messages may be up to 80 MB).
 pub const MAX_MESSAGE: usize = 80 * 1024 * 1024;
 
 /// Reads `authorization: Bearer <token>` from a request; empty when absent.
@@ -49,7 +49,7 @@ pub fn peer_addr<T>(req: &tonic::Request<T>) -> String {
 }
 
 /// Checks the component secret on an internal call. With no `service_token` configured every
-/// caller is accepted (TLS would authenticate components; see 15-configuration `tls`).
+/// caller is accepted (TLS would authenticate components; see docs/configuration.md `tls`).
 pub fn check_service_token<T>(
     req: &tonic::Request<T>,
     expected: &str,

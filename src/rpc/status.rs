@@ -1,4 +1,4 @@
-//! `Failure` <-> `tonic::Status`, with the reason in `google.rpc.ErrorInfo` (02-concepts §9).
+//! `Failure` <-> `tonic::Status`, with the reason in `google.rpc.ErrorInfo` (docs/concepts.md).
 
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};

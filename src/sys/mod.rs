@@ -1,4 +1,4 @@
-//! The only module where `unsafe` and raw syscalls are allowed (DESIGN.md §7.2). Every
+//! The only module where `unsafe` and raw syscalls are allowed (docs/architecture.md "Rules of the codebase"). Every
 //! `unsafe` block carries a SAFETY comment naming the invariant it relies on; raw return
 //! codes go through [`cvt`], which turns -1 into `io::Error::last_os_error()`.
 #![allow(unsafe_code)]
@@ -33,7 +33,7 @@ pub mod fd;
 pub mod net;
 pub mod process;
 
-/// For tests that need root (DESIGN.md §7.9): true as root; otherwise a skip line and false,
+/// For tests that need root (docs/architecture.md "Rules of the codebase"): true as root; otherwise a skip line and false,
 /// except under `CI=true`, where a missing privilege fails the test (CI runs as root, so a
 /// silent skip would hide it).
 // A test helper (the tests in tests/ call it): failing the test under CI is its job.
@@ -45,6 +45,8 @@ pub fn root_or_skip(test: &str) -> bool {
     if std::env::var("CI").as_deref() == Ok("true") {
         panic!("{test} needs root; CI runs as root");
     }
-    eprintln!("skipping {test}: not root");
+    // Both streams: the harness captures stdout of passing tests, and a skip must be seen.
+    eprintln!("SKIPPED {test}: needs root (run as root, or with CI=true to make it fail)");
+    println!("SKIPPED {test}: needs root");
     false
 }

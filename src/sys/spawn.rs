@@ -1,4 +1,4 @@
-//! Spawning a process as a given user (DESIGN.md §7.4): a new session, an optional
+//! Spawning a process as a given user (docs/architecture.md "Rules of the codebase"): a new session, an optional
 //! controlling PTY, supplementary groups, gid and uid, an explicit environment and working
 //! directory, `oom_score_adj`, and every inherited fd above stderr closed at exec.
 //!
@@ -74,20 +74,20 @@ pub enum SpawnError {
     /// `=`): it cannot be passed to exec.
     #[error("{what} cannot be passed to exec (NUL byte, or '=' in a variable name)")]
     BadString { what: String },
-    #[error("opening a PTY: {0}")]
+    #[error("opening a PTY")]
     OpenPty(#[source] io::Error),
-    #[error("creating the child's {what}: {source}")]
+    #[error("creating the child's {what}")]
     Stdio {
         what: &'static str,
         #[source]
         source: io::Error,
     },
-    #[error("fork: {0}")]
+    #[error("fork")]
     Fork(#[source] io::Error),
     /// The child's setup or exec failed at `stage` (`exec`, `chdir`, `setuid`...);
     /// `source` carries its errno. The child has exited with 127; the caller's reaper
     /// collects it.
-    #[error("starting {program:?}: {stage}: {source}")]
+    #[error("starting {program:?}: {stage}")]
     Child {
         program: PathBuf,
         stage: &'static str,

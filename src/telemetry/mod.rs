@@ -1,4 +1,4 @@
-//! Logging (tracing) and the health/metrics listener every role serves (17-monitoring):
+//! Logging (tracing) and the health/metrics listener every role serves (docs/architecture.md):
 //! `/metrics` (Prometheus text), `/healthz` (alive), `/readyz` (ready to take traffic).
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,11 +10,14 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use crate::shutdown::Shutdown;
 
 /// Starts logging to stderr at `level` (`error`, `warn`, `info`, `debug`, or a filter).
+/// Colours only when stderr is a terminal: a log redirected to a file stays plain text.
 pub fn init_logging(level: &str) {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_new(level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .with_target(false)
         .try_init();

@@ -22,3 +22,21 @@ pub fn now_f() -> f64 {
         .map(|d| d.as_secs_f64())
         .unwrap_or(0.0)
 }
+
+/// `e` and each of its causes, joined with ": " ("binding /x: Permission denied (os error 13)").
+/// Every error keeps its cause either as its `source` or in its message, never both
+/// (docs/architecture.md "Errors"), so each cause appears once here; a cause whose text its
+/// parent already ends with (a wrapper that still prints it) is not repeated.
+pub fn chain<E: std::error::Error + ?Sized>(e: &E) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let text = c.to_string();
+        if !text.is_empty() && !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        cur = c.source();
+    }
+    out
+}

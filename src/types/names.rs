@@ -1,9 +1,9 @@
-//! Name rules of 13-iam and 15-configuration: project paths, principal ids, edge ids,
+//! Name rules of docs/concepts.md and docs/configuration.md: project paths, principal ids, edge ids,
 //! permissions and the token format. Untrusted strings pass through here first.
 
 use super::Failure;
 
-/// The seven permissions of 13-iam §3.
+/// The seven permissions of docs/concepts.md.
 pub const PERMISSIONS: [&str; 7] = [
     "sandbox.create",
     "sandbox.operate",
@@ -14,7 +14,7 @@ pub const PERMISSIONS: [&str; 7] = [
     "fleet.operate",
 ];
 
-/// Quota keys of 13-iam §4.
+/// Quota keys of docs/concepts.md.
 pub const QUOTA_KEYS: [&str; 4] = ["sandboxes", "cpu_cores", "memory_mb", "gpus"];
 
 const MAX_NAME: usize = 128;
@@ -120,7 +120,7 @@ pub fn check_principal_id(id: &str) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Checks an edge id: `[a-z0-9-]`, 1 to 32 characters (15-configuration `edges[].id`).
+/// Checks an edge id: `[a-z0-9-]`, 1 to 32 characters (docs/configuration.md `edges[].id`).
 pub fn check_edge_id(id: &str) -> Result<(), Failure> {
     if id.is_empty()
         || id.len() > 32
@@ -135,7 +135,7 @@ pub fn check_edge_id(id: &str) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Checks a permission name against the seven of 13-iam §3.
+/// Checks a permission name against the seven of docs/concepts.md.
 pub fn check_permission(p: &str) -> Result<(), Failure> {
     if PERMISSIONS.contains(&p) {
         Ok(())
@@ -158,8 +158,9 @@ pub struct TokenParts<'a> {
 
 /// Splits a token; any other shape is `unauthenticated` (the token cannot be valid).
 pub fn parse_token(token: &str) -> Result<TokenParts<'_>, Failure> {
-    let bad =
-        || Failure::unauthenticated("malformed token: expected dsk.<principal>.<id>.<secret>");
+    let bad = || {
+        Failure::unauthenticated("malformed token: expected dsk.<principal>.<secret> (an administrator's first token) or dsk.<principal>.<token-id>.<secret>")
+    };
     if token.len() > 512 {
         return Err(bad());
     }

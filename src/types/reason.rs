@@ -1,9 +1,9 @@
-//! The stable error reasons of 02-concepts §9, carried on every gRPC error as
+//! The stable error reasons of docs/concepts.md, carried on every gRPC error as
 //! `google.rpc.ErrorInfo.reason`. The SDK and the CLI read the reason, never the message.
 
 use std::fmt;
 
-/// One stable reason string per kind of failure (02-concepts §9).
+/// One stable reason string per kind of failure (docs/concepts.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Reason {
     Unauthenticated,

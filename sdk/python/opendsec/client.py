@@ -49,7 +49,7 @@ def _env(name: str) -> Optional[str]:
     return v if v else None
 
 
-#: Most sandboxes one batch creation may ask for (02-concepts §5).
+#: Most sandboxes one batch creation may ask for (docs/concepts.md).
 MAX_BATCH = 32768
 
 

@@ -158,7 +158,7 @@ def error_from_rpc(err: grpc.RpcError) -> DSecError:
     if reason is None:
         reason = _CODE_REASONS.get(code, INTERNAL)
         # gRPC's own message-size check (client or server side) is a bad request, not a rate
-        # limit (09-python-sdk "Files": such errors report invalid).
+        # limit (docs/python-sdk.md: such errors report invalid).
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in message:
             reason = INVALID
         if not message and code is not None:

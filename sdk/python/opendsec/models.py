@@ -29,15 +29,16 @@ class DSecRunArgs:
     Zero timeouts and sizes mean the cluster's defaults.
     """
 
-    #: ``microvm``, ``container``, ``fncall``, ``fullvm`` or ``sim``.
+    #: ``container`` or ``sim`` (``microvm``, ``fncall`` and ``fullvm`` are not built yet).
     backend: str = "sim"
-    #: Image name ``<project>/<name>:<tag>``, e.g. ``root/py:3.12``.
+    #: Image name: one the edges offer, e.g. ``host`` (the development image of
+    #: ``cluster up``), or ``<project>/<name>:<tag>`` for a project's image.
     image: str = ""
     #: CPU cores; may be fractional.
     cpu_cores_limit: float = 1.0
     #: Memory (MB).
     memory_limit_mb: int = 2048
-    #: Number of GPUs.
+    #: Number of GPUs; GPU sandboxes are not built yet, so anything but 0 is ``invalid``.
     gpus: int = 0
     #: ``exclusive``, ``shared``, or ``""`` (the node decides).
     gpu_mode: str = ""
@@ -47,7 +48,8 @@ class DSecRunArgs:
     ttl_running_stop: int = 0
     #: Lifetime from creation (seconds), paused time included; 0 means the cluster default.
     ttl_max: int = 0
-    #: Network rules, e.g. ``{"pypi": True}``.
+    #: Network rules, e.g. ``{"pypi": True}``; network policy is not built yet, so a
+    #: non-empty value is ``invalid``.
     network_rules: dict[str, bool] = field(default_factory=dict)
     #: The sandbox's default user, also the sessions' default user.
     init_user: str = "root"
@@ -59,7 +61,7 @@ class DSecRunArgs:
     labels: dict[str, str] = field(default_factory=dict)
     #: The project to create in; ``None``: the client's project.
     project: Optional[str] = None
-    #: Absolute paths made read-only in the sandbox (19-security "Path restrictions").
+    #: Absolute paths made read-only in the sandbox (docs/containers.md).
     readonly_paths: list[str] = field(default_factory=list)
     #: Absolute paths hidden in the sandbox (an empty directory or file in their place).
     masked_paths: list[str] = field(default_factory=list)

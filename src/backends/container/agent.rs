@@ -2,7 +2,7 @@
 //! sealed memfd copy of the edge's own binary (the CVE-2019-5736 guard: nothing the sandbox
 //! does can reach the file the edge runs), and the agent binary bound read-only into each
 //! sandbox, installed per version under `<state_dir>/agents/<digest>/` so a running sandbox
-//! keeps the binary it started with (22-components §11).
+//! keeps the binary it started with (docs/architecture.md).
 
 use std::fs;
 use std::io::{Read, Write};
@@ -17,7 +17,7 @@ use sha2::{Digest, Sha256};
 /// A failed step preparing the executables.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
-    #[error("{step} {path}: {source}")]
+    #[error("{step} {path}")]
     Io {
         step: &'static str,
         path: String,

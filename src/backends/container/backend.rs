@@ -1,4 +1,4 @@
-//! `ContainerBackend`: the `Backend` of runtime `linux` (22-components §6). Each sandbox is a
+//! `ContainerBackend`: the `Backend` of runtime `linux` (docs/architecture.md). Each sandbox is a
 //! pid namespace whose PID 1 is aether, built by the setup process (init.rs) in its own
 //! cgroup, on an overlay root whose writable layer is a per-sandbox ext4 image on a loop
 //! device. The backend's state per sandbox is aether's host pid (with its start time, so a
@@ -30,7 +30,7 @@ use crate::pb;
 
 /// How long a new sandbox's aether has to answer its first `Watch`.
 const AGENT_START_TIMEOUT: Duration = Duration::from_secs(15);
-/// The default `pids_max` (19-security §2).
+/// The default `pids_max` (docs/containers.md).
 const DEFAULT_PIDS_MAX: i64 = 4096;
 
 /// What the edge records for one container sandbox.
@@ -95,8 +95,12 @@ impl ContainerBackend {
         // Per edge, so that edges sharing a state_dir never clean up each other's sandboxes.
         let base = ctx.state_dir.join(&ctx.edge_id);
         let dir = base.join("containers");
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| cfg_err(name, format!("{}: {e}", dir.display())))?;
+        std::fs::create_dir_all(&dir).map_err(|e| {
+            cfg_err(
+                name,
+                format!("{}: {e}", dir.display(), e = crate::types::chain(&e)),
+            )
+        })?;
         let disks = Disks::new(base.join("disks"));
         // The agent and the setup program are this same executable; `agent_dir` may hold
         // another build of it (tests run the backend inside a test harness).
@@ -198,7 +202,7 @@ impl ContainerBackend {
     }
 
     async fn run_setup(&self, spec: &SetupSpec) -> Result<SetupResult, String> {
-        let input = serde_json::to_vec(spec).map_err(|e| e.to_string())?;
+        let input = serde_json::to_vec(spec).map_err(|e| crate::types::chain(&e))?;
         let mut child = tokio::process::Command::new(self.setup.path())
             .arg0("opendsec")
             .arg("sandbox-init")
@@ -208,25 +212,33 @@ impl ContainerBackend {
             .stderr(std::process::Stdio::null())
             .kill_on_drop(true)
             .spawn()
-            .map_err(|e| format!("starting the setup process: {e}"))?;
+            .map_err(|e| {
+                format!(
+                    "starting the setup process: {e}",
+                    e = crate::types::chain(&e)
+                )
+            })?;
         if let Some(mut stdin) = child.stdin.take() {
             stdin
                 .write_all(&input)
                 .await
-                .map_err(|e| format!("writing the setup spec: {e}"))?;
+                .map_err(|e| format!("writing the setup spec: {e}", e = crate::types::chain(&e)))?;
         }
         let mut out = String::new();
         if let Some(mut stdout) = child.stdout.take() {
             let read = tokio::time::timeout(AGENT_START_TIMEOUT, stdout.read_to_string(&mut out));
             read.await
                 .map_err(|_| "the setup process did not answer".to_string())?
-                .map_err(|e| format!("reading the setup result: {e}"))?;
+                .map_err(|e| {
+                    format!("reading the setup result: {e}", e = crate::types::chain(&e))
+                })?;
         }
         let _ = child.wait().await;
         let res: SetupResult = serde_json::from_str(out.trim()).map_err(|e| {
             format!(
                 "bad setup result {:?}: {e}",
-                crate::types::names::shown(&out)
+                crate::types::names::shown(&out),
+                e = crate::types::chain(&e)
             )
         })?;
         if !res.error.is_empty() || res.pid == 0 {
@@ -250,9 +262,16 @@ impl ContainerBackend {
                 sandbox_id: id_s.clone(),
                 message,
             };
+            // Every step runs even when an earlier one failed, so one stuck piece does not
+            // leave the others behind; all failures are reported together.
+            let mut failed: Vec<String> = Vec::new();
             if cg.exists() {
-                cg.kill_all().map_err(|e| op(e.to_string()))?;
-                cg.remove().map_err(|e| op(e.to_string()))?;
+                if let Err(e) = cg.kill_all() {
+                    failed.push(crate::types::chain(&e));
+                }
+                if let Err(e) = cg.remove() {
+                    failed.push(crate::types::chain(&e));
+                }
             }
             // The sandbox's mount namespace held the only mount of the loop device; with
             // autoclear the kernel detaches it shortly after the last process is gone.
@@ -264,25 +283,37 @@ impl ContainerBackend {
                 }
                 if Instant::now() > deadline {
                     for (dev, _) in attached {
-                        crate::sys::loopdev::detach(&dev)
-                            .map_err(|e| op(format!("detach {}: {e}", dev.display())))?;
+                        if let Err(e) = crate::sys::loopdev::detach(&dev) {
+                            failed.push(format!(
+                                "detach {}: {}",
+                                dev.display(),
+                                crate::types::chain(&e)
+                            ));
+                        }
                     }
                     break;
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
-            disks.remove(&id_s).map_err(|e| op(e.to_string()))?;
+            if let Err(e) = disks.remove(&id_s) {
+                failed.push(crate::types::chain(&e));
+            }
             match std::fs::remove_dir_all(&dir) {
-                Ok(()) => Ok(()),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-                Err(e) => Err(op(format!("{}: {e}", dir.display()))),
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => failed.push(format!("{}: {e}", dir.display())),
+            }
+            if failed.is_empty() {
+                Ok(())
+            } else {
+                Err(op(failed.join("; ")))
             }
         })
         .await
         .map_err(|e| BackendError::Operation {
             op: "stop",
             sandbox_id: id.to_string(),
-            message: e.to_string(),
+            message: crate::types::chain(&e),
         })?
     }
 
@@ -376,12 +407,16 @@ impl Backend for ContainerBackend {
         let result = self.create_inner(req, lowers, &dir, &sock).await;
         match result {
             Ok(state) => Ok(state),
-            Err(e) => {
-                if let Err(cleanup) = self.destroy(id).await {
-                    tracing::warn!(sandbox_id = id, error = %cleanup, "cleaning up a failed creation");
+            Err(e) => match self.destroy(id).await {
+                Ok(()) => Err(e),
+                Err(cleanup) => {
+                    tracing::warn!(sandbox_id = id, error = %crate::types::chain(&cleanup), "cleaning up a failed creation");
+                    Err(BackendError::CleanupFailed {
+                        primary: Box::new(e),
+                        cleanup: Box::new(cleanup),
+                    })
                 }
-                Err(e)
-            }
+            },
         }
     }
 
@@ -392,30 +427,30 @@ impl Backend for ContainerBackend {
     async fn pause(&self, sandbox: &Handle<'_>) -> Result<BackendState, BackendError> {
         let cg = self.cgroups.open(sandbox.sandbox_id);
         let id = sandbox.sandbox_id.to_string();
+        let step = |source: Box<dyn std::error::Error + Send + Sync>| BackendError::Step {
+            op: "pause",
+            sandbox_id: id.clone(),
+            source,
+        };
         tokio::task::spawn_blocking(move || cg.freeze())
             .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r.map_err(|e| e.to_string()))
-            .map_err(|message| BackendError::Operation {
-                op: "pause",
-                sandbox_id: id,
-                message,
-            })?;
+            .map_err(|e| step(Box::new(e)))?
+            .map_err(|e| step(Box::new(e)))?;
         Ok(sandbox.state.clone())
     }
 
     async fn resume(&self, sandbox: &Handle<'_>) -> Result<BackendState, BackendError> {
         let cg = self.cgroups.open(sandbox.sandbox_id);
         let id = sandbox.sandbox_id.to_string();
+        let step = |source: Box<dyn std::error::Error + Send + Sync>| BackendError::Step {
+            op: "resume",
+            sandbox_id: id.clone(),
+            source,
+        };
         tokio::task::spawn_blocking(move || cg.thaw())
             .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r.map_err(|e| e.to_string()))
-            .map_err(|message| BackendError::Operation {
-                op: "resume",
-                sandbox_id: id,
-                message,
-            })?;
+            .map_err(|e| step(Box::new(e)))?
+            .map_err(|e| step(Box::new(e)))?;
         Ok(sandbox.state.clone())
     }
 
@@ -458,14 +493,27 @@ impl Backend for ContainerBackend {
             );
         }
         let mut report = CleanupReport::default();
+        let mut failed = Vec::new();
         for id in ids {
             if keep.contains(&id) {
                 continue;
             }
-            self.destroy(&id).await?;
-            report.removed.push(format!("container {id}"));
+            // One sandbox that cannot be removed must not keep the rest on the node.
+            match self.destroy(&id).await {
+                Ok(()) => report.removed.push(format!("container {id}")),
+                Err(e) => failed.push(e),
+            }
         }
-        Ok(report)
+        match failed.into_iter().next() {
+            None => Ok(report),
+            Some(first) => {
+                tracing::warn!(
+                    removed = report.removed.len(),
+                    "cleanup left something behind"
+                );
+                Err(first)
+            }
+        }
     }
 
     fn runtime(&self) -> Option<&dyn Runtime> {
@@ -498,9 +546,14 @@ impl ContainerBackend {
         );
         let disk_mb = spec.disk_mb.max(1) as u64;
         let cg = tokio::task::spawn_blocking(move || -> Result<SandboxCgroup, String> {
-            std::fs::create_dir_all(&dir2).map_err(|e| format!("{}: {e}", dir2.display()))?;
-            disks.create(&id2, disk_mb).map_err(|e| e.to_string())?;
-            cgroups.create(&id2, &limits).map_err(|e| e.to_string())
+            std::fs::create_dir_all(&dir2)
+                .map_err(|e| format!("{}: {e}", dir2.display(), e = crate::types::chain(&e)))?;
+            disks
+                .create(&id2, disk_mb)
+                .map_err(|e| crate::types::chain(&e))?;
+            cgroups
+                .create(&id2, &limits)
+                .map_err(|e| crate::types::chain(&e))
         })
         .await
         .map_err(|e| create_err(id, e))?

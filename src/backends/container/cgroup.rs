@@ -6,7 +6,7 @@
 //! `cgroup.controllers`: each controller is used on whichever hierarchy holds it, and a
 //! sandbox's cgroup is one directory `<parent>/<sandbox_id>` in every hierarchy used.
 //!
-//! Limits (22-components §6, 15-configuration `pids_max`, `disk_io`): CPU quota, `cpu.idle`
+//! Limits (docs/architecture.md, docs/configuration.md `pids_max`, `disk_io`): CPU quota, `cpu.idle`
 //! for best-effort sandboxes, memory without swap, a process count, disk I/O throttles on the
 //! sandbox's loop device; the freezer pauses a sandbox.
 
@@ -62,7 +62,7 @@ pub struct DiskIo {
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
     /// The cgroup layout could not be read (/proc/self/mountinfo, `cgroup.controllers`).
-    #[error("detecting cgroups from {path}: {source}")]
+    #[error("detecting cgroups from {path}")]
     Detect { path: PathBuf, source: io::Error },
     /// A controller the backend cannot do without is on no hierarchy.
     #[error("no mounted cgroup hierarchy holds the {controller} controller")]
@@ -71,20 +71,20 @@ pub enum CgroupError {
     #[error("{what} {value:?} is not a usable cgroup name")]
     InvalidName { what: &'static str, value: String },
     /// Making a cgroup directory failed.
-    #[error("creating cgroup {path}: {source}")]
+    #[error("creating cgroup {path}")]
     Mkdir { path: PathBuf, source: io::Error },
     /// Writing a control file failed (a limit, a controller, a freeze).
-    #[error("writing {value:?} to {path}: {source}")]
+    #[error("writing {value:?} to {path}")]
     Write {
         path: PathBuf,
         value: String,
         source: io::Error,
     },
     /// Reading a control file failed.
-    #[error("reading {path}: {source}")]
+    #[error("reading {path}")]
     Read { path: PathBuf, source: io::Error },
     /// Moving a process into the cgroup failed.
-    #[error("moving pid {pid} into {path}: {source}")]
+    #[error("moving pid {pid} into {path}")]
     Join {
         pid: u32,
         path: PathBuf,
@@ -97,7 +97,7 @@ pub enum CgroupError {
     #[error("cgroup {path} not frozen after {waited_ms} ms")]
     FreezeTimeout { path: PathBuf, waited_ms: u64 },
     /// Sending SIGKILL to a member failed for another reason than it being gone.
-    #[error("killing pid {pid} of {path}: {source}")]
+    #[error("killing pid {pid} of {path}")]
     Signal {
         pid: u32,
         path: PathBuf,
@@ -111,7 +111,7 @@ pub enum CgroupError {
         waited_ms: u64,
     },
     /// Removing a cgroup directory failed.
-    #[error("removing cgroup {path}: {source}")]
+    #[error("removing cgroup {path}")]
     Remove { path: PathBuf, source: io::Error },
 }
 

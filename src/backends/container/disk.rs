@@ -34,27 +34,27 @@ pub enum DiskError {
     #[error("disk size {size_mb} MiB is too small")]
     InvalidSize { size_mb: u64 },
     /// The disks directory (or its templates directory) could not be made.
-    #[error("creating directory {path}: {source}")]
+    #[error("creating directory {path}")]
     CreateDir { path: PathBuf, source: io::Error },
     /// mkfs.ext4 is not installed, could not start, or failed.
     #[error("making the template file system {path}: {message}")]
     Mkfs { path: PathBuf, message: String },
     /// Copying the template into the sandbox's image failed.
-    #[error("copying {from} to {to}: {source}")]
+    #[error("copying {from} to {to}")]
     Copy {
         from: PathBuf,
         to: PathBuf,
         source: io::Error,
     },
     /// Moving a finished file into place failed.
-    #[error("renaming {from} to {to}: {source}")]
+    #[error("renaming {from} to {to}")]
     Rename {
         from: PathBuf,
         to: PathBuf,
         source: io::Error,
     },
     /// Deleting an image failed.
-    #[error("removing {path}: {source}")]
+    #[error("removing {path}")]
     Remove { path: PathBuf, source: io::Error },
 }
 
@@ -210,8 +210,9 @@ fn mkfs(path: &Path, size_mb: u64) -> Result<(), DiskError> {
         message,
     };
     let program = mkfs_program().ok_or_else(|| err("mkfs.ext4 not found (e2fsprogs)".into()))?;
-    let f = File::create(path).map_err(|e| err(e.to_string()))?;
-    f.set_len(size_mb << 20).map_err(|e| err(e.to_string()))?;
+    let f = File::create(path).map_err(|e| err(crate::types::chain(&e)))?;
+    f.set_len(size_mb << 20)
+        .map_err(|e| err(crate::types::chain(&e)))?;
     drop(f);
     let out = Command::new(program)
         .env_clear()
@@ -221,7 +222,13 @@ fn mkfs(path: &Path, size_mb: u64) -> Result<(), DiskError> {
         .arg(path)
         .stdin(Stdio::null())
         .output()
-        .map_err(|e| err(format!("starting {}: {e}", program.display())))?;
+        .map_err(|e| {
+            err(format!(
+                "starting {}: {e}",
+                program.display(),
+                e = crate::types::chain(&e)
+            ))
+        })?;
     if !out.status.success() {
         return Err(err(format!(
             "{} exited with {}: {}",

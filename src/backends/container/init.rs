@@ -1,5 +1,5 @@
 //! The container setup process (`opendsec sandbox-init`), re-executed by the edge from a
-//! sealed memfd copy of its own binary, as runc does (22-components §6 "Startup"). It reads a
+//! sealed memfd copy of its own binary, as runc does (docs/architecture.md). It reads a
 //! [`SetupSpec`] on stdin, joins the sandbox's cgroup, unshares the mount, pid, uts, ipc, net
 //! and cgroup namespaces and forks the sandbox's PID 1, which builds the root file system,
 //! pivots into it, restricts itself (seccomp, capabilities) and execs aether. The setup
@@ -32,7 +32,7 @@ use crate::sys::process::{
 pub enum InitError {
     #[error("reading the setup spec: {0}")]
     Spec(String),
-    #[error("{step}: {source}")]
+    #[error("{step}")]
     Sys {
         step: &'static str,
         source: std::io::Error,
@@ -57,9 +57,9 @@ fn sys<T, E: Into<std::io::Error>>(step: &'static str, r: Result<T, E>) -> Resul
 pub fn main() -> ExitCode {
     let mut input = String::new();
     let result = match std::io::stdin().read_to_string(&mut input) {
-        Err(e) => Err(InitError::Spec(e.to_string())),
+        Err(e) => Err(InitError::Spec(crate::types::chain(&e))),
         Ok(_) => match serde_json::from_str::<SetupSpec>(&input) {
-            Err(e) => Err(InitError::Spec(e.to_string())),
+            Err(e) => Err(InitError::Spec(crate::types::chain(&e))),
             Ok(spec) => run(&spec),
         },
     };
@@ -67,7 +67,7 @@ pub fn main() -> ExitCode {
         Ok(r) => (r, ExitCode::SUCCESS),
         Err(e) => (
             SetupResult {
-                error: e.to_string(),
+                error: crate::types::chain(&e),
                 ..Default::default()
             },
             ExitCode::from(1),
@@ -192,5 +192,5 @@ fn child(spec: &SetupSpec, report: &OwnedFd) -> Result<Infallible, InitError> {
 }
 
 fn cstr(s: &str) -> Result<CString, InitError> {
-    CString::new(s).map_err(|e| InitError::Spec(e.to_string()))
+    CString::new(s).map_err(|e| InitError::Spec(crate::types::chain(&e)))
 }

@@ -1,4 +1,4 @@
-//! The `container` backend, runtime `linux` (22-components §6, 19-security §2).
+//! The `container` backend, runtime `linux` (docs/architecture.md, docs/containers.md).
 
 pub mod agent;
 mod backend;

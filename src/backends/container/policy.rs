@@ -1,4 +1,4 @@
-//! The container's security policy (19-security §2 "container"): the seccomp deny-list and
+//! The container's security policy (docs/containers.md): the seccomp deny-list and
 //! the capability set, Docker's defaults minus CAP_MKNOD.
 
 use std::collections::BTreeMap;
@@ -90,9 +90,9 @@ fn filter(rules: BTreeMap<i64, Vec<SeccompRule>>, errno: u32) -> Result<BpfProgr
         SeccompAction::Errno(errno),
         TargetArch::x86_64,
     )
-    .map_err(|e| PolicyError::Build(e.to_string()))?;
+    .map_err(|e| PolicyError::Build(crate::types::chain(&e)))?;
     f.try_into()
-        .map_err(|e: seccompiler::BackendError| PolicyError::Build(e.to_string()))
+        .map_err(|e: seccompiler::BackendError| PolicyError::Build(crate::types::chain(&e)))
 }
 
 /// The two seccomp programs: the EPERM deny-list (plus `clone`/`unshare` with
@@ -109,8 +109,8 @@ pub fn seccomp_programs() -> Result<Vec<BpfProgram>, PolicyError> {
             SeccompCmpOp::MaskedEq(newuser),
             newuser,
         )
-        .map_err(|e| PolicyError::Build(e.to_string()))?;
-        SeccompRule::new(vec![c]).map_err(|e| PolicyError::Build(e.to_string()))
+        .map_err(|e| PolicyError::Build(crate::types::chain(&e)))?;
+        SeccompRule::new(vec![c]).map_err(|e| PolicyError::Build(crate::types::chain(&e)))
     };
     // clone(flags, ...) and unshare(flags) both take the flags as their first argument.
     eperm.insert(libc::SYS_clone, vec![flag_rule(0)?]);
@@ -153,7 +153,7 @@ pub fn drop_capabilities() -> Result<(), PolicyError> {
             if caps::runtime::thread_all_supported().contains(&cap) {
                 return Err(PolicyError::DropCap {
                     cap: cap.to_string(),
-                    message: e.to_string(),
+                    message: crate::types::chain(&e),
                 });
             }
         }
@@ -161,7 +161,7 @@ pub fn drop_capabilities() -> Result<(), PolicyError> {
     for set in [CapSet::Inheritable, CapSet::Ambient] {
         caps::clear(None, set).map_err(|e| PolicyError::DropCap {
             cap: format!("{set:?} set"),
-            message: e.to_string(),
+            message: crate::types::chain(&e),
         })?;
     }
     Ok(())

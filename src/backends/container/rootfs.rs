@@ -14,13 +14,13 @@ use super::setup::{SetupSpec, AETHER_CONFIG, AGENT_PATH, DEFAULT_MASKED, DEFAULT
 /// A failed mount step, with the path it was about.
 #[derive(Debug, thiserror::Error)]
 pub enum RootfsError {
-    #[error("{step} {path}: {source}")]
+    #[error("{step} {path}")]
     Mount {
         step: &'static str,
         path: String,
         source: nix::Error,
     },
-    #[error("{step} {path}: {source}")]
+    #[error("{step} {path}")]
     Io {
         step: &'static str,
         path: String,

@@ -1,4 +1,4 @@
-//! The `sim` backend: a simulated lifecycle that runs nothing (02-concepts §2.1), for tests
+//! The `sim` backend: a simulated lifecycle that runs nothing (docs/concepts.md), for tests
 //! and scheduling benchmarks. Creation takes a lognormal time with median
 //! `create_latency_ms` (0 = instant) and shape `latency_sigma`, and fails with probability
 //! `failure_rate`; pause, resume, stop and adopt always succeed.
@@ -57,8 +57,12 @@ impl SimBackend {
         }
         let latency = if cfg.create_latency_ms > 0.0 {
             Some(
-                LogNormal::new(cfg.create_latency_ms.ln(), cfg.latency_sigma)
-                    .map_err(|e| bad(&format!("latency distribution: {e}")))?,
+                LogNormal::new(cfg.create_latency_ms.ln(), cfg.latency_sigma).map_err(|e| {
+                    bad(&format!(
+                        "latency distribution: {e}",
+                        e = crate::types::chain(&e)
+                    ))
+                })?,
             )
         } else {
             None

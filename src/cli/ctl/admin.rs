@@ -1,4 +1,4 @@
-//! Cluster commands (10-cli "Cluster"): `status`, `edge drain`, `iam backup|restore`, and
+//! Cluster commands (docs/cli.md): `status`, `edge drain`, `iam backup|restore`, and
 //! `version`. All but `version` need `project.admin` on root except `status`.
 
 use std::io::{Read, Write};
@@ -166,7 +166,14 @@ fn file_failure(what: &str, path: &Path, e: std::io::Error) -> Failure {
         std::io::ErrorKind::PermissionDenied => Reason::Forbidden,
         _ => Reason::Internal,
     };
-    Failure::new(reason, format!("{what} {}: {e}", path.display()))
+    Failure::new(
+        reason,
+        format!(
+            "{what} {}: {e}",
+            path.display(),
+            e = crate::types::chain(&e)
+        ),
+    )
 }
 
 /// Checks that `data` is a whole gzip stream (a backup is gzipped JSON).
@@ -180,7 +187,12 @@ pub fn check_backup(data: &[u8]) -> Result<(), String> {
         match gz.read(&mut sink) {
             Ok(0) => return Ok(()),
             Ok(_) => {}
-            Err(e) => return Err(format!("damaged gzip data: {e}")),
+            Err(e) => {
+                return Err(format!(
+                    "damaged gzip data: {e}",
+                    e = crate::types::chain(&e)
+                ))
+            }
         }
     }
 }

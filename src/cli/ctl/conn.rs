@@ -1,4 +1,4 @@
-//! Connection settings (10-cli "Connection and environment") and calls with failover.
+//! Connection settings (docs/cli.md) and calls with failover.
 //!
 //! The connection options `-addr`, `-token`, `-project`, `-ca` and `-deadline` may appear
 //! anywhere on the command line (before `--`), so they are taken out before argh parses the
@@ -14,7 +14,7 @@ use crate::pb::d_sec_client::DSecClient;
 use crate::rpc;
 use crate::types::{names, Failure, Reason};
 
-/// The default time limit of a whole command (10-cli `-deadline`).
+/// The default time limit of a whole command (docs/cli.md `-deadline`).
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(300);
 
 /// How long one apiserver address gets to accept a connection before the next is tried.
@@ -138,8 +138,9 @@ impl Settings {
             .map_err(|f| Failure::invalid(format!("-project: {}", f.message)))?;
         let mut clients = Vec::with_capacity(self.addrs.len());
         for addr in &self.addrs {
-            let ch = rpc::client::channel(addr, CONNECT_TIMEOUT)
-                .map_err(|e| Failure::invalid(format!("-addr: {e}")))?;
+            let ch = rpc::client::channel(addr, CONNECT_TIMEOUT).map_err(|e| {
+                Failure::invalid(format!("-addr: {e}", e = crate::types::chain(&e)))
+            })?;
             let c = DSecClient::new(ch)
                 .max_decoding_message_size(rpc::MAX_MESSAGE)
                 .max_encoding_message_size(rpc::MAX_MESSAGE);

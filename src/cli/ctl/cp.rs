@@ -1,4 +1,4 @@
-//! `cp <id>:<path> <local>` and `cp <local> <id>:<path>` (10-cli `cp`): one file, up to
+//! `cp <id>:<path> <local>` and `cp <local> <id>:<path>` (docs/cli.md `cp`): one file, up to
 //! 64 MB, through `ReadFile`/`WriteFile`. `-` as the local side is stdin or stdout.
 
 use std::io::Read;
@@ -98,7 +98,14 @@ fn local_failure(what: &str, path: &Path, e: std::io::Error) -> Failure {
         std::io::ErrorKind::PermissionDenied => Reason::Forbidden,
         _ => Reason::Internal,
     };
-    Failure::new(reason, format!("{what} {}: {e}", path.display()))
+    Failure::new(
+        reason,
+        format!(
+            "{what} {}: {e}",
+            path.display(),
+            e = crate::types::chain(&e)
+        ),
+    )
 }
 
 fn too_big(what: &str, size: u64) -> Failure {

@@ -1,4 +1,4 @@
-//! `exec <id> [-session S] [-user U] [-timeout S] [--] <cmd...>` (10-cli `exec`): runs a
+//! `exec <id> [-session S] [-user U] [-timeout S] [--] <cmd...>` (docs/cli.md `exec`): runs a
 //! command through `StreamShell`, streams its stdout and stderr, and exits with its code.
 
 use std::time::Duration;

@@ -1,4 +1,4 @@
-//! `opendsec ctl` (also installed as `opendsecctl`): the CLI of 10-cli.
+//! `opendsec ctl` (also installed as `opendsecctl`): the CLI of docs/cli.md.
 //!
 //! Flow: single-dash options are normalized (`cli::flags`), the connection options are taken
 //! out wherever they are (`conn`), argh parses the command (one file per command group), and
@@ -25,6 +25,8 @@ mod task;
 mod token;
 mod usage;
 mod values;
+
+pub use output::single_dash;
 
 /// Why a command did not succeed; each kind has its exit code.
 #[derive(Debug, thiserror::Error)]
@@ -208,7 +210,12 @@ fn run(args: &[String]) -> Result<(), CtlError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| Failure::internal(format!("starting the async runtime: {e}")))?;
+        .map_err(|e| {
+            Failure::internal(format!(
+                "starting the async runtime: {e}",
+                e = crate::types::chain(&e)
+            ))
+        })?;
     rt.block_on(async move {
         let fut = dispatch(cmd, &ctx);
         match limit {

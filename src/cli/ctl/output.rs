@@ -1,5 +1,5 @@
-//! What the CLI prints (10-cli): protobuf JSON (fields at their default value left out), the
-//! lines and summary of batch creation, and help text in the spec's single-dash style.
+//! What the CLI prints (docs/cli.md): protobuf JSON (fields at their default value left out), the
+//! lines and summary of batch creation, and help text in the CLI's single-dash style.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -13,8 +13,9 @@ use crate::types::Failure;
 /// enums by name, fields at default values left out), pretty, one trailing newline.
 /// Errors: `internal` if the message cannot be serialized; see [`out`] for write errors.
 pub fn json<T: serde::Serialize>(msg: &T) -> Result<(), CtlError> {
-    let text = serde_json::to_string_pretty(msg)
-        .map_err(|e| Failure::internal(format!("encoding JSON: {e}")))?;
+    let text = serde_json::to_string_pretty(msg).map_err(|e| {
+        Failure::internal(format!("encoding JSON: {e}", e = crate::types::chain(&e)))
+    })?;
     out(format!("{text}\n").as_bytes())
 }
 
@@ -39,11 +40,14 @@ fn write_error(e: std::io::Error) -> CtlError {
     if e.kind() == std::io::ErrorKind::BrokenPipe {
         CtlError::Exit(141)
     } else {
-        CtlError::Failed(Failure::internal(format!("writing output: {e}")))
+        CtlError::Failed(Failure::internal(format!(
+            "writing output: {e}",
+            e = crate::types::chain(&e)
+        )))
     }
 }
 
-/// One line of batch creation output (10-cli `sandbox create -count N`), without newline:
+/// One line of batch creation output (docs/cli.md `sandbox create -count N`), without newline:
 /// `<index>\t<id>` or `<index>\terror\t<reason>: <message>`. Tabs and newlines inside a
 /// message become spaces, so each item stays one line.
 pub fn batch_line(index: u32, result: &Result<String, ErrorDetail>) -> String {
@@ -111,7 +115,7 @@ pub fn go_duration(d: Duration) -> String {
     }
 }
 
-/// Rewrites argh's help and error text into the spec's single-dash style: `--cpu` becomes
+/// Rewrites argh's help and error text into the CLI's single-dash style: `--cpu` becomes
 /// `-cpu`; a bare `--` (end of options) stays. Rows of the options table keep their
 /// descriptions aligned.
 pub fn single_dash(text: &str) -> String {

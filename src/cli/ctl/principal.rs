@@ -1,5 +1,5 @@
-//! `principal create|delete`, `grant` and `revoke` (10-cli "Projects, principals, permissions
-//! and tokens"; 13-iam §2, §3).
+//! `principal create|delete`, `grant` and `revoke` (docs/cli.md "Projects, principals, permissions
+//! and tokens"; docs/concepts.md).
 
 use argh::FromArgs;
 

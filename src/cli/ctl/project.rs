@@ -1,5 +1,5 @@
-//! `project create|get|delete` (10-cli "Projects, principals, permissions and tokens";
-//! 13-iam §1, §4).
+//! `project create|get|delete` (docs/cli.md;
+//! docs/concepts.md).
 
 use argh::FromArgs;
 

@@ -1,4 +1,4 @@
-//! `sandbox create|get|stop|pause|resume|touch|list|timeout` (10-cli "Sandboxes").
+//! `sandbox create|get|stop|pause|resume|touch|list|timeout` (docs/cli.md).
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -10,7 +10,7 @@ use super::{output, values, CtlError, Ctx};
 use crate::pb;
 use crate::types::{Failure, Reason};
 
-/// Most sandboxes one batch may create (09-python-sdk `run_sandboxes`).
+/// Most sandboxes one batch may create (docs/python-sdk.md `run_sandboxes`).
 const MAX_COUNT: i64 = 32768;
 
 /// How many times a broken batch stream is started again (same idempotency key, so only
@@ -47,14 +47,14 @@ pub enum SandboxCmd {
     subcommand,
     name = "create",
     help_triggers("-h", "--help", "help"),
-    example = "{command_name} -backend microvm -image root/py:3.12 -net 'pypi,github.com:443,!npm'"
+    example = "{command_name} -backend container -image host -cpu 0.5 -mem 512"
 )]
 pub struct CreateArgs {
-    /// microvm, container, fncall, fullvm or sim (default sim, which only simulates: always
-    /// set it)
+    /// container or sim (default sim, which only simulates: always set it); microvm, fncall
+    /// and fullvm are not built yet
     #[argh(option, default = "String::from(\"sim\")")]
     pub backend: String,
-    /// image, e.g. root/py:3.12
+    /// image, one the edges offer, e.g. host (the development image of `cluster up`)
     #[argh(option)]
     pub image: Option<String>,
     /// CPU cores, fractions allowed (default 1)
@@ -66,7 +66,7 @@ pub struct CreateArgs {
     /// writable disk in MB; 0 for the backend's default (default 0)
     #[argh(option)]
     pub disk: Option<String>,
-    /// GPUs (default 0)
+    /// GPUs (default 0; GPU sandboxes are not built yet, so only 0 is accepted)
     #[argh(option)]
     pub gpus: Option<String>,
     /// task name, for task actions
@@ -78,12 +78,38 @@ pub struct CreateArgs {
     /// lifetime in seconds; 0 for the cluster default (default 0)
     #[argh(option)]
     pub ttl_max: Option<String>,
-    /// network rules, comma separated; !rule takes back a cluster default
+    /// network rules, comma separated; !rule takes back a cluster default (network policy is
+    /// not built yet: refused)
     #[argh(option)]
     pub net: Option<String>,
     /// number of sandboxes, 1 to 32768 (default 1)
     #[argh(option)]
     pub count: Option<String>,
+}
+
+/// `-gpus`: only 0 until GPU sandboxes exist, so a request for one is never silently
+/// served without. Errors: `invalid` naming the missing feature.
+fn gpus(n: i64) -> Result<i32, Failure> {
+    if n != 0 {
+        return Err(Failure::invalid(format!(
+            "-gpus {n}: GPU sandboxes are not built yet; leave -gpus at 0"
+        )));
+    }
+    Ok(0)
+}
+
+/// `-net`: the rules are checked, then refused until network policy exists (a sandbox has
+/// no network beyond its own loopback), so nobody believes a rule is in force. Errors:
+/// `invalid` for a bad rule or naming the missing feature.
+fn net(rules: Option<&str>) -> Result<std::collections::HashMap<String, bool>, Failure> {
+    let Some(rules) = rules else {
+        return Ok(Default::default());
+    };
+    values::net_rules(rules)?;
+    Err(Failure::invalid(
+        "-net: network policy is not built yet (sandboxes have only their own loopback); \
+         leave -net out",
+    ))
 }
 
 macro_rules! id_command {
@@ -239,16 +265,11 @@ impl CreateArgs {
             cpu_cores_limit: cpu,
             memory_limit_mb: opt_int("mem", &self.mem, 1024, 1, i64::MAX)?,
             disk_mb: opt_int("disk", &self.disk, 0, 0, i64::MAX)?,
-            gpus: opt_int("gpus", &self.gpus, 0, 0, i32::MAX as i64)? as i32,
+            gpus: gpus(opt_int("gpus", &self.gpus, 0, 0, i32::MAX as i64)?)?,
             task_id: self.task.clone().unwrap_or_default(),
             ttl_running_stop: opt_int("ttl-idle", &self.ttl_idle, 0, -1, i64::MAX)?,
             ttl_max: opt_int("ttl-max", &self.ttl_max, 0, 0, i64::MAX)?,
-            network_rules: self
-                .net
-                .as_deref()
-                .map(values::net_rules)
-                .transpose()?
-                .unwrap_or_default(),
+            network_rules: net(self.net.as_deref())?,
             ..Default::default()
         };
         let count = opt_int("count", &self.count, 1, 1, MAX_COUNT)? as u32;
@@ -462,7 +483,6 @@ mod tests {
             a.cpu = Some("0.5".into());
             a.mem = Some("2048".into());
             a.ttl_idle = Some("-1".into());
-            a.net = Some("pypi,!npm".into());
             a.count = Some("3".into());
             a.task = Some("job-1".into());
         })
@@ -477,7 +497,31 @@ mod tests {
             (s.cpu_cores_limit, s.memory_limit_mb, s.ttl_running_stop),
             (0.5, 2048, -1)
         );
-        assert_eq!(s.network_rules.get("npm"), Some(&false));
+        assert!(s.network_rules.is_empty());
+    }
+
+    #[test]
+    fn features_not_built_yet_are_refused_by_name() {
+        let e = args(|a| a.net = Some("pypi,!npm".into()))
+            .spec()
+            .unwrap_err();
+        assert_eq!(e.reason, Reason::Invalid);
+        assert!(
+            e.message.contains("network policy is not built yet"),
+            "{}",
+            e.message
+        );
+        let e = args(|a| a.gpus = Some("1".into())).spec().unwrap_err();
+        assert_eq!(e.reason, Reason::Invalid);
+        assert!(
+            e.message.contains("GPU sandboxes are not built yet"),
+            "{}",
+            e.message
+        );
+        assert_eq!(
+            args(|a| a.gpus = Some("0".into())).spec().unwrap().0.gpus,
+            0
+        );
     }
 
     #[test]

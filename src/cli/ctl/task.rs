@@ -1,4 +1,4 @@
-//! `task pause|resume|stop <task>` (10-cli "Tasks"): acts on every sandbox of a task in
+//! `task pause|resume|stop <task>` (docs/cli.md): acts on every sandbox of a task in
 //! `-project` and prints how many succeeded (`affected`) and failed (`failed`, `errors`).
 
 use argh::FromArgs;
@@ -90,8 +90,9 @@ impl TaskArgs {
 /// (as int64 strings, `"0"` included): the command exists to print those two counts.
 /// Errors: `internal` if the message cannot be encoded.
 pub fn with_counts(res: &pb::TaskActionResult) -> Result<serde_json::Value, crate::types::Failure> {
-    let mut v = serde_json::to_value(res)
-        .map_err(|e| crate::types::Failure::internal(format!("encoding JSON: {e}")))?;
+    let mut v = serde_json::to_value(res).map_err(|e| {
+        crate::types::Failure::internal(format!("encoding JSON: {e}", e = crate::types::chain(&e)))
+    })?;
     if let Some(obj) = v.as_object_mut() {
         obj.entry("affected").or_insert_with(|| "0".into());
         obj.entry("failed").or_insert_with(|| "0".into());

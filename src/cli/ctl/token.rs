@@ -1,5 +1,5 @@
-//! `token create|list|revoke` and `whoami` (10-cli "Projects, principals, permissions and
-//! tokens"; 13-iam §2).
+//! `token create|list|revoke` and `whoami` (docs/cli.md "Projects, principals, permissions and
+//! tokens"; docs/concepts.md).
 
 use argh::FromArgs;
 

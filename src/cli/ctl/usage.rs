@@ -1,4 +1,4 @@
-//! `usage [<project>] [-from D] [-to D] [-daily] [-csv]` (10-cli; 13-iam §5): a table or CSV
+//! `usage [<project>] [-from D] [-to D] [-daily] [-csv]` (docs/cli.md; docs/concepts.md): a table or CSV
 //! of sandboxes started and sandbox, CPU core, memory GB and GPU hours per project.
 
 use argh::FromArgs;

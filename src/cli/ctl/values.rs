@@ -1,4 +1,4 @@
-//! Parsing and checking of option values before any call is made (10-cli): numbers, Go-style
+//! Parsing and checking of option values before any call is made (docs/cli.md): numbers, Go-style
 //! durations, `-net` rules, `-quota` pairs, permission lists, dates and ids. Every bad value is
 //! a `Failure` with reason `invalid` whose message names the option and the offending value.
 
@@ -8,13 +8,13 @@ use std::time::Duration;
 use crate::types::names;
 use crate::types::Failure;
 
-/// Largest file `cp` moves in one call (10-cli `cp`: up to 64 MB).
+/// Largest file `cp` moves in one call (docs/cli.md `cp`: up to 64 MB).
 pub const MAX_FILE: u64 = 64 * 1024 * 1024;
 
-/// Backends a sandbox can be created on (10-cli `sandbox create -backend`).
+/// Backends a sandbox can be created on (docs/cli.md `sandbox create -backend`).
 pub const BACKENDS: [&str; 5] = ["microvm", "container", "fncall", "fullvm", "sim"];
 
-/// Principal kinds (13-iam §2).
+/// Principal kinds (docs/concepts.md).
 pub const KINDS: [&str; 3] = ["agent", "user", "service"];
 
 /// Parses a whole number for option `name`, within `min..=max`.
@@ -99,7 +99,7 @@ pub fn duration(name: &str, s: &str) -> Result<Duration, Failure> {
     Ok(Duration::from_secs_f64(total))
 }
 
-/// Parses `-net` (12-network §1): comma separated rules, `!rule` meaning `false`.
+/// Parses `-net` (docs/concepts.md): comma separated rules, `!rule` meaning `false`.
 /// A rule is a rule set name, a domain (`github.com`, `*.github.com`), an IPv4 address or
 /// network, or `*`, optionally with `:port`, `:lo-hi` and `/tcp` or `/udp`.
 /// Errors: `invalid` naming the offending entry; a rule given twice is invalid too.
@@ -214,7 +214,7 @@ fn check_ports(p: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Parses `-quota k=v,...` (13-iam §4): keys `sandboxes`, `cpu_cores`, `memory_mb`, `gpus`;
+/// Parses `-quota k=v,...` (docs/concepts.md): keys `sandboxes`, `cpu_cores`, `memory_mb`, `gpus`;
 /// values non-negative, whole numbers except `cpu_cores`.
 /// Errors: `invalid` naming an unknown key, a repeated key or a bad value.
 pub fn quota(s: &str) -> Result<HashMap<String, f64>, Failure> {
@@ -252,7 +252,7 @@ pub fn quota(s: &str) -> Result<HashMap<String, f64>, Failure> {
     Ok(out)
 }
 
-/// Parses a comma separated permission list (13-iam §3), dropping repeats, keeping order.
+/// Parses a comma separated permission list (docs/concepts.md), dropping repeats, keeping order.
 /// Errors: `invalid` for an empty list entry or an unknown permission.
 pub fn permissions(s: &str) -> Result<Vec<String>, Failure> {
     let mut out: Vec<String> = Vec::new();

@@ -1,4 +1,4 @@
-//! aether: one per sandbox, usually its PID 1 (22-components §11). `opendsec aether
+//! aether: one per sandbox, usually its PID 1 (docs/architecture.md). `opendsec aether
 //! --config PATH` reads an [`AetherConfig`], serves the runtime API on a unix socket (an
 //! inherited listening fd, or a path it binds), routes session calls to one chronus per
 //! session, and answers ListSessions, CloseSession and Watch itself. A tokio
@@ -22,33 +22,33 @@ use crate::guest::{log_init, uds};
 /// Why aether could not start or serve.
 #[derive(Debug, thiserror::Error)]
 pub enum AetherError {
-    #[error("reading config {path}: {source}")]
+    #[error("reading config {path}")]
     ReadConfig {
         path: String,
         source: std::io::Error,
     },
-    #[error("parsing config {path}: {source}")]
+    #[error("parsing config {path}")]
     ParseConfig {
         path: String,
         source: serde_json::Error,
     },
     #[error("config {path}: {why}")]
     BadConfig { path: String, why: String },
-    #[error("preparing run dir {path}: {source}")]
+    #[error("preparing run dir {path}")]
     RunDir {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("taking the inherited listening socket fd {fd}: {source}")]
+    #[error("taking the inherited listening socket fd {fd}")]
     ListenFd { fd: i32, source: std::io::Error },
-    #[error("binding {path}: {source}")]
+    #[error("binding {path}")]
     Bind {
         path: String,
         source: std::io::Error,
     },
     #[error("starting the runtime: {0}")]
     Runtime(std::io::Error),
-    #[error("serving: {0}")]
+    #[error("serving")]
     Serve(#[from] tonic::transport::Error),
 }
 
@@ -85,7 +85,7 @@ pub fn main(args: Vec<String>) -> ExitCode {
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!(error = %e, "aether failed");
+            tracing::error!(error = %crate::types::chain(&e), "aether failed");
             ExitCode::FAILURE
         }
     }
@@ -154,14 +154,14 @@ async fn run(cfg: AetherConfig) -> Result<(), AetherError> {
     if cfg.protect_from_oom {
         if let Err(e) = std::fs::write("/proc/self/oom_score_adj", "-1000") {
             // Expected without CAP_SYS_RESOURCE.
-            tracing::debug!(error = %e, "cannot lower aether's OOM score");
+            tracing::debug!(error = %crate::types::chain(&e), "cannot lower aether's OOM score");
         }
     }
     let is_pid1 = cfg.pid1 && std::process::id() == 1;
     if !is_pid1 {
         // Orphans of the sandbox come here, as they would to a PID 1.
         if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
-            tracing::debug!(error = %e, "cannot become a subreaper");
+            tracing::debug!(error = %crate::types::chain(&e), "cannot become a subreaper");
         }
     }
     let reaper = Reaper::start().map_err(AetherError::Runtime)?;

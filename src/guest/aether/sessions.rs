@@ -208,13 +208,18 @@ impl Sessions {
         } else {
             user_spec
         };
-        let creds = user::resolve(spec, Path::new("/"))
-            .map_err(|e| Failure::invalid(format!("session {name:?}: {e}")))?;
+        let creds = user::resolve(spec, Path::new("/")).map_err(|e| {
+            Failure::invalid(format!(
+                "session {name:?}: {e}",
+                e = crate::types::chain(&e)
+            ))
+        })?;
         let dir = session_dir(Path::new(&self.cfg.run_dir), name);
         prepare_dir(&dir, creds.uid, creds.gid).map_err(|e| {
             Failure::internal(format!(
                 "session {name:?}: preparing {}: {e}",
-                dir.display()
+                dir.display(),
+                e = crate::types::chain(&e)
             ))
         })?;
         // aether's own executable (the read-only agent file it was started from), not a path
@@ -242,7 +247,8 @@ impl Sessions {
         let child = cmd.spawn().map_err(|e| {
             Failure::unavailable(format!(
                 "session {name:?}: starting {}: {e}",
-                self.cfg.agent
+                self.cfg.agent,
+                e = crate::types::chain(&e)
             ))
         })?;
         let pid = child.id() as i32;
@@ -356,7 +362,7 @@ async fn end(live: &Live) {
         let _ = tokio::time::timeout(Duration::from_millis(250), exited.changed()).await;
     }
     if let Err(e) = std::fs::remove_dir_all(&live.dir) {
-        tracing::debug!(dir = %live.dir.display(), error = %e, "cannot remove a session dir");
+        tracing::debug!(dir = %live.dir.display(), error = %crate::types::chain(&e), "cannot remove a session dir");
     }
 }
 

@@ -46,7 +46,7 @@ pub async fn run(
         shell: None,
     };
     if let Err(e) = d.ensure_shell() {
-        tracing::warn!(error = %e, "cannot start the session's shell");
+        tracing::warn!(error = %crate::types::chain(&e), "cannot start the session's shell");
     }
     while let Some(job) = jobs.recv().await {
         d.run_job(job).await;
@@ -94,7 +94,11 @@ impl Driver {
         if job.background {
             if let Err(e) = self.send(&job.line).await {
                 self.s
-                    .fail(job.id, 127, &format!("cannot start the shell: {e}"))
+                    .fail(
+                        job.id,
+                        127,
+                        &format!("cannot start the shell: {e}", e = crate::types::chain(&e)),
+                    )
                     .await;
                 return;
             }
@@ -106,7 +110,11 @@ impl Driver {
         if let Err(e) = self.send(&job.line).await {
             lock(&self.s.fg).take();
             self.s
-                .fail(job.id, 127, &format!("cannot start the shell: {e}"))
+                .fail(
+                    job.id,
+                    127,
+                    &format!("cannot start the shell: {e}", e = crate::types::chain(&e)),
+                )
                 .await;
             return;
         }

@@ -1,5 +1,5 @@
 //! File calls, made by chronus as the session's user, relative paths resolved against the
-//! shell's current directory (09-python-sdk "Files").
+//! shell's current directory (docs/python-sdk.md).
 
 use std::io::{Read, Write};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -45,7 +45,10 @@ pub fn failure(op: &str, path: &Path, e: &std::io::Error, disk_mb: u64) -> Failu
         _ if e.kind() == std::io::ErrorKind::NotFound => Reason::NotFound,
         _ => Reason::Invalid,
     };
-    Failure::new(reason, format!("{op} {}: {e}", path.display()))
+    Failure::new(
+        reason,
+        format!("{op} {}: {e}", path.display(), e = crate::types::chain(&e)),
+    )
 }
 
 /// Opens `path` for reading without blocking on a FIFO or a device, and refuses what is
@@ -109,9 +112,12 @@ pub fn info(path: &Path, m: &std::fs::Metadata) -> pb::FileInfo {
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, Failure> + Send + 'static,
 ) -> Result<T, Failure> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Failure::internal(format!("file call failed: {e}")))?
+    tokio::task::spawn_blocking(f).await.map_err(|e| {
+        Failure::internal(format!(
+            "file call failed: {e}",
+            e = crate::types::chain(&e)
+        ))
+    })?
 }
 
 /// ReadFile: `length` bytes from `offset` (0 = to the end); empty past the end.

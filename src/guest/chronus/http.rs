@@ -1,5 +1,5 @@
 //! Http: an HTTP/1.1 request made by chronus, so from inside the sandbox's network
-//! namespace, to reach services running in it (09-python-sdk "HTTP services").
+//! namespace, to reach services running in it (docs/python-sdk.md).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -32,7 +32,7 @@ pub async fn request(req: pb::HttpRequest) -> Result<pb::HttpResponse, Failure> 
     }
     let uri: Uri = url
         .parse()
-        .map_err(|e| Failure::invalid(format!("url {url:?}: {e}")))?;
+        .map_err(|e| Failure::invalid(format!("url {url:?}: {e}", e = crate::types::chain(&e))))?;
     let port = port_of(&uri)?;
     let method = if req.method.is_empty() {
         Method::GET
@@ -57,7 +57,7 @@ pub async fn request(req: pb::HttpRequest) -> Result<pb::HttpResponse, Failure> 
     }
     let r = b
         .body(Full::new(Bytes::from(req.body)))
-        .map_err(|e| Failure::invalid(format!("request: {e}")))?;
+        .map_err(|e| Failure::invalid(format!("request: {e}", e = crate::types::chain(&e))))?;
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(0)
         .build_http();
@@ -73,7 +73,7 @@ pub async fn request(req: pb::HttpRequest) -> Result<pb::HttpResponse, Failure> 
             }
             let why = std::error::Error::source(&e)
                 .map(|s| s.to_string())
-                .unwrap_or_else(|| e.to_string());
+                .unwrap_or_else(|| crate::types::chain(&e));
             Failure::new(Reason::Unavailable, format!("{url}: {why}"))
         })?;
         let status = resp.status().as_u16() as i32;
@@ -97,7 +97,10 @@ pub async fn request(req: pb::HttpRequest) -> Result<pb::HttpResponse, Failure> 
                 {
                     Failure::invalid(format!("{url}: the response body is over {MAX_BODY} bytes"))
                 } else {
-                    Failure::unavailable(format!("{url}: reading the response: {e}"))
+                    Failure::unavailable(format!(
+                        "{url}: reading the response: {e}",
+                        e = crate::types::chain(&*e)
+                    ))
                 }
             })?
             .to_bytes();

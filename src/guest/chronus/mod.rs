@@ -1,4 +1,4 @@
-//! chronus: one process per shell session (22-components §11), started by aether as
+//! chronus: one process per shell session (docs/architecture.md), started by aether as
 //! `<agent> chronus --dir <session dir> --user <uid:gid> --config <aether config>`.
 //!
 //! It binds its socket (`<dir>/chronus.sock`, reachable by root only), becomes a
@@ -33,26 +33,26 @@ use crate::guest::{log_init, proctree};
 /// Why chronus could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum ChronusError {
-    #[error("reading config {path}: {source}")]
+    #[error("reading config {path}")]
     ReadConfig {
         path: String,
         source: std::io::Error,
     },
-    #[error("parsing config {path}: {source}")]
+    #[error("parsing config {path}")]
     ParseConfig {
         path: String,
         source: serde_json::Error,
     },
-    #[error("session user: {0}")]
+    #[error("session user")]
     User(#[from] user::UserError),
-    #[error("binding {path}: {source}")]
+    #[error("binding {path}")]
     Bind {
         path: PathBuf,
         source: std::io::Error,
     },
     #[error("becoming a subreaper: {0}")]
     Subreaper(nix::Error),
-    #[error("switching to uid {uid} gid {gid}: {source}")]
+    #[error("switching to uid {uid} gid {gid}")]
     DropPrivileges {
         uid: u32,
         gid: u32,
@@ -62,14 +62,14 @@ pub enum ChronusError {
     NotRoot { current: u32, wanted: u32 },
     #[error("making chronus non-dumpable: {0}")]
     Nondumpable(std::io::Error),
-    #[error("preparing session dir {path}: {source}")]
+    #[error("preparing session dir {path}")]
     SessionDir {
         path: PathBuf,
         source: std::io::Error,
     },
     #[error("starting the runtime: {0}")]
     Runtime(std::io::Error),
-    #[error("serving: {0}")]
+    #[error("serving")]
     Serve(#[from] tonic::transport::Error),
 }
 
@@ -104,7 +104,7 @@ pub fn main(args: Vec<String>) -> ExitCode {
     match run(a) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!(error = %e, "chronus failed");
+            tracing::error!(error = %crate::types::chain(&e), "chronus failed");
             ExitCode::FAILURE
         }
     }

@@ -128,7 +128,8 @@ impl Session {
             lock(&self.table).remove(id);
             return Err(Failure::internal(format!(
                 "cannot prepare command {id} in {}: {e}",
-                self.dir.display()
+                self.dir.display(),
+                e = crate::types::chain(&e)
             )));
         }
         let job = Job {
@@ -502,7 +503,7 @@ fn take_in(
                 if let Err(e) =
                     lock(&s.table).append(id, which, buf.get(..n).unwrap_or_default(), rec)
                 {
-                    tracing::warn!(cmd_id = id, error = %e, "cannot write an output record");
+                    tracing::warn!(cmd_id = id, error = %crate::types::chain(&e), "cannot write an output record");
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Taken::Empty,

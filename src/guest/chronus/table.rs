@@ -1,4 +1,4 @@
-//! A session's commands and their output records (22-components §11 "Output limits"): each
+//! A session's commands and their output records (docs/architecture.md): each
 //! stream of each command is appended to a record file in the session dir, up to a per
 //! stream limit (the rest is counted in `dropped`); the session's records are bounded too,
 //! the records of the oldest finished commands going first.

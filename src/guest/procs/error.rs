@@ -14,7 +14,7 @@ pub enum ProcError {
     #[error("no program given (cmd is empty)")]
     EmptyCommand,
     /// `invalid`: `user` is unknown to the sandbox's /etc/passwd or malformed.
-    #[error("resolving user {user:?}: {source}")]
+    #[error("resolving user {user:?}")]
     ResolveUser {
         user: String,
         #[source]
@@ -39,7 +39,7 @@ pub enum ProcError {
     /// `not_found` when exec finds no such file; `invalid` for arguments with NUL bytes, a
     /// program that is not executable (EACCES, ENOEXEC...) or a cwd the user cannot enter;
     /// `internal` otherwise (fork, pipes, setuid...).
-    #[error("starting {cmd:?}: {source}")]
+    #[error("starting {cmd:?}")]
     Spawn {
         cmd: String,
         #[source]
@@ -47,7 +47,7 @@ pub enum ProcError {
     },
     /// `internal`: the child's pipes or PTY could not be registered with the runtime (the
     /// child has been killed).
-    #[error("registering the output of process {pid}: {source}")]
+    #[error("registering the output of process {pid}")]
     Register {
         pid: u32,
         #[source]
@@ -78,21 +78,21 @@ pub enum ProcError {
     #[error("unsupported signal {0}")]
     Signal(i32),
     /// `internal`: writing to the process's stdin or PTY failed.
-    #[error("writing input to process {pid}: {source}")]
+    #[error("writing input to process {pid}")]
     WriteInput {
         pid: u32,
         #[source]
         source: io::Error,
     },
     /// `internal`: TIOCSWINSZ failed.
-    #[error("resizing the PTY of process {pid}: {source}")]
+    #[error("resizing the PTY of process {pid}")]
     Resize {
         pid: u32,
         #[source]
         source: io::Error,
     },
     /// `internal`: kill(2) failed for a reason other than the process being gone.
-    #[error("signalling process {pid}: {source}")]
+    #[error("signalling process {pid}")]
     Kill {
         pid: u32,
         #[source]
@@ -101,9 +101,9 @@ pub enum ProcError {
 }
 
 impl ProcError {
-    /// The stable reason and message for the caller (02-concepts §9).
+    /// The stable reason and message for the caller (docs/concepts.md).
     pub fn failure(&self) -> Failure {
-        Failure::new(self.reason(), self.to_string())
+        Failure::new(self.reason(), crate::types::chain(self))
     }
 
     fn reason(&self) -> Reason {

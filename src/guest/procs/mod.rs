@@ -1,4 +1,4 @@
-//! The process API (22-components §11, 02-concepts §3): aether's own table of standalone
+//! The process API (docs/architecture.md, docs/concepts.md): aether's own table of standalone
 //! processes, outside sessions. Each runs a program (not a shell) as a given user, with its
 //! own pid, an optional tag, stdin (a pipe, or none), signals and an optional PTY. Its output
 //! is kept in memory (the last [`OUTPUT_RING_BYTES`] per stream), so a caller whose stream
@@ -417,7 +417,7 @@ impl Procs {
             .collect();
         for pid in running {
             if let Err(e) = send(pid, Signal::SIGKILL) {
-                tracing::warn!(pid, error = %e, "kill_all: SIGKILL failed");
+                tracing::warn!(pid, error = %crate::types::chain(&e), "kill_all: SIGKILL failed");
             }
         }
     }

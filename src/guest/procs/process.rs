@@ -200,7 +200,7 @@ async fn pump(
         };
         let mut guard = match ready {
             Ok(g) => g,
-            Err(e) => return Some(format!("reading output: {e}")),
+            Err(e) => return Some(format!("reading output: {e}", e = crate::types::chain(&e))),
         };
         match guard.try_io(|f| Ok(nix::unistd::read(f.get_ref(), &mut buf)?)) {
             Ok(Ok(0)) => return None,
@@ -208,7 +208,7 @@ async fn pump(
             // A PTY master reports EIO once no process holds the slave side: its EOF.
             Ok(Err(e)) if e.raw_os_error() == Some(libc::EIO) => return None,
             Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
-            Ok(Err(e)) => return Some(format!("reading output: {e}")),
+            Ok(Err(e)) => return Some(format!("reading output: {e}", e = crate::types::chain(&e))),
             Err(_would_block) => {}
         }
     }

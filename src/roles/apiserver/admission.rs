@@ -1,5 +1,5 @@
-//! Admission (15-configuration `admission`): per-principal token buckets for calls and
-//! creations, and the spec's defaults and limits. A single creation over the rate is
+//! Admission (docs/configuration.md `admission`): per-principal token buckets for calls and
+//! creations, and the defaults and limits of docs/configuration.md. A single creation over the rate is
 //! `rate_limited`; a batch waits for its tokens instead, so rate limiting never fails part
 //! of a batch.
 
@@ -82,7 +82,7 @@ const MAX_TEXT: usize = 256;
 /// At most this many `readonly_paths` and `masked_paths` together (each is a mount).
 const MAX_RESTRICTED_PATHS: usize = 64;
 
-/// Fills the defaults of 02-concepts §2.2/§2.4 into `spec` and checks every field.
+/// Fills the defaults (docs/concepts.md "Sandboxes") into `spec` and checks every field.
 /// Errors are `invalid`, naming the field and value; nothing is changed on error.
 pub fn normalize_spec(
     spec: &pb::SandboxSpec,
@@ -129,6 +129,14 @@ pub fn normalize_spec(
     if s.gpus < 0 || s.gpus > MAX_GPUS {
         return Err(Failure::invalid(format!(
             "gpus {} must be within [0, {MAX_GPUS}]",
+            s.gpus
+        )));
+    }
+    if s.gpus > 0 {
+        // Placement would count the GPUs but no backend attaches one: refuse rather than
+        // hand out a sandbox without what was asked for.
+        return Err(Failure::invalid(format!(
+            "gpus {}: GPU sandboxes are not built yet; set gpus to 0",
             s.gpus
         )));
     }
@@ -207,6 +215,13 @@ pub fn normalize_spec(
             "network_rules: at most 1024 rules, each 1..253 characters without spaces",
         ));
     }
+    if !s.network_rules.is_empty() {
+        // No backend enforces a rule yet; accepting one would let a caller believe it is.
+        return Err(Failure::invalid(
+            "network_rules: network policy is not built yet (a sandbox has only its own \
+             loopback); leave network_rules empty",
+        ));
+    }
     if s.readonly_paths.len() + s.masked_paths.len() > MAX_RESTRICTED_PATHS {
         return Err(Failure::invalid(format!(
             "readonly_paths and masked_paths: at most {MAX_RESTRICTED_PATHS} paths in all"
@@ -266,6 +281,10 @@ mod tests {
             Box::new(|s| s.memory_limit_mb = i64::MAX),
             Box::new(|s| s.disk_mb = -1),
             Box::new(|s| s.gpus = -1),
+            Box::new(|s| s.gpus = 1),
+            Box::new(|s| {
+                s.network_rules.insert("pypi".into(), true);
+            }),
             Box::new(|s| s.ttl_max = 604801),
             Box::new(|s| s.ttl_max = -3),
             Box::new(|s| s.qos = "XX".into()),

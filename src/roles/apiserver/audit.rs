@@ -1,4 +1,4 @@
-//! The audit log (15-configuration `apiserver[].audit_dir`): one JSON line per public call,
+//! The audit log (docs/configuration.md `apiserver[].audit_dir`): one JSON line per public call,
 //! rotated by size (`audit_max_mb`), `audit_keep` files kept (the current one included).
 //! Commands are recorded as their length and SHA-256, never their text.
 
@@ -12,7 +12,7 @@ use sha2::{Digest, Sha256};
 /// The audit directory could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum AuditError {
-    #[error("opening audit log {path}: {source}")]
+    #[error("opening audit log {path}")]
     Open {
         path: String,
         source: std::io::Error,
@@ -80,7 +80,7 @@ impl Audit {
         let mut line = match serde_json::to_vec(rec) {
             Ok(l) => l,
             Err(e) => {
-                tracing::error!(error = %e, "audit record not serializable");
+                tracing::error!(error = %crate::types::chain(&e), "audit record not serializable");
                 return;
             }
         };
@@ -88,12 +88,12 @@ impl Audit {
         let mut cur = self.cur.lock().unwrap_or_else(|p| p.into_inner());
         if cur.size + line.len() as u64 > self.max_bytes && cur.size > 0 {
             if let Err(e) = self.rotate(&mut cur) {
-                tracing::error!(error = %e, "audit log rotation failed");
+                tracing::error!(error = %crate::types::chain(&e), "audit log rotation failed");
             }
         }
         match cur.file.write_all(&line) {
             Ok(()) => cur.size += line.len() as u64,
-            Err(e) => tracing::error!(error = %e, "audit write failed"),
+            Err(e) => tracing::error!(error = %crate::types::chain(&e), "audit write failed"),
         }
     }
 

@@ -1,4 +1,4 @@
-//! The apiserver's authentication and authorization caches (22-components §1): results are
+//! The apiserver's authentication and authorization caches (docs/architecture.md): results are
 //! kept 30 s (never past the token's own expiry), and dropped whenever IAM's security epoch
 //! moves, which a background task checks every second — so a revocation bites within ~1 s.
 

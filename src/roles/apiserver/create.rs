@@ -1,4 +1,4 @@
-//! Creation (22-components §0 "The path of one creation"): place first, then admit (one IAM
+//! Creation (docs/architecture.md): place first, then admit (one IAM
 //! `Admit` authenticates, authorizes and reserves quota for a whole chunk), then create on the
 //! chosen edges; an edge answering `no_capacity` or `unavailable` is penalized and the items
 //! go to another edge (the lease rebound in IAM), up to `max_attempts`; leases of items that

@@ -28,7 +28,7 @@ impl EdgeClients {
             return Ok(c.clone());
         }
         let c = crate::rpc::client::channel(addr, Duration::from_secs(2))
-            .map_err(|e| Failure::internal(e.to_string()))?;
+            .map_err(|e| Failure::internal(crate::types::chain(&e)))?;
         m.insert(addr.to_string(), c.clone());
         Ok(c)
     }

@@ -1,4 +1,4 @@
-//! The apiserver role (22-components §1-2): the cluster's only entry. It authenticates and
+//! The apiserver role (docs/architecture.md): the cluster's only entry. It authenticates and
 //! authorizes through IAM (cached), admits, places, creates on edges, forwards lifecycle and
 //! runtime calls to the edge named in the sandbox id, and forwards IAM management calls with
 //! the caller's own token. It keeps no state of its own: any apiserver serves any request.
@@ -30,9 +30,9 @@ use crate::types::now_s;
 pub enum ApiserverError {
     #[error("apiserver: no entry {0} in the config's apiserver list")]
     NoEntry(usize),
-    #[error("apiserver: IAM address: {0}")]
+    #[error("apiserver: IAM address")]
     Client(#[from] crate::rpc::client::ClientError),
-    #[error("apiserver: audit log: {0}")]
+    #[error("apiserver: audit log")]
     Audit(#[from] audit::AuditError),
 }
 
@@ -134,7 +134,7 @@ pub async fn start_with(
     let sd = shutdown.clone();
     Ok(tokio::spawn(async move {
         if let Err(err) = crate::rpc::serve::serve(router, listener, sd).await {
-            tracing::error!(error = %err, "apiserver failed");
+            tracing::error!(error = %crate::types::chain(&err), "apiserver failed");
         }
         ready.set(false, "apiserver");
         let _ = e.await;

@@ -1,4 +1,4 @@
-//! Placement (22-components §2): filter the snapshot's edges, then power-of-k — draw k
+//! Placement (docs/architecture.md): filter the snapshot's edges, then power-of-k — draw k
 //! candidates at random and take the least loaded. Each apiserver overlays the sandboxes it
 //! just placed (not yet in the snapshot) and ranks edges that rejected a creation last for
 //! `reject_penalty` seconds. When nothing fits it tells `not_found` (no edge has the image or
@@ -40,7 +40,7 @@ pub struct Overlay {
 
 impl Overlay {
     /// Counts `res` toward `edge`'s load until the snapshot shows it, for `grace` at most
-    /// (15-configuration `overlay_grace`).
+    /// (docs/configuration.md `overlay_grace`).
     pub fn add(&mut self, edge: &str, res: Res) {
         self.placed
             .entry(edge.to_string())

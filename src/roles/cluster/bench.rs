@@ -13,24 +13,26 @@ use super::local::{LocalCluster, UpOptions};
 use crate::pb;
 
 #[derive(FromArgs, Debug)]
-/// Scheduling benchmark on an in-process simulated cluster.
+/// Scheduling benchmark on an in-process simulated cluster. Exit status: 0, 1 when a run
+/// fails, 2 for a bad command line.
+#[argh(help_triggers("-h", "--help", "help"))]
 struct BenchFlags {
     /// compare random placement with power-of-2
     #[argh(switch)]
     compare: bool,
-    /// simulated edges
+    /// simulated edges (default 8)
     #[argh(option, default = "8")]
     edges: usize,
-    /// single creations to make
+    /// single creations to make (default 10000)
     #[argh(option, default = "10000")]
     count: u32,
-    /// concurrent callers for single creations
+    /// concurrent callers for single creations (default 64)
     #[argh(option, default = "64")]
     concurrency: u32,
-    /// size of the batch creation to time (0 skips it)
+    /// size of the batch creation to time, 0 skips it (default 32768)
     #[argh(option, default = "32768")]
     batch: u32,
-    /// median simulated creation time of the edges' sim backend, ms
+    /// median simulated creation time of the edges' sim backend, ms (default 0)
     #[argh(option, default = "0.0")]
     sim_latency_ms: f64,
     /// emit one JSON object instead of text
@@ -40,6 +42,7 @@ struct BenchFlags {
     #[argh(switch)]
     durable: bool,
     /// repeat each placement mode this many times (fresh cluster each run) and report medians
+    /// (default 1)
     #[argh(option, default = "1")]
     runs: u32,
 }
@@ -284,7 +287,7 @@ pub fn main(args: &[String]) -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("error: internal: {e}");
+            eprintln!("error: internal: {e}", e = crate::types::chain(&e));
             return ExitCode::from(1);
         }
     };

@@ -13,7 +13,7 @@ use crate::telemetry::Ready;
 /// Starting a local cluster failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
-    #[error("binding {what} on {addr}: {source}")]
+    #[error("binding {what} on {addr}")]
     Bind {
         what: String,
         addr: String,
@@ -33,7 +33,7 @@ pub enum ClusterError {
     Edge(#[from] crate::roles::edge::EdgeError),
     #[error("the cluster did not become ready within {0} s")]
     NotReady(u64),
-    #[error("state directory {path}: {source}")]
+    #[error("state directory {path}")]
     StateDir {
         path: String,
         source: std::io::Error,

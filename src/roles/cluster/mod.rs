@@ -1,4 +1,4 @@
-//! `opendsec cluster up` (10-cli "Local clusters and benchmarks"): a whole cluster in one
+//! `opendsec cluster up` (docs/cli.md): a whole cluster in one
 //! process — IAM, a watcher, apiservers and edges wired together over real loopback sockets,
 //! so what runs here is what production runs. Also the scheduling benchmark `bench`.
 

@@ -9,57 +9,63 @@ use super::local::{LocalCluster, UpOptions};
 
 #[derive(FromArgs, Debug)]
 /// Run a whole OpenDsec cluster in this process (development and tests). Prints the
-/// environment to export, then serves until SIGINT or SIGTERM.
+/// environment to export, then serves until SIGINT or SIGTERM. Exit status: 0 after a clean
+/// shutdown, 1 when the cluster fails to start or fails, 2 for a bad command line.
+#[argh(help_triggers("-h", "--help", "help"))]
 struct UpFlags {
-    /// cluster config file; without it a simulated cluster is generated
+    /// cluster config file; without it a cluster is generated from the flags below
     #[argh(option, default = "String::new()")]
     config: String,
-    /// simulated edges without -config
+    /// edges of the generated cluster (default 4)
     #[argh(option, default = "4")]
     sim_edges: usize,
-    /// apiservers without -config
+    /// apiservers of the generated cluster (default 1)
     #[argh(option, default = "1")]
     apiservers: usize,
-    /// runtime of the container backend in generated clusters: sim or linux
+    /// runtime of the generated edges' `container` backend: sim (simulated) or linux (real
+    /// containers; needs root) (default sim)
     #[argh(option, default = "String::from(\"sim\")")]
     runtime: String,
-    /// also offer the microvm backend with this guest kernel (not built yet)
+    /// the microvm backend's guest kernel (not built yet: refused)
     #[argh(option, default = "String::new()")]
     microvm_kernel: String,
-    /// shared image store directory (not built yet)
+    /// shared image store directory (not built yet: refused)
     #[argh(option, default = "String::new()")]
     image_store: String,
-    /// sandbox state directory
+    /// sandbox state directory (default /var/lib/opendsec)
     #[argh(option, default = "String::from(\"/var/lib/opendsec\")")]
     state_dir: String,
     /// offer the development image `host` (the host's / read-only; development only)
+    /// (default true)
     #[argh(option, default = "true")]
     host_image: bool,
     /// reject creations while the state directory has less free space (MB); -1 disables
+    /// (default 512)
     #[argh(option, default = "512")]
     disk_reserve_mb: i64,
-    /// create a CA and certificates and run with mTLS (not built yet)
+    /// create a CA and certificates and run with mTLS (not built yet: refused)
     #[argh(switch)]
     tls: bool,
-    /// apiserver audit log directory
+    /// apiserver audit log directory (default: no audit log)
     #[argh(option, default = "String::new()")]
     audit_dir: String,
-    /// address for /metrics, /healthz and /readyz, e.g. :9464
+    /// address for /metrics, /healthz and /readyz, e.g. :9464 (default: none)
     #[argh(option, default = "String::new()")]
     metrics: String,
-    /// write the effective config (with the bound addresses) to this file
+    /// write the effective config (with the bound addresses) to this file (default: none)
     #[argh(option, default = "String::new()")]
     write_config: String,
-    /// log level
+    /// log level: error, warn, info, debug (default info)
     #[argh(option, default = "String::from(\"info\")")]
     log: String,
-    /// listen address of the (first) apiserver
+    /// listen address of the (first) apiserver; port 0 picks a free one (default
+    /// 127.0.0.1:7100)
     #[argh(option, default = "String::from(\"127.0.0.1:7100\")")]
     addr: String,
-    /// IAM state file (default: memory only)
+    /// IAM state file (default: none, state in memory only)
     #[argh(option, default = "String::new()")]
     iam_state: String,
-    /// median simulated creation time of the sim backends, ms
+    /// median simulated creation time of the sim backends, ms (default 0)
     #[argh(option, default = "0.0")]
     sim_latency_ms: f64,
 }

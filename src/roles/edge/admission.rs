@@ -1,4 +1,4 @@
-//! Final admission on the node (22-components §5 "Final admission"): capacity after
+//! Final admission on the node (docs/architecture.md): capacity after
 //! overcommit, per-backend `max_sandboxes`, and the memory, disk and CPU pressure checks.
 //! Everything here is arithmetic on plain values; the edge supplies the host reading.
 
@@ -19,7 +19,7 @@ pub struct Capacity {
 }
 
 impl Capacity {
-    /// From `capacity`, the overcommit factors and the host (15-configuration `capacity`):
+    /// From `capacity`, the overcommit factors and the host (docs/configuration.md `capacity`):
     /// with a real backend and neither `cpu_cores` nor `memory_mb` set, they are the host's
     /// CPU count and total memory (setting only one leaves the other unlimited); without
     /// `disk_mb`, the size of the file system holding `state_dir`. On sim-only edges unset

@@ -1,4 +1,4 @@
-//! `CreateSandboxes` on the edge (22-components §0 step 4, §5): final admission per item,
+//! `CreateSandboxes` on the edge (docs/architecture.md "Creating a sandbox", step 5): final admission per item,
 //! the record written before the backend is called, the backend's creation, RUNNING
 //! recorded, then (in the background) the IAM lease check that deletes orphans.
 //!
@@ -23,7 +23,7 @@ use crate::pb::{self, SandboxState};
 use crate::rpc::status::error_detail;
 use crate::types::{names, now_s, Failure, Reason, Res};
 
-/// Default CPU cores and memory (MB) when a spec sets none (02-concepts §2.2).
+/// Default CPU cores and memory (MB) when a spec sets none (docs/concepts.md).
 const DEFAULT_CPU: f64 = 1.0;
 const DEFAULT_MEM_MB: i64 = 2048;
 
@@ -194,14 +194,15 @@ impl Core {
                 if let (Err(e), Some(slot)) = (res, slots.get_mut(i)) {
                     if let Item::New(entry, _) = &*slot {
                         let id = entry.snapshot().id().to_string();
-                        tracing::error!(sandbox_id = %id, edge_id = %self.edge_id, error = %e, "recording a new sandbox");
+                        tracing::error!(sandbox_id = %id, edge_id = %self.edge_id, error = %crate::types::chain(&e), "recording a new sandbox");
                         lock(&self.entries).remove(&id);
                         lock(&self.alloc).sub(&backend_name, &want);
                         let _ = store.remove(&id).await;
                     }
                     *slot = Item::Done(Err(Failure::internal(format!(
                         "recording the sandbox on edge {}: {e}",
-                        self.edge_id
+                        self.edge_id,
+                        e = crate::types::chain(&e)
                     ))));
                 }
             }
@@ -257,10 +258,10 @@ impl Core {
                     })
                 }
                 Err(e) => {
-                    tracing::warn!(sandbox_id = %entry.snapshot().id(), edge_id = %self.edge_id, error = %e, "creation failed");
+                    tracing::warn!(sandbox_id = %entry.snapshot().id(), edge_id = %self.edge_id, error = %crate::types::chain(&e), "creation failed");
                     failures.push(Some(e.to_failure()));
                     self.update(entry, |r| {
-                        r.end(SandboxState::Failed, done_at, e.to_string())
+                        r.end(SandboxState::Failed, done_at, crate::types::chain(&e))
                     })
                 }
             };

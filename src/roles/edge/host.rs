@@ -1,4 +1,4 @@
-//! What the edge measures on its host (22-components §5 "Reporting"): MemAvailable and
+//! What the edge measures on its host (docs/architecture.md): MemAvailable and
 //! MemTotal from `/proc/meminfo`, CPU use from `/proc/stat` smoothed over 10 s, CPU
 //! pressure (`/proc/pressure/cpu`, "some avg10"), and the size and free space of the file
 //! system holding `state_dir`. Parsers are pure; `HostProbe` does the reading.

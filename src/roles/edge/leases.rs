@@ -1,4 +1,4 @@
-//! Leases of ended sandboxes go back to IAM (22-components §3 "Reconciliation"): queued and
+//! Leases of ended sandboxes go back to IAM (docs/architecture.md): queued and
 //! sent with `Iam.ReleaseLeases` after 1000 of them or 50 ms, one call per batch (per
 //! distinct end time), retried with backoff while IAM is unreachable, so none is lost while
 //! the edge runs. Also the lookup the edge makes after each creation: concurrent lookups are

@@ -1,4 +1,4 @@
-//! The edge's background loops (22-components §5 "Background loop", "Reporting"): TTL
+//! The edge's background loops (docs/architecture.md, "Reporting"): TTL
 //! expiry and dropping ended records, host sampling and metrics, backend liveness probes
 //! and loss reports, and registration with the watchers.
 
@@ -125,7 +125,7 @@ async fn sample_loop(core: Arc<Core>, mut probe: HostProbe, shutdown: Shutdown) 
         {
             Ok(r) => r,
             Err(e) => {
-                tracing::error!(edge_id = %core.edge_id, error = %e, "host sampling task failed");
+                tracing::error!(edge_id = %core.edge_id, error = %crate::types::chain(&e), "host sampling task failed");
                 return;
             }
         };
@@ -176,7 +176,9 @@ async fn register_loop(core: Arc<Core>, shutdown: Shutdown) {
     for addr in core.watchers.clone() {
         match rpc::client::channel(&addr, Duration::from_secs(2)) {
             Ok(ch) => clients.push((addr, WatcherClient::new(ch))),
-            Err(e) => tracing::warn!(edge_id = %core.edge_id, error = %e, "bad watcher address"),
+            Err(e) => {
+                tracing::warn!(edge_id = %core.edge_id, error = %crate::types::chain(&e), "bad watcher address")
+            }
         }
     }
     if clients.is_empty() {

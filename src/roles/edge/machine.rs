@@ -1,4 +1,4 @@
-//! The sandbox state machine (02-concepts §2.3, 22-components §5):
+//! The sandbox state machine (docs/concepts.md, docs/architecture.md):
 //! CREATING → RUNNING ⇄ PAUSING/PAUSED/RESUMING → STOPPING → STOPPED, and FAILED.
 //!
 //! Each lifecycle operation runs under the sandbox's operation lock, so an operation only

@@ -1,4 +1,4 @@
-//! The edge's metrics (17-monitoring "edge"). Counters and histograms are recorded where
+//! The edge's metrics (docs/architecture.md). Counters and histograms are recorded where
 //! things happen; gauges are refreshed by the sampling loop (`refresh`).
 
 use std::sync::atomic::Ordering;

@@ -1,4 +1,4 @@
-//! The edge role: the node control plane (22-components §5). Final admission, the sandbox
+//! The edge role: the node control plane (docs/architecture.md). Final admission, the sandbox
 //! state machine, TTLs, durable records and re-adoption, lease release, reporting to the
 //! watchers, and forwarding of runtime calls to the sandbox's agent. It serves
 //! `opendsec.v1.Edge` and `opendsec.v1.Runtime` on one listener.
@@ -54,16 +54,16 @@ pub enum EdgeError {
     UnknownEdge(String),
     #[error(transparent)]
     Config(#[from] ConfigError),
-    #[error("building backend {name}: {source}")]
+    #[error("building backend {name}")]
     Backend { name: String, source: BackendError },
-    #[error("edge {edge_id}: sandbox records: {source}")]
+    #[error("edge {edge_id}: sandbox records")]
     Store { edge_id: String, source: StoreError },
-    #[error("edge {edge_id}: IAM client: {source}")]
+    #[error("edge {edge_id}: IAM client")]
     Client {
         edge_id: String,
         source: rpc::client::ClientError,
     },
-    #[error("edge {edge_id}: listener: {source}")]
+    #[error("edge {edge_id}: listener")]
     Listener {
         edge_id: String,
         source: std::io::Error,
@@ -188,7 +188,7 @@ pub async fn start_with_backends(
     .await
     .map_err(|e| EdgeError::Listener {
         edge_id: edge_id.clone(),
-        source: std::io::Error::other(e.to_string()),
+        source: std::io::Error::other(crate::types::chain(&e)),
     })?;
     probe = probe_back;
     let core = Arc::new(node::Core {
@@ -238,7 +238,7 @@ pub async fn start_with_backends(
     let keep = ec.keep_sandboxes_on_exit;
     Ok(tokio::spawn(async move {
         if let Err(e) = rpc::serve::serve(router, listener, shutdown.clone()).await {
-            tracing::error!(edge_id = %core.edge_id, error = %e, "edge server failed");
+            tracing::error!(edge_id = %core.edge_id, error = %crate::types::chain(&e), "edge server failed");
             shutdown.fire();
         }
         ready.set(false, "edge");

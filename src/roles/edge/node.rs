@@ -31,7 +31,7 @@ pub(crate) fn write<T>(m: &RwLock<T>, v: T) {
 
 /// One sandbox in memory.
 pub(crate) struct Entry {
-    /// The operation lock: one lifecycle operation at a time (22-components §5).
+    /// The operation lock: one lifecycle operation at a time (docs/architecture.md).
     pub op: Arc<tokio::sync::Mutex<()>>,
     pub rec: Mutex<SandboxRecord>,
     /// Runtime calls in flight: the idle timeout does not run while > 0.
@@ -148,7 +148,7 @@ impl Core {
     pub async fn persist(&self, rec: &SandboxRecord) {
         if let Some(s) = &self.store {
             if let Err(e) = s.write(rec).await {
-                tracing::error!(sandbox_id = %rec.id(), error = %e, "writing sandbox record");
+                tracing::error!(sandbox_id = %rec.id(), error = %crate::types::chain(&e), "writing sandbox record");
             }
         }
     }
@@ -158,7 +158,7 @@ impl Core {
         if let Some(s) = &self.store {
             for (r, res) in recs.iter().zip(s.write_many(recs).await) {
                 if let Err(e) = res {
-                    tracing::error!(sandbox_id = %r.id(), error = %e, "writing sandbox record");
+                    tracing::error!(sandbox_id = %r.id(), error = %crate::types::chain(&e), "writing sandbox record");
                 }
             }
         }
@@ -194,7 +194,7 @@ impl Core {
         }
         if let Some(s) = &self.store {
             if let Err(e) = s.remove(id).await {
-                tracing::warn!(sandbox_id = %id, error = %e, "removing sandbox record");
+                tracing::warn!(sandbox_id = %id, error = %crate::types::chain(&e), "removing sandbox record");
             }
         }
     }

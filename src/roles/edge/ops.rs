@@ -1,5 +1,5 @@
 //! Operations on existing sandboxes: stop, pause, resume (by callers, by TTLs, by task
-//! actions), touch, SetSandboxTimeout, Get/List, TaskAction and Drain (22-components §5).
+//! actions), touch, SetSandboxTimeout, Get/List, TaskAction and Drain (docs/architecture.md).
 //! Every lifecycle step runs under the sandbox's operation lock and follows `machine::plan`.
 
 use std::sync::atomic::Ordering;
@@ -104,10 +104,14 @@ impl Core {
                     }
                 }),
                 Err(e) => {
-                    tracing::warn!(error = %e, "backend step failed");
+                    tracing::warn!(error = %crate::types::chain(&e), "backend step failed");
                     self.update(entry, |r| {
                         if op == Op::Stop {
-                            r.end(failed, now, format!("stop failed: {e}"));
+                            r.end(
+                                failed,
+                                now,
+                                format!("stop failed: {e}", e = crate::types::chain(&e)),
+                            );
                         } else {
                             r.set_state(failed);
                         }
@@ -280,8 +284,11 @@ impl Core {
                 .write_flags(&super::store::EdgeFlagsState { draining: !undo })
                 .await
             {
-                tracing::error!(edge_id = %self.edge_id, error = %e, "writing the draining flag");
-                return Err(Failure::internal(format!("writing the draining flag: {e}")));
+                tracing::error!(edge_id = %self.edge_id, error = %crate::types::chain(&e), "writing the draining flag");
+                return Err(Failure::internal(format!(
+                    "writing the draining flag: {e}",
+                    e = crate::types::chain(&e)
+                )));
             }
         }
         tracing::info!(edge_id = %self.edge_id, draining = !undo, "drain flag changed");

@@ -11,7 +11,7 @@ use crate::types::Res;
 /// `sandbox` field in proto-JSON form).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SandboxRecord {
-    /// The record callers see (02-concepts §2).
+    /// The record callers see (docs/concepts.md).
     pub sandbox: pb::Sandbox,
     /// The backend's private state (pids, paths), handed back on every backend call.
     #[serde(default)]

@@ -1,4 +1,4 @@
-//! Startup, before serving (22-components §5 "Persistence and re-adoption"): read the
+//! Startup, before serving (docs/architecture.md): read the
 //! records; hand RUNNING and PAUSED sandboxes (and ones caught mid-pause or mid-resume) to
 //! their backends to adopt; mark CREATING ones FAILED and STOPPING ones STOPPED and release
 //! their leases; keep ended records for their retention; then let each backend clean up
@@ -82,7 +82,7 @@ impl Core {
                 }
                 Ok(_) => {}
                 Err(e) => {
-                    tracing::warn!(edge_id = %self.edge_id, backend = %name, error = %e, "cleaning up leftovers")
+                    tracing::warn!(edge_id = %self.edge_id, backend = %name, error = %crate::types::chain(&e), "cleaning up leftovers")
                 }
             }
         }
@@ -141,11 +141,14 @@ impl Core {
                 (rec, changed, false)
             }
             Err(e) => {
-                tracing::warn!(sandbox_id = %id, edge_id = %self.edge_id, error = %e, "could not adopt sandbox");
+                tracing::warn!(sandbox_id = %id, edge_id = %self.edge_id, error = %crate::types::chain(&e), "could not adopt sandbox");
                 rec.end(
                     SandboxState::Failed,
                     now,
-                    format!("could not adopt after an edge restart: {e}"),
+                    format!(
+                        "could not adopt after an edge restart: {e}",
+                        e = crate::types::chain(&e)
+                    ),
                 );
                 (rec, true, true)
             }

@@ -1,4 +1,4 @@
-//! `opendsec.v1.Runtime` on the edge's port (22-components §5 "Runtime calls"): each call
+//! `opendsec.v1.Runtime` on the edge's port (docs/architecture.md): each call
 //! names its sandbox; the edge resumes it if paused, counts the call in flight (the idle
 //! timeout does not run meanwhile), refreshes `last_active_at`, takes aether's channel
 //! from the backend's `Runtime` capability and forwards the call unchanged. Streams keep

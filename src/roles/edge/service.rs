@@ -29,9 +29,12 @@ fn answer<T>(r: Result<T, Failure>) -> Result<Response<T>, Status> {
 async fn detached<T: Send + 'static>(
     work: impl std::future::Future<Output = Result<T, Failure>> + Send + 'static,
 ) -> Result<T, Failure> {
-    tokio::spawn(work)
-        .await
-        .unwrap_or_else(|e| Err(Failure::internal(format!("edge task failed: {e}"))))
+    tokio::spawn(work).await.unwrap_or_else(|e| {
+        Err(Failure::internal(format!(
+            "edge task failed: {e}",
+            e = crate::types::chain(&e)
+        )))
+    })
 }
 
 impl EdgeService {

@@ -1,4 +1,4 @@
-//! `Status` for the watcher (22-components §4, §5 "Reporting"): the node's `EdgeState`
+//! `Status` for the watcher (docs/architecture.md): the node's `EdgeState`
 //! and, on request, the leases of its live sandboxes for reconciliation.
 
 use std::sync::atomic::Ordering;

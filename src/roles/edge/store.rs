@@ -1,4 +1,4 @@
-//! Durable records (`persist_state`, 22-components §5 "Persistence and re-adoption"): one
+//! Durable records (`persist_state`, docs/architecture.md): one
 //! file per sandbox, `<state_dir>/edges/<edge_id>/sandboxes/<id>.json`, and the edge's own
 //! flags in `<state_dir>/edges/<edge_id>/edge.json`. Every write is temp file → fsync →
 //! rename → fsync of the directory. Batches are written concurrently on the blocking pool,
@@ -17,13 +17,13 @@ use super::record::SandboxRecord;
 /// A record could not be written, read or removed.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("{step} {path}: {source}")]
+    #[error("{step} {path}")]
     Io {
         step: &'static str,
         path: String,
         source: std::io::Error,
     },
-    #[error("encoding record of {id}: {source}")]
+    #[error("encoding record of {id}")]
     Encode {
         id: String,
         source: serde_json::Error,
@@ -126,15 +126,17 @@ impl Store {
                         }
                     }
                 }
-                Err(e) => tracing::error!(error = %e, "record writer task failed"),
+                Err(e) => {
+                    tracing::error!(error = %crate::types::chain(&e), "record writer task failed")
+                }
             }
         }
         let dir = self.dir.clone();
         let synced = tokio::task::spawn_blocking(move || sync_dir(&dir)).await;
         let dir_err = match synced {
             Ok(Ok(())) => None,
-            Ok(Err(e)) => Some(e.to_string()),
-            Err(e) => Some(e.to_string()),
+            Ok(Err(e)) => Some(crate::types::chain(&e)),
+            Err(e) => Some(crate::types::chain(&e)),
         };
         out.into_iter()
             .zip(recs)
@@ -163,7 +165,7 @@ impl Store {
         .await
         .map_err(|e| StoreError::Join {
             path: id.to_string(),
-            message: e.to_string(),
+            message: crate::types::chain(&e),
         })?
     }
 
@@ -185,9 +187,9 @@ impl Store {
                 continue;
             }
             let parsed = std::fs::read(&path)
-                .map_err(|e| e.to_string())
+                .map_err(|e| crate::types::chain(&e))
                 .and_then(|b| {
-                    serde_json::from_slice::<SandboxRecord>(&b).map_err(|e| e.to_string())
+                    serde_json::from_slice::<SandboxRecord>(&b).map_err(|e| crate::types::chain(&e))
                 });
             match parsed {
                 Ok(r) if format!("{}.json", r.id()) == name => recs.push(r),
@@ -232,7 +234,7 @@ impl Store {
         .await
         .map_err(|e| StoreError::Join {
             path: "edge.json".into(),
-            message: e.to_string(),
+            message: crate::types::chain(&e),
         })?
     }
 }

@@ -1,4 +1,4 @@
-//! TTL decisions (02-concepts §2.4), as a pure function of a record, a call count and `now`.
+//! TTL decisions (docs/concepts.md), as a pure function of a record, a call count and `now`.
 //!
 //! - idle timeout `ttl_running_stop`: a RUNNING sandbox with no runtime call in flight whose
 //!   last activity is more than that many seconds old;

@@ -1,4 +1,4 @@
-//! The one function that changes IAM state, and the project-tree commands (13-iam §1, §3, §4).
+//! The one function that changes IAM state, and the project-tree commands (docs/concepts.md).
 //! Each handler checks every rule before its first mutation, so a command that fails changes
 //! nothing, and the result depends only on the state and the command (replicas agree).
 

@@ -1,4 +1,4 @@
-//! Quota lease commands (13-iam §4, 22-components §3): `Admit` (authenticate, authorize and
+//! Quota lease commands (docs/concepts.md, docs/architecture.md): `Admit` (authenticate, authorize and
 //! reserve, item by item, idempotent per lease id), `ReleaseLeases`, `Reconcile` with an
 //! edge's report, and `SweepUnbound`. Batches cost O(items × depth).
 

@@ -1,4 +1,4 @@
-//! Principal, permission and token commands (13-iam §2, §3): bounded delegation, token
+//! Principal, permission and token commands (docs/concepts.md): bounded delegation, token
 //! lifetimes and the security epoch. Every rule is checked before the first mutation.
 
 use super::apply::actor;
@@ -6,7 +6,7 @@ use super::command::{NewToken, Outcome};
 use super::state::{check_hash, check_token_id, Actor, IamState, Principal, Token};
 use crate::types::{names, Failure};
 
-/// Principal kinds: a label only (13-iam §2).
+/// Principal kinds: a label only (docs/concepts.md).
 pub const KINDS: [&str; 3] = ["user", "service", "agent"];
 /// Most tokens one principal may hold.
 pub const MAX_TOKENS: usize = 1000;
@@ -15,7 +15,7 @@ const MAX_DESCRIPTION: usize = 256;
 /// Longest lifetime ever accepted, whatever the config (100 years).
 const MAX_TTL: i64 = 100 * 365 * 86400;
 
-/// The expiry of a token issued at `now` with lifetime `ttl` (13-iam §2 "Lifetime"): with a
+/// The expiry of a token issued at `now` with lifetime `ttl` (docs/concepts.md): with a
 /// limit, a missing ttl takes the limit and a longer one is `invalid`; without, a missing ttl
 /// never expires (0).
 pub fn expiry(max_token_ttl_s: i64, ttl: i64, now: i64) -> Result<i64, Failure> {

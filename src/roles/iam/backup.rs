@@ -1,4 +1,4 @@
-//! Backup and restore (13-iam §7): gzipped JSON of principals, projects (quotas and grants),
+//! Backup and restore (docs/concepts.md): gzipped JSON of principals, projects (quotas and grants),
 //! token hashes, usage and the epoch. Leases are not in backups: a restore keeps the current
 //! ones and reconciliation registers the rest again from the edges.
 
@@ -75,11 +75,15 @@ impl Backup {
     /// Gzipped JSON bytes.
     pub fn encode(&self) -> Result<Vec<u8>, Failure> {
         let mut gz = GzEncoder::new(Vec::new(), Compression::default());
-        serde_json::to_writer(&mut gz, self)
-            .map_err(|e| Failure::internal(format!("encoding backup: {e}")))?;
-        gz.flush()
-            .and_then(|_| gz.finish())
-            .map_err(|e| Failure::internal(format!("compressing backup: {e}")))
+        serde_json::to_writer(&mut gz, self).map_err(|e| {
+            Failure::internal(format!("encoding backup: {e}", e = crate::types::chain(&e)))
+        })?;
+        gz.flush().and_then(|_| gz.finish()).map_err(|e| {
+            Failure::internal(format!(
+                "compressing backup: {e}",
+                e = crate::types::chain(&e)
+            ))
+        })
     }
 
     /// Parses gzipped JSON bytes; anything malformed is `invalid`. The content is checked
@@ -89,14 +93,23 @@ impl Backup {
         GzDecoder::new(data)
             .take(MAX_DECOMPRESSED + 1)
             .read_to_end(&mut json)
-            .map_err(|e| Failure::invalid(format!("backup is not gzip data: {e}")))?;
+            .map_err(|e| {
+                Failure::invalid(format!(
+                    "backup is not gzip data: {e}",
+                    e = crate::types::chain(&e)
+                ))
+            })?;
         if json.len() as u64 > MAX_DECOMPRESSED {
             return Err(Failure::invalid(format!(
                 "backup larger than {MAX_DECOMPRESSED} bytes decompressed"
             )));
         }
-        let b: Backup = serde_json::from_slice(&json)
-            .map_err(|e| Failure::invalid(format!("backup is not valid JSON: {e}")))?;
+        let b: Backup = serde_json::from_slice(&json).map_err(|e| {
+            Failure::invalid(format!(
+                "backup is not valid JSON: {e}",
+                e = crate::types::chain(&e)
+            ))
+        })?;
         b.check()?;
         Ok(b)
     }

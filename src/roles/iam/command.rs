@@ -1,4 +1,4 @@
-//! The deterministic commands that change IAM state (DESIGN §4). Every value that is not a
+//! The deterministic commands that change IAM state (docs/architecture.md "Rules of the codebase"). Every value that is not a
 //! function of the state (time, token ids, secret hashes) is chosen by the proposer and
 //! written into the command, so a log of commands replays to the same state on any replica.
 

@@ -1,4 +1,4 @@
-//! The failed-authentication limit (13-iam §2, 15-configuration `admission.auth_fail_rate`):
+//! The failed-authentication limit (docs/concepts.md, docs/configuration.md `admission.auth_fail_rate`):
 //! once one client address fails more than `auth_fail_rate` authentications per second, new
 //! tokens from it are not checked for [`LOCKOUT`]; they get `rate_limited` (the same answer
 //! whether the token is right or wrong, so a locked-out guesser learns nothing). Tokens that

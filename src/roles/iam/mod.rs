@@ -1,4 +1,4 @@
-//! The iam role (13-iam, 22-components §3): projects, principals, tokens, permissions, quotas,
+//! The iam role (docs/concepts.md, docs/architecture.md): projects, principals, tokens, permissions, quotas,
 //! quota leases and usage, standalone: state in memory, or durable in `cfg.iam.state`.
 //!
 //! State changes only through deterministic [`command::Command`]s applied by
@@ -46,13 +46,13 @@ const DRAIN: Duration = Duration::from_secs(10);
 /// Why the iam role could not start or keep its state.
 #[derive(Debug, thiserror::Error)]
 pub enum IamError {
-    #[error("{what} {}: {source}", path.display())]
+    #[error("{what} {}", path.display())]
     Io {
         what: &'static str,
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("reading snapshot {}: {source}", path.display())]
+    #[error("reading snapshot {}", path.display())]
     Snapshot {
         path: PathBuf,
         source: serde_json::Error,

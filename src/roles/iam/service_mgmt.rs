@@ -1,4 +1,4 @@
-//! Management RPCs (13-iam): projects, principals, grants, tokens, usage, backup and restore.
+//! Management RPCs (docs/concepts.md): projects, principals, grants, tokens, usage, backup and restore.
 //! Each authenticates its caller from the bearer token; the permission rules are checked by
 //! `apply` for changes and here for reads.
 

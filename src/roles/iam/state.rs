@@ -1,4 +1,4 @@
-//! IAM's whole state (13-iam, 22-components §3): the project tree with quotas, usage and
+//! IAM's whole state (docs/concepts.md, docs/architecture.md): the project tree with quotas, usage and
 //! policies, principals with their token hashes, quota leases, daily usage and the security
 //! epoch. Plain data, serialized as JSON in snapshots; it changes only through
 //! [`super::apply::apply`]. The read-only rule checks every command and query shares live here.
@@ -40,7 +40,7 @@ pub struct IamState {
     pub by_edge: HashMap<String, BTreeSet<String>>,
 }
 
-/// Config values `apply` needs (15-configuration `iam.root_quota`, `iam.max_token_ttl_s`).
+/// Config values `apply` needs (docs/configuration.md `iam.root_quota`, `iam.max_token_ttl_s`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Settings {
@@ -106,7 +106,7 @@ pub struct Lease {
     pub bound_at: i64,
 }
 
-/// Usage of one project's own sandboxes on one UTC day (13-iam §5).
+/// Usage of one project's own sandboxes on one UTC day (docs/concepts.md).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct UsageRow {

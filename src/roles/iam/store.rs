@@ -234,14 +234,14 @@ fn load(path: &Path) -> Result<(IamState, Files), IamError> {
         let entry: EntryOwned = match serde_json::from_slice(line) {
             Ok(e) => e,
             Err(e) if good + nl + 1 == bytes.len() => {
-                tracing::warn!(path = %lp.display(), error = %e, "dropping an unreadable last log line");
+                tracing::warn!(path = %lp.display(), error = %crate::types::chain(&e), "dropping an unreadable last log line");
                 break;
             }
             Err(e) => {
                 return Err(IamError::Log {
                     path: lp,
                     line: line_no,
-                    message: e.to_string(),
+                    message: crate::types::chain(&e),
                 })
             }
         };
@@ -387,7 +387,7 @@ fn writer(
                             cmd: &job.cmd,
                         },
                     ) {
-                        tracing::error!(error = %e, "encoding a command for the log");
+                        tracing::error!(error = %crate::types::chain(&e), "encoding a command for the log");
                     }
                     lines.push(b'\n');
                 }
@@ -400,11 +400,12 @@ fn writer(
             _ => Ok(()),
         };
         if let Err(e) = persisted {
-            tracing::error!(error = %e, "IAM could not persist a batch; refusing further changes");
+            tracing::error!(error = %crate::types::chain(&e), "IAM could not persist a batch; refusing further changes");
             shared.failed.store(true, Ordering::Relaxed);
             for job in batch {
                 let _ = job.reply.send(Err(Failure::internal(format!(
-                    "IAM could not persist the change: {e}"
+                    "IAM could not persist the change: {e}",
+                    e = crate::types::chain(&e)
                 ))));
             }
             break;
@@ -416,7 +417,7 @@ fn writer(
             if f.since_snapshot >= opts.snapshot_every.max(1) {
                 if let Err(e) = f.snapshot(&shared) {
                     // The log still holds everything: keep going, try again later.
-                    tracing::error!(error = %e, "IAM snapshot failed; the log keeps growing");
+                    tracing::error!(error = %crate::types::chain(&e), "IAM snapshot failed; the log keeps growing");
                     f.since_snapshot = 0;
                 }
             }

@@ -1,4 +1,4 @@
-//! Token material (13-iam §2): issuing `dsk.<principal>.<id>.<secret>` tokens and hashing
+//! Token material (docs/concepts.md): issuing `dsk.<principal>.<id>.<secret>` tokens and hashing
 //! secrets. Only the proposer calls the random parts; `apply` sees ids and hashes only.
 
 use rand::distr::{Alphanumeric, SampleString};

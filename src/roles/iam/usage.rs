@@ -1,4 +1,4 @@
-//! Usage accounting (13-iam §5): the time quota is held, per UTC day and project, kept for
+//! Usage accounting (docs/concepts.md): the time quota is held, per UTC day and project, kept for
 //! 400 days; and the `GetUsage` report, which counts live leases up to the query's time.
 
 use std::collections::BTreeMap;

@@ -1,4 +1,4 @@
-//! The watcher role (22-components §4): probes every edge each `probe_interval`, serves a
+//! The watcher role (docs/architecture.md): probes every edge each `probe_interval`, serves a
 //! versioned cluster snapshot to the apiservers, accepts edge registrations, and drives quota
 //! reconciliation with IAM. It keeps no durable state: after a restart its view is rebuilt
 //! from the config's edge list, the edges' registrations and probing.
@@ -21,7 +21,7 @@ use crate::telemetry::Ready;
 /// Starting the watcher failed.
 #[derive(Debug, thiserror::Error)]
 pub enum WatcherError {
-    #[error("watcher: IAM address: {0}")]
+    #[error("watcher: IAM address")]
     IamClient(#[from] crate::rpc::client::ClientError),
 }
 
@@ -87,7 +87,7 @@ pub async fn start(
     let sd = shutdown.clone();
     Ok(tokio::spawn(async move {
         if let Err(e) = crate::rpc::serve::serve(router, listener, sd).await {
-            tracing::error!(error = %e, "watcher server failed");
+            tracing::error!(error = %crate::types::chain(&e), "watcher server failed");
         }
         ready.set(false, "watcher");
         let _ = p.await;

@@ -66,7 +66,7 @@ pub(crate) async fn run(inner: Arc<Inner>, shutdown: Shutdown, ready: Ready) {
             probes.push(async move {
                 let r = match ch {
                     Ok(ch) => probe_one(&cfg, &id, ch, timeout).await,
-                    Err(e) => Err(e.to_string()),
+                    Err(e) => Err(crate::types::chain(&e)),
                 };
                 (id, r)
             });

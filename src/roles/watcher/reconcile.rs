@@ -1,4 +1,4 @@
-//! Quota reconciliation (22-components §3 "Reconciliation", §4): every `reconcile_interval`,
+//! Quota reconciliation (docs/architecture.md): every `reconcile_interval`,
 //! each healthy edge's live leases go to IAM, which adopts what it did not know and releases
 //! what the edge no longer holds (never leases younger than `reconcile_min_age`). An edge
 //! unhealthy for longer than `lost_edge_grace` is reconciled as empty, returning its quota.
@@ -20,8 +20,8 @@ async fn leases_of(
     addr: &str,
 ) -> Result<(String, Vec<pb::LeaseInfo>), String> {
     let t = Duration::from_secs(10);
-    let ch =
-        crate::rpc::client::channel(addr, Duration::from_secs(2)).map_err(|e| e.to_string())?;
+    let ch = crate::rpc::client::channel(addr, Duration::from_secs(2))
+        .map_err(|e| crate::types::chain(&e))?;
     let mut c =
         pb::edge_client::EdgeClient::new(ch).max_decoding_message_size(crate::rpc::MAX_MESSAGE);
     let mut req =
