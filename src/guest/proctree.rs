@@ -7,10 +7,12 @@ use std::time::Duration;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-/// One /proc entry: its parent and whether it is a zombie (dead, waiting to be reaped).
+/// One /proc entry: its parent, its process group and whether it is a zombie (dead,
+/// waiting to be reaped).
 #[derive(Debug, Clone, Copy)]
 struct Entry {
     ppid: i32,
+    pgid: i32,
     zombie: bool,
 }
 
@@ -36,10 +38,12 @@ fn snapshot() -> HashMap<i32, Entry> {
         let Some(ppid) = f.next().and_then(|p| p.parse().ok()) else {
             continue;
         };
+        let pgid = f.next().and_then(|p| p.parse().ok()).unwrap_or(0);
         out.insert(
             pid,
             Entry {
                 ppid,
+                pgid,
                 zombie: state == "Z" || state == "X",
             },
         );
@@ -50,9 +54,12 @@ fn snapshot() -> HashMap<i32, Entry> {
 /// The live (non-zombie) descendants of `root`, not counting `root`, skipping the
 /// subtrees rooted at any pid in `skip`.
 pub fn descendants(root: i32, skip: &HashSet<i32>) -> Vec<i32> {
-    let procs = snapshot();
+    descendants_in(&snapshot(), root, skip)
+}
+
+fn descendants_in(procs: &HashMap<i32, Entry>, root: i32, skip: &HashSet<i32>) -> Vec<i32> {
     let mut children: HashMap<i32, Vec<i32>> = HashMap::new();
-    for (pid, e) in &procs {
+    for (pid, e) in procs {
         children.entry(e.ppid).or_default().push(*pid);
     }
     let mut out = Vec::new();
@@ -112,6 +119,60 @@ pub fn kill_tree(root: i32, with_root: bool, skip: &HashSet<i32>) -> usize {
         }
     }
     killed
+}
+
+/// Kills the job led by `leader` (a command's subshell), so that nothing of it escapes,
+/// fork storms included: when `leader` leads its own process group (and it is not the
+/// caller's), first every descendant that left the group (`setpgid`, `setsid`) is stopped,
+/// new ones looked for until none appear (a stopped process cannot fork, and its children
+/// stay in the tree); then the whole group gets SIGKILL at once (the kernel lets no member
+/// fork past a group signal), then the stopped ones. When `leader` leads no group (a shell
+/// without job control), its tree is killed as [`kill_tree`] does. Returns how many live
+/// processes of the job were found (0: it is gone, zombies aside).
+pub fn kill_job(leader: i32) -> usize {
+    if leader <= 1 || leader == std::process::id() as i32 {
+        return 0;
+    }
+    let procs = snapshot();
+    let own_group = nix::unistd::getpgrp().as_raw();
+    // A group is named after its leader, and a pid is not reused while a group bears it:
+    // members with that group id are the job's, even once the leader is gone.
+    let leads = leader != own_group
+        && match procs.get(&leader) {
+            Some(e) if !e.zombie => e.pgid == leader,
+            _ => procs.values().any(|e| e.pgid == leader && !e.zombie),
+        };
+    if !leads {
+        let live = usize::from(alive(leader)) + descendants(leader, &HashSet::new()).len();
+        if live > 0 {
+            kill_tree(leader, true, &HashSet::new());
+        }
+        return live;
+    }
+    let members = procs
+        .iter()
+        .filter(|(_, e)| e.pgid == leader && !e.zombie)
+        .count();
+    let mut stopped: HashSet<i32> = HashSet::new();
+    for _ in 0..64 {
+        let procs = snapshot();
+        let fresh: Vec<i32> = descendants_in(&procs, leader, &HashSet::new())
+            .into_iter()
+            .filter(|p| procs.get(p).is_some_and(|e| e.pgid != leader) && !stopped.contains(p))
+            .collect();
+        if fresh.is_empty() {
+            break;
+        }
+        for p in fresh {
+            let _ = kill(Pid::from_raw(p), Signal::SIGSTOP);
+            stopped.insert(p);
+        }
+    }
+    let _ = nix::sys::signal::killpg(Pid::from_raw(leader), Signal::SIGKILL);
+    for p in &stopped {
+        let _ = kill(Pid::from_raw(*p), Signal::SIGKILL);
+    }
+    members + stopped.len()
 }
 
 /// Kills the tree under `root` (see [`kill_tree`]) pass after pass, `pause` apart, until a

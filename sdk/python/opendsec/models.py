@@ -136,6 +136,10 @@ class ShellResult:
     stdout_total: int = 0
     #: Stderr bytes recorded so far.
     stderr_total: int = 0
+    #: The command ended so that its session could not take in its changes to the
+    #: session's directory and variables (killed by its timeout, ``exec``, its shell
+    #: killed): the next command runs with the state from before it.
+    state_lost: bool = False
 
     @property
     def stdout(self) -> str:
@@ -169,6 +173,7 @@ class ShellResult:
             stderr_offset=m.stderr_offset,
             stdout_total=m.stdout_total,
             stderr_total=m.stderr_total,
+            state_lost=m.state_lost,
         )
 
 

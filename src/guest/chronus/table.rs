@@ -99,9 +99,11 @@ pub struct Cmd {
     pub finishing: bool,
     pub exit_code: i32,
     pub timed_out: bool,
+    /// The session could not take in the state the command ended with (docs/sessions.md).
+    pub state_lost: bool,
     /// Seconds from start to end.
     pub duration: f64,
-    /// The pid of a background command's subshell, once the shell reported it.
+    /// The pid of the command's subshell (its job's leader), once the shell reported it.
     pub pid: Option<i32>,
     /// Bumped on new output and at the end; waiters subscribe.
     pub changed: watch::Sender<u64>,
@@ -120,6 +122,7 @@ pub struct Snap {
     pub done: bool,
     pub exit_code: i32,
     pub timed_out: bool,
+    pub state_lost: bool,
     pub duration: f64,
     pub background: bool,
     pub pid: Option<i32>,
@@ -183,6 +186,7 @@ impl Table {
                 finishing: false,
                 exit_code: -1,
                 timed_out: false,
+                state_lost: false,
                 duration: 0.0,
                 pid: None,
                 changed,
@@ -217,19 +221,11 @@ impl Table {
             done: c.done,
             exit_code: c.exit_code,
             timed_out: c.timed_out,
+            state_lost: c.state_lost,
             duration: c.duration,
             background: c.background,
             pid: c.pid,
         })
-    }
-
-    /// Pids of the running background commands' subshells.
-    pub fn background_pids(&self) -> Vec<i32> {
-        self.cmds
-            .values()
-            .filter(|c| c.background && !c.done)
-            .filter_map(|c| c.pid)
-            .collect()
     }
 
     /// Records `data` read from stream `s` of command `id` into `file` (its record),
