@@ -163,7 +163,7 @@ impl Driver {
     /// Kills what is left of command `id`'s job (its shell died without reporting).
     fn kill_orphans(&self, id: i64) {
         if let Some(pid) = self.s.snap(id).and_then(|c| c.pid) {
-            proctree::kill_job(pid);
+            proctree::kill_job(pid, false);
         }
     }
 
@@ -177,13 +177,18 @@ impl Driver {
             return;
         };
         tracing::info!(cmd_id = id, pid = ?pid, "command timed out; killing its job");
+        // The shell continues a stopped job (there is no terminal to do it from) unless this
+        // file says the job is being killed: the group stop must hold while it is.
+        if let Err(e) = std::fs::write(self.s.kill_marker(id), b"") {
+            tracing::debug!(cmd_id = id, error = %e, "cannot mark a job as being killed");
+        }
         let mut report: Option<Report> = None;
         if let Some(Some(r)) = pid.as_ref().err() {
             report = Some(r.clone());
         }
         for _ in 0..KILL_PASSES {
             let left = match pid {
-                Ok(p) => proctree::kill_job(p),
+                Ok(p) => proctree::kill_job(p, report.is_some()),
                 Err(_) => 0,
             };
             if report.is_some() && left == 0 {
@@ -225,7 +230,7 @@ impl Driver {
                 }
                 self.shell = None;
                 if let Ok(p) = pid {
-                    proctree::kill_job(p);
+                    proctree::kill_job(p, false);
                 }
             }
         }
@@ -281,8 +286,8 @@ async fn watch_background(s: Arc<Session>, id: i64, timeout: Option<Duration>) {
         }
         if timeout.is_some_and(|t| start.elapsed() >= t) {
             if let Some(pid) = snap.pid {
-                for _ in 0..KILL_PASSES {
-                    if proctree::kill_job(pid) == 0 {
+                for pass in 0..KILL_PASSES {
+                    if proctree::kill_job(pid, pass > 0) == 0 {
                         break;
                     }
                     tokio::time::sleep(KILL_PAUSE).await;

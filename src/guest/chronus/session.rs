@@ -99,7 +99,13 @@ impl Session {
             err: self.dir.join("io").join(format!("{id}.err")),
             ctl: self.ctl_path(),
             state: self.dir.join("state").join(id.to_string()),
+            kill: self.kill_marker(id),
         }
+    }
+
+    /// The file whose presence tells the shell that command `id`'s job is being killed.
+    pub fn kill_marker(&self, id: i64) -> PathBuf {
+        self.dir.join("state").join(format!("{id}.kill"))
     }
 
     /// Takes in command `id`'s state dump: kept as the session's current state when the
@@ -263,7 +269,7 @@ impl Session {
             c.changed.send_modify(|v| *v += 1);
         }
         let f = self.files(id);
-        for p in [f.script, f.out, f.err, f.state] {
+        for p in [f.script, f.out, f.err, f.state, f.kill] {
             let _ = std::fs::remove_file(p);
         }
         tracing::debug!(cmd_id = id, exit_code, timed_out, "command ended");

@@ -151,6 +151,8 @@ pub struct CmdFiles {
     pub ctl: PathBuf,
     /// Where the command's shell writes the session state it ends with (see [`Flavor`]).
     pub state: PathBuf,
+    /// Present while chronus kills the command's job: the shell then leaves it stopped.
+    pub kill: PathBuf,
 }
 
 /// Which shell runs the session, and so how its state is carried from one command to the
@@ -306,10 +308,11 @@ pub fn foreground_line(
         "( {body} ) </dev/null >>{out} 2>>{err} & __opendsec_p=$!; \
          {b}printf '%s p %s\\0' {id} \"$__opendsec_p\" >>{ctl}; \
          {b}wait \"$__opendsec_p\"; __opendsec_st=$?; \
-         while {b}kill -0 \"$__opendsec_p\" 2>/dev/null; do {b}kill -CONT -- \"-$__opendsec_p\" 2>/dev/null; \
+         while {b}kill -0 \"$__opendsec_p\" 2>/dev/null; do [ -e {kill} ] || {b}kill -CONT -- \"-$__opendsec_p\" 2>/dev/null; \
          {b}wait \"$__opendsec_p\"; __opendsec_st=$?; done; \
          {take}; {b}printf '%s %s %s %s\\0' {id} \"$__opendsec_st\" \"$__opendsec_lost\" \"$PWD\" >>{ctl}\n",
         body = body(flavor, f, cwd, env),
+        kill = quote(&f.kill.to_string_lossy()),
         out = quote(&f.out.to_string_lossy()),
         err = quote(&f.err.to_string_lossy()),
     )
@@ -428,6 +431,7 @@ mod tests {
             err: d.join(format!("{id}.err")),
             ctl: d.join("ctl"),
             state: d.join(format!("{id}.state")),
+            kill: d.join(format!("{id}.kill")),
         }
     }
 
