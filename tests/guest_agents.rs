@@ -598,9 +598,23 @@ async fn unprivileged_sessions_are_fenced() {
         )))
         .await;
     assert_ne!(r.exit_code, 0, "{}", text(&r.stdout));
-    // The session's user is fixed by its first call.
+    // The session's user is fixed by its first call: another one is refused, the same one
+    // (however it is written) or none runs as it.
     let mut q = as_agent("id -u".into());
     q.user = "root".into();
+    let e = a.c.run_shell(q).await.expect_err("other user");
+    let f = failure_from_status(&e);
+    assert_eq!(f.reason, Reason::Invalid);
+    assert!(
+        f.message.contains("\"agent\"") && f.message.contains("1000") && f.message.contains("root"),
+        "{}",
+        f.message
+    );
+    let mut q = as_agent("id -u".into());
+    q.user = "1000:1000".into();
+    assert_eq!(text(&a.run(q).await.stdout), "1000\n");
+    let mut q = as_agent("id -u".into());
+    q.user = String::new();
     assert_eq!(text(&a.run(q).await.stdout), "1000\n");
     // File calls run as the session's user too.
     let e =
@@ -1003,9 +1017,23 @@ async fn the_warm_default_session_never_fixes_the_user() {
             .into_inner()
             .sessions;
     assert_eq!(listed, vec!["default".to_string()]);
-    // Later calls as another user do not change it.
+    // Later calls as another user, or one the sandbox does not have, are refused.
+    for other in ["1000", "nosuchuser"] {
+        let mut q = req("id -u");
+        q.user = other.into();
+        let e = b.c.run_shell(q).await.expect_err("other user");
+        let f = failure_from_status(&e);
+        assert_eq!(f.reason, Reason::Invalid, "{}", f.message);
+        assert!(
+            f.message.contains("\"default\"")
+                && f.message.contains(other)
+                && f.message.contains("uid 0"),
+            "{}",
+            f.message
+        );
+    }
     let mut q = req("id -u");
-    q.user = "1000".into();
+    q.user = "root".into();
     assert_eq!(text(&b.run(q).await.stdout), "0\n");
     b.stop();
 }
@@ -1035,5 +1063,218 @@ async fn oom_killed_follows_the_cgroup_count() {
     assert_eq!((r.exit_code, r.oom_killed), (0, false), "{r:?}");
     let r = a.sh("sh -c 'kill -9 $$'").await;
     assert_eq!((r.exit_code, r.oom_killed), (137, false), "{r:?}");
+    a.stop();
+}
+
+/// Live (non-zombie) processes of `uid`, as (pid, comm), leaving out chronus itself.
+fn procs_of(uid: u32) -> Vec<(i32, String)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("proc").flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+            continue;
+        };
+        let field = |k: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(k))
+                .map(|v| v.trim().to_string())
+                .unwrap_or_default()
+        };
+        let real_uid = field("Uid:")
+            .split_whitespace()
+            .next()
+            .unwrap_or("")
+            .to_string();
+        if real_uid != uid.to_string() || field("State:").starts_with('Z') {
+            continue;
+        }
+        let comm = field("Name:");
+        // chronus runs from /proc/self/exe.
+        if comm == "opendsec" || comm == "exe" {
+            continue;
+        }
+        out.push((pid, comm));
+    }
+    out
+}
+
+/// Waits until only the session's own shell is left among `uid`'s processes.
+async fn only_the_shell_left(uid: u32) -> Vec<(i32, String)> {
+    let mut left = procs_of(uid);
+    for _ in 0..60 {
+        if left.len() <= 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        left = procs_of(uid);
+    }
+    left
+}
+
+#[tokio::test]
+async fn a_timeout_stops_the_whole_command_and_keeps_the_session() {
+    if !root_or_skip("a_timeout_stops_the_whole_command_and_keeps_the_session") {
+        return;
+    }
+    let mut a = Agent::start(None).await;
+    a.sh("cd /usr && export Z=kept && Y=shellvar").await;
+
+    // The script itself stops, not only its current child.
+    let marker = a.path("marker");
+    let mut q = req(&format!("sleep 5; touch {}; sleep 40", marker.display()));
+    q.timeout = 1.0;
+    let t0 = Instant::now();
+    let r = a.run(q).await;
+    assert!(r.timed_out && r.done, "{r:?}");
+    assert!(r.state_lost, "{r:?}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    tokio::time::sleep(Duration::from_secs(6).saturating_sub(t0.elapsed())).await;
+    assert!(!marker.exists(), "the script went on after its timeout");
+
+    // A builtin loop runs in the command's job, not in the session's shell: the session's
+    // directory and variables stay.
+    let mut q = req("while :; do :; done");
+    q.timeout = 1.0;
+    let t0 = Instant::now();
+    let r = a.run(q).await;
+    assert!(r.timed_out, "{r:?}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    let r = a.sh("pwd; echo $Z $Y").await;
+    assert_eq!(text(&r.stdout), "/usr\nkept shellvar\n");
+
+    // Fork storms, bounded by a process limit (the test runs on the host), as an
+    // unprivileged session: they stop within the timeout plus a little, nothing of them is
+    // left, and the session answers.
+    let uid = 4242;
+    let storm = |cmd: &str| pb::RunShellRequest {
+        cmd: cmd.into(),
+        session: "storm".into(),
+        user: uid.to_string(),
+        timeout: 1.0,
+        ..Default::default()
+    };
+    let mut first = storm("cd /tmp; export W=1");
+    first.timeout = 0.0;
+    a.run(first).await;
+    let storms = [
+        "ulimit -u 300; python3 -c 'import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass'",
+        // The classic bomb detaches (`&`): the command waits, the bomb rages in its job.
+        "ulimit -u 300; b() { b | b & }; b; sleep 100",
+        "ulimit -u 300; b() { b | b; }; b",
+        "trap '' TERM; bash -c 'trap \"\" TERM; sleep 100' & setsid sleep 101 & sleep 102",
+    ];
+    for cmd in storms {
+        let t0 = Instant::now();
+        let r = a.run(storm(cmd)).await;
+        assert!(r.timed_out, "{cmd}: {r:?}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{cmd}: {:?}",
+            t0.elapsed()
+        );
+        let left = only_the_shell_left(uid).await;
+        assert_eq!(left.len(), 1, "{cmd}: left behind: {left:?}");
+        let mut q = storm("pwd; echo $W");
+        q.timeout = 0.0;
+        let r = a.run(q).await;
+        assert_eq!(text(&r.stdout), "/tmp\n1\n", "{cmd}");
+    }
+    a.stop();
+}
+
+#[tokio::test]
+async fn a_command_that_ends_its_shell_keeps_the_session_state() {
+    if !root_or_skip("a_command_that_ends_its_shell_keeps_the_session_state") {
+        return;
+    }
+    let mut a = Agent::start(None).await;
+    let r = a
+        .sh("cd /tmp; export A=1; B=2; f() { echo fn; }; exit 3")
+        .await;
+    assert_eq!((r.exit_code, r.state_lost), (3, false), "{r:?}");
+    let r = a.sh("pwd; echo $A $B; f").await;
+    assert_eq!(text(&r.stdout), "/tmp\n1 2\nfn\n");
+
+    let r = a
+        .sh("set -e; cd /usr; export C=3; unset B; false; echo no")
+        .await;
+    assert_eq!((r.exit_code, text(&r.stdout)), (1, String::new()));
+    assert!(!r.state_lost);
+    let r = a.sh("pwd; echo $C ${B-unset}").await;
+    assert_eq!(text(&r.stdout), "/usr\n3 unset\n");
+
+    // exec leaves no state behind: the session goes on from before it, and says so.
+    let r = a.sh("cd /; export D=4; exec true").await;
+    assert_eq!((r.exit_code, r.state_lost), (0, true), "{r:?}");
+    let r = a.sh("pwd; echo ${D-unset} $C").await;
+    assert_eq!(text(&r.stdout), "/usr\nunset 3\n");
+
+    // A command that kills the session's shell: a new one starts from the last state.
+    let r = a.sh("kill -9 $$").await;
+    assert!(r.state_lost, "{r:?}");
+    let r = a.sh("pwd; echo $A $C; f").await;
+    assert_eq!(text(&r.stdout), "/usr\n1 3\nfn\n");
+    a.stop();
+}
+
+#[tokio::test]
+async fn no_notice_or_internal_path_leaks_into_later_commands() {
+    if !root_or_skip("no_notice_or_internal_path_leaks_into_later_commands") {
+        return;
+    }
+    let mut a = Agent::start(None).await;
+    // A job of one command killed from outside: no "Killed" in the next ones.
+    let pidfile = a.path("job.pid");
+    a.sh(&format!("sleep 100 & echo $! > {}", pidfile.display()))
+        .await;
+    let pid = read_pid(&pidfile).await;
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    assert!(wait_gone(pid).await);
+    for _ in 0..2 {
+        let r = a.sh("sleep 0.3; echo ok").await;
+        assert_eq!(
+            (text(&r.stdout), text(&r.stderr)),
+            ("ok\n".into(), String::new())
+        );
+    }
+    // A background command killed by its timeout while a foreground one runs.
+    let mut q = req("sleep 100");
+    q.background = true;
+    q.timeout = 0.3;
+    a.run(q).await;
+    let r = a.sh("sleep 1.5; echo ok").await;
+    assert_eq!(
+        (text(&r.stdout), text(&r.stderr)),
+        ("ok\n".into(), String::new())
+    );
+    let r = a.sh("sleep 2 & echo started").await;
+    assert_eq!(text(&r.stderr), "");
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let r = a.sh("echo ok").await;
+    assert_eq!(text(&r.stderr), "");
+
+    // The shell's messages never name the session's files.
+    let run = a.path("run").to_string_lossy().into_owned();
+    for cmd in [
+        "if then fi (",
+        "no_such_command_x",
+        "echo 'unclosed",
+        ". /nonexistent",
+    ] {
+        let r = a.sh(cmd).await;
+        let err = text(&r.stderr);
+        assert_ne!(r.exit_code, 0, "{cmd}");
+        assert!(!err.is_empty(), "{cmd}");
+        assert!(
+            !err.contains(&run) && !err.contains("sessions/") && !err.contains(".sh"),
+            "{cmd}: {err}"
+        );
+    }
     a.stop();
 }

@@ -7,10 +7,12 @@ use std::time::Duration;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-/// One /proc entry: its parent and whether it is a zombie (dead, waiting to be reaped).
+/// One /proc entry: its parent, its process group and whether it is a zombie (dead,
+/// waiting to be reaped).
 #[derive(Debug, Clone, Copy)]
 struct Entry {
     ppid: i32,
+    pgid: i32,
     zombie: bool,
 }
 
@@ -26,33 +28,37 @@ fn snapshot() -> HashMap<i32, Entry> {
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
             continue;
         };
-        // "pid (comm) S ppid ...": comm may hold spaces and parentheses, so parse after
-        // the last ')'.
-        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
-            continue;
-        };
-        let mut f = rest.split_whitespace();
-        let state = f.next().unwrap_or("");
-        let Some(ppid) = f.next().and_then(|p| p.parse().ok()) else {
-            continue;
-        };
-        out.insert(
-            pid,
-            Entry {
-                ppid,
-                zombie: state == "Z" || state == "X",
-            },
-        );
+        if let Some(e) = parse_stat(&stat) {
+            out.insert(pid, e);
+        }
     }
     out
+}
+
+/// Parses `/proc/<pid>/stat`: "pid (comm) S ppid pgid ...", comm holding any bytes, so
+/// the fields are read after the last ')'.
+fn parse_stat(stat: &str) -> Option<Entry> {
+    let rest = stat.rsplit_once(')').map(|(_, r)| r)?;
+    let mut f = rest.split_whitespace();
+    let state = f.next().unwrap_or("");
+    let ppid = f.next().and_then(|p| p.parse().ok())?;
+    let pgid = f.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    Some(Entry {
+        ppid,
+        pgid,
+        zombie: state == "Z" || state == "X",
+    })
 }
 
 /// The live (non-zombie) descendants of `root`, not counting `root`, skipping the
 /// subtrees rooted at any pid in `skip`.
 pub fn descendants(root: i32, skip: &HashSet<i32>) -> Vec<i32> {
-    let procs = snapshot();
+    descendants_in(&snapshot(), root, skip)
+}
+
+fn descendants_in(procs: &HashMap<i32, Entry>, root: i32, skip: &HashSet<i32>) -> Vec<i32> {
     let mut children: HashMap<i32, Vec<i32>> = HashMap::new();
-    for (pid, e) in &procs {
+    for (pid, e) in procs {
         children.entry(e.ppid).or_default().push(*pid);
     }
     let mut out = Vec::new();
@@ -112,6 +118,74 @@ pub fn kill_tree(root: i32, with_root: bool, skip: &HashSet<i32>) -> usize {
         }
     }
     killed
+}
+
+/// Kills the job led by `leader` (a command's subshell), so that nothing of it escapes,
+/// fork storms included. When `leader` leads its own process group (and it is not the
+/// caller's), the whole group is stopped first with one signal (a stopped process cannot
+/// fork, and a storm no longer takes the CPU the rest needs); then every descendant that
+/// left the group (`setpgid`, `setsid`) is stopped, new ones looked for until none appear;
+/// then the group gets SIGKILL at once (the kernel lets no member fork past a group signal),
+/// then the stopped ones. When `leader` leads no group (a shell without job control), its
+/// tree is killed as [`kill_tree`] does, unless `group_only` (the leader was reaped: its
+/// pid may be another process's now). Returns how many live processes of the job were
+/// found (0: it is gone, zombies aside).
+pub fn kill_job(leader: i32, group_only: bool) -> usize {
+    if leader <= 1 || leader == std::process::id() as i32 {
+        return 0;
+    }
+    let own_group = nix::unistd::getpgrp().as_raw();
+    let group = Pid::from_raw(leader);
+    // One file and one signal before anything else: a storm is frozen at once.
+    let leads = leader != own_group
+        && match read_entry(leader) {
+            Some(e) if !e.zombie => e.pgid == leader,
+            // A group is named after its leader, and a pid is not reused while a group
+            // bears it: members with that group id are the job's, even once it is gone.
+            _ => true,
+        };
+    let stopped_group = leads && nix::sys::signal::killpg(group, Signal::SIGSTOP).is_ok();
+    if !stopped_group {
+        if group_only {
+            return 0;
+        }
+        let live = usize::from(alive(leader)) + descendants(leader, &HashSet::new()).len();
+        if live > 0 {
+            kill_tree(leader, true, &HashSet::new());
+        }
+        return live;
+    }
+    let procs = snapshot();
+    let members = procs
+        .values()
+        .filter(|e| e.pgid == leader && !e.zombie)
+        .count();
+    let mut stopped: HashSet<i32> = HashSet::new();
+    let mut procs = procs;
+    for _ in 0..64 {
+        let fresh: Vec<i32> = descendants_in(&procs, leader, &HashSet::new())
+            .into_iter()
+            .filter(|p| procs.get(p).is_some_and(|e| e.pgid != leader) && !stopped.contains(p))
+            .collect();
+        if fresh.is_empty() {
+            break;
+        }
+        for p in fresh {
+            let _ = kill(Pid::from_raw(p), Signal::SIGSTOP);
+            stopped.insert(p);
+        }
+        procs = snapshot();
+    }
+    let _ = nix::sys::signal::killpg(group, Signal::SIGKILL);
+    for p in &stopped {
+        let _ = kill(Pid::from_raw(*p), Signal::SIGKILL);
+    }
+    members + stopped.len()
+}
+
+fn read_entry(pid: i32) -> Option<Entry> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_stat(&stat)
 }
 
 /// Kills the tree under `root` (see [`kill_tree`]) pass after pass, `pause` apart, until a

@@ -141,6 +141,10 @@ class ShellResult:
     #: The kernel's OOM killer ended a process of the command (the sandbox's
     #: ``memory_limit_mb``): ``exit_code`` is then 137. A plain ``kill -9`` leaves it False.
     oom_killed: bool = False
+    #: The command ended so that its session could not take in its changes to the
+    #: session's directory and variables (killed by its timeout, ``exec``, its shell
+    #: killed): the next command runs with the state from before it.
+    state_lost: bool = False
 
     @property
     def stdout(self) -> str:
@@ -175,6 +179,7 @@ class ShellResult:
             stdout_total=m.stdout_total,
             stderr_total=m.stderr_total,
             oom_killed=m.oom_killed,
+            state_lost=m.state_lost,
         )
 
 

@@ -492,8 +492,10 @@ async def test_rl_grader_and_agent_sessions(linux):
             # The agent runs as uid 1000 ...
             r = await sh(sb, "id -u", session="agent", user="1000")
             assert (r.exit_code, r.stdout) == (0, "1000\n"), r
-            r = await sh(sb, "id -u", session="agent", user="0")  # the user was fixed by the first command
-            assert r.stdout == "1000\n", r
+            # The user was fixed by the first command: another one is refused, naming both.
+            with pytest.raises(DSecError) as e:
+                await sh(sb, "id -u", session="agent", user="0")
+            assert e.value.reason == opendsec.INVALID and "1000" in str(e.value) and '"0"' in str(e.value), e.value
             # ... and cannot read the secret ...
             r = await sh(sb, "cat /grader/secret", session="agent")
             assert r.exit_code != 0 and "Permission denied" in r.stderr and secret not in r.stdout, r
@@ -865,6 +867,86 @@ async def test_bytes_timeouts_and_pause(linux):
             r = await sh(sb, "echo resumed; cat /tmp/kept")
             assert (r.exit_code, r.stdout) == (0, "resumed\nbefore the pause"), r
             await wait_state(await sb.refresh(), "RUNNING")
+        finally:
+            await sb.stop()
+
+
+# The processes of the sandbox that are not aether (PID 1), a chronus, the session's shell
+# ($$ in a command), this command's own subshell or its children (ps, awk).
+LEFT_BEHIND = (
+    "me=$BASHPID; ps -eo pid=,ppid=,comm= | awk -v s=$$ -v me=$me "
+    "'$1 != 1 && $1 != s && $1 != me && $2 != me && $2 != 1'"
+)
+
+
+async def test_session_shell_semantics(linux):
+    """A timeout stops the whole command (fork storms included) and keeps the session; a command
+    that ends its shell keeps or reports the session's state; no job notice or internal path leaks
+    into a caller's output; a session's user is fixed (docs/sessions.md)."""
+    async with linux.client() as c:
+        sb = await c.run_sandbox(container())
+        try:
+            await sh(sb, "cd /usr && export Z=kept && Y=var")
+            t0 = time.monotonic()
+            r = await sb.run_shell("sleep 5; touch /tmp/x; sleep 40", timeout=1)
+            took = time.monotonic() - t0
+            assert (r.done, r.timed_out, r.state_lost) == (True, True, True), r
+            assert took < 10, f"a 1 s timeout returned after {took:.1f} s"
+            await asyncio.sleep(max(0.0, 6 - took))
+            r = await sh(sb, "test -e /tmp/x && echo there || echo absent")
+            assert r.stdout == "absent\n", "the script went on after its timeout"
+
+            # Fork storms up to the sandbox's pids limit are in tests/guest_agents.rs (bounded
+            # by a process limit there): here they starve the agents of CPU until the agents get
+            # a cgroup of their own, which is another change's.
+            storms = [
+                "while :; do :; done",
+                "trap '' TERM; bash -c 'trap \"\" TERM; sleep 100' & setsid sleep 101 & sleep 102",
+                "ulimit -u 64; b() { b | b & }; b; sleep 100",
+            ]
+            for cmd in storms:
+                t0 = time.monotonic()
+                r = await sb.run_shell(cmd, timeout=1)
+                took = time.monotonic() - t0
+                assert r.timed_out, (cmd, r)
+                assert took < 10, f"{cmd!r}: a 1 s timeout returned after {took:.1f} s"
+                # Nothing of it is left: only this session's shell and what runs this command.
+                end = time.monotonic() + 5
+                while True:
+                    r = await sh(sb, LEFT_BEHIND)
+                    if r.stdout == "" or time.monotonic() > end:
+                        break
+                    await asyncio.sleep(0.2)
+                assert r.stdout == "", f"{cmd!r} left behind:\n{r.stdout}"
+                r = await sh(sb, "pwd; echo $Z $Y")
+                assert r.stdout == "/usr\nkept var\n", (cmd, r)
+
+            r = await sh(sb, "cd /tmp; export A=1; exit 3")
+            assert (r.exit_code, r.state_lost) == (3, False), r
+            r = await sh(sb, "set -e; cd /; export B=2; false; echo no")
+            assert (r.exit_code, r.stdout, r.state_lost) == (1, "", False), r
+            r = await sh(sb, "pwd; echo $A $B")
+            assert r.stdout == "/\n1 2\n", r
+            r = await sh(sb, "cd /usr; exec true")
+            assert (r.exit_code, r.state_lost) == (0, True), r
+            r = await sh(sb, "pwd")
+            assert r.stdout == "/\n", r
+
+            await sh(sb, "sleep 100 & echo $! > /tmp/job")
+            await sh(sb, "kill -9 $(cat /tmp/job)")
+            await sb.run_shell_background("sleep 100", timeout=0.3)
+            r = await sh(sb, "sleep 1; echo ok")
+            assert (r.stdout, r.stderr) == ("ok\n", ""), r
+            r = await sh(sb, "if then fi (")
+            assert r.exit_code != 0 and "syntax" in r.stderr, r
+            assert "/run/opendsec" not in r.stderr, r.stderr
+
+            with pytest.raises(DSecError) as e:
+                await sb.run_shell("id -u", user="nosuchuser")
+            assert e.value.reason == opendsec.INVALID, e.value
+            assert "default" in str(e.value) and "nosuchuser" in str(e.value), e.value
+            r = await sh(sb, "id -u", user="root")
+            assert r.stdout == "0\n", r
         finally:
             await sb.stop()
 

@@ -125,6 +125,12 @@ impl ExecArgs {
             ..Default::default()
         };
         let result = stream(&conn, req).await?;
+        if result.state_lost && !result.timed_out {
+            // A timeout says so already; `exec` or a killed shell does not (docs/sessions.md).
+            output::err(
+                b"opendsecctl: the session did not keep this command's changes to its directory and variables\n",
+            )?;
+        }
         if result.timed_out {
             output::err(b"opendsecctl: command timed out\n")?;
             return Err(CtlError::Exit(TIMED_OUT_EXIT));

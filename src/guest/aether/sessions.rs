@@ -51,6 +51,11 @@ pub fn session_dir(run_dir: &Path, name: &str) -> PathBuf {
 pub struct Live {
     pub pid: i32,
     pub dir: PathBuf,
+    /// The user the session runs as: as its first call named it (or `init_user`), and the
+    /// uid and gid that resolved to.
+    pub user: String,
+    pub uid: u32,
+    pub gid: u32,
     pub client: RuntimeClient<Channel>,
     /// Turns true when chronus has ended.
     exited: watch::Receiver<bool>,
@@ -152,9 +157,17 @@ impl Sessions {
     }
 
     /// Session `name`, started as `user` ("" = the sandbox's `init_user`) if it does not
-    /// run yet. Errors: `invalid` for an unknown user; `unavailable` when chronus does
-    /// not start.
+    /// run yet. A session's user is fixed by its first call: a later call naming another
+    /// user (or one that does not exist) is refused; "" is always the session's own.
+    /// Errors: `invalid` for an unknown user or another user than the session's;
+    /// `unavailable` when chronus does not start.
     pub async fn get(&self, name: &str, user: &str) -> Result<Arc<Live>, Failure> {
+        let live = self.get_or_start(name, user).await?;
+        same_user(name, &live, user)?;
+        Ok(live)
+    }
+
+    async fn get_or_start(&self, name: &str, user: &str) -> Result<Arc<Live>, Failure> {
         if name == "default" && !self.warm_taken.load(std::sync::atomic::Ordering::SeqCst) {
             if let Some(slot) = self.take_warm(user).await {
                 let taken = self.install(name, &slot);
@@ -312,6 +325,9 @@ impl Sessions {
         Ok(Arc::new(Live {
             pid,
             dir,
+            user: spec.to_string(),
+            uid: creds.uid,
+            gid: creds.gid,
             client,
             exited,
         }))
@@ -349,6 +365,32 @@ impl Sessions {
                 end(live).await;
             }
         }
+    }
+}
+
+/// Refuses a call to session `name` that names another user than the one it runs as.
+/// Errors: `invalid`, naming the session and both users.
+fn same_user(name: &str, live: &Live, user: &str) -> Result<(), Failure> {
+    if user.is_empty() || user == live.user {
+        return Ok(());
+    }
+    let shown = if live.user.is_empty() {
+        "root"
+    } else {
+        &live.user
+    };
+    let first = format!("{shown:?} (uid {}, gid {})", live.uid, live.gid);
+    match user::resolve(user, Path::new("/")) {
+        Ok(c) if (c.uid, c.gid) == (live.uid, live.gid) => Ok(()),
+        Ok(c) => Err(Failure::invalid(format!(
+            "user: session {name:?} runs as user {first}, fixed by its first command; \
+             this call names user {user:?} (uid {}, gid {}): use another session for another user",
+            c.uid, c.gid
+        ))),
+        Err(e) => Err(Failure::invalid(format!(
+            "user: session {name:?} runs as user {first}, fixed by its first command; \
+             this call names user {user:?}, which is not a user here ({e})"
+        ))),
     }
 }
 

@@ -1,6 +1,8 @@
 //! Drives the session's shell: hands it one job at a time, waits for a foreground
-//! command's control message (or the shell's death), enforces timeouts, restarts the shell
-//! when it died, and routes control messages from the FIFO.
+//! command's control message (or the shell's death), enforces timeouts by killing the
+//! command's job (never the shell, which holds the session's state), restarts the shell
+//! when it died (from the last state a command ended with), and routes control messages
+//! from the FIFO (docs/sessions.md).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -11,15 +13,17 @@ use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
-use super::session::{lock, Job, Session};
-use super::shell::{parse_ctl, Ctl, Shell, ShellSpec};
+use super::session::{lock, Job, Report, Session};
+use super::shell::{init_line, parse_ctl, Ctl, Shell, ShellSpec};
 use crate::guest::proctree;
 use crate::guest::reaper::Reaper;
 
-/// How long a timed-out foreground command's processes are killed, pass after pass, before
-/// the shell itself is taken for the culprit (a builtin loop) and restarted.
+/// Passes of killing a timed-out command's job, `KILL_PAUSE` apart, before the shell itself
+/// is taken for stuck and restarted (it reports as soon as the job's leader is reaped).
 const KILL_PASSES: usize = 40;
-const KILL_PAUSE: Duration = Duration::from_millis(50);
+const KILL_PAUSE: Duration = Duration::from_millis(25);
+/// How long the shell may take to report a job's pid (it does so before anything else).
+const PID_WAIT: Duration = Duration::from_secs(1);
 
 /// The exit code of a command that timed out.
 pub const TIMED_OUT_CODE: i32 = -1;
@@ -45,7 +49,7 @@ pub async fn run(
         reaper,
         shell: None,
     };
-    if let Err(e) = d.ensure_shell() {
+    if let Err(e) = d.ensure_shell().await {
         tracing::warn!(error = %crate::types::chain(&e), "cannot start the session's shell");
     }
     while let Some(job) = jobs.recv().await {
@@ -54,8 +58,9 @@ pub async fn run(
 }
 
 impl Driver {
-    /// Keeps a live shell, starting one in the last known directory when there is none.
-    fn ensure_shell(&mut self) -> std::io::Result<()> {
+    /// Keeps a live shell, starting one in the last known directory when there is none; a
+    /// new shell first takes in the session's last kept state.
+    async fn ensure_shell(&mut self) -> std::io::Result<()> {
         if let Some(sh) = self.shell.as_mut() {
             if matches!(sh.exit.try_recv(), Err(oneshot::error::TryRecvError::Empty)) {
                 return Ok(());
@@ -63,8 +68,10 @@ impl Driver {
             self.shell = None;
         }
         let cwd = lock(&self.s.cwd).clone();
-        let sh = Shell::spawn(&self.spec, &cwd, &self.reaper)?;
+        let mut sh = Shell::spawn(&self.spec, &cwd, &self.reaper)?;
         tracing::debug!(pid = sh.pid, "session shell started");
+        sh.send(&init_line(self.spec.flavor, &self.s.current_state_path()))
+            .await?;
         self.shell = Some(sh);
         Ok(())
     }
@@ -72,7 +79,14 @@ impl Driver {
     /// Sends `line` to a live shell, starting a fresh one once if the first is gone.
     async fn send(&mut self, line: &str) -> std::io::Result<()> {
         for attempt in 0..2 {
-            self.ensure_shell()?;
+            let started = self.ensure_shell().await;
+            if let Err(e) = started {
+                if attempt == 1 {
+                    return Err(e);
+                }
+                self.shell = None;
+                continue;
+            }
             let Some(sh) = self.shell.as_mut() else {
                 continue;
             };
@@ -97,7 +111,7 @@ impl Driver {
                     .fail(
                         job.id,
                         127,
-                        &format!("cannot start the shell: {e}", e = crate::types::chain(&e)),
+                        &format!("cannot start the shell: {}", e.kind()),
                     )
                     .await;
                 return;
@@ -113,7 +127,7 @@ impl Driver {
                 .fail(
                     job.id,
                     127,
-                    &format!("cannot start the shell: {e}", e = crate::types::chain(&e)),
+                    &format!("cannot start the shell: {}", e.kind()),
                 )
                 .await;
             return;
@@ -128,61 +142,126 @@ impl Driver {
             _ = sleep_until(deadline) => Outcome::TimedOut,
         };
         match outcome {
-            Outcome::Reported(Some((status, pwd))) => {
-                *lock(&self.s.cwd) = pwd.into();
-                self.s.finish(job.id, status, false).await;
+            Outcome::Reported(Some(r)) => {
+                *lock(&self.s.cwd) = r.pwd.into();
+                self.s.keep_state(job.id, r.lost);
+                self.s.finish(job.id, r.status, false, r.lost).await;
             }
-            Outcome::Reported(None) => self.s.finish(job.id, -1, false).await,
+            Outcome::Reported(None) => self.s.finish(job.id, -1, false, true).await,
             Outcome::ShellDied(code) => {
+                // Killed from inside (`kill $$`): the next shell starts from the last kept
+                // state, without this command's changes.
                 self.shell = None;
-                self.s.finish(job.id, code, false).await;
+                self.kill_orphans(job.id);
+                self.s.finish(job.id, code, false, true).await;
             }
             Outcome::TimedOut => self.time_out(job.id, rx).await,
         }
         lock(&self.s.fg).take();
     }
 
-    /// Kills what the timed-out foreground command started, pass after pass, keeping the
-    /// shell; if the command does not end, it is the shell itself: kill and restart it.
-    async fn time_out(&mut self, id: i64, mut rx: oneshot::Receiver<(i32, String)>) {
-        let skip: HashSet<i32> = lock(&self.s.table).background_pids().into_iter().collect();
+    /// Kills what is left of command `id`'s job (its shell died without reporting).
+    fn kill_orphans(&self, id: i64) {
+        if let Some(pid) = self.s.snap(id).and_then(|c| c.pid) {
+            proctree::kill_job(pid, false);
+        }
+    }
+
+    /// Kills the timed-out foreground command's job, pass after pass, until the shell has
+    /// reaped it and reported and nothing of it is left; the shell and the session's state
+    /// stay. A shell that does not report is stuck: it is killed and restarted.
+    async fn time_out(&mut self, id: i64, mut rx: oneshot::Receiver<Report>) {
+        let pid = self.job_pid(id, &mut rx).await;
         let Some(sh) = self.shell.as_mut() else {
-            self.s.finish(id, TIMED_OUT_CODE, true).await;
+            self.s.finish(id, TIMED_OUT_CODE, true, true).await;
             return;
         };
-        let pid = sh.pid;
-        tracing::info!(
-            cmd_id = id,
-            pid,
-            "command timed out; killing what it started"
-        );
+        tracing::info!(cmd_id = id, pid = ?pid, "command timed out; killing its job");
+        // The shell continues a stopped job (there is no terminal to do it from) unless this
+        // file says the job is being killed: the group stop must hold while it is.
+        if let Err(e) = std::fs::write(self.s.kill_marker(id), b"") {
+            tracing::debug!(cmd_id = id, error = %e, "cannot mark a job as being killed");
+        }
+        let mut report: Option<Report> = None;
+        if let Some(Some(r)) = pid.as_ref().err() {
+            report = Some(r.clone());
+        }
         for _ in 0..KILL_PASSES {
-            proctree::kill_tree(pid, false, &skip);
+            let left = match pid {
+                Ok(p) => proctree::kill_job(p, report.is_some()),
+                Err(_) => 0,
+            };
+            if report.is_some() && left == 0 {
+                break;
+            }
+            if report.is_some() {
+                tokio::time::sleep(KILL_PAUSE).await;
+                continue;
+            }
             tokio::select! {
-                r = &mut rx => {
-                    if let Ok((_, pwd)) = r {
-                        *lock(&self.s.cwd) = pwd.into();
-                    }
-                    self.s.finish(id, TIMED_OUT_CODE, true).await;
-                    return;
-                }
+                r = &mut rx => match r {
+                    Ok(r) => report = Some(r),
+                    Err(_) => break,
+                },
                 _ = &mut sh.exit => {
                     self.shell = None;
-                    self.s.finish(id, TIMED_OUT_CODE, true).await;
-                    return;
+                    break;
                 }
                 _ = tokio::time::sleep(KILL_PAUSE) => {}
             }
         }
-        proctree::kill_tree(pid, true, &skip);
-        let _ = tokio::time::timeout(Duration::from_secs(2), &mut sh.exit).await;
-        self.shell = None;
-        self.s.finish(id, TIMED_OUT_CODE, true).await;
+        let mut lost = true;
+        match report {
+            Some(r) => {
+                // 0 only when the job wrote its whole state before it was killed.
+                lost = r.lost;
+                *lock(&self.s.cwd) = r.pwd.into();
+                self.s.keep_state(id, lost);
+            }
+            None => {
+                if let Some(sh) = self.shell.as_mut() {
+                    tracing::warn!(
+                        cmd_id = id,
+                        "the shell did not report a killed job; restarting it"
+                    );
+                    let shell_pid = sh.pid;
+                    proctree::kill_tree(shell_pid, true, &HashSet::new());
+                    let _ = tokio::time::timeout(Duration::from_secs(2), &mut sh.exit).await;
+                }
+                self.shell = None;
+                if let Ok(p) = pid {
+                    proctree::kill_job(p, false);
+                }
+            }
+        }
+        self.s.finish(id, TIMED_OUT_CODE, true, lost).await;
+    }
+
+    /// The pid of command `id`'s job, waiting a little for the shell to report it; `Err`
+    /// with the command's end report when it ended meanwhile (or `None` when neither came).
+    async fn job_pid(
+        &self,
+        id: i64,
+        rx: &mut oneshot::Receiver<Report>,
+    ) -> Result<i32, Option<Report>> {
+        let until = Instant::now() + PID_WAIT;
+        loop {
+            if let Some(p) = self.s.snap(id).and_then(|c| c.pid) {
+                return Ok(p);
+            }
+            if Instant::now() >= until {
+                return Err(None);
+            }
+            tokio::select! {
+                r = &mut *rx => return Err(r.ok()),
+                _ = tokio::time::sleep(Duration::from_millis(5)) => {}
+            }
+        }
     }
 }
 
 enum Outcome {
-    Reported(Option<(i32, String)>),
+    Reported(Option<Report>),
     ShellDied(i32),
     TimedOut,
 }
@@ -207,9 +286,14 @@ async fn watch_background(s: Arc<Session>, id: i64, timeout: Option<Duration>) {
         }
         if timeout.is_some_and(|t| start.elapsed() >= t) {
             if let Some(pid) = snap.pid {
-                proctree::kill_tree(pid, true, &HashSet::new());
+                for pass in 0..KILL_PASSES {
+                    if proctree::kill_job(pid, pass > 0) == 0 {
+                        break;
+                    }
+                    tokio::time::sleep(KILL_PAUSE).await;
+                }
             }
-            s.finish(id, TIMED_OUT_CODE, true).await;
+            s.finish(id, TIMED_OUT_CODE, true, false).await;
             return;
         }
         match snap.pid {
@@ -217,7 +301,7 @@ async fn watch_background(s: Arc<Session>, id: i64, timeout: Option<Duration>) {
                 misses += 1;
                 // Its report may still be on the way: give it a few turns.
                 if misses >= 5 {
-                    s.finish(id, -1, false).await;
+                    s.finish(id, -1, false, false).await;
                     return;
                 }
             }
@@ -256,12 +340,17 @@ fn route(s: &Arc<Session>, msg: &[u8]) {
     match parse_ctl(msg) {
         Some(Ctl::Pid { id, pid }) => {
             if let Some(c) = lock(&s.table).get_mut(id) {
-                if c.background && c.pid.is_none() {
+                if c.pid.is_none() && !c.done {
                     c.pid = Some(pid);
                 }
             }
         }
-        Some(Ctl::Done { id, status, pwd }) => {
+        Some(Ctl::Done {
+            id,
+            status,
+            lost,
+            pwd,
+        }) => {
             let fg = {
                 let mut g = lock(&s.fg);
                 if g.as_ref().is_some_and(|(i, _)| *i == id) {
@@ -271,12 +360,12 @@ fn route(s: &Arc<Session>, msg: &[u8]) {
                 }
             };
             if let Some((_, tx)) = fg {
-                let _ = tx.send((status, pwd));
+                let _ = tx.send(Report { status, lost, pwd });
                 return;
             }
             if s.snap(id).is_some_and(|c| c.background && !c.done) {
                 let s = s.clone();
-                tokio::spawn(async move { s.finish(id, status, false).await });
+                tokio::spawn(async move { s.finish(id, status, false, false).await });
             }
         }
         None => tracing::debug!("ignoring a malformed control message"),

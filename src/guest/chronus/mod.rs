@@ -229,7 +229,7 @@ async fn serve(
     let spec = shell::ShellSpec::find(env, dirs.clone(), cfg.protect_from_oom);
     let limits = table::Limits::from_env();
     let cwd = dirs.first().cloned().unwrap_or_else(|| PathBuf::from("/"));
-    let (s, jobs) = session::Session::new(dir.clone(), limits, cwd);
+    let (s, jobs) = session::Session::new(dir.clone(), limits, cwd, spec.flavor);
     let ctl = pipe::OpenOptions::new()
         .read_write(true)
         .open_receiver(s.ctl_path())

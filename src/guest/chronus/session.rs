@@ -28,8 +28,17 @@ pub struct Job {
     pub timeout: Option<Duration>,
 }
 
+/// What the shell reports at a foreground command's end: its status, whether the session
+/// could not take in its state, and the directory the shell is then in.
+#[derive(Debug, Clone)]
+pub struct Report {
+    pub status: i32,
+    pub lost: bool,
+    pub pwd: String,
+}
+
 /// The foreground command the shell runs now, and who waits for its control message.
-pub type Foreground = Option<(i64, oneshot::Sender<(i32, String)>)>;
+pub type Foreground = Option<(i64, oneshot::Sender<Report>)>;
 
 /// Longest timeout or wait honoured, in seconds (ten years): larger values would overflow
 /// the clock arithmetic.
@@ -43,6 +52,7 @@ const READS_PER_TURN: usize = 16;
 /// A session's state shared by the service, the shell driver and the readers.
 pub struct Session {
     dir: PathBuf,
+    flavor: shell::Flavor,
     pub table: Mutex<Table>,
     /// The shell's current directory, from the `$PWD` each foreground command reports.
     pub cwd: Mutex<PathBuf>,
@@ -57,9 +67,11 @@ impl Session {
         dir: PathBuf,
         limits: Limits,
         cwd: PathBuf,
+        flavor: shell::Flavor,
     ) -> (Arc<Session>, mpsc::UnboundedReceiver<Job>) {
         let (jobs, rx) = mpsc::unbounded_channel();
         let s = Session {
+            flavor,
             table: Mutex::new(Table::new(dir.join("rec"), limits)),
             dir,
             cwd: Mutex::new(cwd),
@@ -74,12 +86,38 @@ impl Session {
         self.dir.join("ctl")
     }
 
+    /// The state the session's shell last ended a command with (a restarted shell starts
+    /// from it).
+    pub fn current_state_path(&self) -> PathBuf {
+        self.dir.join("state").join("current")
+    }
+
     fn files(&self, id: i64) -> CmdFiles {
         CmdFiles {
             script: self.dir.join("cmd").join(format!("{id}.sh")),
             out: self.dir.join("io").join(format!("{id}.out")),
             err: self.dir.join("io").join(format!("{id}.err")),
             ctl: self.ctl_path(),
+            state: self.dir.join("state").join(id.to_string()),
+            kill: self.kill_marker(id),
+        }
+    }
+
+    /// The file whose presence tells the shell that command `id`'s job is being killed.
+    pub fn kill_marker(&self, id: i64) -> PathBuf {
+        self.dir.join("state").join(format!("{id}.kill"))
+    }
+
+    /// Takes in command `id`'s state dump: kept as the session's current state when the
+    /// shell took it in whole (`lost` false), else deleted.
+    pub fn keep_state(&self, id: i64, lost: bool) {
+        let state = self.files(id).state;
+        if !lost && state.exists() {
+            if let Err(e) = std::fs::rename(&state, self.current_state_path()) {
+                tracing::debug!(cmd_id = id, error = %e, "cannot keep a state dump");
+            }
+        } else {
+            let _ = std::fs::remove_file(state);
         }
     }
 
@@ -120,16 +158,17 @@ impl Session {
         let env: BTreeMap<String, String> = req.env.clone().into_iter().collect();
         let files = self.files(id);
         let line = if req.background {
-            shell::background_line(id, &files, &req.cwd, &env)
+            shell::background_line(self.flavor, id, &files, &req.cwd, &env)
         } else {
-            shell::foreground_line(id, &files, &req.cwd, &env)
+            shell::foreground_line(self.flavor, id, &files, &req.cwd, &env)
         };
         if let Err(e) = self.prepare(id, &files, &req.cmd) {
             lock(&self.table).remove(id);
+            // The session's paths are internal: logged, never told to the caller.
+            tracing::warn!(cmd_id = id, dir = %self.dir.display(), error = %e, "cannot prepare a command");
             return Err(Failure::internal(format!(
-                "cannot prepare command {id} in {}: {e}",
-                self.dir.display(),
-                e = crate::types::chain(&e)
+                "cannot prepare command {id}: {}",
+                e.kind()
             )));
         }
         let job = Job {
@@ -199,7 +238,7 @@ impl Session {
 
     /// Ends command `id`: lets go of its FIFOs, has the readers take in what is buffered,
     /// then marks it done. A second call for the same command does nothing.
-    pub async fn finish(&self, id: i64, exit_code: i32, timed_out: bool) {
+    pub async fn finish(&self, id: i64, exit_code: i32, timed_out: bool, state_lost: bool) {
         let (keepers, drains) = {
             let mut t = lock(&self.table);
             let Some(c) = t.get_mut(id) else { return };
@@ -229,11 +268,12 @@ impl Session {
             c.exit_code = exit_code;
             c.timed_out = timed_out;
             c.oom_killed = super::oom::killed(c.oom_before, oom_after, exit_code);
+            c.state_lost = state_lost;
             c.duration = c.started.elapsed().as_secs_f64();
             c.changed.send_modify(|v| *v += 1);
         }
         let f = self.files(id);
-        for p in [f.script, f.out, f.err] {
+        for p in [f.script, f.out, f.err, f.state, f.kill] {
             let _ = std::fs::remove_file(p);
         }
         tracing::debug!(cmd_id = id, exit_code, timed_out, "command ended");
@@ -253,7 +293,7 @@ impl Session {
                 );
             }
         }
-        self.finish(id, code, false).await;
+        self.finish(id, code, false, false).await;
     }
 
     /// Waits until command `id` is done, or `deadline` passes (`None`: no limit).
@@ -407,6 +447,7 @@ fn bare(id: i64, s: &Snap, out_off: i64, err_off: i64) -> pb::ShellResult {
         done: s.done,
         timed_out: s.timed_out,
         oom_killed: s.oom_killed,
+        state_lost: s.state_lost,
         duration: s.duration,
         truncated: false,
         dropped_bytes: (s.out.dropped + s.err.dropped) as i64,
@@ -517,7 +558,7 @@ fn take_in(
 /// Makes the session's working directories and control FIFO under `dir`.
 /// Errors: the file system's.
 pub fn make_dirs(dir: &Path) -> std::io::Result<()> {
-    for sub in ["cmd", "io", "rec"] {
+    for sub in ["cmd", "io", "rec", "state"] {
         let p = dir.join(sub);
         if p.exists() {
             std::fs::remove_dir_all(&p)?;

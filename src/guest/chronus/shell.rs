@@ -1,15 +1,20 @@
-//! The session's long-lived shell and the protocol chronus speaks with it.
+//! The session's long-lived shell and the protocol chronus speaks with it (docs/sessions.md).
 //!
-//! Each command's text is written to `<dir>/cmd/<id>.sh`; chronus sends the shell one line
-//! that sources it with stdin from /dev/null and stdout/stderr appended to two FIFOs that
-//! chronus reads, then reports `<id> <status> <pwd>\0` on the control FIFO. Sourcing (not
-//! a subshell) keeps `cd`, `export` and functions; a syntax error fails the `.` only, and
-//! `exit` ends the shell, which chronus then restarts in the last known directory.
-//! Background commands run in a subshell `( ... ) &` and also report their pid
-//! (`<id> p <pid>\0`).
+//! Each command's text is written to `<dir>/cmd/<id>.sh`; chronus sends the long-lived
+//! shell one line that runs it in a subshell of its own: a job (with bash, its own process
+//! group), stdin from /dev/null, stdout/stderr appended to two FIFOs that chronus reads. The
+//! subshell `eval`s the script (so no message names the file) and, however it ends
+//! (`exit`, a `set -e` failure, the last line), writes the state it ends in (directory,
+//! variables, functions, umask) to `<dir>/state/<id>`; the long-lived shell waits for it,
+//! takes that state in and reports `<id> <status> <lost> <pwd>\0` on the control FIFO.
+//! Killing a command (its timeout) is killing its job, never the shell that holds the
+//! session's state; a command that leaves no whole dump (killed, `exec`) is reported with
+//! `lost` 1 and the session goes on with the state it had before. Background commands run
+//! as jobs too and report their pid (`<id> p <pid>\0`), as foreground ones do.
 
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -31,6 +36,8 @@ pub struct ShellSpec {
     pub fallback_dirs: Vec<PathBuf>,
     /// Give the shell (and so its commands) oom_score_adj 1000.
     pub oom_first: bool,
+    /// bash or a POSIX sh.
+    pub flavor: Flavor,
 }
 
 impl ShellSpec {
@@ -44,9 +51,13 @@ impl ShellSpec {
                 .chain([Path::new("/bin").join(name)])
                 .find(|p| p.is_file())
         };
-        let (program, args) = match find("bash") {
-            Some(p) => (p, vec!["--noprofile".into(), "--norc".into()]),
-            None => (find("sh").unwrap_or_else(|| "/bin/sh".into()), vec![]),
+        let (program, args, flavor) = match find("bash") {
+            Some(p) => (p, vec!["--noprofile".into(), "--norc".into()], Flavor::Bash),
+            None => (
+                find("sh").unwrap_or_else(|| "/bin/sh".into()),
+                vec![],
+                Flavor::Sh,
+            ),
         };
         ShellSpec {
             program,
@@ -54,6 +65,7 @@ impl ShellSpec {
             env,
             fallback_dirs,
             oom_first: oom,
+            flavor,
         }
     }
 }
@@ -73,14 +85,21 @@ impl Shell {
         let mut last = None;
         for dir in std::iter::once(cwd).chain(spec.fallback_dirs.iter().map(PathBuf::as_path)) {
             let mut c = Command::new(&spec.program);
-            c.args(&spec.args)
-                .env_clear()
-                .envs(&spec.env)
-                .env("PWD", dir)
-                .current_dir(dir)
-                .stdin(Stdio::piped())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null());
+            // Its messages start with `$0`: "bash: line 1: ...", as with `bash -c`.
+            c.arg0(match spec.flavor {
+                Flavor::Bash => "bash",
+                Flavor::Sh => "sh",
+            })
+            .args(&spec.args)
+            // Its own group: a group kill of a command can never reach chronus.
+            .process_group(0)
+            .env_clear()
+            .envs(&spec.env)
+            .env("PWD", dir)
+            .current_dir(dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
             match c.spawn() {
                 Ok(mut child) => {
                     let pid = child.id();
@@ -130,18 +149,123 @@ pub struct CmdFiles {
     pub out: PathBuf,
     pub err: PathBuf,
     pub ctl: PathBuf,
+    /// Where the command's shell writes the session state it ends with (see [`Flavor`]).
+    pub state: PathBuf,
+    /// Present while chronus kills the command's job: the shell then leaves it stopped.
+    pub kill: PathBuf,
 }
 
-/// What runs the command's script: sourced in the session shell, or in a subshell when
-/// the call sets its own directory or variables (they apply to this command only).
-fn body(f: &CmdFiles, cwd: &str, env: &BTreeMap<String, String>, subshell: bool) -> String {
-    let script = quote(&f.script.to_string_lossy());
+/// Which shell runs the session, and so how its state is carried from one command to the
+/// next (docs/sessions.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavor {
+    /// bash: the directory, every variable (exported or not, unsets included), functions
+    /// and the umask carry over; each command runs in its own process group (`set -m`).
+    Bash,
+    /// A POSIX sh: the directory, exported variables and the umask carry over.
+    Sh,
+}
+
+/// The names of every shell variable, as a word list that bash expands without forking
+/// (`${!A*}` is every name starting with `A`, and so on).
+fn all_names() -> String {
+    ('A'..='Z')
+        .chain('a'..='z')
+        .chain(['_'])
+        .map(|c| format!("${{!{c}@}}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The code that ends a command's shell: it writes the state the shell is in to `state`
+/// (the last line, `__opendsec_ok=1`, tells a whole dump from a cut one), then exits with
+/// the command's status. It runs from the `EXIT` trap (so `exit` and a `set -e` failure
+/// keep their state) and after the command's last line.
+fn dump_code(flavor: Flavor, state: &Path) -> String {
+    let state = quote(&state.to_string_lossy());
+    match flavor {
+        Flavor::Bash => format!(
+            "__opendsec_s=$?; builtin trap - EXIT; builtin set +eu; \
+             builtin unset -v __opendsec_st __opendsec_p __opendsec_lost __opendsec_ok \
+             __opendsec_keep __opendsec_n; {{ \
+             builtin printf 'builtin cd -- %q\\n' \"$PWD\"; builtin declare -p; builtin declare -f; \
+             IFS=$' \\t\\n'; builtin printf '__opendsec_keep=\" '; builtin printf '%s ' {names}; \
+             builtin printf '\"\\n'; builtin umask -p; builtin printf '__opendsec_ok=1\\n'; \
+             }} >{state} 2>/dev/null; builtin exit \"$__opendsec_s\"",
+            names = all_names()
+        ),
+        Flavor::Sh => format!(
+            "__opendsec_s=$?; trap - EXIT; set +eu; __opendsec_pwd=$PWD; export __opendsec_pwd; \
+             {{ export -p; printf 'umask %s\\n' \"$(umask)\"; printf '__opendsec_ok=1\\n'; \
+             }} >{state} 2>/dev/null; exit \"$__opendsec_s\""
+        ),
+    }
+}
+
+/// The code that takes in a command's state dump in the long-lived shell, setting
+/// `__opendsec_lost` to 0 when a whole dump was taken in, else 1 (the shell keeps the state
+/// it had before the command).
+fn restore_code(flavor: Flavor, state: &Path) -> String {
+    let state = quote(&state.to_string_lossy());
+    match flavor {
+        Flavor::Bash => format!(
+            "__opendsec_ok=; __opendsec_keep=; if [ -s {state} ]; then builtin . {state} >/dev/null 2>&1; fi; \
+             if [ \"$__opendsec_ok\" = 1 ]; then __opendsec_lost=0; \
+             for __opendsec_n in {names}; do case $__opendsec_n in \
+             __opendsec_*) ;; *) case \"$__opendsec_keep\" in *\" $__opendsec_n \"*) ;; \
+             *) builtin unset -v \"$__opendsec_n\" 2>/dev/null;; esac;; \
+             esac; done; else __opendsec_lost=1; fi",
+            names = all_names()
+        ),
+        Flavor::Sh => format!(
+            "__opendsec_ok=; __opendsec_pwd=; if [ -s {state} ]; then . {state} >/dev/null 2>&1; fi; \
+             if [ \"$__opendsec_ok\" = 1 ]; then __opendsec_lost=0; \
+             cd -- \"$__opendsec_pwd\" 2>/dev/null; else __opendsec_lost=1; fi; unset __opendsec_pwd"
+        ),
+    }
+}
+
+/// The first line the long-lived shell gets: job control (each command then runs in its
+/// own process group, which a timeout kills as one), and the state a shell of this session
+/// last ended a command with, when there is one (a restarted shell goes on from there).
+pub fn init_line(flavor: Flavor, current: &Path) -> String {
+    let cur = quote(&current.to_string_lossy());
+    match flavor {
+        Flavor::Bash => format!(
+            "builtin set -m 2>/dev/null; if [ -s {cur} ]; then builtin . {cur} >/dev/null 2>&1; fi\n"
+        ),
+        Flavor::Sh => format!(
+            "set -m 2>/dev/null; if [ -s {cur} ]; then . {cur} >/dev/null 2>&1; \
+             cd -- \"$__opendsec_pwd\" 2>/dev/null; unset __opendsec_pwd; fi\n"
+        ),
+    }
+}
+
+/// The code that runs the command's script in the current (sub)shell: read and `eval`ed,
+/// not sourced, so that no message of the shell names the script's internal path.
+fn eval_code(flavor: Flavor, script: &Path) -> String {
+    let script = quote(&script.to_string_lossy());
+    match flavor {
+        Flavor::Bash => format!(
+            "builtin mapfile -d '' __opendsec_c <{script}; \
+             builtin eval \"builtin unset -v __opendsec_c; ${{__opendsec_c[0]}}\""
+        ),
+        Flavor::Sh => format!("eval \"$(cat {script})\""),
+    }
+}
+
+/// The body of command `id`'s subshell: the script, then (when `keep`) the state dump.
+/// A call's own directory or variables apply to this command only: then nothing is kept.
+fn body(flavor: Flavor, f: &CmdFiles, cwd: &str, env: &BTreeMap<String, String>) -> String {
+    let run = eval_code(flavor, &f.script);
     if cwd.is_empty() && env.is_empty() {
-        return if subshell {
-            format!("( . {script} )")
+        let dump = dump_code(flavor, &f.state);
+        let trap = if flavor == Flavor::Bash {
+            "builtin trap --"
         } else {
-            format!("{{ . {script} ; }}")
+            "trap --"
         };
+        return format!("{trap} {} EXIT; {run}; {dump}", quote(&dump));
     }
     let mut parts = Vec::new();
     if !cwd.is_empty() {
@@ -150,39 +274,96 @@ fn body(f: &CmdFiles, cwd: &str, env: &BTreeMap<String, String>, subshell: bool)
     for (k, v) in env {
         parts.push(format!("export {}", quote(&format!("{k}={v}"))));
     }
-    parts.push(format!(". {script}"));
-    format!("( {} )", parts.join(" && "))
+    parts.push(format!("{{ {run}; }}"));
+    parts.join(" && ")
 }
 
-/// The line that runs foreground command `id`.
-pub fn foreground_line(id: i64, f: &CmdFiles, cwd: &str, env: &BTreeMap<String, String>) -> String {
+/// Whether a foreground command with these per-call settings carries its state over.
+pub fn keeps_state(cwd: &str, env: &BTreeMap<String, String>) -> bool {
+    cwd.is_empty() && env.is_empty()
+}
+
+/// The line that runs foreground command `id`: its subshell runs as a job of its own
+/// (reported as `<id> p <pid>`), the long-lived shell waits for it (going on a stopped job),
+/// takes in the state it ended with, and reports `<id> <status> <lost> <pwd>`.
+pub fn foreground_line(
+    flavor: Flavor,
+    id: i64,
+    f: &CmdFiles,
+    cwd: &str,
+    env: &BTreeMap<String, String>,
+) -> String {
+    let ctl = quote(&f.ctl.to_string_lossy());
+    let b = if flavor == Flavor::Bash {
+        "builtin "
+    } else {
+        ""
+    };
+    let take = if keeps_state(cwd, env) {
+        restore_code(flavor, &f.state)
+    } else {
+        "__opendsec_lost=0".to_string()
+    };
     format!(
-        "{} </dev/null >>{} 2>>{}; command printf '%s %s %s\\0' {id} \"$?\" \"$PWD\" >>{}\n",
-        body(f, cwd, env, false),
-        quote(&f.out.to_string_lossy()),
-        quote(&f.err.to_string_lossy()),
-        quote(&f.ctl.to_string_lossy()),
+        "( {body} ) </dev/null >>{out} 2>>{err} & __opendsec_p=$!; \
+         {b}printf '%s p %s\\0' {id} \"$__opendsec_p\" >>{ctl}; \
+         {b}wait \"$__opendsec_p\"; __opendsec_st=$?; \
+         while {b}kill -0 \"$__opendsec_p\" 2>/dev/null; do [ -e {kill} ] || {b}kill -CONT -- \"-$__opendsec_p\" 2>/dev/null; \
+         {b}wait \"$__opendsec_p\"; __opendsec_st=$?; done; \
+         {take}; {b}printf '%s %s %s %s\\0' {id} \"$__opendsec_st\" \"$__opendsec_lost\" \"$PWD\" >>{ctl}\n",
+        body = body(flavor, f, cwd, env),
+        kill = quote(&f.kill.to_string_lossy()),
+        out = quote(&f.out.to_string_lossy()),
+        err = quote(&f.err.to_string_lossy()),
     )
 }
 
-/// The line that starts background command `id` in a subshell and reports its pid.
-pub fn background_line(id: i64, f: &CmdFiles, cwd: &str, env: &BTreeMap<String, String>) -> String {
+/// The line that starts background command `id` as a job of its own and reports its pid.
+/// Its state is never carried over (it runs beside later commands).
+pub fn background_line(
+    flavor: Flavor,
+    id: i64,
+    f: &CmdFiles,
+    cwd: &str,
+    env: &BTreeMap<String, String>,
+) -> String {
     let ctl = quote(&f.ctl.to_string_lossy());
+    let b = if flavor == Flavor::Bash {
+        "builtin "
+    } else {
+        ""
+    };
+    let run = eval_code(flavor, &f.script);
+    let mut parts = Vec::new();
+    if !cwd.is_empty() {
+        parts.push(format!("cd -- {}", quote(cwd)));
+    }
+    for (k, v) in env {
+        parts.push(format!("export {}", quote(&format!("{k}={v}"))));
+    }
+    parts.push(format!("{{ {run}; }}"));
     format!(
-        "( {} </dev/null >>{} 2>>{}; command printf '%s %s %s\\0' {id} \"$?\" \"$PWD\" >>{ctl} ) \
-         </dev/null >/dev/null 2>&1 & command printf '%s p %s\\0' {id} \"$!\" >>{ctl}\n",
-        body(f, cwd, env, true),
-        quote(&f.out.to_string_lossy()),
-        quote(&f.err.to_string_lossy()),
+        "( ( {inner} ) </dev/null >>{out} 2>>{err}; {b}printf '%s %s 0 %s\\0' {id} \"$?\" \"$PWD\" >>{ctl} ) \
+         </dev/null >/dev/null 2>&1 & {b}printf '%s p %s\\0' {id} \"$!\" >>{ctl}\n",
+        inner = parts.join(" && "),
+        out = quote(&f.out.to_string_lossy()),
+        err = quote(&f.err.to_string_lossy()),
     )
 }
 
 /// A message on the control FIFO.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Ctl {
-    /// Command `id` ended with `status`, the shell then being in `pwd`.
-    Done { id: i64, status: i32, pwd: String },
-    /// Background command `id` runs in subshell `pid`.
+    /// Command `id` ended with `status`, the shell then being in `pwd`; `lost` when the
+    /// session could not take in the state the command ended with.
+    Done {
+        id: i64,
+        status: i32,
+        lost: bool,
+        pwd: String,
+    },
+    /// Command `id` runs in subshell `pid`, the leader of its own process group when the
+    /// shell has job control.
     Pid { id: i64, pid: i32 },
 }
 
@@ -190,7 +371,7 @@ pub enum Ctl {
 /// own commands can write to the FIFO, so junk is ignored).
 pub fn parse_ctl(msg: &[u8]) -> Option<Ctl> {
     let text = std::str::from_utf8(msg).ok()?;
-    let mut f = text.splitn(3, ' ');
+    let mut f = text.splitn(4, ' ');
     let id: i64 = f.next()?.parse().ok()?;
     let second = f.next()?;
     let third = f.next()?;
@@ -200,10 +381,16 @@ pub fn parse_ctl(msg: &[u8]) -> Option<Ctl> {
             pid: third.parse().ok()?,
         });
     }
+    let lost = match third {
+        "0" => false,
+        "1" => true,
+        _ => return None,
+    };
     Some(Ctl::Done {
         id,
         status: second.parse().ok()?,
-        pwd: third.to_string(),
+        lost,
+        pwd: f.next()?.to_string(),
     })
 }
 
@@ -223,39 +410,147 @@ mod tests {
     #[test]
     fn control_messages() {
         assert_eq!(
-            parse_ctl(b"3 0 /a b"),
+            parse_ctl(b"3 0 1 /a b"),
             Some(Ctl::Done {
                 id: 3,
                 status: 0,
+                lost: true,
                 pwd: "/a b".into()
             })
         );
         assert_eq!(parse_ctl(b"4 p 99"), Some(Ctl::Pid { id: 4, pid: 99 }));
         assert_eq!(parse_ctl(b"junk"), None);
         assert_eq!(parse_ctl(b"4 p x"), None);
+        assert_eq!(parse_ctl(b"4 0 2 /"), None);
+    }
+
+    fn files(d: &Path, id: i64) -> CmdFiles {
+        CmdFiles {
+            script: d.join(format!("{id}.sh")),
+            out: d.join(format!("{id}.out")),
+            err: d.join(format!("{id}.err")),
+            ctl: d.join("ctl"),
+            state: d.join(format!("{id}.state")),
+            kill: d.join(format!("{id}.kill")),
+        }
+    }
+
+    /// Runs `cmds` one after another in one long-lived shell of `flavor`, as the driver
+    /// does; returns each one's (stdout, stderr) and the control messages.
+    fn run_all(flavor: Flavor, cmds: &[&str]) -> (Vec<(String, String)>, Vec<Ctl>) {
+        let d = tempfile::tempdir().expect("tempdir");
+        let mut input = init_line(flavor, &d.path().join("none"));
+        for (i, c) in cmds.iter().enumerate() {
+            let f = files(d.path(), i as i64 + 1);
+            std::fs::write(&f.script, c).expect("write");
+            input.push_str(&foreground_line(
+                flavor,
+                i as i64 + 1,
+                &f,
+                "",
+                &BTreeMap::new(),
+            ));
+        }
+        let prog = if flavor == Flavor::Bash { "bash" } else { "sh" };
+        let mut child = Command::new(prog)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn");
+        {
+            let mut stdin = child.stdin.take().expect("stdin");
+            std::io::Write::write_all(&mut stdin, input.as_bytes()).expect("feed");
+        }
+        assert!(child.wait().expect("wait").success());
+        let outs = (1..=cmds.len() as i64)
+            .map(|i| {
+                let f = files(d.path(), i);
+                (
+                    std::fs::read_to_string(&f.out).unwrap_or_default(),
+                    std::fs::read_to_string(&f.err).unwrap_or_default(),
+                )
+            })
+            .collect();
+        let ctl = std::fs::read(d.path().join("ctl")).expect("ctl");
+        let msgs = ctl
+            .split(|b| *b == 0)
+            .filter(|m| !m.is_empty())
+            .filter_map(parse_ctl)
+            .filter(|m| matches!(m, Ctl::Done { .. }))
+            .collect();
+        (outs, msgs)
+    }
+
+    fn status_lost(m: &Ctl) -> (i32, bool) {
+        match m {
+            Ctl::Done { status, lost, .. } => (*status, *lost),
+            Ctl::Pid { .. } => (-2, true),
+        }
     }
 
     #[test]
-    fn lines_run_in_a_real_shell() {
+    fn bash_carries_state_through_exit_and_errexit_but_not_exec() {
+        let (outs, msgs) = run_all(
+            Flavor::Bash,
+            &[
+                "cd /tmp; export X=1; Y=2; f() { echo fn; }; umask 027",
+                "echo \"$X $Y\"; f; umask; pwd",
+                "cd /; export Z=3; unset Y; exit 3",
+                "echo \"${Y-unset} $Z\"; pwd; set -e; cd /usr; false; echo no",
+                "pwd; cd /tmp; exec true",
+                "pwd; foo_not_a_command; if then",
+            ],
+        );
+        assert_eq!(outs[1].0, "1 2\nfn\n0027\n/tmp\n");
+        assert_eq!(outs[3].0, "unset 3\n/\n");
+        assert_eq!(outs[4].0, "/usr\n");
+        assert_eq!(outs[5].0, "/usr\n");
+        // No internal path in the shell's messages.
+        assert!(!outs[5].1.contains(".sh"), "{}", outs[5].1);
+        assert!(outs[5].1.contains("syntax"), "{}", outs[5].1);
+        let sl: Vec<(i32, bool)> = msgs.iter().map(status_lost).collect();
+        assert_eq!(sl.len(), 6);
+        assert_eq!(sl[2], (3, false));
+        assert_eq!(sl[3], (1, false));
+        assert_eq!(sl[4], (0, true));
+    }
+
+    #[test]
+    fn sh_carries_directory_and_exports() {
+        let (outs, msgs) = run_all(
+            Flavor::Sh,
+            &["cd /tmp; export X=1; exit 4", "echo \"$X\"; pwd"],
+        );
+        assert_eq!(outs[1].0, "1\n/tmp\n");
+        assert_eq!(status_lost(&msgs[0]), (4, false));
+    }
+
+    #[test]
+    fn per_call_settings_apply_to_one_command() {
         let d = tempfile::tempdir().expect("tempdir");
-        let f = CmdFiles {
-            script: d.path().join("c.sh"),
-            out: d.path().join("o"),
-            err: d.path().join("e"),
-            ctl: d.path().join("ctl"),
-        };
+        let f = files(d.path(), 1);
         std::fs::write(&f.script, "echo \"$X\" ; pwd ; echo oops >&2").expect("write");
         let env = BTreeMap::from([("X".to_string(), "it's".to_string())]);
-        let line = foreground_line(1, &f, "/", &env);
-        let st = Command::new("sh").args(["-c", &line]).status().expect("sh");
+        let line = foreground_line(Flavor::Bash, 1, &f, "/", &env);
+        let st = Command::new("bash")
+            .args(["-c", &line])
+            .status()
+            .expect("bash");
         assert!(st.success());
         assert_eq!(std::fs::read(&f.out).expect("out"), b"it's\n/\n");
         assert_eq!(std::fs::read(&f.err).expect("err"), b"oops\n");
         let ctl = std::fs::read(&f.ctl).expect("ctl");
-        let msg = ctl.strip_suffix(b"\0").expect("nul");
-        match parse_ctl(msg) {
+        let done = ctl
+            .split(|b| *b == 0)
+            .filter_map(parse_ctl)
+            .find(|m| matches!(m, Ctl::Done { .. }));
+        match done {
             Some(Ctl::Done {
-                id: 1, status: 0, ..
+                id: 1,
+                status: 0,
+                lost: false,
+                ..
             }) => {}
             other => panic!("{other:?}"),
         }

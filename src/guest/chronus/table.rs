@@ -103,9 +103,11 @@ pub struct Cmd {
     pub oom_before: Option<u64>,
     /// The OOM killer ended a process of the command (set at its end).
     pub oom_killed: bool,
+    /// The session could not take in the state the command ended with (docs/sessions.md).
+    pub state_lost: bool,
     /// Seconds from start to end.
     pub duration: f64,
-    /// The pid of a background command's subshell, once the shell reported it.
+    /// The pid of the command's subshell (its job's leader), once the shell reported it.
     pub pid: Option<i32>,
     /// Bumped on new output and at the end; waiters subscribe.
     pub changed: watch::Sender<u64>,
@@ -125,6 +127,7 @@ pub struct Snap {
     pub exit_code: i32,
     pub timed_out: bool,
     pub oom_killed: bool,
+    pub state_lost: bool,
     pub duration: f64,
     pub background: bool,
     pub pid: Option<i32>,
@@ -190,6 +193,7 @@ impl Table {
                 timed_out: false,
                 oom_before: None,
                 oom_killed: false,
+                state_lost: false,
                 duration: 0.0,
                 pid: None,
                 changed,
@@ -225,19 +229,11 @@ impl Table {
             exit_code: c.exit_code,
             timed_out: c.timed_out,
             oom_killed: c.oom_killed,
+            state_lost: c.state_lost,
             duration: c.duration,
             background: c.background,
             pid: c.pid,
         })
-    }
-
-    /// Pids of the running background commands' subshells.
-    pub fn background_pids(&self) -> Vec<i32> {
-        self.cmds
-            .values()
-            .filter(|c| c.background && !c.done)
-            .filter_map(|c| c.pid)
-            .collect()
     }
 
     /// Records `data` read from stream `s` of command `id` into `file` (its record),

@@ -37,7 +37,7 @@ class RunShellRequest(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., cmd: _Optional[str] = ..., timeout: _Optional[float] = ..., session: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., user: _Optional[str] = ..., request_id: _Optional[str] = ..., background: bool = ...) -> None: ...
 
 class ShellResult(_message.Message):
-    __slots__ = ("cmd_id", "exit_code", "stdout", "stderr", "done", "timed_out", "duration", "truncated", "dropped_bytes", "stdout_offset", "stderr_offset", "stdout_total", "stderr_total", "oom_killed")
+    __slots__ = ("cmd_id", "exit_code", "stdout", "stderr", "done", "timed_out", "duration", "truncated", "dropped_bytes", "stdout_offset", "stderr_offset", "stdout_total", "stderr_total", "oom_killed", "state_lost")
     CMD_ID_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     STDOUT_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class ShellResult(_message.Message):
     STDOUT_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STDERR_TOTAL_FIELD_NUMBER: _ClassVar[int]
     OOM_KILLED_FIELD_NUMBER: _ClassVar[int]
+    STATE_LOST_FIELD_NUMBER: _ClassVar[int]
     cmd_id: int
     exit_code: int
     stdout: bytes
@@ -66,7 +67,8 @@ class ShellResult(_message.Message):
     stdout_total: int
     stderr_total: int
     oom_killed: bool
-    def __init__(self, cmd_id: _Optional[int] = ..., exit_code: _Optional[int] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., done: bool = ..., timed_out: bool = ..., duration: _Optional[float] = ..., truncated: bool = ..., dropped_bytes: _Optional[int] = ..., stdout_offset: _Optional[int] = ..., stderr_offset: _Optional[int] = ..., stdout_total: _Optional[int] = ..., stderr_total: _Optional[int] = ..., oom_killed: bool = ...) -> None: ...
+    state_lost: bool
+    def __init__(self, cmd_id: _Optional[int] = ..., exit_code: _Optional[int] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., done: bool = ..., timed_out: bool = ..., duration: _Optional[float] = ..., truncated: bool = ..., dropped_bytes: _Optional[int] = ..., stdout_offset: _Optional[int] = ..., stderr_offset: _Optional[int] = ..., stdout_total: _Optional[int] = ..., stderr_total: _Optional[int] = ..., oom_killed: bool = ..., state_lost: bool = ...) -> None: ...
 
 class GetOutputRequest(_message.Message):
     __slots__ = ("sandbox_id", "session", "cmd_id", "wait", "stdout_offset", "stderr_offset")
