@@ -33,4 +33,10 @@ pub struct AetherConfig {
     /// session shells and processes a higher one, so the OOM killer takes the sandbox's
     /// processes and not the agents.
     pub protect_from_oom: bool,
+    /// Inherited fds of the sandbox's `workload/cgroup.procs`, one per split cgroup
+    /// hierarchy, opened for writing by the setup process before the pivot (inside, the
+    /// cgroup tree is read-only). aether and chronus move every session shell and started
+    /// process there before it execs, so the workload never shares the agents' cgroup
+    /// (docs/architecture.md "Cgroups"). Empty outside containers.
+    pub workload_cgroup_fds: Vec<i32>,
 }

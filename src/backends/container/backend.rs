@@ -17,9 +17,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::transport::Channel;
 
 use super::agent::{self, SetupExe};
-use super::cgroup::{Cgroups, DiskIo, Limits, SandboxCgroup};
+use super::cgroup::{CgroupError, Cgroups, DiskIo, Limits, SandboxCgroup};
 use super::disk::Disks;
-use super::setup::{self, SetupResult, SetupSpec, AGENT_PATH, LISTEN_FD, RUN_DIR};
+use super::setup::{self, SetupResult, SetupSpec, AGENT_PATH, LISTEN_FD, RUN_DIR, WORKLOAD_FD};
 use crate::backends::{
     Adopted, Backend, BackendContext, BackendError, BackendState, CleanupReport, CreateRequest,
     Handle, Health, Recorded, Runtime,
@@ -67,6 +67,14 @@ fn cfg_err(backend: &str, message: impl std::fmt::Display) -> BackendError {
     BackendError::Config {
         backend: backend.to_string(),
         message: message.to_string(),
+    }
+}
+
+/// The message of a creation error without its "creating sandbox X" prefix.
+fn create_message(e: &BackendError) -> String {
+    match e {
+        BackendError::Create { message, .. } => message.clone(),
+        other => other.to_string(),
     }
 }
 
@@ -152,6 +160,7 @@ impl ContainerBackend {
         req: &CreateRequest,
         lowers: Vec<PathBuf>,
         cg: &SandboxCgroup,
+        limits: &Limits,
     ) -> SetupSpec {
         let id = &req.sandbox_id;
         let host = id.rsplit('.').next().unwrap_or(id);
@@ -164,12 +173,17 @@ impl ContainerBackend {
             .first()
             .map(|top| super::image::defaults(top))
             .unwrap_or_default();
+        let cgroup = cg.setup_steps(limits);
+        let workload_fds = (0..cgroup.workload.len())
+            .filter_map(|i| i32::try_from(i).ok())
+            .map(|i| WORKLOAD_FD + i)
+            .collect();
         SetupSpec {
             sandbox_id: id.clone(),
             dir: self.sandbox_dir(id),
             disk_image: self.disks.path(id),
             lowers,
-            cgroup_procs: cg.procs_files(),
+            cgroup,
             cgroup_mounts: cg.mounts(),
             agent: self.agent.clone(),
             hostname: if hostname.is_empty() {
@@ -191,6 +205,7 @@ impl ContainerBackend {
                 workdir: image.workdir,
                 pid1: true,
                 protect_from_oom: true,
+                workload_cgroup_fds: workload_fds,
             },
         }
     }
@@ -234,7 +249,9 @@ impl ContainerBackend {
     }
 
     /// Removes everything of sandbox `id`: its processes, cgroup, loop device, disk and
-    /// directory. Missing pieces are fine.
+    /// directory. Missing pieces are fine. Every step is tried even after one fails (a
+    /// cgroup that will not die still lets the disk and directory go); the error lists
+    /// every failed step.
     async fn destroy(&self, id: &str) -> Result<(), BackendError> {
         self.channels().remove(id);
         let cg = self.cgroups.open(id);
@@ -242,51 +259,72 @@ impl ContainerBackend {
         let dir = self.sandbox_dir(id);
         let disks = self.disks.clone();
         let id_s = id.to_string();
-        tokio::task::spawn_blocking(move || -> Result<(), BackendError> {
-            let op = |message: String| BackendError::Operation {
-                op: "stop",
-                sandbox_id: id_s.clone(),
-                message,
-            };
-            if cg.exists() {
-                cg.kill_all().map_err(|e| op(e.to_string()))?;
-                cg.remove().map_err(|e| op(e.to_string()))?;
-            }
-            // The sandbox's mount namespace held the only mount of the loop device; with
-            // autoclear the kernel detaches it shortly after the last process is gone.
-            let deadline = Instant::now() + Duration::from_secs(3);
-            loop {
-                let attached = crate::sys::loopdev::attached(&disk);
-                if attached.is_empty() {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    for (dev, _) in attached {
-                        crate::sys::loopdev::detach(&dev)
-                            .map_err(|e| op(format!("detach {}: {e}", dev.display())))?;
-                    }
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            disks.remove(&id_s).map_err(|e| op(e.to_string()))?;
-            match std::fs::remove_dir_all(&dir) {
-                Ok(()) => Ok(()),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-                Err(e) => Err(op(format!("{}: {e}", dir.display()))),
-            }
-        })
-        .await
-        .map_err(|e| BackendError::Operation {
+        let failed =
+            tokio::task::spawn_blocking(move || destroy_steps(&cg, &disk, &disks, &id_s, &dir))
+                .await
+                .unwrap_or_else(|e| vec![e.to_string()]);
+        if failed.is_empty() {
+            return Ok(());
+        }
+        Err(BackendError::Operation {
             op: "stop",
             sandbox_id: id.to_string(),
-            message: e.to_string(),
-        })?
+            message: failed.join("; "),
+        })
     }
 
     fn state_of(h: &Handle<'_>) -> ContainerState {
         serde_json::from_value(h.state.clone()).unwrap_or_default()
     }
+}
+
+/// The blocking steps of [`ContainerBackend::destroy`]; returns what failed, in order.
+fn destroy_steps(
+    cg: &SandboxCgroup,
+    disk: &Path,
+    disks: &Disks,
+    id: &str,
+    dir: &Path,
+) -> Vec<String> {
+    let mut failed = Vec::new();
+    if cg.exists() {
+        match cg.kill_all() {
+            // remove() would only try the same kill again.
+            Err(e) => failed.push(e.to_string()),
+            Ok(()) => {
+                if let Err(e) = cg.remove() {
+                    failed.push(e.to_string());
+                }
+            }
+        }
+    }
+    // The sandbox's mount namespace held the only mount of the loop device; with
+    // autoclear the kernel detaches it shortly after the last process is gone.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let attached = crate::sys::loopdev::attached(disk);
+        if attached.is_empty() {
+            break;
+        }
+        if Instant::now() > deadline {
+            for (dev, _) in attached {
+                if let Err(e) = crate::sys::loopdev::detach(&dev) {
+                    failed.push(format!("detaching {}: {e}", dev.display()));
+                }
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if let Err(e) = disks.remove(id) {
+        failed.push(e.to_string());
+    }
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => failed.push(format!("removing {}: {e}", dir.display())),
+    }
+    failed
 }
 
 /// `disk_io` from the backend config: `{"read_mbps", "write_mbps", "read_iops",
@@ -374,12 +412,17 @@ impl Backend for ContainerBackend {
         let result = self.create_inner(req, lowers, &dir, &sock).await;
         match result {
             Ok(state) => Ok(state),
-            Err(e) => {
-                if let Err(cleanup) = self.destroy(id).await {
+            Err(e) => match self.destroy(id).await {
+                Ok(()) => Err(e),
+                // Both: why it failed, and what is left on the node because of it.
+                Err(cleanup) => {
                     tracing::warn!(sandbox_id = id, error = %cleanup, "cleaning up a failed creation");
+                    Err(create_err(
+                        id,
+                        format!("{}; cleaning up: {cleanup}", create_message(&e)),
+                    ))
                 }
-                Err(e)
-            }
+            },
         }
     }
 
@@ -456,14 +499,50 @@ impl Backend for ContainerBackend {
             );
         }
         let mut report = CleanupReport::default();
+        let mut failed = Vec::new();
+        let mut ids: Vec<String> = ids.into_iter().filter(|id| !keep.contains(id)).collect();
+        ids.sort();
         for id in ids {
-            if keep.contains(&id) {
-                continue;
+            // One sandbox that will not go does not keep the others.
+            match self.destroy(&id).await {
+                Ok(()) => report.removed.push(format!("container {id}")),
+                Err(BackendError::Operation { message, .. }) => failed.push((id, message)),
+                Err(e) => failed.push((id, e.to_string())),
             }
-            self.destroy(&id).await?;
-            report.removed.push(format!("container {id}"));
+        }
+        if !failed.is_empty() {
+            let ids: Vec<&str> = failed.iter().map(|(id, _)| id.as_str()).collect();
+            let messages: Vec<String> = failed.iter().map(|(id, m)| format!("{id}: {m}")).collect();
+            return Err(BackendError::Operation {
+                op: "cleanup",
+                sandbox_id: ids.join(", "),
+                message: messages.join("; "),
+            });
         }
         Ok(report)
+    }
+
+    async fn release_node(&self) -> Result<(), BackendError> {
+        let cgroups = self.cgroups.clone();
+        let step = "removing the edge's cgroup parent";
+        match tokio::task::spawn_blocking(move || cgroups.remove_parents()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(CgroupError::Remove { path, source })) => Err(BackendError::Io {
+                step,
+                path: path.display().to_string(),
+                source,
+            }),
+            Ok(Err(e)) => Err(BackendError::Io {
+                step,
+                path: String::new(),
+                source: std::io::Error::other(e),
+            }),
+            Err(e) => Err(BackendError::Io {
+                step,
+                path: String::new(),
+                source: std::io::Error::other(e),
+            }),
+        }
     }
 
     fn runtime(&self) -> Option<&dyn Runtime> {
@@ -495,15 +574,16 @@ impl ContainerBackend {
             id.to_string(),
         );
         let disk_mb = spec.disk_mb.max(1) as u64;
+        let limits2 = limits.clone();
         let cg = tokio::task::spawn_blocking(move || -> Result<SandboxCgroup, String> {
             std::fs::create_dir_all(&dir2).map_err(|e| format!("{}: {e}", dir2.display()))?;
             disks.create(&id2, disk_mb).map_err(|e| e.to_string())?;
-            cgroups.create(&id2, &limits).map_err(|e| e.to_string())
+            cgroups.create(&id2, &limits2).map_err(|e| e.to_string())
         })
         .await
         .map_err(|e| create_err(id, e))?
         .map_err(|e| create_err(id, e))?;
-        let setup_spec = self.setup_spec(req, lowers, &cg);
+        let setup_spec = self.setup_spec(req, lowers, &cg, &limits);
         let res = self
             .run_setup(&setup_spec)
             .await

@@ -236,6 +236,10 @@ impl Sessions {
                 cmd.env(k, v);
             }
         }
+        // chronus stays in the agents' cgroup and moves its shells into the workload's.
+        if !self.cfg.workload_cgroup_fds.is_empty() {
+            crate::sys::process::inherit_at_exec(&mut cmd, &self.cfg.workload_cgroup_fds);
+        }
         let child = cmd.spawn().map_err(|e| {
             Failure::unavailable(format!(
                 "session {name:?}: starting {}: {e}",

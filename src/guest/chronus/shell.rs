@@ -31,6 +31,9 @@ pub struct ShellSpec {
     pub fallback_dirs: Vec<PathBuf>,
     /// Give the shell (and so its commands) oom_score_adj 1000.
     pub oom_first: bool,
+    /// Open `workload/cgroup.procs` files: the shell moves itself there before its exec,
+    /// so it and its commands never run in the agents' cgroup.
+    pub cgroup_procs_fds: Vec<std::os::fd::RawFd>,
 }
 
 impl ShellSpec {
@@ -54,6 +57,7 @@ impl ShellSpec {
             env,
             fallback_dirs,
             oom_first: oom,
+            cgroup_procs_fds: Vec::new(),
         }
     }
 }
@@ -81,6 +85,9 @@ impl Shell {
                 .stdin(Stdio::piped())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null());
+            if !spec.cgroup_procs_fds.is_empty() {
+                crate::sys::process::join_cgroups_at_exec(&mut c, &spec.cgroup_procs_fds);
+            }
             match c.spawn() {
                 Ok(mut child) => {
                     let pid = child.id();
