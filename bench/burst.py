@@ -84,7 +84,7 @@ async def main() -> None:
                 except DSecError:
                     return False
                 cmd_s.append(time.monotonic() - t)
-                return r.exit_code == 0 and r.stdout.strip() == b"ok"
+                return r.exit_code == 0 and r.stdout.strip() == "ok"
 
         t1 = time.monotonic()
         oks = await asyncio.gather(*(cmd(sb) for sb in made))
