@@ -595,3 +595,198 @@ async fn special_files_and_a_full_disk_are_invalid() {
     );
     sb.stop().await;
 }
+
+async fn shell_in(
+    b: &Arc<dyn Backend>,
+    h: &Handle<'_>,
+    session: &str,
+    cmd: &str,
+    background: bool,
+) -> pb::ShellResult {
+    let rt = b.runtime().expect("runtime capability");
+    let ch = rt.channel(h).await.expect("channel");
+    let mut c = RuntimeClient::new(ch);
+    c.run_shell(pb::RunShellRequest {
+        sandbox_id: h.sandbox_id.into(),
+        cmd: cmd.into(),
+        timeout: 30.0,
+        session: session.into(),
+        background,
+        ..Default::default()
+    })
+    .await
+    .expect("run_shell")
+    .into_inner()
+}
+
+/// The sandbox's cgroup directory holding the pids controller (v1 `pids`, or v2).
+fn pids_cgroup(edge: &str, id: &str) -> PathBuf {
+    let v1 = Path::new("/sys/fs/cgroup/pids/opendsec")
+        .join(edge)
+        .join(id);
+    if v1.is_dir() {
+        return v1;
+    }
+    Path::new("/sys/fs/cgroup/opendsec").join(edge).join(id)
+}
+
+fn read_trim(p: &Path) -> String {
+    std::fs::read_to_string(p)
+        .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+        .trim()
+        .to_string()
+}
+
+/// A fork bomb fills the workload's pids_max in one session; the agents live in a sibling
+/// cgroup with their own pids and a high CPU weight, so a new session still starts, another
+/// session still answers, and stop wins the race against the bomb.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_bomb_does_not_starve_the_agents_and_stop_wins() {
+    if !root_or_skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let state = tmp.path();
+    let edge = "cb-bomb";
+    let cfg = BackendConfig {
+        runtime: "linux".into(),
+        pids_max: 512,
+        ..Default::default()
+    };
+    let b = match backends::build("container", &cfg, &ctx(state, edge)) {
+        Ok(b) => b,
+        Err(e) => panic!("building the container backend: {e}"),
+    };
+    let id = format!("{edge}.bomb");
+    let mut spec = spec();
+    spec.cpu_cores_limit = 0.5;
+    let st = b
+        .create(&CreateRequest {
+            sandbox_id: id.clone(),
+            project: "root".into(),
+            spec: spec.clone(),
+        })
+        .await
+        .expect("create");
+    let h = Handle {
+        sandbox_id: &id,
+        spec: &spec,
+        state: &st,
+    };
+    // The layout: the shell in workload/, aether (PID 1) in agent/, with their limits.
+    let r = shell_in(
+        &b,
+        &h,
+        "other",
+        "grep pids /proc/self/cgroup || cat /proc/self/cgroup; echo --; grep pids /proc/1/cgroup || cat /proc/1/cgroup",
+        false,
+    )
+    .await;
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    let (mine, aether) = out.split_once("--").expect("two parts");
+    assert!(mine.contains("/workload"), "{out}");
+    assert!(aether.contains("/agent"), "{out}");
+    let pids = pids_cgroup(edge, &id);
+    assert_eq!(read_trim(&pids.join("workload/pids.max")), "512");
+    assert!(read_trim(&pids.join("agent/pids.max"))
+        .parse::<i64>()
+        .is_ok());
+
+    let r = shell_in(&b, &h, "bomb", ":(){ :|:& };:", true).await;
+    assert!(r.cmd_id > 0, "{r:?}");
+    let current = pids.join("workload/pids.current");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while read_trim(&current).parse::<i64>().unwrap_or(0) < 500 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the bomb never filled the workload: {}",
+            read_trim(&current)
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+
+    // A new session (a new chronus and shell) and an existing one both answer.
+    for session in ["fresh", "other"] {
+        let t = std::time::Instant::now();
+        let r = shell_in(&b, &h, session, "true", false).await;
+        assert_eq!(r.exit_code, 0, "{session}: {r:?}");
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "{session} took {:?}",
+            t.elapsed()
+        );
+    }
+    // The bomb is still at it.
+    assert!(read_trim(&current).parse::<i64>().unwrap_or(0) >= 400);
+
+    let t = std::time::Instant::now();
+    b.stop(&h).await.expect("stop wins against the bomb");
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(10),
+        "stop took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(leftovers(state, edge, &id), Vec::<String>::new());
+    b.release_node().await.expect("release");
+}
+
+/// A creation that fails after its disk, directory and cgroup exist leaves none of them
+/// behind at once, and a failed cleanup step keeps both errors and the other steps run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_creation_leaves_nothing_on_the_node() {
+    if !root_or_skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let state = tmp.path().join("state");
+    let edge = "cb-fail";
+    // An image whose lower directory is not there: setup fails at the overlay mount,
+    // after the disk, its loop device and the cgroup were made.
+    let b = backend_with(
+        &state,
+        edge,
+        BTreeMap::from([("gone".to_string(), vec![tmp.path().join("no-such-layer")])]),
+    );
+    let id = format!("{edge}.gone");
+    let mut s = spec();
+    s.image = "gone".into();
+    let e = b
+        .create(&CreateRequest {
+            sandbox_id: id.clone(),
+            project: "root".into(),
+            spec: s,
+        })
+        .await
+        .expect_err("a missing lower fails");
+    assert!(e.to_string().contains("overlay"), "{e}");
+    assert_eq!(leftovers(&state, edge, &id), Vec::<String>::new());
+
+    // The disk image's place is taken by a directory: creating fails, and so does removing
+    // the disk in the cleanup; the sandbox's directory still goes, and the error says both.
+    let id = format!("{edge}.blocked");
+    let blocker = state.join(edge).join("disks").join(format!("{id}.img"));
+    std::fs::create_dir_all(blocker.join("x")).expect("blocker");
+    let e = b
+        .create(&CreateRequest {
+            sandbox_id: id.clone(),
+            project: "root".into(),
+            spec: spec(),
+        })
+        .await
+        .expect_err("blocked disk fails");
+    let msg = e.to_string();
+    assert!(msg.contains("renaming"), "primary error kept: {msg}");
+    assert!(msg.contains("cleaning up"), "cleanup error kept: {msg}");
+    assert!(!state.join(edge).join("containers").join(&id).exists());
+    std::fs::remove_dir_all(&blocker).expect("unblock");
+    assert_eq!(leftovers(&state, edge, &id), Vec::<String>::new());
+
+    // The edge exits: its own cgroup parent goes from every hierarchy.
+    b.release_node().await.expect("release");
+    if let Ok(rd) = std::fs::read_dir("/sys/fs/cgroup") {
+        for h in rd.flatten() {
+            let p = h.path().join("opendsec").join(edge);
+            assert!(!p.exists(), "{} left behind", p.display());
+        }
+    }
+}

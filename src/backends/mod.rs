@@ -141,6 +141,12 @@ pub trait Backend: Send + Sync {
     /// Removes what is left on the node of sandboxes whose ids are not in `keep` (cgroups,
     /// processes, disks, networks). Called once at start, after adoption.
     async fn cleanup(&self, keep: &HashSet<String>) -> Result<CleanupReport, BackendError>;
+    /// The edge is exiting (after it stopped its sandboxes, or kept them): removes what the
+    /// backend made on the node for itself and no longer needs (empty cgroup parents).
+    /// Anything a kept sandbox still uses stays. Errors: `Io` with what could not go.
+    async fn release_node(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
 
     /// The gRPC connection to aether, for runtime calls.
     fn runtime(&self) -> Option<&dyn Runtime> {

@@ -38,4 +38,10 @@ pub struct AetherConfig {
     /// The sandbox's own cgroup as mounted inside it (containers: /sys/fs/cgroup), where
     /// chronus counts OOM kills for `ShellResult.oom_killed`; "" = none.
     pub cgroup_dir: String,
+    /// Inherited fds of the sandbox's `workload/cgroup.procs`, one per split cgroup
+    /// hierarchy, opened for writing by the setup process before the pivot (inside, the
+    /// cgroup tree is read-only). aether and chronus move every session shell and started
+    /// process there before it execs, so the workload never shares the agents' cgroup
+    /// (docs/architecture.md "Cgroups"). Empty outside containers.
+    pub workload_cgroup_fds: Vec<i32>,
 }

@@ -1,5 +1,15 @@
-//! Loop devices: attach a file as a block device (`LOOP_CTL_GET_FREE` + `LOOP_CONFIGURE`),
-//! detach one, and list the devices backed by files under a directory (for cleanup).
+//! Loop devices: attach a file as a block device (`LOOP_CTL_GET_FREE` or `LOOP_CTL_ADD`,
+//! then `LOOP_CONFIGURE`), detach one, and list the devices backed by files under a
+//! directory (for cleanup).
+//!
+//! Many sandboxes start at once, each attaching from its own setup process.
+//! `LOOP_CTL_GET_FREE` hands every concurrent caller the same lowest free device, so all but
+//! one lose the `LOOP_CONFIGURE` race with `EBUSY`, ask again, and collide again (about 250
+//! attachers at once used to exhaust every retry). So a caller that loses once stops asking
+//! for the shared free device and makes a fresh one of its own with `LOOP_CTL_ADD(-1)`: the
+//! kernel gives each such call a distinct new number, which no other attacher is waiting for.
+//! Devices made this way stay (unbound) after their sandbox is gone and are handed out again
+//! by `LOOP_CTL_GET_FREE`, so their number follows the peak of concurrent sandboxes.
 //!
 //! A container sandbox's writable disk is an ext4 image on a loop device, mounted only in the
 //! sandbox's own mount namespace. Attached with autoclear, the device frees itself when its
@@ -25,13 +35,16 @@ const LOOP_SET_FD: libc::c_ulong = 0x4C00;
 const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
 const LOOP_SET_STATUS64: libc::c_ulong = 0x4C04;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
+const LOOP_CTL_ADD: libc::c_ulong = 0x4C80;
 const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
 
 const LO_FLAGS_READ_ONLY: u32 = 1;
 const LO_FLAGS_AUTOCLEAR: u32 = 4;
 const LO_NAME_SIZE: usize = 64;
 
-/// How often `attach` retries when another attacher took the free device first.
+/// How often `attach` tries another device when the one it got was taken (or removed) by
+/// another attacher first. After the first loss every try is a device of its own, so a loss
+/// after that needs a concurrent `LOOP_CTL_GET_FREE` caller to pick exactly that new device.
 const ATTACH_ATTEMPTS: u32 = 64;
 
 /// `struct loop_info64` of <linux/loop.h>.
@@ -127,31 +140,17 @@ impl LoopDevice {
             .open("/dev/loop-control")?;
         let mut last = io::Error::from_raw_os_error(libc::EBUSY);
         for attempt in 0..ATTACH_ATTEMPTS {
-            // SAFETY: LOOP_CTL_GET_FREE takes no argument; `control` is an open fd of
-            // /dev/loop-control for the duration of the call.
-            let n = cvt(unsafe { libc::ioctl(control.as_raw_fd(), LOOP_CTL_GET_FREE as _) })?;
-            let number = u32::try_from(n).map_err(|_| io::Error::other("negative loop number"))?;
+            let number = if attempt == 0 {
+                free_device(&control)?
+            } else {
+                new_device(&control)?
+            };
             let path = PathBuf::from(format!("/dev/loop{number}"));
-            ensure_node(&path, number)?;
-            let dev = OpenOptions::new()
-                .read(true)
-                .write(!read_only)
-                .custom_flags(libc::O_CLOEXEC)
-                .open(&path)?;
-            match configure(dev.as_fd(), &backing_file, backing, flags) {
-                Ok(()) => {
-                    let st = dev.metadata()?;
-                    let rdev = (major(st.rdev()) as u32, minor(st.rdev()) as u32);
-                    return Ok(LoopDevice {
-                        file: dev,
-                        path,
-                        number,
-                        rdev,
-                    });
-                }
-                // Someone else bound this device between GET_FREE and CONFIGURE: take
-                // another one.
-                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+            match open_and_configure(&path, number, &backing_file, backing, read_only, flags) {
+                Ok(dev) => return Ok(dev),
+                // Someone else bound this device between our getting its number and
+                // configuring it, or removed it meanwhile: make a fresh one.
+                Err(e) if lost_race(&e) => {
                     last = e;
                     if attempt > 8 {
                         std::thread::sleep(Duration::from_millis(1));
@@ -185,6 +184,59 @@ impl AsFd for LoopDevice {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.file.as_fd()
     }
+}
+
+/// Whether an attach step failed because another process got to the device first: it is
+/// bound (`EBUSY`), or it went away between our getting its number and opening it.
+fn lost_race(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EBUSY) | Some(libc::ENXIO) | Some(libc::ENODEV) | Some(libc::ENOENT)
+    )
+}
+
+/// The lowest unbound loop device (made by the kernel when none is free).
+fn free_device(control: &File) -> io::Result<u32> {
+    // SAFETY: LOOP_CTL_GET_FREE takes no argument; `control` is an open fd of
+    // /dev/loop-control for the duration of the call.
+    let n = cvt(unsafe { libc::ioctl(control.as_raw_fd(), LOOP_CTL_GET_FREE as _) })?;
+    u32::try_from(n).map_err(|_| io::Error::other("negative loop number"))
+}
+
+/// A new loop device with a number no other device has (`LOOP_CTL_ADD` of -1: the kernel
+/// picks the lowest unused index under its lock, so concurrent callers never get the same).
+fn new_device(control: &File) -> io::Result<u32> {
+    // SAFETY: LOOP_CTL_ADD takes an integer argument (-1: any free index) and touches no
+    // memory of ours; `control` is an open fd of /dev/loop-control for the call.
+    let n =
+        cvt(unsafe { libc::ioctl(control.as_raw_fd(), LOOP_CTL_ADD as _, -1 as libc::c_long) })?;
+    u32::try_from(n).map_err(|_| io::Error::other("negative loop number"))
+}
+
+/// Opens `/dev/loop<number>` (making the node where /dev lacks it) and binds `backing` to it.
+fn open_and_configure(
+    path: &Path,
+    number: u32,
+    backing_file: &File,
+    backing: &Path,
+    read_only: bool,
+    flags: u32,
+) -> io::Result<LoopDevice> {
+    ensure_node(path, number)?;
+    let dev = OpenOptions::new()
+        .read(true)
+        .write(!read_only)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)?;
+    configure(dev.as_fd(), backing_file, backing, flags)?;
+    let st = dev.metadata()?;
+    let rdev = (major(st.rdev()) as u32, minor(st.rdev()) as u32);
+    Ok(LoopDevice {
+        file: dev,
+        path: path.to_path_buf(),
+        number,
+        rdev,
+    })
 }
 
 /// Binds `backing` to the device: `LOOP_CONFIGURE`, or on kernels before 5.8
@@ -461,5 +513,58 @@ mod tests {
         for n in numbers {
             assert!(wait_detached(n));
         }
+    }
+
+    /// A burst of sandboxes starting at once: 200 attachers released together all get a
+    /// device (the herd on `LOOP_CTL_GET_FREE` used to exhaust its retries from about 250
+    /// attaches at once, and 200 threads here already failed some).
+    #[test]
+    fn a_burst_of_concurrent_attaches_never_exhausts() {
+        if !root_or_skip("a_burst_of_concurrent_attaches_never_exhausts") {
+            return;
+        }
+        const N: usize = 200;
+        let dir = tempfile::tempdir().expect("tempdir");
+        // Any file is a block device's backing; sparse ones cost nothing.
+        let imgs: Vec<PathBuf> = (0..N)
+            .map(|i| {
+                let p = dir.path().join(format!("{i}.img"));
+                File::create(&p)
+                    .and_then(|f| f.set_len(1 << 20))
+                    .expect("backing file");
+                p
+            })
+            .collect();
+        let gate = Arc::new(std::sync::Barrier::new(N));
+        let handles: Vec<_> = imgs
+            .into_iter()
+            .map(|p| {
+                let gate = gate.clone();
+                std::thread::spawn(move || {
+                    gate.wait();
+                    LoopDevice::attach(&p, false, true)
+                })
+            })
+            .collect();
+        let results: Vec<io::Result<LoopDevice>> = handles
+            .into_iter()
+            .map(|h| h.join().expect("join"))
+            .collect();
+        let failed: Vec<String> = results
+            .iter()
+            .filter_map(|r| r.as_ref().err().map(|e| e.to_string()))
+            .collect();
+        let devs: Vec<LoopDevice> = results.into_iter().flatten().collect();
+        let mut numbers: Vec<u32> = devs.iter().map(|d| d.number()).collect();
+        numbers.sort();
+        numbers.dedup();
+        let attached_n = attached(dir.path()).len();
+        drop(devs);
+        for n in &numbers {
+            assert!(wait_detached(*n));
+        }
+        assert_eq!(failed, Vec::<String>::new(), "attaches failed");
+        assert_eq!(numbers.len(), N, "devices shared");
+        assert_eq!(attached_n, N);
     }
 }

@@ -145,3 +145,56 @@ pub fn exec_nondumpable(cmd: &mut std::process::Command) {
         });
     }
 }
+
+/// Sets or clears close-on-exec on `fd` (one the caller holds by number, e.g. inherited).
+/// Errors: `EBADF` for a closed fd.
+pub fn set_cloexec(fd: std::os::fd::RawFd, on: bool) -> io::Result<()> {
+    let flag = if on { libc::FD_CLOEXEC } else { 0 };
+    // SAFETY: F_SETFD on a number takes an integer and touches no memory; a closed fd
+    // fails with EBADF.
+    cvt(unsafe { libc::fcntl(fd, libc::F_SETFD, flag) })?;
+    Ok(())
+}
+
+/// Makes the child of `cmd` move itself into a cgroup before it execs: it writes "0" to
+/// each of `procs_fds`, open `cgroup.procs` files (one per hierarchy). The kernel checks
+/// such a move against the credentials and cgroup namespace of whoever opened the file, so
+/// a child that already runs as an unprivileged user can still be moved by a file its
+/// privileged ancestor opened. The fds should be close-on-exec (the program must not
+/// keep them). A failed write fails the spawn with its errno.
+pub fn join_cgroups_at_exec(cmd: &mut std::process::Command, procs_fds: &[std::os::fd::RawFd]) {
+    use std::os::unix::process::CommandExt;
+    let fds = procs_fds.to_vec();
+    // SAFETY: the closure runs in the child between fork and exec, where only
+    // async-signal-safe calls are allowed: it makes nothing but write(2) calls on integers
+    // and a static buffer, and builds its error from errno without allocating.
+    unsafe {
+        cmd.pre_exec(move || {
+            for fd in &fds {
+                if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Makes `fds` (close-on-exec in this process) survive into the program `cmd` runs: the
+/// child clears the flag on each between fork and exec.
+pub fn inherit_at_exec(cmd: &mut std::process::Command, fds: &[std::os::fd::RawFd]) {
+    use std::os::unix::process::CommandExt;
+    let fds = fds.to_vec();
+    // SAFETY: the closure runs in the child between fork and exec: fcntl(F_SETFD) on
+    // integers is async-signal-safe, and nothing allocates.
+    unsafe {
+        cmd.pre_exec(move || {
+            for fd in &fds {
+                if libc::fcntl(*fd, libc::F_SETFD, 0) == -1 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+}

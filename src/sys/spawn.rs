@@ -52,6 +52,9 @@ pub struct SpawnSpec {
     /// Written to `/proc/self/oom_score_adj` in the child before it drops privileges
     /// (-1000..=1000).
     pub oom_score_adj: Option<i32>,
+    /// Open `cgroup.procs` files the child writes "0" to before it drops privileges: the
+    /// sandbox's `workload/` cgroup, so that the program never runs beside the agents.
+    pub cgroup_procs_fds: Vec<RawFd>,
 }
 
 /// A started child: its pid and the agent's ends of its stdio (all close-on-exec).
@@ -99,7 +102,7 @@ pub enum SpawnError {
 const OOM_SCORE_ADJ: &CStr = c"/proc/self/oom_score_adj";
 
 /// The steps of the child's setup, reported back through the error pipe by index.
-const STAGES: [&str; 10] = [
+const STAGES: [&str; 11] = [
     "dup2",
     "setsid",
     "TIOCSCTTY",
@@ -110,6 +113,7 @@ const STAGES: [&str; 10] = [
     "chdir",
     "close_range",
     "exec",
+    "join workload cgroup",
 ];
 
 /// Everything the child needs, prepared before fork: between fork and exec only
@@ -124,6 +128,7 @@ struct Plan<'a> {
     pty: bool,
     oom: Option<&'a [u8]>,
     ids: Option<(libc::uid_t, libc::gid_t, &'a [libc::gid_t])>,
+    cgroup_fds: &'a [RawFd],
 }
 
 fn cstring(what: impl Fn() -> String, bytes: impl Into<Vec<u8>>) -> Result<CString, SpawnError> {
@@ -227,6 +232,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
         pty: spec.pty.is_some(),
         oom: oom.as_deref(),
         ids: spec.ids.as_ref().map(|i| (i.uid, i.gid, groups.as_slice())),
+        cgroup_fds: &spec.cgroup_procs_fds,
     };
     // SAFETY: the parent has other threads, so the child may only make async-signal-safe
     // calls until exec: `exec_child` uses nothing but raw syscalls on data prepared above
@@ -332,6 +338,13 @@ fn setup_and_exec(plan: &Plan<'_>) -> (u8, i32) {
         check!(1, libc::setsid());
         if plan.pty {
             check!(2, libc::ioctl(0, libc::TIOCSCTTY, 0));
+        }
+        // Into the workload's cgroup before anything of the program runs (and while still
+        // root, though the kernel checks the opener of the files).
+        for fd in plan.cgroup_fds {
+            if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
+                return (10, errno());
+            }
         }
         if let Some(v) = plan.oom {
             // Before setuid: once the credentials change, /proc/self belongs to root.

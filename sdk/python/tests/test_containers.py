@@ -720,6 +720,51 @@ async def test_pids_limit_contains_a_fork_bomb(linux):
             await asyncio.gather(bomb.stop(), other.stop())
 
 
+def sandbox_pids(edge_id: str, sandbox_id: str) -> int:
+    """The sandbox's pids.current (every process and thread in it), v1 or v2; 0 if unreadable."""
+    for root in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
+        try:
+            return int(Path(root, "opendsec", edge_id, sandbox_id, "pids.current").read_text())
+        except (OSError, ValueError):
+            continue
+    return 0
+
+
+async def test_fork_bomb_does_not_starve_the_agents(linux):
+    """A bash fork bomb fills pids_max in one session: a new session's first command and a
+    command in another session still answer, and stop wins the race against the bomb
+    (the agents live in a cgroup of their own beside the workload's)."""
+    async with linux.client() as c:
+        sb = await c.run_sandbox(container(cpu_cores_limit=0.5))
+        stopped = False
+        try:
+            r = await sh(sb, "echo ready", session="other")
+            assert (r.exit_code, r.stdout) == (0, "ready\n"), r
+            await sb.run_shell_background(":(){ :|:& };:", session="bomb")
+            end = time.monotonic() + 20
+            while sandbox_pids(linux.edge_id, sb.id) < PIDS_MAX - 64:
+                assert time.monotonic() < end, f"the bomb reached only {sandbox_pids(linux.edge_id, sb.id)} pids"
+                await asyncio.sleep(0.1)
+            for session in ("fresh", "other"):
+                t0 = time.monotonic()
+                r = await sh(sb, "true", session=session, timeout=30)
+                took = time.monotonic() - t0
+                assert r.exit_code == 0, (session, r)
+                assert took < 10, f"run_shell('true') in session {session} took {took:.1f} s during the bomb"
+            t0 = time.monotonic()
+            await sb.stop()
+            stopped = True
+            took = time.monotonic() - t0
+            assert took < 10, f"stop took {took:.1f} s during the bomb"
+            await wait_clean(linux, sb.id)
+        finally:
+            if not stopped:
+                try:
+                    await sb.stop()
+                except DSecError as e:
+                    print(f"stopping {sb.id}: {e}")
+
+
 async def test_disk_limit(linux):
     async with linux.client() as c:
         sb = await c.run_sandbox(container(disk_mb=64))

@@ -17,9 +17,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::transport::Channel;
 
 use super::agent::{self, SetupExe};
-use super::cgroup::{Cgroups, DiskIo, Limits, SandboxCgroup};
+use super::cgroup::{CgroupError, Cgroups, DiskIo, Limits, SandboxCgroup};
 use super::disk::Disks;
-use super::setup::{self, SetupResult, SetupSpec, AGENT_PATH, LISTEN_FD, RUN_DIR};
+use super::setup::{self, SetupResult, SetupSpec, AGENT_PATH, LISTEN_FD, RUN_DIR, WORKLOAD_FD};
 use crate::backends::{
     Adopted, Backend, BackendContext, BackendError, BackendState, CleanupReport, CreateRequest,
     Handle, Health, Recorded, Runtime,
@@ -67,6 +67,14 @@ fn cfg_err(backend: &str, message: impl std::fmt::Display) -> BackendError {
     BackendError::Config {
         backend: backend.to_string(),
         message: message.to_string(),
+    }
+}
+
+/// The message of a creation error without its "creating sandbox X" prefix.
+fn create_message(e: &BackendError) -> String {
+    match e {
+        BackendError::Create { message, .. } => message.clone(),
+        other => other.to_string(),
     }
 }
 
@@ -156,6 +164,7 @@ impl ContainerBackend {
         req: &CreateRequest,
         lowers: Vec<PathBuf>,
         cg: &SandboxCgroup,
+        limits: &Limits,
     ) -> SetupSpec {
         let id = &req.sandbox_id;
         let host = id.rsplit('.').next().unwrap_or(id);
@@ -168,12 +177,17 @@ impl ContainerBackend {
             .first()
             .map(|top| super::image::defaults(top))
             .unwrap_or_default();
+        let cgroup = cg.setup_steps(limits);
+        let workload_fds = (0..cgroup.workload.len())
+            .filter_map(|i| i32::try_from(i).ok())
+            .map(|i| WORKLOAD_FD + i)
+            .collect();
         SetupSpec {
             sandbox_id: id.clone(),
             dir: self.sandbox_dir(id),
             disk_image: self.disks.path(id),
             lowers,
-            cgroup_procs: cg.procs_files(),
+            cgroup,
             cgroup_mounts: cg.mounts(),
             agent: self.agent.clone(),
             hostname: if hostname.is_empty() {
@@ -197,6 +211,7 @@ impl ContainerBackend {
                 protect_from_oom: true,
                 disk_mb: req.spec.disk_mb.max(1) as u64,
                 cgroup_dir: crate::guest::chronus::oom::CGROUP_ROOT.into(),
+                workload_cgroup_fds: workload_fds,
             },
         }
     }
@@ -248,7 +263,9 @@ impl ContainerBackend {
     }
 
     /// Removes everything of sandbox `id`: its processes, cgroup, loop device, disk and
-    /// directory. Missing pieces are fine.
+    /// directory. Missing pieces are fine. Every step is tried even after one fails (a
+    /// cgroup that will not die still lets the disk and directory go); the error lists
+    /// every failed step.
     async fn destroy(&self, id: &str) -> Result<(), BackendError> {
         self.channels().remove(id);
         let cg = self.cgroups.open(id);
@@ -256,70 +273,72 @@ impl ContainerBackend {
         let dir = self.sandbox_dir(id);
         let disks = self.disks.clone();
         let id_s = id.to_string();
-        tokio::task::spawn_blocking(move || -> Result<(), BackendError> {
-            let op = |message: String| BackendError::Operation {
-                op: "stop",
-                sandbox_id: id_s.clone(),
-                message,
-            };
-            // Every step runs even when an earlier one failed, so one stuck piece does not
-            // leave the others behind; all failures are reported together.
-            let mut failed: Vec<String> = Vec::new();
-            if cg.exists() {
-                if let Err(e) = cg.kill_all() {
-                    failed.push(crate::types::chain(&e));
-                }
-                if let Err(e) = cg.remove() {
-                    failed.push(crate::types::chain(&e));
-                }
-            }
-            // The sandbox's mount namespace held the only mount of the loop device; with
-            // autoclear the kernel detaches it shortly after the last process is gone.
-            let deadline = Instant::now() + Duration::from_secs(3);
-            loop {
-                let attached = crate::sys::loopdev::attached(&disk);
-                if attached.is_empty() {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    for (dev, _) in attached {
-                        if let Err(e) = crate::sys::loopdev::detach(&dev) {
-                            failed.push(format!(
-                                "detach {}: {}",
-                                dev.display(),
-                                crate::types::chain(&e)
-                            ));
-                        }
-                    }
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            if let Err(e) = disks.remove(&id_s) {
-                failed.push(crate::types::chain(&e));
-            }
-            match std::fs::remove_dir_all(&dir) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => failed.push(format!("{}: {e}", dir.display())),
-            }
-            if failed.is_empty() {
-                Ok(())
-            } else {
-                Err(op(failed.join("; ")))
-            }
-        })
-        .await
-        .map_err(|e| BackendError::Operation {
+        let failed =
+            tokio::task::spawn_blocking(move || destroy_steps(&cg, &disk, &disks, &id_s, &dir))
+                .await
+                .unwrap_or_else(|e| vec![e.to_string()]);
+        if failed.is_empty() {
+            return Ok(());
+        }
+        Err(BackendError::Operation {
             op: "stop",
             sandbox_id: id.to_string(),
-            message: crate::types::chain(&e),
-        })?
+            message: failed.join("; "),
+        })
     }
 
     fn state_of(h: &Handle<'_>) -> ContainerState {
         serde_json::from_value(h.state.clone()).unwrap_or_default()
     }
+}
+
+/// The blocking steps of [`ContainerBackend::destroy`]; returns what failed, in order.
+fn destroy_steps(
+    cg: &SandboxCgroup,
+    disk: &Path,
+    disks: &Disks,
+    id: &str,
+    dir: &Path,
+) -> Vec<String> {
+    let mut failed = Vec::new();
+    if cg.exists() {
+        match cg.kill_all() {
+            // remove() would only try the same kill again.
+            Err(e) => failed.push(e.to_string()),
+            Ok(()) => {
+                if let Err(e) = cg.remove() {
+                    failed.push(e.to_string());
+                }
+            }
+        }
+    }
+    // The sandbox's mount namespace held the only mount of the loop device; with
+    // autoclear the kernel detaches it shortly after the last process is gone.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let attached = crate::sys::loopdev::attached(disk);
+        if attached.is_empty() {
+            break;
+        }
+        if Instant::now() > deadline {
+            for (dev, _) in attached {
+                if let Err(e) = crate::sys::loopdev::detach(&dev) {
+                    failed.push(format!("detaching {}: {e}", dev.display()));
+                }
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if let Err(e) = disks.remove(id) {
+        failed.push(e.to_string());
+    }
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => failed.push(format!("removing {}: {e}", dir.display())),
+    }
+    failed
 }
 
 /// `disk_io` from the backend config: `{"read_mbps", "write_mbps", "read_iops",
@@ -494,25 +513,48 @@ impl Backend for ContainerBackend {
         }
         let mut report = CleanupReport::default();
         let mut failed = Vec::new();
+        let mut ids: Vec<String> = ids.into_iter().filter(|id| !keep.contains(id)).collect();
+        ids.sort();
         for id in ids {
-            if keep.contains(&id) {
-                continue;
-            }
-            // One sandbox that cannot be removed must not keep the rest on the node.
+            // One sandbox that will not go does not keep the others.
             match self.destroy(&id).await {
                 Ok(()) => report.removed.push(format!("container {id}")),
-                Err(e) => failed.push(e),
+                Err(BackendError::Operation { message, .. }) => failed.push((id, message)),
+                Err(e) => failed.push((id, e.to_string())),
             }
         }
-        match failed.into_iter().next() {
-            None => Ok(report),
-            Some(first) => {
-                tracing::warn!(
-                    removed = report.removed.len(),
-                    "cleanup left something behind"
-                );
-                Err(first)
-            }
+        if !failed.is_empty() {
+            let ids: Vec<&str> = failed.iter().map(|(id, _)| id.as_str()).collect();
+            let messages: Vec<String> = failed.iter().map(|(id, m)| format!("{id}: {m}")).collect();
+            return Err(BackendError::Operation {
+                op: "cleanup",
+                sandbox_id: ids.join(", "),
+                message: messages.join("; "),
+            });
+        }
+        Ok(report)
+    }
+
+    async fn release_node(&self) -> Result<(), BackendError> {
+        let cgroups = self.cgroups.clone();
+        let step = "removing the edge's cgroup parent";
+        match tokio::task::spawn_blocking(move || cgroups.remove_parents()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(CgroupError::Remove { path, source })) => Err(BackendError::Io {
+                step,
+                path: path.display().to_string(),
+                source,
+            }),
+            Ok(Err(e)) => Err(BackendError::Io {
+                step,
+                path: String::new(),
+                source: std::io::Error::other(e),
+            }),
+            Err(e) => Err(BackendError::Io {
+                step,
+                path: String::new(),
+                source: std::io::Error::other(e),
+            }),
         }
     }
 
@@ -545,6 +587,7 @@ impl ContainerBackend {
             id.to_string(),
         );
         let disk_mb = spec.disk_mb.max(1) as u64;
+        let limits2 = limits.clone();
         let cg = tokio::task::spawn_blocking(move || -> Result<SandboxCgroup, String> {
             std::fs::create_dir_all(&dir2)
                 .map_err(|e| format!("{}: {e}", dir2.display(), e = crate::types::chain(&e)))?;
@@ -552,13 +595,13 @@ impl ContainerBackend {
                 .create(&id2, disk_mb)
                 .map_err(|e| crate::types::chain(&e))?;
             cgroups
-                .create(&id2, &limits)
+                .create(&id2, &limits2)
                 .map_err(|e| crate::types::chain(&e))
         })
         .await
         .map_err(|e| create_err(id, e))?
         .map_err(|e| create_err(id, e))?;
-        let setup_spec = self.setup_spec(req, lowers, &cg);
+        let setup_spec = self.setup_spec(req, lowers, &cg, &limits);
         let res = self
             .run_setup(&setup_spec)
             .await

@@ -6,9 +6,18 @@
 //! `cgroup.controllers`: each controller is used on whichever hierarchy holds it, and a
 //! sandbox's cgroup is one directory `<parent>/<sandbox_id>` in every hierarchy used.
 //!
-//! Limits (docs/architecture.md, docs/configuration.md `pids_max`, `disk_io`): CPU quota, `cpu.idle`
-//! for best-effort sandboxes, memory without swap, a process count, disk I/O throttles on the
+//! Limits (docs/configuration.md `pids_max`, `disk_io`): CPU quota, `cpu.idle` for
+//! best-effort sandboxes, memory without swap, a process count, disk I/O throttles on the
 //! sandbox's loop device; the freezer pauses a sandbox.
+//!
+//! Inside the sandbox's cgroup, on cgroup v2 and on the v1 hierarchies of `cpu` and `pids`,
+//! two children split the agents from what they run (docs/architecture.md "Cgroups"):
+//! `agent/` holds aether and every chronus, with a high CPU weight and a small pids reserve
+//! of its own; `workload/` holds every session shell, its commands and the processes of the
+//! process API, with the sandbox's `pids_max`. A fork bomb then fills `workload/` only: the
+//! agents still fork (a new session's chronus) and still get the CPU they need. Memory, I/O
+//! and the freezer stay whole-sandbox limits (the sandbox cgroup itself); on v1 the other
+//! hierarchies are not split at all (v1 blkio throttles are not hierarchical).
 
 use std::collections::BTreeSet;
 use std::fs::{self, OpenOptions};
@@ -113,6 +122,38 @@ pub enum CgroupError {
     /// Removing a cgroup directory failed.
     #[error("removing cgroup {path}")]
     Remove { path: PathBuf, source: io::Error },
+}
+
+/// The agents' child cgroup of a sandbox: aether and chronus.
+pub const AGENT: &str = "agent";
+/// The workload's child cgroup of a sandbox: session shells, commands, processes.
+pub const WORKLOAD: &str = "workload";
+/// The agents' own process (and thread) limit, on top of the workload's `pids_max`: aether,
+/// one chronus per session and their runtime threads.
+pub const AGENT_PIDS_MAX: i64 = 512;
+/// The agents' CPU weight against the workload's default (v2 `cpu.weight`, 100): the most
+/// the kernel takes, so the agents run whenever they are runnable.
+const AGENT_CPU_WEIGHT: &str = "10000";
+/// The same on v1 (`cpu.shares`; the default is 1024), for the same 100:1 ratio.
+const AGENT_CPU_SHARES: &str = "102400";
+
+/// What the sandbox's setup process does with its cgroups, in this order (see
+/// [`SandboxCgroup::setup_steps`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SetupSteps {
+    /// 1. Write "0" to each: join the sandbox's own cgroup in every hierarchy, so that the
+    ///    cgroup namespace unshared next is rooted there.
+    pub join: Vec<PathBuf>,
+    /// 2. Open each for writing before unsharing the cgroup namespace (a migration is
+    ///    checked against the namespace and credentials of the open): `workload/cgroup.procs`
+    ///    of every split hierarchy, for aether to move the workload's processes in.
+    pub workload: Vec<PathBuf>,
+    /// 3. After the unshare, write "0" to each: move into `agent/` where there is one.
+    pub agent: Vec<PathBuf>,
+    /// 4. Then write each value to its file: v2 controllers for the children (only allowed
+    ///    once the sandbox's cgroup itself holds no process) and the children's limits.
+    pub writes: Vec<(PathBuf, String)>,
 }
 
 #[derive(Debug)]
@@ -257,9 +298,21 @@ impl Cgroups {
                 self.enable_v2_controllers(&h.mount)?;
             }
             let dir = h.mount.join(&l.parent).join(sandbox_id);
-            fs::create_dir_all(&dir).map_err(|source| CgroupError::Mkdir { path: dir, source })?;
+            fs::create_dir_all(&dir).map_err(|source| CgroupError::Mkdir {
+                path: dir.clone(),
+                source,
+            })?;
         }
         let cg = self.open(sandbox_id);
+        for h in 0..l.hierarchies.len() {
+            if cg.is_split(h) {
+                for child in [AGENT, WORKLOAD] {
+                    let dir = cg.dir(h).join(child);
+                    fs::create_dir_all(&dir)
+                        .map_err(|source| CgroupError::Mkdir { path: dir, source })?;
+                }
+            }
+        }
         cg.set_limits(limits)?;
         tracing::debug!(sandbox_id, "cgroup created");
         Ok(cg)
@@ -322,6 +375,46 @@ impl Cgroups {
         }
     }
 
+    /// Removes the parent (`opendsec/<edge_id>`) and then each of its ancestors below the
+    /// hierarchy roots, in every hierarchy, where they are empty: what an exiting edge
+    /// leaves when it stops its sandboxes. A parent that still holds a sandbox's cgroup
+    /// (one kept running across an edge restart, or another edge's under `opendsec`) stays;
+    /// that is not an error. Errors: `Remove` for anything else the kernel refuses; every
+    /// hierarchy is tried even after one fails, and the first failure is returned.
+    pub fn remove_parents(&self) -> Result<(), CgroupError> {
+        let l = &self.layout;
+        let mut first_err = None;
+        for h in &l.hierarchies {
+            let mut rel = l.parent.clone();
+            while rel.components().next().is_some() {
+                let dir = h.mount.join(&rel);
+                match fs::remove_dir(&dir) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    // Not empty: a cgroup (v2 EBUSY, v1 EBUSY/ENOTEMPTY) still lives below.
+                    Err(e)
+                        if matches!(
+                            e.raw_os_error(),
+                            Some(libc::EBUSY) | Some(libc::ENOTEMPTY) | Some(libc::EEXIST)
+                        ) =>
+                    {
+                        break
+                    }
+                    Err(source) => {
+                        first_err.get_or_insert(CgroupError::Remove { path: dir, source });
+                        break;
+                    }
+                }
+                if !rel.pop() {
+                    break;
+                }
+            }
+        }
+        // The ancestors are made again (with their controllers) by the next create.
+        l.v2_enabled.store(false, Ordering::Relaxed);
+        first_err.map_or(Ok(()), Err)
+    }
+
     /// The ids of every sandbox that has a cgroup under the parent in any hierarchy, sorted
     /// (for cleanup of sandboxes the edge has no record of).
     pub fn list(&self) -> Vec<String> {
@@ -367,14 +460,103 @@ impl SandboxCgroup {
         self.layout.hierarchies.get(h).is_some_and(|x| x.v2)
     }
 
-    /// Every hierarchy's `cgroup.procs` of this cgroup: the sandbox's setup process writes
-    /// "0" to each to join before it starts anything.
-    pub fn procs_files(&self) -> Vec<PathBuf> {
-        self.dirs().map(|d| d.join("cgroup.procs")).collect()
+    /// Whether hierarchy `h` splits the sandbox into `agent/` and `workload/`: cgroup v2,
+    /// and the v1 hierarchies of the controllers the split is for (cpu, pids).
+    fn is_split(&self, h: usize) -> bool {
+        let at = &self.layout.at;
+        self.is_v2(h) || at.cpu == Some(h) || at.pids == Some(h)
     }
 
-    /// Moves `pid` (the whole process) into this cgroup in every hierarchy. Errors: `Join`
-    /// with the procs file the kernel refused (the process is gone: `ESRCH`).
+    /// The directory of child `child` (`agent`, `workload`) in hierarchy `h`, or the
+    /// sandbox's own where the hierarchy is not split.
+    fn member_dir(&self, h: usize, child: &str) -> PathBuf {
+        if self.is_split(h) {
+            self.dir(h).join(child)
+        } else {
+            self.dir(h)
+        }
+    }
+
+    /// Every hierarchy's `cgroup.procs` of the sandbox's workload: `workload/` where the
+    /// hierarchy is split, else the sandbox's own.
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        (0..self.layout.hierarchies.len())
+            .map(|h| self.member_dir(h, WORKLOAD).join("cgroup.procs"))
+            .collect()
+    }
+
+    /// What the setup process does to put the sandbox's agents into `agent/` and to let
+    /// aether move the workload into `workload/` later (see [`SetupSteps`]). `limits` are
+    /// the ones given to [`Cgroups::create`]: on v2 the children's limit files only appear
+    /// once the controllers are enabled, which step 4 does.
+    pub fn setup_steps(&self, limits: &Limits) -> SetupSteps {
+        let n = self.layout.hierarchies.len();
+        let mut steps = SetupSteps {
+            join: self.dirs().map(|d| d.join("cgroup.procs")).collect(),
+            ..Default::default()
+        };
+        for h in (0..n).filter(|h| self.is_split(*h)) {
+            steps
+                .workload
+                .push(self.dir(h).join(WORKLOAD).join("cgroup.procs"));
+            steps
+                .agent
+                .push(self.dir(h).join(AGENT).join("cgroup.procs"));
+            if self.is_v2(h) {
+                let enable = self.child_controllers(h);
+                if !enable.is_empty() {
+                    steps
+                        .writes
+                        .push((self.dir(h).join("cgroup.subtree_control"), enable));
+                }
+            }
+        }
+        steps.writes.extend(self.child_limit_writes(limits));
+        steps
+    }
+
+    /// The v2 controllers the children need in hierarchy `h` ("+cpu +pids"): those of the
+    /// split that this hierarchy holds.
+    fn child_controllers(&self, h: usize) -> String {
+        let at = &self.layout.at;
+        let mut v = Vec::new();
+        if at.cpu == Some(h) {
+            v.push("+cpu");
+        }
+        if at.pids == Some(h) {
+            v.push("+pids");
+        }
+        v.join(" ")
+    }
+
+    /// The limits of `agent/` and `workload/`: the agents' CPU weight and pids reserve, the
+    /// workload's `pids_max`.
+    fn child_limit_writes(&self, limits: &Limits) -> Vec<(PathBuf, String)> {
+        let at = &self.layout.at;
+        let mut out = Vec::new();
+        if let Some(h) = at.cpu.filter(|h| self.is_split(*h)) {
+            let agent = self.dir(h).join(AGENT);
+            if self.is_v2(h) {
+                out.push((agent.join("cpu.weight"), AGENT_CPU_WEIGHT.to_string()));
+            } else {
+                out.push((agent.join("cpu.shares"), AGENT_CPU_SHARES.to_string()));
+            }
+        }
+        if let Some(h) = at.pids.filter(|h| self.is_split(*h)) {
+            out.push((
+                self.dir(h).join(AGENT).join("pids.max"),
+                AGENT_PIDS_MAX.to_string(),
+            ));
+            out.push((
+                self.dir(h).join(WORKLOAD).join("pids.max"),
+                pids_value(limits.pids_max),
+            ));
+        }
+        out
+    }
+
+    /// Moves `pid` (the whole process) into the sandbox's workload in every hierarchy.
+    /// Errors: `Join` with the procs file the kernel refused (the process is gone: `ESRCH`).
     pub fn join(&self, pid: u32) -> Result<(), CgroupError> {
         for path in self.procs_files() {
             write_raw(&path, &pid.to_string()).map_err(|source| CgroupError::Join {
@@ -449,6 +631,15 @@ impl SandboxCgroup {
                 (self.dir(i), name)
             })
             .collect()
+    }
+}
+
+/// A `pids.max` value: the number, or "max" for 0 and below (unlimited).
+fn pids_value(n: i64) -> String {
+    if n > 0 {
+        n.to_string()
+    } else {
+        "max".into()
     }
 }
 
@@ -607,7 +798,38 @@ mod tests {
         assert_eq!(read(&sb.join("cpu.idle")), "1");
         assert_eq!(read(&sb.join("memory.max")), (512u64 << 20).to_string());
         assert_eq!(read(&sb.join("memory.swap.max")), "0");
-        assert_eq!(read(&sb.join("pids.max")), "4096");
+        // The workload's pids_max plus the agents' reserve.
+        assert_eq!(read(&sb.join("pids.max")), "4608");
+        // What the setup process does: join here, then agent/, enable the children's
+        // controllers and give them their limits; workload/ is what aether keeps open.
+        let steps = cg.setup_steps(&limits());
+        assert_eq!(steps.join, [sb.join("cgroup.procs")]);
+        assert_eq!(steps.agent, [sb.join("agent/cgroup.procs")]);
+        assert_eq!(steps.workload, [sb.join("workload/cgroup.procs")]);
+        let writes: Vec<(PathBuf, &str)> = steps
+            .writes
+            .iter()
+            .map(|(p, v)| (p.clone(), v.as_str()))
+            .collect();
+        assert_eq!(
+            writes,
+            [
+                (sb.join("cgroup.subtree_control"), "+cpu +pids"),
+                (sb.join("agent/cpu.weight"), "10000"),
+                (sb.join("agent/pids.max"), "512"),
+                (sb.join("workload/pids.max"), "4096"),
+            ]
+        );
+        assert!(sb.join("agent").is_dir() && sb.join("workload").is_dir());
+        // Once the controllers are there, create (a warm sandbox's new limits) sets them.
+        for f in ["agent/cpu.weight", "agent/pids.max", "workload/pids.max"] {
+            fs::write(sb.join(f), "").expect("child control file");
+        }
+        fs::write(sb.join("workload/cgroup.procs"), "").expect("workload procs");
+        cgs.create("e1.a", &limits()).expect("create with children");
+        assert_eq!(read(&sb.join("agent/cpu.weight")), "10000");
+        assert_eq!(read(&sb.join("agent/pids.max")), "512");
+        assert_eq!(read(&sb.join("workload/pids.max")), "4096");
 
         // Unlimited, not idle; no cpu.idle on this kernel: the weight instead.
         fs::remove_file(sb.join("cpu.idle")).expect("rm cpu.idle");
@@ -624,6 +846,7 @@ mod tests {
         assert_eq!(read(&sb.join("cpu.weight")), "100");
         assert_eq!(read(&sb.join("memory.max")), "max");
         assert_eq!(read(&sb.join("pids.max")), "max");
+        assert_eq!(read(&sb.join("workload/pids.max")), "max");
 
         let io = DiskIo {
             read_mbps: 1,
@@ -638,8 +861,8 @@ mod tests {
         );
 
         cg.join(42).expect("join");
-        assert_eq!(read(&sb.join("cgroup.procs")), "42");
-        assert_eq!(cg.procs_files(), [sb.join("cgroup.procs")]);
+        assert_eq!(read(&sb.join("workload/cgroup.procs")), "42");
+        assert_eq!(cg.procs_files(), [sb.join("workload/cgroup.procs")]);
         assert_eq!(cg.pids(), [42]);
         assert_eq!(cg.memory_bytes(), 1234);
         assert_eq!(cg.oom_kills(), 2);
@@ -664,6 +887,7 @@ mod tests {
         );
 
         fs::write(sb.join("cgroup.procs"), "").expect("empty procs");
+        fs::write(sb.join("workload/cgroup.procs"), "").expect("empty procs");
         cg.kill_all().expect("kill_all");
         assert_eq!(
             read(&sb.join("cgroup.kill")),
@@ -675,6 +899,41 @@ mod tests {
         let e = cg.kill_all().expect_err("never empties");
         assert!(matches!(e, CgroupError::KillTimeout { left: 1, .. }), "{e}");
         assert_eq!(read(&sb.join("cgroup.kill")), "1");
+        // Dying tasks must get the CPU to exit: the quota went first.
+        assert_eq!(read(&sb.join("cpu.max")), "max");
+    }
+
+    #[test]
+    fn remove_parents_takes_only_empty_ones() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path();
+        for version in [CgroupVersion::V1, CgroupVersion::V2] {
+            let cgs = Cgroups::at(root, version, "opendsec/e1");
+            let others = Cgroups::at(root, version, "opendsec/e2");
+            let parents = |c: &Cgroups| -> Vec<PathBuf> {
+                c.layout
+                    .hierarchies
+                    .iter()
+                    .map(|h| h.mount.join(&c.layout.parent))
+                    .collect()
+            };
+            for p in parents(&cgs).iter().chain(parents(&others).iter()) {
+                fs::create_dir_all(p).expect("mkdir parent");
+            }
+            // e2 still has a sandbox: its parent and the shared `opendsec` stay.
+            let kept = parents(&others)[0].join("e2.a");
+            fs::create_dir_all(&kept).expect("mkdir sandbox");
+            cgs.remove_parents().expect("remove e1");
+            assert!(parents(&cgs).iter().all(|p| !p.exists()), "{version:?}");
+            assert!(kept.is_dir());
+            fs::remove_dir(&kept).expect("rm sandbox");
+            others.remove_parents().expect("remove e2");
+            for h in &others.layout.hierarchies {
+                assert!(!h.mount.join("opendsec").exists(), "{version:?}");
+                assert!(h.mount.is_dir(), "the hierarchy root stays");
+            }
+            cgs.remove_parents().expect("nothing there is fine");
+        }
     }
 
     #[test]
@@ -706,7 +965,47 @@ mod tests {
         );
         assert_eq!(read(&sb("memory").join("memory.oom_control")), "0");
         assert!(!sb("memory").join("memory.memsw.limit_in_bytes").exists());
-        assert_eq!(read(&sb("pids").join("pids.max")), "4096");
+        assert_eq!(read(&sb("pids").join("pids.max")), "4608");
+        // v1 splits only where the split is for (cpu, pids); memory, the freezer and blkio
+        // (whose throttles are not hierarchical on v1) keep every process in the sandbox's
+        // own cgroup.
+        for c in ["cpu", "pids"] {
+            assert!(sb(c).join("agent").is_dir() && sb(c).join("workload").is_dir());
+        }
+        for c in ["cpuacct", "memory", "freezer", "blkio"] {
+            assert!(!sb(c).join("agent").exists(), "{c}");
+        }
+        let steps = cg.setup_steps(&limits());
+        assert_eq!(steps.join.len(), 6);
+        assert_eq!(
+            steps.agent,
+            [
+                sb("cpu").join("agent/cgroup.procs"),
+                sb("pids").join("agent/cgroup.procs")
+            ]
+        );
+        assert_eq!(
+            steps.workload,
+            [
+                sb("cpu").join("workload/cgroup.procs"),
+                sb("pids").join("workload/cgroup.procs")
+            ]
+        );
+        let writes: Vec<(PathBuf, &str)> = steps
+            .writes
+            .iter()
+            .map(|(p, v)| (p.clone(), v.as_str()))
+            .collect();
+        assert_eq!(
+            writes,
+            [
+                (sb("cpu").join("agent/cpu.shares"), "102400"),
+                (sb("pids").join("agent/pids.max"), "512"),
+                (sb("pids").join("workload/pids.max"), "4096"),
+            ]
+        );
+        assert_eq!(cg.procs_files()[0], sb("cpu").join("workload/cgroup.procs"));
+        assert_eq!(cg.procs_files()[2], sb("memory").join("cgroup.procs"));
         for c in ["cpuacct", "freezer", "blkio"] {
             assert!(sb(c).is_dir(), "{c}");
         }
@@ -790,7 +1089,17 @@ mod tests {
         assert_eq!(cgs.list(), ["e1.a"]);
         let mem = cg.layout.at.memory.map(|h| cg.dir(h)).expect("memory");
         let pids_dir = cg.layout.at.pids.map(|h| cg.dir(h)).expect("pids");
-        assert_eq!(read(&pids_dir.join("pids.max")).trim(), "64");
+        assert_eq!(
+            read(&pids_dir.join("pids.max")).trim(),
+            (64 + AGENT_PIDS_MAX).to_string()
+        );
+        if cgs.version() == CgroupVersion::V1 {
+            assert_eq!(read(&pids_dir.join("workload/pids.max")).trim(), "64");
+            assert_eq!(
+                read(&pids_dir.join("agent/pids.max")).trim(),
+                AGENT_PIDS_MAX.to_string()
+            );
+        }
         if cgs.version() == CgroupVersion::V1 {
             let cpu = cg.layout.at.cpu.map(|h| cg.dir(h)).expect("cpu");
             assert_eq!(read(&cpu.join("cpu.cfs_quota_us")).trim(), "25000");
@@ -882,6 +1191,53 @@ mod tests {
         assert!(!cg.exists());
         cg.remove().expect("remove twice");
         assert!(cgs.list().is_empty());
+    }
+
+    /// A bash fork bomb filling its pids limit behind a 0.1-core quota: kill_all empties
+    /// the cgroup well within its deadline (it used to give up after 5 s with more than a
+    /// thousand processes left: the killed ones could not get the CPU to exit).
+    #[test]
+    fn host_kill_all_wins_against_a_fork_bomb() {
+        if !root_or_skip("host_kill_all_wins_against_a_fork_bomb") {
+            return;
+        }
+        if !Path::new("/bin/bash").exists() {
+            eprintln!("skipping host_kill_all_wins_against_a_fork_bomb: no bash");
+            return;
+        }
+        let hp = HostParent::new();
+        // The defaults of a sandbox a trainer makes by the thousand: a tenth of a core,
+        // pids_max 4096.
+        let lim = Limits {
+            cpu_cores: 0.1,
+            idle: false,
+            memory_mb: 2048,
+            pids_max: 4096,
+            disk_io: None,
+        };
+        let cg = hp.cgs.create("e1.bomb", &lim).expect("create");
+        let mut child = spawn(&["bash", "-c", "read x; :(){ :|:& };:"]);
+        cg.join(child.id()).expect("join");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(b"go\n")
+            .expect("go");
+        // Let it fill the limit.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while cg.pids().len() < 3500 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let n = cg.pids().len();
+        let t = Instant::now();
+        let r = cg.kill_all();
+        let took = t.elapsed();
+        let _ = child.wait();
+        r.unwrap_or_else(|e| panic!("kill_all with {n} processes: {e}"));
+        assert!(cg.pids().is_empty());
+        assert!(took < Duration::from_secs(5), "{n} processes took {took:?}");
+        cg.remove().expect("remove");
     }
 
     #[test]

@@ -21,11 +21,14 @@ use nix::unistd::{pipe2, Pid};
 
 use super::policy;
 use super::rootfs;
-use super::setup::{SetupResult, SetupSpec, AETHER_CONFIG, AGENT_PATH, LISTEN_FD};
+use super::setup::{SetupResult, SetupSpec, AETHER_CONFIG, AGENT_PATH, LISTEN_FD, WORKLOAD_FD};
 use crate::sys::loopdev::LoopDevice;
 use crate::sys::process::{
     close_fds_from, dup_to, fork_single_threaded, sched_core_create, Forked,
 };
+
+/// Where fds are parked before being placed at the numbers aether expects.
+const HANDED_DOWN_ABOVE: rustix::fd::RawFd = 64;
 
 /// A failed setup step.
 #[derive(Debug, thiserror::Error)]
@@ -81,8 +84,17 @@ pub fn main() -> ExitCode {
 fn run(spec: &SetupSpec) -> Result<SetupResult, InitError> {
     // A session of its own: no signal for the edge's terminal or process group reaches it.
     sys("setsid", nix::unistd::setsid())?;
-    for procs in &spec.cgroup_procs {
+    let steps = &spec.cgroup;
+    for procs in &steps.join {
         sys("join cgroup", std::fs::write(procs, "0"))?;
+    }
+    // Opened here, in the host's cgroup namespace and as root: a later move through them
+    // is checked against that, not against whoever writes (a session's unprivileged
+    // chronus) or the sandbox's own namespace (which does not reach `workload/`).
+    let mut workload = Vec::with_capacity(steps.workload.len());
+    for procs in &steps.workload {
+        let f = std::fs::OpenOptions::new().write(true).open(procs);
+        workload.push(sys("open workload cgroup", f)?);
     }
     sys(
         "unshare",
@@ -95,11 +107,19 @@ fn run(spec: &SetupSpec) -> Result<SetupResult, InitError> {
                 | CloneFlags::CLONE_NEWPID,
         ),
     )?;
+    // The agents go to `agent/`; the sandbox's own cgroup is left empty, which v2 needs
+    // before the children can get their controllers.
+    for procs in &steps.agent {
+        sys("join agent cgroup", std::fs::write(procs, "0"))?;
+    }
+    for (file, value) in &steps.writes {
+        sys("write cgroup limit", std::fs::write(file, value))?;
+    }
     let (r, w) = sys("pipe", pipe2(nix::fcntl::OFlag::O_CLOEXEC))?;
     match sys("fork", fork_single_threaded())? {
         Forked::Child => {
             drop(r);
-            let err = match child(spec, &w) {
+            let err = match child(spec, &w, &workload) {
                 Ok(never) => match never {},
                 Err(e) => e,
             };
@@ -132,7 +152,11 @@ fn run(spec: &SetupSpec) -> Result<SetupResult, InitError> {
 }
 
 /// PID 1 of the new pid namespace: builds the sandbox and becomes aether.
-fn child(spec: &SetupSpec, report: &OwnedFd) -> Result<Infallible, InitError> {
+fn child(
+    spec: &SetupSpec,
+    report: &OwnedFd,
+    workload: &[std::fs::File],
+) -> Result<Infallible, InitError> {
     rootfs::make_private()?;
     let (disk, root) = rootfs::scratch(&spec.dir)?;
     let dev = sys(
@@ -164,7 +188,22 @@ fn child(spec: &SetupSpec, report: &OwnedFd) -> Result<Infallible, InitError> {
     sys("report", nix::unistd::write(report, line.as_bytes()))?;
     // From here on a failure shows as aether never answering; the edge times out and
     // removes the sandbox.
-    sys("dup listener", dup_to(listener.as_fd(), LISTEN_FD))?;
+    // Everything handed down first goes above the target numbers, so that placing one
+    // never overwrites another that happens to sit on its target.
+    let high = |fd: std::os::fd::BorrowedFd<'_>| {
+        rustix::io::fcntl_dupfd_cloexec(fd, HANDED_DOWN_ABOVE).map_err(std::io::Error::from)
+    };
+    let listener_high = sys("move listener", high(listener.as_fd()))?;
+    let mut workload_high = Vec::with_capacity(workload.len());
+    for f in workload {
+        workload_high.push(sys("move workload cgroup", high(f.as_fd()))?);
+    }
+    sys("dup listener", dup_to(listener_high.as_fd(), LISTEN_FD))?;
+    let mut next_fd = WORKLOAD_FD;
+    for f in &workload_high {
+        sys("dup workload cgroup", dup_to(f.as_fd(), next_fd))?;
+        next_fd += 1;
+    }
     let null = sys(
         "open /dev/null",
         std::fs::OpenOptions::new()
@@ -175,7 +214,7 @@ fn child(spec: &SetupSpec, report: &OwnedFd) -> Result<Infallible, InitError> {
     for fd in 0..=2 {
         sys("redirect stdio", dup_to(null.as_fd(), fd))?;
     }
-    sys("close inherited fds", close_fds_from(LISTEN_FD as u32 + 1))?;
+    sys("close inherited fds", close_fds_from(next_fd as u32))?;
     let path = cstr(AGENT_PATH)?;
     let argv = [cstr("aether")?, cstr("--config")?, cstr(AETHER_CONFIG)?];
     let env = [cstr(

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use super::cgroup::SetupSteps;
 use crate::guest::config::AetherConfig;
 
 /// One sandbox's setup, decided by the edge.
@@ -19,9 +20,10 @@ pub struct SetupSpec {
     pub disk_image: PathBuf,
     /// The image's lower directories, topmost first.
     pub lowers: Vec<PathBuf>,
-    /// Each cgroup hierarchy's `cgroup.procs` of the sandbox's cgroup: the setup process
-    /// joins them before unsharing, so every process of the sandbox starts inside.
-    pub cgroup_procs: Vec<PathBuf>,
+    /// How the setup process joins the sandbox's cgroups: the sandbox's own before
+    /// unsharing (so every process of the sandbox starts inside and the cgroup namespace is
+    /// rooted there), then `agent/`, keeping `workload/` open for aether.
+    pub cgroup: SetupSteps,
     /// What to bind read-only at /sys/fs/cgroup: (host dir, name below /sys/fs/cgroup; ""
     /// for the directory itself on cgroup v2).
     pub cgroup_mounts: Vec<(PathBuf, String)>,
@@ -59,6 +61,9 @@ pub const AETHER_CONFIG: &str = "/run/opendsec/aether.json";
 pub const RUN_DIR: &str = "/run/opendsec";
 /// The file descriptor aether inherits its listening socket on.
 pub const LISTEN_FD: i32 = 3;
+/// The first of the fds aether inherits the sandbox's `workload/cgroup.procs` files on (one
+/// per split hierarchy, consecutive).
+pub const WORKLOAD_FD: i32 = 4;
 
 /// Docker's default masked paths (hidden behind an empty file or directory).
 pub const DEFAULT_MASKED: &[&str] = &[

@@ -157,6 +157,13 @@ async fn run(cfg: AetherConfig) -> Result<(), AetherError> {
             tracing::debug!(error = %crate::types::chain(&e), "cannot lower aether's OOM score");
         }
     }
+    for fd in &cfg.workload_cgroup_fds {
+        // Only chronus gets them (explicitly, at its exec): a workload process holding one
+        // could move the agents into the workload's cgroup.
+        if let Err(e) = crate::sys::process::set_cloexec(*fd, true) {
+            tracing::warn!(fd, error = %e, "inherited workload cgroup fd");
+        }
+    }
     let is_pid1 = cfg.pid1 && std::process::id() == 1;
     if !is_pid1 {
         // Orphans of the sandbox come here, as they would to a PID 1.

@@ -257,6 +257,10 @@ impl Sessions {
         // Non-dumpable from exec on: a root session must never ptrace a root chronus, not
         // even in the instant before it makes itself non-dumpable.
         crate::sys::process::exec_nondumpable(&mut cmd);
+        // chronus stays in the agents' cgroup and moves its shells into the workload's.
+        if !self.cfg.workload_cgroup_fds.is_empty() {
+            crate::sys::process::inherit_at_exec(&mut cmd, &self.cfg.workload_cgroup_fds);
+        }
         let child = cmd.spawn().map_err(|e| {
             Failure::unavailable(format!(
                 "session {name:?}: starting {}: {e}",

@@ -132,6 +132,10 @@ pub fn read_config(path: &str) -> Result<AetherConfig, ChronusError> {
 
 fn run(a: ChronusArgs) -> Result<(), ChronusError> {
     let cfg = read_config(&a.config)?;
+    for fd in &cfg.workload_cgroup_fds {
+        // For the shell's child to write to before its exec, never for the shell to keep.
+        let _ = crate::sys::process::set_cloexec(*fd, true);
+    }
     let creds = user::resolve(&a.user, Path::new("/"))?;
     let dir = std::path::absolute(&a.dir).map_err(|source| ChronusError::SessionDir {
         path: a.dir.clone(),
@@ -226,7 +230,8 @@ async fn serve(
     let reaper = Reaper::start().map_err(ChronusError::Runtime)?;
     let dirs = start_dirs(&cfg, &creds);
     let env = user::environ(&creds, &cfg.env, &BTreeMap::new());
-    let spec = shell::ShellSpec::find(env, dirs.clone(), cfg.protect_from_oom);
+    let mut spec = shell::ShellSpec::find(env, dirs.clone(), cfg.protect_from_oom);
+    spec.cgroup_procs_fds = cfg.workload_cgroup_fds.clone();
     let limits = table::Limits::from_env();
     let cwd = dirs.first().cloned().unwrap_or_else(|| PathBuf::from("/"));
     let (s, jobs) = session::Session::new(dir.clone(), limits, cwd, spec.flavor);

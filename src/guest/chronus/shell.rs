@@ -38,6 +38,9 @@ pub struct ShellSpec {
     pub oom_first: bool,
     /// bash or a POSIX sh.
     pub flavor: Flavor,
+    /// Open `workload/cgroup.procs` files: the shell moves itself there before its exec,
+    /// so it and its commands never run in the agents' cgroup.
+    pub cgroup_procs_fds: Vec<std::os::fd::RawFd>,
 }
 
 impl ShellSpec {
@@ -66,6 +69,7 @@ impl ShellSpec {
             fallback_dirs,
             oom_first: oom,
             flavor,
+            cgroup_procs_fds: Vec::new(),
         }
     }
 }
@@ -100,6 +104,9 @@ impl Shell {
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
+            if !spec.cgroup_procs_fds.is_empty() {
+                crate::sys::process::join_cgroups_at_exec(&mut c, &spec.cgroup_procs_fds);
+            }
             match c.spawn() {
                 Ok(mut child) => {
                     let pid = child.id();

@@ -68,6 +68,7 @@ pub(super) fn prepare(
         stdin: req.stdin,
         pty,
         oom_score_adj: cfg.protect_from_oom.then_some(PROCESS_OOM_SCORE_ADJ),
+        cgroup_procs_fds: cfg.workload_cgroup_fds.clone(),
     })
 }
 

@@ -248,6 +248,11 @@ pub async fn start_with_backends(
         if !keep {
             core.stop_all_real().await;
         }
+        for (name, slot) in &core.slots {
+            if let Err(e) = slot.backend.release_node().await {
+                tracing::warn!(edge_id = %core.edge_id, backend = %name, error = %e, "releasing the node's backend state");
+            }
+        }
         let left = releaser.close(RELEASE_FLUSH).await;
         let _ = releaser_task.await;
         tracing::info!(edge_id = %core.edge_id, leases_left = left, "edge stopped");

@@ -13,6 +13,8 @@ use super::{keyed_value, write_file, CgroupError, SandboxCgroup};
 
 /// How long `freeze` waits for the kernel to report FROZEN.
 const FREEZE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long one freeze of `kill_all` waits for FROZEN before killing anyway.
+const FREEZE_IN_KILL: Duration = Duration::from_millis(1000);
 /// How long `kill_all` waits for the cgroup to empty.
 const KILL_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long `remove` retries an rmdir that finds the cgroup still busy (exiting tasks).
@@ -84,12 +86,20 @@ impl SandboxCgroup {
         }
     }
 
-    /// Kills every process in the cgroup and waits (bounded) until it is empty. Uses v2
-    /// `cgroup.kill` where there is one; else freezes (so nothing forks or exits meanwhile
-    /// and no pid is reused), sends SIGKILL to every member, and thaws so they can die; this
-    /// also works on a paused sandbox. Errors: `Signal`, or `KillTimeout` after about 5 s.
+    /// Kills every process in the cgroup and waits (bounded) until it is empty; works on a
+    /// paused sandbox and wins against a fork bomb. First the sandbox's CPU quota and
+    /// idleness are lifted: a killed task still has to run to exit, and thousands of them
+    /// behind a 0.1-core quota take many seconds. Then v2 `cgroup.kill` where there is one
+    /// (the kernel also kills what is forked meanwhile); else freeze, SIGKILL every member,
+    /// thaw: once the freezer reports FROZEN nothing forks or exits, so the pid list read
+    /// then is complete and no pid in it is reused; frozen tasks die when thawed. Errors:
+    /// `Signal`, or `KillTimeout` after about 5 s.
     pub fn kill_all(&self) -> Result<(), CgroupError> {
         let start = Instant::now();
+        if self.pids().is_empty() {
+            return Ok(());
+        }
+        self.release_cpu();
         let kill_file = (0..self.layout.hierarchies.len())
             .filter(|h| self.is_v2(*h))
             .map(|h| self.dir(h).join("cgroup.kill"))
@@ -109,19 +119,48 @@ impl SandboxCgroup {
             }
             match &kill_file {
                 Some(f) => write_file(f, "1")?,
-                None => self.signal_all()?,
+                None => self.freeze_kill_thaw()?,
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(50));
         }
     }
 
-    fn signal_all(&self) -> Result<(), CgroupError> {
+    /// Lets every task of the sandbox run at full speed (no quota, not idle), so that
+    /// killed tasks exit at once. Best effort: a sandbox that is being killed has no use
+    /// for its limits, and a failure here only makes the kill slower.
+    fn release_cpu(&self) {
+        let Some(h) = self.layout.at.cpu else {
+            return;
+        };
+        let dir = self.dir(h);
+        if self.is_v2(h) {
+            let _ = write_file(&dir.join("cpu.max"), "max");
+            let _ = super::write_if_present(&dir.join("cpu.idle"), "0");
+        } else {
+            let _ = write_file(&dir.join("cpu.cfs_quota_us"), "-1");
+            let _ = super::write_if_present(&dir.join("cpu.idle"), "0");
+            let _ = write_file(&dir.join("cpu.shares"), "1024");
+        }
+    }
+
+    /// One round of freeze, SIGKILL every member, thaw (see [`kill_all`](Self::kill_all)).
+    fn freeze_kill_thaw(&self) -> Result<(), CgroupError> {
         let has_freezer = self.layout.at.freezer.is_some();
         if has_freezer && !self.frozen() {
-            // Best effort: a task stuck in the kernel may keep it FREEZING; kill anyway.
-            let _ = self.freeze_within(Duration::from_millis(200));
+            // A task stuck in the kernel may keep it FREEZING: then kill what is there
+            // anyway, and the next round catches what was forked meanwhile.
+            let _ = self.freeze_within(FREEZE_IN_KILL);
         }
+        let signalled = self.signal_all();
+        if has_freezer {
+            // Frozen tasks die only once thawed; thaw even when a signal failed.
+            self.thaw()?;
+        }
+        signalled
+    }
+
+    fn signal_all(&self) -> Result<(), CgroupError> {
         for pid in self.pids() {
             let Ok(raw) = i32::try_from(pid) else {
                 continue;
@@ -136,10 +175,6 @@ impl SandboxCgroup {
                     })
                 }
             }
-        }
-        if has_freezer {
-            // Frozen tasks die only once thawed.
-            self.thaw()?;
         }
         Ok(())
     }

@@ -1,7 +1,10 @@
 //! Writing a sandbox's limits: CPU quota and idleness, memory without swap, pids, and
 //! disk I/O throttles.
 
-use super::{write_file, write_if_present, write_raw, CgroupError, DiskIo, Limits, SandboxCgroup};
+use super::{
+    pids_value, write_file, write_if_present, write_raw, CgroupError, DiskIo, Limits,
+    SandboxCgroup, AGENT_PIDS_MAX,
+};
 
 /// The CFS period for CPU quotas, in µs (the kernel's default).
 const CPU_PERIOD_US: i64 = 100_000;
@@ -10,7 +13,10 @@ const CPU_MIN_QUOTA_US: i64 = 1_000;
 
 impl SandboxCgroup {
     /// Applies `limits` (see [`Cgroups::create`]); also what a warm sandbox taken for a
-    /// request with other limits needs. Errors: `Write` with the file the kernel refused.
+    /// request with other limits needs. The sandbox's own `pids.max` is the workload's
+    /// `pids_max` plus the agents' reserve; the children's limits are written where their
+    /// files exist already (v1; v2 once the setup process enabled the controllers).
+    /// Errors: `Write` with the file the kernel refused.
     pub fn set_limits(&self, limits: &Limits) -> Result<(), CgroupError> {
         let at = self.layout.at.clone();
         if let Some(h) = at.cpu {
@@ -20,12 +26,15 @@ impl SandboxCgroup {
             self.set_memory(h, limits.memory_mb)?;
         }
         if let Some(h) = at.pids {
-            let v = if limits.pids_max > 0 {
-                limits.pids_max.to_string()
+            let total = if limits.pids_max > 0 {
+                limits.pids_max.saturating_add(AGENT_PIDS_MAX)
             } else {
-                "max".into()
+                0
             };
-            write_file(&self.dir(h).join("pids.max"), &v)?;
+            write_file(&self.dir(h).join("pids.max"), &pids_value(total))?;
+        }
+        for (path, value) in self.child_limit_writes(limits) {
+            write_if_present(&path, &value)?;
         }
         Ok(())
     }
