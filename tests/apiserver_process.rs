@@ -1,6 +1,14 @@
 //! An apiserver as its own process, from the config `cluster up` writes: it serves, and on
 //! SIGTERM fails /readyz while still serving for `-drain-delay`, then exits.
 
+// Tests may unwrap, expect, panic and index (the codebase's rules are for non-test code).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

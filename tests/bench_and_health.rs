@@ -1,6 +1,14 @@
 //! `ctl bench -compare` runs both placement modes end to end, and `cluster up -metrics`
 //! serves /metrics, /healthz and /readyz.
 
+// Tests may unwrap, expect, panic and index (the codebase's rules are for non-test code).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

@@ -3,6 +3,14 @@
 //! list, stop, batches and tasks; projects, principals, grants, tokens and quotas; status,
 //! usage and IAM backup.
 
+// Tests may unwrap, expect, panic and index (the codebase's rules are for non-test code).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::process::{Child, Command, Stdio};

@@ -2,6 +2,14 @@
 //! port 0): JSON output, the error format and exit codes, exec streaming and exit codes,
 //! cp both ways, iam backup's file mode, batch output, and failover between addresses.
 
+// Tests may unwrap, expect, panic and index (the codebase's rules are for non-test code).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::pin::Pin;

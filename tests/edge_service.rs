@@ -2,6 +2,14 @@
 //! restart and re-adoption from the state directory, TTL expiry, admission limits, drain,
 //! and the IAM side (batched ReleaseLeases, GetLease orphan deletion) against a fake IAM.
 
+// Tests may unwrap, expect, panic and index (the codebase's rules are for non-test code).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 

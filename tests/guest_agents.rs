@@ -2,6 +2,14 @@
 //! unix socket in a temp dir, driven through `RuntimeClient`. Needs root (sessions of
 //! another user); each test starts its own aether and stops it (by pid) at the end.
 
+// Tests may unwrap, expect, panic and index (the codebase's rules are for non-test code).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::collections::HashMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};

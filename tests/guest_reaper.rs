@@ -1,5 +1,13 @@
 //! The agents' reaper, in a test process of its own (it reaps every child).
 
+// Tests may unwrap, expect, panic and index (the codebase's rules are for non-test code).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::time::Duration;
 
 use opendsec::guest::reaper::{Exit, Reaper};

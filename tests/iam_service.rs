@@ -2,6 +2,14 @@
 //! included), revocation and the epoch, backup/restore, the failed-authentication limit and
 //! concurrent batch admission.
 
+// Tests may unwrap, expect, panic and index (the codebase's rules are for non-test code).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;

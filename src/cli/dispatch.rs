@@ -21,19 +21,17 @@ pub fn main(args: Vec<String>) -> ExitCode {
         .first()
         .map(|a| a.rsplit('/').next().unwrap_or(a).to_string())
         .unwrap_or_default();
+    let tail = |n: usize| args.get(n..).map(<[String]>::to_vec).unwrap_or_default();
     let (role, rest): (String, Vec<String>) = match argv0.as_str() {
-        "opendsecctl" | "opendsec-ctl" => ("ctl".into(), args[1..].to_vec()),
-        a if a.starts_with("opendsec-") => (
-            a.trim_start_matches("opendsec-").to_string(),
-            args[1..].to_vec(),
-        ),
-        "aether" | "chronus" => (argv0.clone(), args[1..].to_vec()),
+        "opendsecctl" | "opendsec-ctl" => ("ctl".into(), tail(1)),
+        a if a.starts_with("opendsec-") => (a.trim_start_matches("opendsec-").to_string(), tail(1)),
+        "aether" | "chronus" => (argv0.clone(), tail(1)),
         _ => match args.get(1).map(String::as_str) {
             Some("--role") => (
                 args.get(2).cloned().unwrap_or_default(),
                 args.get(3..).map(|s| s.to_vec()).unwrap_or_default(),
             ),
-            Some(r) => (r.to_string(), args[2..].to_vec()),
+            Some(r) => (r.to_string(), tail(2)),
             None => ("help".into(), vec![]),
         },
     };

@@ -22,8 +22,8 @@ pub fn normalize(args: &[String]) -> Vec<String> {
             continue;
         }
         let b = a.as_bytes();
-        let is_long_single =
-            b.len() > 2 && b[0] == b'-' && b[1] != b'-' && !b[1].is_ascii_digit() && b[1] != b'.';
+        let is_long_single = matches!(b, [b'-', c, _, ..]
+            if *c != b'-' && !c.is_ascii_digit() && *c != b'.');
         if is_long_single {
             out.push(format!("-{a}"));
         } else {

@@ -400,8 +400,10 @@ mod tests {
     use super::*;
 
     fn base() -> Config {
-        let mut c = Config::default();
-        c.service_token = "s".into();
+        let mut c = Config {
+            service_token: "s".into(),
+            ..Default::default()
+        };
         c.iam.admin_token = "dsk.admin.secret".into();
         c
     }

@@ -56,15 +56,15 @@ fn passwd(root: &Path) -> Vec<PasswdEntry> {
     text.lines()
         .filter_map(|l| {
             let f: Vec<&str> = l.split(':').collect();
-            if f.len() < 7 {
+            let [name, _, uid, gid, _, home, shell, ..] = f.as_slice() else {
                 return None;
-            }
+            };
             Some(PasswdEntry {
-                name: f[0].to_string(),
-                uid: f[2].parse().ok()?,
-                gid: f[3].parse().ok()?,
-                home: f[5].to_string(),
-                shell: f[6].to_string(),
+                name: name.to_string(),
+                uid: uid.parse().ok()?,
+                gid: gid.parse().ok()?,
+                home: home.to_string(),
+                shell: shell.to_string(),
             })
         })
         .collect()
@@ -76,10 +76,13 @@ fn groups_of(root: &Path, name: &str, primary: u32) -> Vec<u32> {
         .lines()
         .filter_map(|l| {
             let f: Vec<&str> = l.split(':').collect();
-            if f.len() < 4 || !f[3].split(',').any(|m| m == name) {
+            let [_, _, gid, members, ..] = f.as_slice() else {
+                return None;
+            };
+            if !members.split(',').any(|m| m == name) {
                 return None;
             }
-            f[2].parse().ok()
+            gid.parse().ok()
         })
         .filter(|g| *g != primary)
         .collect();

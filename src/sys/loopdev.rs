@@ -69,7 +69,9 @@ impl LoopInfo64 {
         // Informational only (losetup shows it); the kernel keeps the real path itself.
         let bytes = backing.as_os_str().as_encoded_bytes();
         let n = bytes.len().min(LO_NAME_SIZE - 1);
-        name[..n].copy_from_slice(&bytes[..n]);
+        if let (Some(dst), Some(src)) = (name.get_mut(..n), bytes.get(..n)) {
+            dst.copy_from_slice(src);
+        }
         LoopInfo64 {
             lo_device: 0,
             lo_inode: 0,

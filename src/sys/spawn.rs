@@ -242,8 +242,8 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
     drop(report_w);
     let mut buf = [0u8; 5];
     let mut got = 0;
-    while got < buf.len() {
-        match nix::unistd::read(report_r.as_fd(), &mut buf[got..]) {
+    while let Some(rest) = buf.get_mut(got..).filter(|r| !r.is_empty()) {
+        match nix::unistd::read(report_r.as_fd(), rest) {
             Ok(0) => break,
             Ok(n) => got += n,
             Err(nix::errno::Errno::EINTR) => {}
@@ -305,7 +305,7 @@ fn setup_and_exec(plan: &Plan<'_>) -> (u8, i32) {
             }
         };
     }
-    // SAFETY (for every call below): plain syscalls on integers, fds this child owns and
+    // SAFETY: for every call below: plain syscalls on integers, fds this child owns and
     // NUL-terminated strings and pointer arrays prepared by the parent before fork, which
     // stay alive in this copy of its memory; nothing allocates or takes a lock.
     unsafe {
@@ -322,9 +322,9 @@ fn setup_and_exec(plan: &Plan<'_>) -> (u8, i32) {
         // Move the stdio sources above 2 first: if the agent runs with fds 0-2 closed,
         // they may be among them, and dup2 onto 0-2 would clobber them.
         let mut src = [0; 3];
-        for (i, fd) in plan.stdio.iter().enumerate() {
-            src[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 3);
-            check!(0, src[i]);
+        for (dst, fd) in src.iter_mut().zip(plan.stdio.iter()) {
+            *dst = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 3);
+            check!(0, *dst);
         }
         for (i, fd) in src.iter().enumerate() {
             check!(0, libc::dup2(*fd, i as i32));

@@ -99,7 +99,7 @@ pub fn project_within(path: &str, ancestor: &str) -> bool {
     path == ancestor
         || (path.len() > ancestor.len()
             && path.starts_with(ancestor)
-            && path.as_bytes()[ancestor.len()] == b'/')
+            && path.as_bytes().get(ancestor.len()) == Some(&b'/'))
 }
 
 /// Checks a principal id: 1..128 characters, no `.`, `/` or whitespace.

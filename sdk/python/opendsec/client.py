@@ -6,7 +6,8 @@ import asyncio
 import os
 import secrets
 import time
-from typing import Any, Optional, Sequence, Union
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import grpc
 import grpc.aio
@@ -23,6 +24,9 @@ from opendsec.models import (
     UsageReport,
 )
 from opendsec.sandbox import Sandbox
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["DSecClient", "DEFAULT_ADDR", "DEFAULT_PROJECT"]
 
@@ -116,14 +120,15 @@ class DSecClient:
 
     # ---------------------------------------------------------------- connection
 
-    async def open(self) -> "DSecClient":
+    async def open(self) -> Self:
         """Creates the channels (one per address). Connections are made lazily by gRPC."""
         if self._pool is not None:
             return self
         creds = None
         if self.ca_file:
-            with open(self.ca_file, "rb") as f:
-                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+            # Off the event loop: the file may sit on a slow or network filesystem.
+            ca = await asyncio.to_thread(Path(self.ca_file).read_bytes)
+            creds = grpc.ssl_channel_credentials(root_certificates=ca)
         opts = _transport.channel_options(f"opendsec-python/{__version__}", self.server_name if creds else None)
         eps = []
         for addr in self.addresses:
@@ -141,10 +146,10 @@ class DSecClient:
         if pool is not None:
             await pool.close()
 
-    async def __aenter__(self) -> "DSecClient":
+    async def __aenter__(self) -> Self:
         return await self.open()
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     def __repr__(self) -> str:
@@ -348,7 +353,8 @@ class DSecClient:
 
     async def cluster_status(self) -> types_pb2.Snapshot:
         """The cluster snapshot (protobuf ``Snapshot``): each edge's state and capacity."""
-        return await self._unary("ClusterStatus", types_pb2.Empty(), retry=True)
+        snap: types_pb2.Snapshot = await self._unary("ClusterStatus", types_pb2.Empty(), retry=True)
+        return snap
 
     # ---------------------------------------------------------------- task actions
 
@@ -374,7 +380,7 @@ class DSecClient:
     async def whoami(self) -> str:
         """The principal of the current token."""
         resp = await self._unary("WhoAmI", types_pb2.Empty(), retry=False)
-        return resp.principal
+        return str(resp.principal)
 
     async def create_project(self, parent: str, name: str, quota: Optional[dict[str, float]] = None) -> Project:
         """Creates the subproject ``name`` of ``parent``; quota keys left out take the parent's limit."""
@@ -406,7 +412,7 @@ class DSecClient:
         """
         req = opendsec_pb2.CreatePrincipalRequest(project=project, principal_id=principal_id, kind=kind, ttl=int(ttl))
         resp = await self._unary("CreatePrincipal", req, retry=False)
-        return resp.token
+        return str(resp.token)
 
     async def delete_principal(self, principal: str) -> None:
         """Deletes a principal and all its tokens."""

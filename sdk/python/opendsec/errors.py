@@ -9,7 +9,7 @@ implies; connection failures (refused, reset) are :data:`UNAVAILABLE`.
 
 from __future__ import annotations
 
-from typing import Final, Optional
+from typing import Any, Awaitable, Callable, Final, Iterable, Optional, Union, cast
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
@@ -119,7 +119,7 @@ class DSecError(Exception):
     def __hash__(self) -> int:
         return hash((self.reason, self.message))
 
-    def __reduce__(self):  # keep pickling (e.g. multiprocessing) working with two arguments
+    def __reduce__(self) -> tuple[type[DSecError], tuple[str, str]]:  # keep pickling (e.g. multiprocessing) working
         return (DSecError, (self.reason, self.message))
 
 
@@ -133,7 +133,7 @@ def _reason_from_details(blob: bytes) -> Optional[str]:
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
             if detail.Unpack(info) and info.reason:
-                return info.reason
+                return str(info.reason)
     return None
 
 
@@ -145,9 +145,11 @@ def error_from_rpc(err: grpc.RpcError) -> DSecError:
     """
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     message = (err.details() if hasattr(err, "details") else "") or ""
-    trailers = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    raw = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    # Sync errors hold (key, value) namedtuples, grpc.aio ones a Metadata of pairs: both are pairs.
+    trailers = cast("Iterable[tuple[str, Union[str, bytes]]]", raw or ())
     reason: Optional[str] = None
-    for key, value in trailers or ():
+    for key, value in trailers:
         if key == _DETAILS_KEY:
             blob = value if isinstance(value, bytes) else str(value).encode("latin-1")
             reason = _reason_from_details(blob)
@@ -175,9 +177,9 @@ def bad_arguments_are_invalid(cls: type) -> type:
         if name.startswith("_") or not inspect.iscoroutinefunction(fn):
             continue
 
-        def wrap(f):  # type: ignore[no-untyped-def]
+        def wrap(f: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
             @functools.wraps(f)
-            async def method(*args, **kwargs):  # type: ignore[no-untyped-def]
+            async def method(*args: Any, **kwargs: Any) -> Any:
                 try:
                     return await f(*args, **kwargs)
                 except (TypeError, ValueError) as e:

@@ -157,7 +157,7 @@ class Sandbox:
         """Starts a command and returns its number (``cmd_id``) at once; see :meth:`get_output`."""
         req = self._shell_request(cmd, timeout, session, env, cwd, user, background=True)
         res = await self._client._unary("RunShell", req, retry=True)
-        return res.cmd_id
+        return int(res.cmd_id)
 
     async def get_output(
         self,

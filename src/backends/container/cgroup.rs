@@ -216,7 +216,7 @@ impl Cgroups {
                     Ctl::Io => at.io,
                     Ctl::Cpuacct | Ctl::Freezer => None,
                 };
-                slot.is_some_and(|i| hierarchies[i].v2)
+                slot.is_some_and(|i| hierarchies.get(i).is_some_and(|h| h.v2))
             })
             .filter_map(|c| c.v2_name())
             .collect();
@@ -235,7 +235,7 @@ impl Cgroups {
     pub fn version(&self) -> CgroupVersion {
         let l = &self.layout;
         match l.at.memory {
-            Some(i) if l.hierarchies[i].v2 => CgroupVersion::V2,
+            Some(i) if l.hierarchies.get(i).is_some_and(|h| h.v2) => CgroupVersion::V2,
             _ => CgroupVersion::V1,
         }
     }
@@ -351,6 +351,9 @@ pub struct SandboxCgroup {
 }
 
 impl SandboxCgroup {
+    // Every `h` passed here is an index of the layout's own `Placement`, which `place()` made
+    // together with `hierarchies` and which never changes after: it is always in range.
+    #[allow(clippy::indexing_slicing)]
     fn dir(&self, h: usize) -> PathBuf {
         let l = &self.layout;
         l.hierarchies[h].mount.join(&l.parent).join(&self.id)
@@ -361,7 +364,7 @@ impl SandboxCgroup {
     }
 
     fn is_v2(&self, h: usize) -> bool {
-        self.layout.hierarchies[h].v2
+        self.layout.hierarchies.get(h).is_some_and(|x| x.v2)
     }
 
     /// Every hierarchy's `cgroup.procs` of this cgroup: the sandbox's setup process writes

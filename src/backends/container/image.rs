@@ -38,9 +38,10 @@ pub fn defaults(top: &Path) -> ImageDefaults {
     let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
         return ImageDefaults::default();
     };
-    let process = &v["process"];
-    let env = process["env"]
-        .as_array()
+    let process = v.get("process");
+    let env = process
+        .and_then(|p| p.get("env"))
+        .and_then(|e| e.as_array())
         .map(|a| {
             a.iter()
                 .filter_map(|e| e.as_str())
@@ -50,8 +51,9 @@ pub fn defaults(top: &Path) -> ImageDefaults {
                 .collect()
         })
         .unwrap_or_default();
-    let workdir = process["cwd"]
-        .as_str()
+    let workdir = process
+        .and_then(|p| p.get("cwd"))
+        .and_then(|c| c.as_str())
         .filter(|c| c.starts_with('/'))
         .unwrap_or_default()
         .to_string();

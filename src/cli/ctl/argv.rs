@@ -95,7 +95,7 @@ pub fn cp(args: &[String]) -> Vec<String> {
             pos.push(a.clone());
         }
     }
-    if pos.len() == 1 && pos[0] == "help" {
+    if matches!(pos.as_slice(), [p] if p == "help") {
         opts.push("help".into());
     } else if !pos.is_empty() {
         opts.push("--".into());

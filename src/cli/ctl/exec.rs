@@ -162,7 +162,7 @@ impl Progress {
         };
         let end_by_offset = if offset > 0 { offset + len } else { 0 };
         *written = (*written + len - skip).max(end_by_offset);
-        &data[skip as usize..]
+        data.get(skip as usize..).unwrap_or_default()
     }
 }
 

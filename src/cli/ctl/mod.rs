@@ -154,11 +154,11 @@ enum Parsed {
 fn parse(args: &[String]) -> Result<Parsed, CtlError> {
     // Connection options may come before the command name.
     let lead = argv::leading_options(args);
-    let mut normalized = crate::cli::flags::normalize(&args[..lead]);
-    let cmd_args = &args[lead..];
+    let (lead_args, cmd_args) = args.split_at_checked(lead).unwrap_or((args, &[]));
+    let mut normalized = crate::cli::flags::normalize(lead_args);
     match cmd_args.first().map(String::as_str) {
         // exec's command words stay exactly as typed (see argv::exec).
-        Some("exec") if cmd_args.len() == 2 && cmd_args[1] == "help" => {
+        Some("exec") if matches!(cmd_args, [_, h] if h == "help") => {
             normalized.extend(["exec".into(), "--help".into()])
         }
         Some("exec") => normalized.extend(argv::exec(cmd_args)),
@@ -168,7 +168,7 @@ fn parse(args: &[String]) -> Result<Parsed, CtlError> {
     if rest.is_empty() {
         return Err(CtlError::Usage("no command given".into()));
     }
-    if rest[0] == "cp" {
+    if rest.first().is_some_and(|c| c == "cp") {
         rest = argv::cp(&rest);
     }
     let strs: Vec<&str> = rest.iter().map(String::as_str).collect();

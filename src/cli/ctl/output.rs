@@ -145,9 +145,12 @@ fn single_dash_line(line: &str) -> (String, usize) {
     let mut removed = 0;
     let mut i = 0;
     while i < line.len() {
-        let at_word_start = i == 0 || matches!(b[i - 1], b' ' | b'[' | b'|' | b'(' | b'`' | b'\'');
+        let at_word_start = i
+            .checked_sub(1)
+            .and_then(|j| b.get(j))
+            .is_none_or(|c| matches!(c, b' ' | b'[' | b'|' | b'(' | b'`' | b'\''));
         if at_word_start
-            && b[i] == b'-'
+            && b.get(i) == Some(&b'-')
             && b.get(i + 1) == Some(&b'-')
             && b.get(i + 2).is_some_and(|c| c.is_ascii_lowercase())
         {

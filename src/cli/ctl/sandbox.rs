@@ -303,9 +303,9 @@ impl Batch {
     /// ready to print.
     fn record(&mut self, item: pb::CreateSandboxesItem) -> String {
         let i = item.index as usize;
-        if i >= self.results.len() || self.results[i].is_some() {
+        let Some(slot @ None) = self.results.get_mut(i) else {
             return String::new();
-        }
+        };
         let r = match (item.sandbox, item.error) {
             (Some(sb), None) => Ok(sb.id),
             (_, Some(e)) => Err(e),
@@ -314,7 +314,7 @@ impl Batch {
                 message: "empty result".into(),
             }),
         };
-        self.results[i] = Some(r);
+        *slot = Some(r);
         self.flush()
     }
 

@@ -145,12 +145,13 @@ pub fn table(rows: &[pb::UsageRow]) -> String {
     let line = |row: &[String]| -> String {
         let cols: Vec<String> = row
             .iter()
+            .zip(&width)
             .enumerate()
-            .map(|(i, c)| {
+            .map(|(i, (c, &w))| {
                 if i < 2 {
-                    format!("{c:<w$}", w = width[i])
+                    format!("{c:<w$}")
                 } else {
-                    format!("{c:>w$}", w = width[i])
+                    format!("{c:>w$}")
                 }
             })
             .collect();

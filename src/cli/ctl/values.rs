@@ -273,7 +273,7 @@ pub fn permissions(s: &str) -> Result<Vec<String>, Failure> {
 pub fn date(name: &str, s: &str) -> Result<(), Failure> {
     let bad = || Failure::invalid(format!("-{name}: {s:?} is not a date YYYY-MM-DD"));
     let b = s.as_bytes();
-    if b.len() != 10 || b[4] != b'-' || b[7] != b'-' {
+    if b.len() != 10 || b.get(4) != Some(&b'-') || b.get(7) != Some(&b'-') {
         return Err(bad());
     }
     let num = |r: std::ops::Range<usize>| -> Result<u32, Failure> {

@@ -232,10 +232,10 @@ pub async fn read_ctl(s: Arc<Session>, mut rx: pipe::Receiver) {
             }
             Ok(n) => n,
         };
-        buf.extend_from_slice(&chunk[..n]);
+        buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
         while let Some(pos) = buf.iter().position(|b| *b == 0) {
             let msg: Vec<u8> = buf.drain(..=pos).collect();
-            route(&s, &msg[..msg.len() - 1]);
+            route(&s, msg.split_last().map(|(_, m)| m).unwrap_or_default());
         }
         if buf.len() > 64 << 10 {
             // Junk written by the session's own commands; drop it.

@@ -125,8 +125,8 @@ pub async fn read(cwd: PathBuf, req: pb::ReadFileRequest) -> Result<pb::ReadFile
         };
         let mut data = vec![0u8; want as usize];
         let mut got = 0usize;
-        while got < data.len() {
-            match f.read_at(&mut data[got..], offset + got as u64) {
+        while let Some(rest) = data.get_mut(got..).filter(|r| !r.is_empty()) {
+            match f.read_at(rest, offset + got as u64) {
                 Ok(0) => break,
                 Ok(n) => got += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}

@@ -494,7 +494,9 @@ fn take_in(
         match rx.try_read(buf) {
             Ok(0) => return Taken::Eof,
             Ok(n) => {
-                if let Err(e) = lock(&s.table).append(id, which, &buf[..n], rec) {
+                if let Err(e) =
+                    lock(&s.table).append(id, which, buf.get(..n).unwrap_or_default(), rec)
+                {
                     tracing::warn!(cmd_id = id, error = %e, "cannot write an output record");
                 }
             }

@@ -256,7 +256,7 @@ impl Table {
             take = take.min(self.limits.session.saturating_sub(self.total));
         }
         if take > 0 {
-            file.write_all(&data[..take as usize])?;
+            file.write_all(data.get(..take as usize).unwrap_or_default())?;
         }
         self.total += take;
         if let Some(c) = self.cmds.get_mut(&id) {
@@ -334,8 +334,8 @@ pub async fn read_record(path: PathBuf, offset: u64, max: u64) -> std::io::Resul
         let f = std::fs::File::open(&path)?;
         let mut buf = vec![0u8; max as usize];
         let mut got = 0usize;
-        while got < buf.len() {
-            let n = f.read_at(&mut buf[got..], offset + got as u64)?;
+        while let Some(rest) = buf.get_mut(got..).filter(|r| !r.is_empty()) {
+            let n = f.read_at(rest, offset + got as u64)?;
             if n == 0 {
                 break;
             }

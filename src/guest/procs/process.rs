@@ -94,7 +94,9 @@ impl Proc {
     }
 
     fn push(&self, which: Which, data: &[u8]) {
-        self.state().rings[which as usize].push(data);
+        if let Some(ring) = self.state().rings.get_mut(which as usize) {
+            ring.push(data);
+        }
         self.changed.send_modify(|v| *v += 1);
     }
 
@@ -120,7 +122,7 @@ pub(super) async fn write_all(fd: &AsyncFd<OwnedFd>, mut data: &[u8]) -> io::Res
     while !data.is_empty() {
         let mut guard = fd.writable().await?;
         match guard.try_io(|f| Ok(nix::unistd::write(f.get_ref(), data)?)) {
-            Ok(Ok(n)) => data = &data[n..],
+            Ok(Ok(n)) => data = data.get(n..).unwrap_or_default(),
             Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
             Ok(Err(e)) => return Err(e),
             Err(_would_block) => {}
@@ -202,7 +204,7 @@ async fn pump(
         };
         match guard.try_io(|f| Ok(nix::unistd::read(f.get_ref(), &mut buf)?)) {
             Ok(Ok(0)) => return None,
-            Ok(Ok(n)) => proc.push(which, &buf[..n]),
+            Ok(Ok(n)) => proc.push(which, buf.get(..n).unwrap_or_default()),
             // A PTY master reports EIO once no process holds the slave side: its EOF.
             Ok(Err(e)) if e.raw_os_error() == Some(libc::EIO) => return None,
             Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}

@@ -35,7 +35,7 @@ impl Ring {
             let skip = data.len() - self.cap;
             self.start += self.buf.len() as u64 + skip as u64;
             self.buf.clear();
-            &data[skip..]
+            data.get(skip..).unwrap_or_default()
         } else {
             data
         };
@@ -58,14 +58,15 @@ impl Ring {
         let n = (self.buf.len() - i).min(max);
         let (a, b) = self.buf.as_slices();
         let mut out = Vec::with_capacity(n);
-        if i < a.len() {
-            let take = n.min(a.len() - i);
-            out.extend_from_slice(&a[i..i + take]);
-            out.extend_from_slice(&b[..n - take]);
-        } else {
-            let j = i - a.len();
-            out.extend_from_slice(&b[j..j + n]);
-        }
+        // The n bytes from i: first what the front slice holds from i, then the back slice's.
+        let a_part = a.get(i..).unwrap_or_default();
+        let a_take = a_part.get(..n).unwrap_or(a_part);
+        let b_take = b
+            .get(i.saturating_sub(a.len())..)
+            .and_then(|b| b.get(..n - a_take.len()))
+            .unwrap_or_default();
+        out.extend_from_slice(a_take);
+        out.extend_from_slice(b_take);
         Some((from, out))
     }
 }

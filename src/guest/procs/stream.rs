@@ -83,8 +83,11 @@ impl Follower {
         let st = self.proc.state();
         for k in 0..2 {
             let i = (self.first + k) % 2;
-            if let Some((off, data)) = st.rings[i].read(self.pos[i], EVENT_CHUNK) {
-                self.pos[i] = off + data.len() as u64;
+            let (Some(ring), Some(pos)) = (st.rings.get(i), self.pos.get_mut(i)) else {
+                continue;
+            };
+            if let Some((off, data)) = ring.read(*pos, EVENT_CHUNK) {
+                *pos = off + data.len() as u64;
                 self.first = (i + 1) % 2;
                 let kind = match (i, self.proc.pty) {
                     (i, true) if i == Which::Out as usize => Kind::Pty(data),

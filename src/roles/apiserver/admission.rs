@@ -256,7 +256,8 @@ mod tests {
     #[test]
     fn bad_values_are_invalid() {
         let adm = AdmissionConfig::default();
-        let cases: Vec<Box<dyn Fn(&mut pb::SandboxSpec)>> = vec![
+        type Mutate = Box<dyn Fn(&mut pb::SandboxSpec)>;
+        let cases: Vec<Mutate> = vec![
             Box::new(|s| s.backend.clear()),
             Box::new(|s| s.cpu_cores_limit = -1.0),
             Box::new(|s| s.cpu_cores_limit = f64::NAN),

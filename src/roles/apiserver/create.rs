@@ -47,7 +47,8 @@ pub(crate) fn items(
                 h.update((part.len() as u64).to_le_bytes());
                 h.update(part);
             }
-            let lease_id = hex::encode(&h.finalize()[..16]);
+            let digest: [u8; 32] = h.finalize().into();
+            let lease_id = hex::encode(&digest[..16]);
             let suffix = lease_id[..16].to_string();
             Item {
                 index: i,

@@ -169,8 +169,9 @@ async fn snapshot_loop(inner: Arc<Inner>, every: f64, shutdown: Shutdown, ready:
         .collect();
     let mut first = 0usize;
     loop {
-        for i in 0..clients.len() {
-            let mut c = clients[(first + i) % clients.len()].clone();
+        let n = clients.len();
+        for (i, c) in clients.iter().cycle().skip(first).take(n).enumerate() {
+            let mut c = c.clone();
             let mut req = crate::rpc::client::internal(
                 pb::GetSnapshotRequest { min_version: 0 },
                 &inner.cfg.service_token,

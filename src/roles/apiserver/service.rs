@@ -65,7 +65,7 @@ impl Api {
         let token = crate::rpc::bearer(req);
         let caller = match self.inner.auth.authenticate(&token, &client).await {
             Ok(c) => c,
-            Err(f) => return Err(self.finish(call, Err::<(), _>(f)).unwrap_err()),
+            Err(f) => return Err(self.fail(call, f)),
         };
         call.caller = Some(caller.clone());
         tracing::Span::current().record("principal", caller.principal.as_str());
@@ -78,9 +78,15 @@ impl Api {
                     wait.as_millis()
                 ),
             );
-            return Err(self.finish(call, Err::<(), _>(f)).unwrap_err());
+            return Err(self.fail(call, f));
         }
         Ok((caller, call))
+    }
+
+    /// `finish` for a call that failed before it got anywhere: the converted error.
+    fn fail(&self, call: Call, f: Failure) -> Status {
+        let Err(s) = self.finish(call, Err::<std::convert::Infallible, _>(f));
+        s
     }
 
     /// Records the call's outcome (metrics; audit when enabled) and converts the error.

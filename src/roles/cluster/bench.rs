@@ -69,7 +69,7 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     }
     v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
     let i = ((v.len() as f64 - 1.0) * p).round() as usize;
-    v[i.min(v.len() - 1)]
+    v.get(i).or(v.last()).copied().unwrap_or(0.0)
 }
 
 fn with_token<T>(m: T, token: &str) -> tonic::Request<T> {
@@ -106,7 +106,11 @@ pub async fn run_once(
         ..Default::default()
     };
     let cluster = LocalCluster::up(&o).await?;
-    let ch = crate::rpc::client::channel(&cluster.api_addrs[0], Duration::from_secs(2))?;
+    let addr = cluster
+        .api_addrs
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("the local cluster started no apiserver"))?;
+    let ch = crate::rpc::client::channel(addr, Duration::from_secs(2))?;
     let client =
         pb::d_sec_client::DSecClient::new(ch).max_decoding_message_size(crate::rpc::MAX_MESSAGE);
     let token = cluster.admin_token.clone();

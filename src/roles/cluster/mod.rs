@@ -13,7 +13,7 @@ use std::process::ExitCode;
 /// Entry for `opendsec cluster <sub> ...`.
 pub fn main(args: Vec<String>) -> ExitCode {
     match args.first().map(String::as_str) {
-        Some("up") => up::main(&args[1..]),
+        Some("up") => up::main(args.get(1..).unwrap_or_default()),
         Some("-h") | Some("--help") | Some("-help") | Some("help") | None => {
             println!("usage: opendsec cluster up [flags]   (see `opendsec cluster up --help`)");
             ExitCode::SUCCESS
@@ -29,8 +29,8 @@ pub fn main(args: Vec<String>) -> ExitCode {
 /// with `cluster` or `bench`).
 pub fn ctl_main(args: Vec<String>) -> ExitCode {
     match args.first().map(String::as_str) {
-        Some("cluster") => main(args[1..].to_vec()),
-        Some("bench") => bench::main(&args[1..]),
+        Some("cluster") => main(args.get(1..).unwrap_or_default().to_vec()),
+        Some("bench") => bench::main(args.get(1..).unwrap_or_default()),
         _ => {
             eprintln!("error: invalid: expected `cluster up` or `bench`");
             ExitCode::from(2)

@@ -60,7 +60,7 @@ impl Capacity {
     }
 
     /// As reported in `EdgeState.capacity`: unlimited dimensions are 0.
-    pub fn to_pb(&self) -> pb::Resources {
+    pub fn to_pb(self) -> pb::Resources {
         pb::Resources {
             cpu_cores: self.cpu_cores.unwrap_or(0.0),
             memory_mb: self.memory_mb.unwrap_or(0),

@@ -27,6 +27,8 @@ use crate::types::{names, now_s, Failure, Reason, Res};
 const DEFAULT_CPU: f64 = 1.0;
 const DEFAULT_MEM_MB: i64 = 2048;
 
+// One per item of a batch call, short-lived: boxing the large variant buys nothing.
+#[allow(clippy::large_enum_variant)]
 enum Item {
     Done(Result<pb::Sandbox, Failure>),
     Existing(Arc<Entry>),
@@ -196,12 +198,12 @@ impl Core {
         // 2. Record CREATING before the backend is called (concurrent writes).
         if let Some(store) = &self.store {
             let idx: Vec<usize> = (0..slots.len())
-                .filter(|&i| matches!(slots[i], Item::New(..)))
+                .filter(|&i| matches!(slots.get(i), Some(Item::New(..))))
                 .collect();
-            let recs: Vec<SandboxRecord> = idx
+            let recs: Vec<SandboxRecord> = slots
                 .iter()
-                .filter_map(|&i| {
-                    if let Item::New(e, _) = &slots[i] {
+                .filter_map(|s| {
+                    if let Item::New(e, _) = s {
                         Some(e.snapshot())
                     } else {
                         None
@@ -210,15 +212,15 @@ impl Core {
                 .collect();
             let written = store.write_many(&recs).await;
             for (&i, res) in idx.iter().zip(written) {
-                if let Err(e) = res {
-                    if let Item::New(entry, _) = &slots[i] {
+                if let (Err(e), Some(slot)) = (res, slots.get_mut(i)) {
+                    if let Item::New(entry, _) = &*slot {
                         let id = entry.snapshot().id().to_string();
                         tracing::error!(sandbox_id = %id, edge_id = %self.edge_id, error = %e, "recording a new sandbox");
                         lock(&self.entries).remove(&id);
                         lock(&self.alloc).sub(&backend_name, &want);
                         let _ = store.remove(&id).await;
                     }
-                    slots[i] = Item::Done(Err(Failure::internal(format!(
+                    *slot = Item::Done(Err(Failure::internal(format!(
                         "recording the sandbox on edge {}: {e}",
                         self.edge_id
                     ))));

@@ -55,12 +55,9 @@ pub fn parse_stat(text: &str) -> Option<(u64, u64)> {
         .take(8)
         .filter_map(|x| x.parse().ok())
         .collect();
-    if v.len() < 4 {
-        return None;
-    }
     // user nice system idle iowait irq softirq steal (guest time is inside user already).
+    let idle = v.get(3)? + v.get(4).copied().unwrap_or(0);
     let total: u64 = v.iter().sum();
-    let idle = v[3] + v.get(4).copied().unwrap_or(0);
     Some((total.saturating_sub(idle), total))
 }
 

@@ -80,14 +80,12 @@ pub(crate) async fn ttl_pass(core: &Arc<Core>, now: i64) {
     for e in core.all() {
         let action = decide(&lock(&e.rec), e.calls(), now, core.retention);
         match action {
-            None => {}
             Some(TtlAction::Drop) => drop.push(lock(&e.rec).id().to_string()),
-            Some(_) => {
-                if !e.ttl_busy.swap(true, Ordering::AcqRel) {
-                    let c = core.clone();
-                    tokio::spawn(async move { expire(&c, &e, now).await });
-                }
+            Some(_) if !e.ttl_busy.swap(true, Ordering::AcqRel) => {
+                let c = core.clone();
+                tokio::spawn(async move { expire(&c, &e, now).await });
             }
+            _ => {}
         }
     }
     for id in drop {

@@ -42,6 +42,12 @@ pub struct EdgeFlagsState {
 /// Most blocking writers one batch uses at once.
 const WRITERS: usize = 64;
 
+/// One record to write: (index in the call, temp path, final path, encoded bytes).
+type WriteJob = (usize, PathBuf, PathBuf, Result<Vec<u8>, StoreError>);
+
+/// A record file that did not parse (renamed to `<name>.corrupt`): its path and the error.
+pub type Unreadable = (PathBuf, String);
+
 /// The record directory of one edge.
 #[derive(Debug, Clone)]
 pub struct Store {
@@ -87,8 +93,7 @@ impl Store {
         if recs.is_empty() {
             return Vec::new();
         }
-        let mut jobs: Vec<(usize, PathBuf, PathBuf, Result<Vec<u8>, StoreError>)> =
-            Vec::with_capacity(recs.len());
+        let mut jobs: Vec<WriteJob> = Vec::with_capacity(recs.len());
         for (i, r) in recs.iter().enumerate() {
             let n = self.seq.fetch_add(1, Ordering::Relaxed);
             let tmp = self.dir.join(format!(".{}.{n}.tmp", r.id()));
@@ -116,7 +121,9 @@ impl Store {
             match t {
                 Ok(done) => {
                     for (i, r) in done {
-                        out[i] = Some(r);
+                        if let Some(slot) = out.get_mut(i) {
+                            *slot = Some(r);
+                        }
                     }
                 }
                 Err(e) => tracing::error!(error = %e, "record writer task failed"),
@@ -162,7 +169,7 @@ impl Store {
 
     /// Reads every record. Leftover temp files are removed; files that do not parse are
     /// renamed to `<name>.corrupt` and returned by path with the error, for the log.
-    pub fn load_all(&self) -> Result<(Vec<SandboxRecord>, Vec<(PathBuf, String)>), StoreError> {
+    pub fn load_all(&self) -> Result<(Vec<SandboxRecord>, Vec<Unreadable>), StoreError> {
         let mut recs = Vec::new();
         let mut bad = Vec::new();
         let entries = std::fs::read_dir(&self.dir).map_err(io("listing", &self.dir))?;

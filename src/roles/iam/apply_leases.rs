@@ -272,7 +272,9 @@ pub(super) fn reconcile(
     let plan = reconcile_plan(st, edge, reported, min_age_s, now)?;
     for &i in &plan.rebind {
         // The sandbox runs here: bind the lease to where it actually is.
-        let r = &reported[i];
+        let Some(r) = reported.get(i) else {
+            continue;
+        };
         let Some(old) = st.leases.get(&r.lease_id).map(|l| l.edge_id.clone()) else {
             continue;
         };
@@ -290,7 +292,9 @@ pub(super) fn reconcile(
         // A sandbox IAM did not know (after a restore, for instance): adopt its lease. It
         // exists already, so it is charged without a quota check; a project that no longer
         // exists is charged to its nearest existing ancestor.
-        let r = &reported[i];
+        let Some(r) = reported.get(i) else {
+            continue;
+        };
         let res = lease_res(&r.resources);
         let created_at = if r.created_at <= 0 || r.created_at > now {
             now

@@ -224,13 +224,13 @@ fn load(path: &Path) -> Result<(IamState, Files), IamError> {
         .map_err(io_err("reading the log", &lp))?;
     let mut good = 0usize;
     let mut line_no = 0usize;
-    while good < bytes.len() {
-        let Some(nl) = bytes[good..].iter().position(|b| *b == b'\n') else {
+    while let Some(rest) = bytes.get(good..).filter(|r| !r.is_empty()) {
+        let Some(nl) = rest.iter().position(|b| *b == b'\n') else {
             tracing::warn!(path = %lp.display(), bytes = bytes.len() - good, "dropping a torn last log line (never acknowledged)");
             break;
         };
         line_no += 1;
-        let line = &bytes[good..good + nl];
+        let line = rest.get(..nl).unwrap_or_default();
         let entry: EntryOwned = match serde_json::from_slice(line) {
             Ok(e) => e,
             Err(e) if good + nl + 1 == bytes.len() => {

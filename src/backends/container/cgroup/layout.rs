@@ -86,28 +86,30 @@ pub(super) fn parse_mountinfo(text: &str) -> Vec<CgroupMount> {
         };
         let pre: Vec<&str> = pre.split(' ').collect();
         let post: Vec<&str> = post.split(' ').collect();
-        if pre.len() < 6 || post.len() < 3 {
+        let (Some(mount), Some(opts), Some(fstype), Some(super_opts)) =
+            (pre.get(4), pre.get(5), post.first(), post.get(2))
+        else {
             continue;
-        }
-        let v2 = match post[0] {
+        };
+        let v2 = match *fstype {
             "cgroup" => false,
             "cgroup2" => true,
             _ => continue,
         };
-        if pre[5].split(',').any(|o| o == "ro") {
+        if opts.split(',').any(|o| o == "ro") {
             continue;
         }
         let controllers = if v2 {
             Vec::new()
         } else {
-            post[2]
+            super_opts
                 .split(',')
                 .filter(|o| Ctl::ALL.iter().any(|c| c.v1_name() == *o))
                 .map(str::to_string)
                 .collect()
         };
         out.push(CgroupMount {
-            mount: PathBuf::from(unescape_mount(pre[4])),
+            mount: PathBuf::from(unescape_mount(mount)),
             v2,
             controllers,
         });
@@ -119,15 +121,21 @@ pub(super) fn parse_mountinfo(text: &str) -> Vec<CgroupMount> {
 pub(super) fn unescape_mount(s: &str) -> String {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(u8::is_ascii_digit) {
-            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
-            out.push(v);
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
+    let mut rest = b;
+    while let Some((&c, tail)) = rest.split_first() {
+        match tail {
+            [d1 @ b'0'..=b'9', d2 @ b'0'..=b'9', d3 @ b'0'..=b'9', after @ ..] if c == b'\\' => {
+                let v = (d1 - b'0')
+                    .wrapping_mul(64)
+                    .wrapping_add((d2 - b'0') * 8)
+                    .wrapping_add(d3 - b'0');
+                out.push(v);
+                rest = after;
+            }
+            _ => {
+                out.push(c);
+                rest = tail;
+            }
         }
     }
     String::from_utf8_lossy(&out).into_owned()
