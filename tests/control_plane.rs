@@ -4,6 +4,14 @@
 //! `no_capacity`, an idempotency key is tied to its spec, and every apiserver request has
 //! its own tracing span.
 
+// Tests may unwrap, expect, panic and index (the codebase's rules are for non-test code).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
