@@ -42,6 +42,7 @@ fn admit(lease: String) -> Command {
         edge_id: "e1".into(),
         sandbox_id: format!("e1.{lease}"),
         keep_binding: false,
+        spec_digest: String::new(),
     };
     Command::Admit {
         actor: admin(),

@@ -86,6 +86,7 @@ fn item(lease: &str, project: &str, cpu: f64) -> pb::AdmitItem {
         edge_id: "edge-1".into(),
         sandbox_id: format!("edge-1.{lease}"),
         keep_binding: false,
+        spec_digest: String::new(),
     }
 }
 

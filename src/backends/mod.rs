@@ -119,6 +119,12 @@ pub trait Backend: Send + Sync {
         false
     }
 
+    /// Checks a creation's spec (resources filled in) against what this backend can start,
+    /// before anything is made, so a spec that cannot start fails at admission. Errors:
+    /// `Config` (reason `invalid`) naming the field and the limit.
+    fn check_spec(&self, _spec: &pb::SandboxSpec) -> Result<(), BackendError> {
+        Ok(())
+    }
     /// Makes and starts the sandbox. On error nothing of it is left running.
     async fn create(&self, req: &CreateRequest) -> Result<BackendState, BackendError>;
     /// Stops the sandbox and removes its file system and processes (running or paused).

@@ -3,6 +3,7 @@
 pub mod names;
 pub mod reason;
 pub mod resources;
+pub mod spec_digest;
 
 pub use reason::{Failure, Reason};
 pub use resources::Res;

@@ -44,6 +44,15 @@ def new_key() -> str:
     return secrets.token_hex(16)
 
 
+def _key(idempotency_key: Optional[str]) -> str:
+    """The caller's idempotency key, checked, or a random one."""
+    if idempotency_key is None:
+        return new_key()
+    if not isinstance(idempotency_key, str) or not 1 <= len(idempotency_key) <= 256:
+        raise DSecError(INVALID, "idempotency_key must be a string of 1 to 256 characters")
+    return idempotency_key
+
+
 def _env(name: str) -> Optional[str]:
     v = os.environ.get(name)
     return v if v else None
@@ -177,27 +186,44 @@ class DSecClient:
     def _project(self, project: Optional[str]) -> str:
         return project or self.project
 
-    async def run_sandbox(self, args: DSecRunArgs, timeout: Optional[float] = 120) -> Sandbox:
+    async def run_sandbox(
+        self, args: DSecRunArgs, timeout: Optional[float] = 120, idempotency_key: Optional[str] = None
+    ) -> Sandbox:
         """Creates a sandbox and returns once it is ``RUNNING``.
 
         Retried while the server is unreachable (within ``retry_timeout``); the creation
-        carries a random idempotency key, so a retry returns the sandbox a lost first
-        attempt created, never a second one.
+        carries an idempotency key, so a retry returns the sandbox a lost first attempt
+        created, never a second one. The key is random unless ``idempotency_key`` is given:
+        a caller that restarts and asks again with its own key gets the sandbox it made
+        before (while it lives), not a new one.
 
         Args:
             args: What to create.
-            timeout: Limit for the whole creation (seconds); ``None`` for none.
+            timeout: Limit for the whole creation (seconds); ``None`` for none. A sandbox
+                still ``CREATING`` when it expires is stopped, not left behind.
+            idempotency_key: 1 to 256 characters chosen by the caller; the same key with a
+                different spec is ``conflict``.
 
         Raises:
-            DSecError: e.g. ``quota_exceeded``, ``no_capacity``, ``invalid``, ``forbidden``.
+            DSecError: e.g. ``quota_exceeded``, ``no_capacity``, ``invalid``, ``forbidden``,
+                ``conflict``, ``timeout``.
         """
         req = opendsec_pb2.CreateSandboxRequest(
-            spec=args.to_spec(), project=self._project(args.project), idempotency_key=new_key()
+            spec=args.to_spec(), project=self._project(args.project), idempotency_key=_key(idempotency_key)
         )
         started = time.monotonic()
         info = await self._unary("CreateSandbox", req, retry=True, timeout=timeout)
         sb = Sandbox(self, info)
-        await self._wait_created(sb, None if timeout is None else started + timeout)
+        try:
+            await self._wait_created(sb, None if timeout is None else started + timeout)
+        except DSecError as e:
+            if e.reason == "timeout":
+                # Nobody will get this sandbox: stop it rather than leave it holding quota.
+                try:
+                    await sb.stop()
+                except DSecError:
+                    pass
+            raise
         return sb
 
     async def _wait_created(self, sb: Sandbox, deadline: Optional[float]) -> None:
@@ -213,20 +239,28 @@ class DSecClient:
         if sb.info.state == _FAILED:
             raise DSecError(INTERNAL, f"sandbox {sb.id} failed: {sb.info.message}")
 
-    async def run_container(self, args: DSecRunArgs, timeout: Optional[float] = 120) -> Sandbox:
+    async def run_container(
+        self, args: DSecRunArgs, timeout: Optional[float] = 120, idempotency_key: Optional[str] = None
+    ) -> Sandbox:
         """The same as :meth:`run_sandbox`, usually with :class:`DSecContainerRunArgs`."""
-        return await self.run_sandbox(args, timeout=timeout)
+        return await self.run_sandbox(args, timeout=timeout, idempotency_key=idempotency_key)
 
     async def run_sandboxes(
-        self, args: DSecRunArgs, count: int, timeout: Optional[float] = 600
+        self,
+        args: DSecRunArgs,
+        count: int,
+        timeout: Optional[float] = 600,
+        idempotency_key: Optional[str] = None,
     ) -> list[Union[Sandbox, DSecError]]:
         """Creates ``count`` sandboxes of one spec (up to 32768) with one streamed call.
 
         Returns a list in index order: a :class:`Sandbox` for each success, a
-        :class:`DSecError` for each failure (not raised). The call carries one random
-        idempotency key: after a broken stream it asks again with the same key, keeps the
-        items it already has and fills in the missing ones, so only what is still missing
-        gets created.
+        :class:`DSecError` for each failure (not raised). The call carries one idempotency
+        key (random unless ``idempotency_key`` is given): after a broken stream it asks again
+        with the same key, keeps the items it already has and fills in the missing ones, so
+        only what is still missing gets created. A caller that restarts and asks again with
+        its own key gets the sandboxes it made before (while they live); the same key with a
+        different spec gives ``conflict`` items.
 
         Raises:
             DSecError: when the batch request itself fails (no permission, say) before any
@@ -236,7 +270,10 @@ class DSecClient:
             # Checked here too: the result list is allocated before the server could refuse.
             raise DSecError(INVALID, f"count must be within 1..{MAX_BATCH}, got {count!r}")
         req = opendsec_pb2.CreateSandboxesRequest(
-            spec=args.to_spec(), project=self._project(args.project), count=count, idempotency_key=new_key()
+            spec=args.to_spec(),
+            project=self._project(args.project),
+            count=count,
+            idempotency_key=_key(idempotency_key),
         )
         results: list[Union[Sandbox, DSecError, None]] = [None] * count
         got = 0
@@ -282,10 +319,14 @@ class DSecClient:
         return results  # type: ignore[return-value]
 
     async def run_containers(
-        self, args: DSecRunArgs, count: int, timeout: Optional[float] = 600
+        self,
+        args: DSecRunArgs,
+        count: int,
+        timeout: Optional[float] = 600,
+        idempotency_key: Optional[str] = None,
     ) -> list[Union[Sandbox, DSecError]]:
         """The same as :meth:`run_sandboxes`."""
-        return await self.run_sandboxes(args, count, timeout=timeout)
+        return await self.run_sandboxes(args, count, timeout=timeout, idempotency_key=idempotency_key)
 
     # ---------------------------------------------------------------- queries
 

@@ -78,6 +78,7 @@ class FakeDSec:
         self.create_keys: list[str] = []
         self.created_by_key: dict[str, str] = {}  # idempotency key -> sandbox id
         self.created_count = 0
+        self.new_state = RUNNING  # the state new sandboxes are created in
         # batch
         self.batch_keys: list[str] = []
         self.batch_break_after: list[int] = []  # per attempt: items sent before breaking
@@ -107,7 +108,12 @@ class FakeDSec:
         self.created_count += 1
         sid = f"{self.name}-edge.sb{self.created_count:05d}"
         sb = types_pb2.Sandbox(
-            id=sid, project=project or "root", principal="admin", edge_id=f"{self.name}-edge", spec=spec, state=RUNNING
+            id=sid,
+            project=project or "root",
+            principal="admin",
+            edge_id=f"{self.name}-edge",
+            spec=spec,
+            state=self.new_state,
         )
         self.sandboxes[sid] = sb
         return sb

@@ -118,6 +118,44 @@ async def test_separate_creations_get_separate_keys(fake):
     assert len(set(fake.service.create_keys)) == 2
 
 
+async def test_a_callers_own_key_survives_a_client_restart(fake):
+    # A trainer restarts and asks again with the keys it chose: the same sandboxes, no new ones.
+    async with client_for(fake.addr) as c:
+        sb = await c.run_sandbox(DSecRunArgs(backend="sim"), idempotency_key="trainer-7/step-3")
+        batch = await c.run_sandboxes(DSecRunArgs(backend="sim"), 3, idempotency_key="trainer-7/batch-3")
+    async with client_for(fake.addr) as c2:
+        again = await c2.run_sandbox(DSecRunArgs(backend="sim"), idempotency_key="trainer-7/step-3")
+        batch2 = await c2.run_sandboxes(DSecRunArgs(backend="sim"), 3, idempotency_key="trainer-7/batch-3")
+    assert again.id == sb.id
+    assert [b.id for b in batch2] == [b.id for b in batch]
+    assert fake.service.created_count == 4
+    assert fake.service.create_keys == ["trainer-7/step-3", "trainer-7/step-3"]
+    assert fake.service.batch_keys == ["trainer-7/batch-3", "trainer-7/batch-3"]
+
+
+async def test_a_bad_idempotency_key_is_invalid_before_anything_is_sent(fake):
+    async with client_for(fake.addr) as c:
+        for bad in ["", "x" * 257, 7]:
+            with pytest.raises(DSecError) as e:
+                await c.run_sandbox(DSecRunArgs(backend="sim"), idempotency_key=bad)  # type: ignore[arg-type]
+            assert e.value.reason == "invalid"
+            with pytest.raises(DSecError) as e:
+                await c.run_sandboxes(DSecRunArgs(backend="sim"), 2, idempotency_key=bad)  # type: ignore[arg-type]
+            assert e.value.reason == "invalid"
+    assert fake.service.calls["CreateSandbox"] == 0 and fake.service.calls["CreateSandboxes"] == 0
+
+
+async def test_run_sandbox_whose_wait_times_out_stops_what_it_created(fake):
+    fake.service.new_state = opendsec._pb.types_pb2.SandboxState.Value("CREATING")
+    async with client_for(fake.addr) as c:
+        with pytest.raises(DSecError) as e:
+            await c.run_sandbox(DSecRunArgs(backend="sim"), timeout=0.5)
+    assert e.value.reason == "timeout"
+    assert fake.service.calls["StopSandbox"] == 1
+    (sb,) = fake.service.sandboxes.values()
+    assert sb.state == opendsec._pb.types_pb2.SandboxState.Value("STOPPED")
+
+
 async def test_run_shell_retry_never_runs_twice(fake):
     async with client_for(fake.addr) as c:
         sb = await new_sandbox(c)

@@ -32,6 +32,14 @@ use crate::pb;
 const AGENT_START_TIMEOUT: Duration = Duration::from_secs(15);
 /// The default `pids_max` (docs/containers.md).
 const DEFAULT_PIDS_MAX: i64 = 4096;
+/// The least memory a container sandbox is created with: its agents (aether, chronus) and a
+/// shell need about this much (measured, docs/architecture.md); below it the first
+/// command would be OOM-killed.
+pub const MIN_MEMORY_MB: i64 = 32;
+/// The least CPU: the CFS quota cannot be set below 1 ms per 100 ms period.
+pub const MIN_CPU_CORES: f64 = 0.01;
+/// The least disk: the sandbox's ext4 image needs room for its own metadata.
+pub const MIN_DISK_MB: i64 = 16;
 
 /// What the edge records for one container sandbox.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -397,6 +405,49 @@ impl Backend for ContainerBackend {
 
     fn runtime_kind(&self) -> &'static str {
         "linux"
+    }
+
+    fn check_spec(&self, spec: &pb::SandboxSpec) -> Result<(), BackendError> {
+        let bad = |message: String| BackendError::Config {
+            backend: self.name.clone(),
+            message,
+        };
+        if spec.memory_limit_mb < MIN_MEMORY_MB {
+            return Err(bad(format!(
+                "memory_limit_mb {} is below this backend's minimum of {MIN_MEMORY_MB} MB (the sandbox's agents and shell need it)",
+                spec.memory_limit_mb
+            )));
+        }
+        if spec.cpu_cores_limit < MIN_CPU_CORES {
+            return Err(bad(format!(
+                "cpu_cores_limit {} is below this backend's minimum of {MIN_CPU_CORES}",
+                spec.cpu_cores_limit
+            )));
+        }
+        if spec.disk_mb < MIN_DISK_MB {
+            return Err(bad(format!(
+                "disk_mb {} is below this backend's minimum of {MIN_DISK_MB} MB",
+                spec.disk_mb
+            )));
+        }
+        // The image's own /etc/passwd (the topmost layer that has one) must know init_user;
+        // numeric uids need no entry. A missing image is the creation's not_found.
+        if let Some(lowers) = self.images.get(&spec.image) {
+            let root = lowers
+                .iter()
+                .find(|l| {
+                    std::fs::symlink_metadata(l.join("etc/passwd")).is_ok_and(|m| m.is_file())
+                })
+                .cloned()
+                .unwrap_or_else(|| PathBuf::from("/nonexistent"));
+            crate::guest::user::resolve(&spec.init_user, &root).map_err(|e| {
+                bad(format!(
+                    "init_user {:?}: {e} (image {:?})",
+                    spec.init_user, spec.image
+                ))
+            })?;
+        }
+        Ok(())
     }
 
     async fn create(&self, req: &CreateRequest) -> Result<BackendState, BackendError> {

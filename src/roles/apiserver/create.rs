@@ -69,6 +69,7 @@ pub(crate) struct Job<'a> {
 struct Live {
     item: Item,
     edge: String,
+    /// Edges that refused it (no room, unreachable): tried elsewhere first.
     tried: Vec<String>,
     admitted: bool,
 }
@@ -97,6 +98,24 @@ impl Inner {
         )?;
         ov.add(&edge, req.res);
         Ok(edge)
+    }
+
+    /// Places an item again after edges refused it: on an edge it has not tried if one
+    /// fits, else back on one that refused it but has room now by the snapshot and the
+    /// overlay (ranked last while penalized), so that a one-edge cluster never runs out of
+    /// candidates because its only edge once said no.
+    fn replace(
+        &self,
+        snap: &pb::Snapshot,
+        req: &Request,
+        tried: &[String],
+    ) -> Result<String, Failure> {
+        match self.place(snap, req, tried) {
+            Err(f) if f.reason == Reason::NoCapacity && !tried.is_empty() => {
+                self.place(snap, req, &[]).map_err(|_| f)
+            }
+            r => r,
+        }
     }
 
     fn unplace(&self, edge: &str, res: &Res, penalize: bool) {
@@ -130,6 +149,8 @@ impl Inner {
         let image_project = names::image_project(&job.spec.image)
             .unwrap_or_default()
             .to_string();
+        // Ties the idempotency key to this spec: the same key with another is `conflict`.
+        let digest = crate::types::spec_digest::spec_digest(job.spec);
         let items = live
             .iter()
             .map(|l| pb::AdmitItem {
@@ -139,6 +160,7 @@ impl Inner {
                 edge_id: l.edge.clone(),
                 sandbox_id: sandbox_id(&l.edge, &l.item),
                 keep_binding,
+                spec_digest: digest.clone(),
             })
             .collect();
         let req = pb::AdmitRequest {
@@ -320,7 +342,7 @@ impl Inner {
                                     self.overlay
                                         .lock()
                                         .unwrap_or_else(|p| p.into_inner())
-                                        .settle(&edge, &res, &inc, seq);
+                                        .settle(&edge, &res, &inc, seq, &sb.id);
                                     self.projects
                                         .lock()
                                         .unwrap_or_else(|p| p.into_inner())
@@ -334,12 +356,18 @@ impl Inner {
                                             "edge gave no result for this sandbox",
                                         ),
                                     };
-                                    let again = matches!(
+                                    // No room (or the edge going away) ranks the edge
+                                    // last for a while and tries elsewhere. A failure of
+                                    // this one creation (`internal`) says nothing of the
+                                    // edge's room: no penalty, and the item stays failed
+                                    // (its lease is the edge's to release; moving it now
+                                    // would race that release).
+                                    let refused = matches!(
                                         f.reason,
                                         Reason::NoCapacity | Reason::Unavailable
                                     );
-                                    self.unplace(&edge, &res, again);
-                                    if again && attempt < self.params.max_attempts {
+                                    self.unplace(&edge, &res, refused);
+                                    if refused && attempt < self.params.max_attempts {
                                         l.tried.push(edge.clone());
                                         retry.push((l, f));
                                     } else {
@@ -358,7 +386,7 @@ impl Inner {
                     .increment(retry.len() as u64);
                 let snap_now = self.snapshot.read().await.clone();
                 for (mut l, last) in retry {
-                    match self.place(&snap_now, &req, &l.tried) {
+                    match self.replace(&snap_now, &req, &l.tried) {
                         Ok(edge) => {
                             l.edge = edge;
                             live.push(l);
@@ -386,8 +414,14 @@ impl Inner {
 /// The failure of an item whose edge failed with `last` and for which no other edge was
 /// found (`placing`). An edge that was unreachable (restarting) is not a lack of capacity:
 /// the item fails `unavailable`, which callers retry, unless placement failed for a reason
-/// of its own (`invalid`, `not_found`). An edge that was full stays `no_capacity`.
+/// of its own (`invalid`, `not_found`). An edge that was full stays `no_capacity`; one
+/// whose creation failed (`internal`) stays `internal`.
 fn replacement_failure(placing: Failure, last: Failure) -> Failure {
+    // A creation that failed on its edge and found no other stays that failure: the
+    // cluster did not run out of room.
+    if last.reason == Reason::Internal && placing.reason == Reason::NoCapacity {
+        return last;
+    }
     let transient = matches!(last.reason, Reason::Unavailable | Reason::Timeout);
     if transient && placing.reason == Reason::NoCapacity {
         return Failure::new(
@@ -549,6 +583,12 @@ mod tests {
             replacement_failure(Failure::invalid("bad"), Failure::unavailable("x")).reason,
             Reason::Invalid
         );
+        let e = replacement_failure(
+            Failure::new(Reason::NoCapacity, "skipped rejected: 1"),
+            Failure::internal("attach loop device: busy"),
+        );
+        assert_eq!(e.reason, Reason::Internal);
+        assert!(e.message.contains("attach loop device"), "{}", e.message);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 use super::auth::Caller;
 use super::Inner;
 use crate::pb;
+use crate::roles::edge::freed::{FreedReport, FREED_HEADER};
 use crate::rpc::failure_from_status;
 use crate::types::{names, Failure};
 
@@ -80,6 +81,7 @@ impl Inner {
                 sb.project
             }
         };
+        tracing::Span::current().record("project", project.as_str());
         self.auth
             .authorize(caller, &project, "sandbox.operate")
             .await?;
@@ -98,7 +100,13 @@ impl Inner {
         let r = pb::SandboxRef { id: id.to_string() };
         let out = match op {
             "get" => c.get_sandbox(self.edges.req(r)).await,
-            "stop" => c.stop_sandbox(self.edges.req(r)).await,
+            "stop" => {
+                let resp = c.stop_sandbox(self.edges.req(r)).await;
+                if let Ok(resp) = &resp {
+                    self.note_freed(id, resp.metadata());
+                }
+                resp
+            }
             "pause" => c.pause_sandbox(self.edges.req(r)).await,
             "resume" => c.resume_sandbox(self.edges.req(r)).await,
             "touch" => c.touch_sandbox(self.edges.req(r)).await,
@@ -106,6 +114,23 @@ impl Inner {
         };
         out.map(|r| r.into_inner())
             .map_err(|s| failure_from_status(&s))
+    }
+
+    /// A stop's answer says what it gave back on its edge: placement stops counting it
+    /// before the next snapshot does.
+    fn note_freed(&self, id: &str, md: &tonic::metadata::MetadataMap) {
+        let Ok(edge) = edge_of(id) else { return };
+        let Some(report) = md
+            .get(FREED_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(FreedReport::decode)
+        else {
+            return;
+        };
+        self.overlay
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .free(edge, id, report);
     }
 
     pub(crate) async fn set_timeout(

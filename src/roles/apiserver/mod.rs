@@ -130,7 +130,20 @@ pub async fn start_with(
     }))
     .max_decoding_message_size(crate::rpc::MAX_MESSAGE)
     .max_encoding_message_size(crate::rpc::MAX_MESSAGE);
-    let router = crate::rpc::serve::builder().add_service(svc);
+    // One span per request, like IAM's and the edge's: the method now, the principal
+    // once authenticated, the project and sandbox once the call names them (Api::finish).
+    let router = crate::rpc::serve::builder()
+        .trace_fn(|req| {
+            let method = req.uri().path().rsplit('/').next().unwrap_or_default();
+            tracing::info_span!(
+                "apiserver",
+                method = %method,
+                principal = tracing::field::Empty,
+                project = tracing::field::Empty,
+                sandbox_id = tracing::field::Empty
+            )
+        })
+        .add_service(svc);
     let sd = shutdown.clone();
     Ok(tokio::spawn(async move {
         if let Err(err) = crate::rpc::serve::serve(router, listener, sd).await {

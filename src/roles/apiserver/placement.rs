@@ -1,6 +1,7 @@
 //! Placement (docs/architecture.md): filter the snapshot's edges, then power-of-k — draw k
-//! candidates at random and take the least loaded. Each apiserver overlays the sandboxes it
-//! just placed (not yet in the snapshot) and ranks edges that rejected a creation last for
+//! candidates at random and take the least loaded. Each apiserver overlays on the snapshot
+//! the sandboxes it just placed (not yet in the snapshot) and takes off those it just
+//! stopped (still in it), and ranks edges that rejected a creation for lack of room last for
 //! `reject_penalty` seconds. When nothing fits it tells `not_found` (no edge has the image or
 //! backend) from `no_capacity` (every edge that could run it is full), with skip reasons.
 
@@ -12,6 +13,7 @@ use rand::Rng;
 
 use crate::config::PlacementConfig;
 use crate::pb;
+use crate::roles::edge::freed::FreedReport;
 use crate::types::{Failure, Reason, Res};
 
 /// What placement needs to know of a request.
@@ -29,12 +31,39 @@ struct Placed {
     at: Instant,
     res: Res,
     shown_by: Option<(String, u64)>,
+    /// The sandbox, once created.
+    sandbox_id: String,
 }
 
-/// Recent placements not yet visible in the snapshot, and recent rejections.
+/// One recent stop: when, and the edge states that still count it.
+struct Stopped {
+    at: Instant,
+    report: FreedReport,
+}
+
+/// What the overlay adds to and takes off an edge state's allocation.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Extra {
+    pub add: Res,
+    pub sub: Res,
+}
+
+impl Extra {
+    /// `e`'s allocation with the overlay applied (never below zero).
+    fn alloc(&self, e: &pb::EdgeState) -> Res {
+        let mut a = Res::from_pb(e.allocated.as_ref());
+        a.add(&self.add);
+        a.sub(&self.sub);
+        a
+    }
+}
+
+/// Recent placements not yet visible in the snapshot, recent stops the snapshot still
+/// counts, and recent rejections.
 #[derive(Default)]
 pub struct Overlay {
     placed: HashMap<String, Vec<Placed>>,
+    stopped: HashMap<String, Vec<Stopped>>,
     penalties: HashMap<String, Instant>,
 }
 
@@ -49,6 +78,7 @@ impl Overlay {
                 at: Instant::now(),
                 res,
                 shown_by: None,
+                sandbox_id: String::new(),
             });
     }
     /// Takes back a placement that did not happen (the edge rejected it).
@@ -62,17 +92,34 @@ impl Overlay {
             }
         }
     }
-    /// Records that the edge created a placement of `res`: every state of edge process
-    /// `incarnation` with `admitted_seq >= seq` counts it in `allocated`.
-    pub fn settle(&mut self, edge: &str, res: &Res, incarnation: &str, seq: u64) {
+    /// Records that the edge created sandbox `sandbox_id` of `res`: every state of edge
+    /// process `incarnation` with `admitted_seq >= seq` counts it in `allocated`.
+    pub fn settle(&mut self, edge: &str, res: &Res, incarnation: &str, seq: u64, sandbox_id: &str) {
         if let Some(v) = self.placed.get_mut(edge) {
             if let Some(p) = v.iter_mut().find(|p| p.res == *res && p.shown_by.is_none()) {
                 p.shown_by = Some((incarnation.to_string(), seq));
+                p.sandbox_id = sandbox_id.to_string();
             }
         }
     }
-    /// Drops the placements a new snapshot shows (or that a restarted edge reports for
-    /// itself), so nothing is counted twice.
+    /// Records that a stop of `sandbox_id` on `edge` gave `report.res` back. A placement
+    /// of it the overlay still counts goes; states of that incarnation with `since_seq <=
+    /// admitted_seq < seq` still count it, so placement takes it off theirs until the
+    /// snapshot catches up (or `grace` passes).
+    pub fn free(&mut self, edge: &str, sandbox_id: &str, report: FreedReport) {
+        if let Some(v) = self.placed.get_mut(edge) {
+            v.retain(|p| p.sandbox_id != sandbox_id);
+        }
+        self.stopped
+            .entry(edge.to_string())
+            .or_default()
+            .push(Stopped {
+                at: Instant::now(),
+                report,
+            });
+    }
+    /// Drops the placements and stops a new snapshot shows (or that a restarted edge
+    /// reports for itself), so nothing is counted twice.
     pub fn observe(&mut self, snap: &pb::Snapshot) {
         for e in &snap.edges {
             if let Some(v) = self.placed.get_mut(&e.id) {
@@ -81,8 +128,14 @@ impl Overlay {
                     Some((inc, seq)) => *inc == e.incarnation && e.admitted_seq < *seq,
                 });
             }
+            if let Some(v) = self.stopped.get_mut(&e.id) {
+                v.retain(|s| {
+                    s.report.incarnation == e.incarnation && e.admitted_seq < s.report.seq
+                });
+            }
         }
         self.placed.retain(|_, v| !v.is_empty());
+        self.stopped.retain(|_, v| !v.is_empty());
     }
     /// Ranks `edge` last until `penalty` has passed.
     pub fn penalize(&mut self, edge: &str, penalty: Duration) {
@@ -96,16 +149,32 @@ impl Overlay {
             v.retain(|p| now.duration_since(p.at) < grace);
             !v.is_empty()
         });
+        self.stopped.retain(|_, v| {
+            v.retain(|s| now.duration_since(s.at) < grace);
+            !v.is_empty()
+        });
         self.penalties.retain(|_, until| *until > now);
     }
-    fn extra(&self, edge: &str) -> Res {
-        let mut r = Res::default();
-        if let Some(v) = self.placed.get(edge) {
+    /// What the overlay changes in edge state `e`.
+    pub fn extra(&self, e: &pb::EdgeState) -> Extra {
+        let mut x = Extra::default();
+        if let Some(v) = self.placed.get(&e.id) {
             for p in v {
-                r.add(&p.res);
+                x.add.add(&p.res);
             }
         }
-        r
+        if let Some(v) = self.stopped.get(&e.id) {
+            for s in v {
+                let r = &s.report;
+                if r.incarnation == e.incarnation
+                    && r.since_seq <= e.admitted_seq
+                    && e.admitted_seq < r.seq
+                {
+                    x.sub.add(&r.res);
+                }
+            }
+        }
+        x
     }
     fn penalized(&self, edge: &str) -> bool {
         self.penalties
@@ -124,10 +193,9 @@ fn share(used: f64, cap: f64) -> f64 {
 
 /// The load of an edge: the highest of its allocated share and its actual CPU and memory use;
 /// actual use below `floor` does not count.
-pub fn load(e: &pb::EdgeState, extra: &Res, floor: f64) -> f64 {
+pub fn load(e: &pb::EdgeState, extra: &Extra, floor: f64) -> f64 {
     let cap = Res::from_pb(e.capacity.as_ref());
-    let mut alloc = Res::from_pb(e.allocated.as_ref());
-    alloc.add(extra);
+    let alloc = extra.alloc(e);
     let a = share(alloc.cpu_cores, cap.cpu_cores)
         .max(share(alloc.memory_mb as f64, cap.memory_mb as f64));
     let cpu = if e.cpu_usage < floor {
@@ -144,7 +212,7 @@ pub fn load(e: &pb::EdgeState, extra: &Res, floor: f64) -> f64 {
 }
 
 /// Why an edge could not take the request; counted into the error message.
-fn skip_reason(e: &pb::EdgeState, req: &Request, extra: &Res) -> Option<&'static str> {
+fn skip_reason(e: &pb::EdgeState, req: &Request, extra: &Extra) -> Option<&'static str> {
     if !e.healthy {
         return Some("unhealthy");
     }
@@ -155,8 +223,7 @@ fn skip_reason(e: &pb::EdgeState, req: &Request, extra: &Res) -> Option<&'static
         return Some("pressure");
     }
     let cap = Res::from_pb(e.capacity.as_ref());
-    let mut alloc = Res::from_pb(e.allocated.as_ref());
-    alloc.add(extra);
+    let alloc = extra.alloc(e);
     if cap.cpu_cores > 0.0 && alloc.cpu_cores + req.res.cpu_cores > cap.cpu_cores + 1e-9 {
         return Some("cpu");
     }
@@ -175,7 +242,9 @@ fn skip_reason(e: &pb::EdgeState, req: &Request, extra: &Res) -> Option<&'static
         .get(req.backend)
         .copied()
         .unwrap_or(0)
-        + extra.sandboxes;
+        .saturating_add(extra.add.sandboxes)
+        .saturating_sub(extra.sub.sandboxes)
+        .max(0);
     if max > 0 && have >= max {
         return Some("max_sandboxes");
     }
@@ -197,7 +266,7 @@ pub fn choose<R: Rng>(
     let mut offers_backend = false;
     let mut has_image = false;
     let mut skips: BTreeMap<&'static str, usize> = BTreeMap::new();
-    let mut fit: Vec<(&pb::EdgeState, Res)> = Vec::new();
+    let mut fit: Vec<(&pb::EdgeState, Extra)> = Vec::new();
     for e in &snap.edges {
         if !e.backends.iter().any(|b| b == req.backend) {
             continue;
@@ -213,7 +282,7 @@ pub fn choose<R: Rng>(
             *skips.entry("rejected").or_default() += 1;
             continue;
         }
-        let extra = overlay.extra(&e.id);
+        let extra = overlay.extra(e);
         match skip_reason(e, req, &extra) {
             Some(why) => *skips.entry(why).or_default() += 1,
             None => fit.push((e, extra)),
@@ -242,17 +311,17 @@ pub fn choose<R: Rng>(
             ),
         ));
     }
-    let fresh: Vec<&(&pb::EdgeState, Res)> = fit
+    let fresh: Vec<&(&pb::EdgeState, Extra)> = fit
         .iter()
         .filter(|(e, _)| !overlay.penalized(&e.id))
         .collect();
-    let pool: Vec<&(&pb::EdgeState, Res)> = if fresh.is_empty() {
+    let pool: Vec<&(&pb::EdgeState, Extra)> = if fresh.is_empty() {
         fit.iter().collect()
     } else {
         fresh
     };
     let k = k.max(1).min(pool.len());
-    let picked: Vec<&&(&pb::EdgeState, Res)> = pool.choose_multiple(rng, k).collect();
+    let picked: Vec<&&(&pb::EdgeState, Extra)> = pool.choose_multiple(rng, k).collect();
     let best = picked
         .into_iter()
         .min_by(|a, b| {
@@ -408,7 +477,7 @@ mod tests {
         let mut ov = Overlay::default();
         let one = req(1.0).res;
         ov.add("a", one);
-        ov.settle("a", &one, "inc-1", 7);
+        ov.settle("a", &one, "inc-1", 7, "a.1");
         // A snapshot from before the creation: still counted.
         let mut before = edge("a", 2.0, 0.0);
         before.incarnation = "inc-1".into();
@@ -418,7 +487,7 @@ mod tests {
             ..Default::default()
         };
         ov.observe(&snap);
-        assert_eq!(ov.extra("a").cpu_cores, 1.0);
+        assert_eq!(ov.extra(&snap.edges[0]).add.cpu_cores, 1.0);
         // The snapshot shows it (1 core allocated): the overlay stops counting it, so a
         // second 1-core sandbox fits on the 2-core edge.
         let mut after = edge("a", 2.0, 1.0);
@@ -429,16 +498,16 @@ mod tests {
             ..Default::default()
         };
         ov.observe(&snap);
-        assert_eq!(ov.extra("a").cpu_cores, 0.0);
+        assert_eq!(ov.extra(&snap.edges[0]).add.cpu_cores, 0.0);
         assert!(choose(&snap, &ov, &req(1.0), 2, 0.2, &[], &mut rng).is_ok());
         // An unanswered placement stays until the grace runs out; a restarted edge (new
         // incarnation) reports what it holds itself.
         ov.add("a", one);
         ov.observe(&snap);
-        assert_eq!(ov.extra("a").cpu_cores, 1.0);
-        ov.settle("a", &one, "inc-0", 99);
+        assert_eq!(ov.extra(&snap.edges[0]).add.cpu_cores, 1.0);
+        ov.settle("a", &one, "inc-0", 99, "a.2");
         ov.observe(&snap);
-        assert_eq!(ov.extra("a").cpu_cores, 0.0);
+        assert_eq!(ov.extra(&snap.edges[0]).add.cpu_cores, 0.0);
     }
 
     #[test]
@@ -462,11 +531,79 @@ mod tests {
     }
 
     #[test]
+    fn a_stop_the_snapshot_still_counts_is_taken_off_until_it_catches_up() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let mut ov = Overlay::default();
+        let two = req(2.0).res;
+        // The snapshot was taken while the 2-core sandbox ran (seq 5), the stop made seq 6.
+        let mut full = edge("a", 2.0, 2.0);
+        full.incarnation = "inc-1".into();
+        full.admitted_seq = 5;
+        let snap = pb::Snapshot {
+            edges: vec![full],
+            ..Default::default()
+        };
+        assert_eq!(
+            choose(&snap, &ov, &req(2.0), 2, 0.2, &[], &mut rng)
+                .unwrap_err()
+                .reason,
+            Reason::NoCapacity
+        );
+        ov.free(
+            "a",
+            "a.x",
+            FreedReport {
+                incarnation: "inc-1".into(),
+                since_seq: 4,
+                seq: 6,
+                res: two,
+            },
+        );
+        assert!(choose(&snap, &ov, &req(2.0), 2, 0.2, &[], &mut rng).is_ok());
+        // A state from before the sandbox existed (seq 3) does not count it: nothing to take off.
+        let mut before = snap.edges[0].clone();
+        before.admitted_seq = 3;
+        before.allocated = Some(pb::Resources::default());
+        assert_eq!(ov.extra(&before).sub, Res::default());
+        // Another incarnation reports for itself.
+        let mut other = snap.edges[0].clone();
+        other.incarnation = "inc-2".into();
+        assert_eq!(ov.extra(&other).sub, Res::default());
+        // The snapshot that shows the stop drops it.
+        let mut after = edge("a", 2.0, 0.0);
+        after.incarnation = "inc-1".into();
+        after.admitted_seq = 6;
+        let snap = pb::Snapshot {
+            edges: vec![after],
+            ..Default::default()
+        };
+        ov.observe(&snap);
+        assert_eq!(ov.extra(&snap.edges[0]), Extra::default());
+        // Created and stopped between two snapshots: its placement goes, nothing is taken
+        // off the snapshot (which never counted it).
+        ov.add("a", two);
+        ov.settle("a", &two, "inc-1", 8, "a.y");
+        assert_eq!(ov.extra(&snap.edges[0]).add, two);
+        ov.free(
+            "a",
+            "a.y",
+            FreedReport {
+                incarnation: "inc-1".into(),
+                since_seq: 7,
+                seq: 9,
+                res: two,
+            },
+        );
+        assert_eq!(ov.extra(&snap.edges[0]), Extra::default());
+        assert!(choose(&snap, &ov, &req(2.0), 2, 0.2, &[], &mut rng).is_ok());
+    }
+
+    #[test]
     fn usage_below_the_floor_does_not_count() {
         let mut a = edge("a", 10.0, 0.0);
         a.cpu_usage = 0.15;
-        assert_eq!(load(&a, &Res::default(), 0.2), 0.0);
+        assert_eq!(load(&a, &Extra::default(), 0.2), 0.0);
         a.cpu_usage = 0.5;
-        assert_eq!(load(&a, &Res::default(), 0.2), 0.5);
+        assert_eq!(load(&a, &Extra::default(), 0.2), 0.5);
     }
 }

@@ -68,6 +68,7 @@ impl Api {
             Err(f) => return Err(self.fail(call, f)),
         };
         call.caller = Some(caller.clone());
+        tracing::Span::current().record("principal", caller.principal.as_str());
         if let Err(wait) = self.inner.calls.try_take(&caller.principal, 1.0) {
             let f = Failure::new(
                 Reason::RateLimited,
@@ -95,6 +96,14 @@ impl Api {
             Err(f) => f.reason.as_str(),
         };
         let secs = call.started.elapsed().as_secs_f64();
+        let span = tracing::Span::current();
+        if !call.project.is_empty() {
+            span.record("project", call.project.as_str());
+        }
+        if !call.sandbox_id.is_empty() {
+            span.record("sandbox_id", call.sandbox_id.as_str());
+        }
+        tracing::debug!(reason, duration_ms = secs * 1000.0, "call done");
         metrics::counter!("opendsec_rpc_server_handled_total", "role" => "apiserver", "method" => call.method, "reason" => reason).increment(1);
         metrics::histogram!("opendsec_rpc_server_handling_seconds", "role" => "apiserver", "method" => call.method).record(secs);
         if let Some(a) = &self.inner.audit {

@@ -144,11 +144,15 @@ pub fn pressures(r: &Reserves, host: &HostSample) -> Vec<Pressure> {
     out
 }
 
-/// What live sandboxes hold: the total and the count per backend.
+/// What live sandboxes hold: the total and the count per backend, and how many changes
+/// made it so (`seq`, reported as `EdgeState.admitted_seq`): a state read with the
+/// allocation under one lock shows exactly the changes up to its `seq`, so the apiserver
+/// can tell which of its own placements and stops a snapshot already counts.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Alloc {
     pub total: Res,
     pub by_backend: BTreeMap<String, i64>,
+    pub seq: u64,
 }
 
 impl Alloc {
@@ -157,12 +161,14 @@ impl Alloc {
         if r.sandboxes != 0 {
             *self.by_backend.entry(backend.to_string()).or_insert(0) += r.sandboxes;
         }
+        self.seq += 1;
     }
     pub fn sub(&mut self, backend: &str, r: &Res) {
         self.total.sub(r);
         if let Some(n) = self.by_backend.get_mut(backend) {
             *n = (*n - r.sandboxes).max(0);
         }
+        self.seq += 1;
     }
     /// Replaces charge `old` by `new` for a sandbox of `backend`.
     pub fn change(&mut self, backend: &str, old: &Res, new: &Res) {

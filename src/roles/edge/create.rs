@@ -80,12 +80,18 @@ impl Core {
         spec: Option<pb::SandboxSpec>,
         items: Vec<pb::EdgeCreateItem>,
     ) -> Result<Vec<pb::EdgeCreateResult>, Failure> {
+        let digest = spec
+            .as_ref()
+            .map(crate::types::spec_digest::spec_digest)
+            .unwrap_or_default();
         let spec = self.normalize(spec)?;
         let backend_name = spec.backend.clone();
         let (backend, max) = match self.slots.get(&backend_name) {
             Some(s) => (s.backend.clone(), s.max_sandboxes),
             None => return Err(Failure::invalid(format!("no backend {backend_name:?}"))),
         };
+        // A spec this backend cannot start fails here, before anything is made.
+        backend.check_spec(&spec).map_err(|e| e.to_failure())?;
         let want = Res::of_spec(&spec);
         let started = Instant::now();
         let now = now_s();
@@ -112,7 +118,15 @@ impl Core {
                             continue;
                         }
                         _ => {
-                            slots.push(Item::Existing(e.clone()));
+                            let known = lock(&e.rec).spec_digest.clone();
+                            if !known.is_empty() && known != digest {
+                                slots.push(Item::Done(Err(Failure::conflict(format!(
+                                    "sandbox {} was created with a different spec under the same idempotency_key; use a new key for a new sandbox",
+                                    it.sandbox_id
+                                )))));
+                            } else {
+                                slots.push(Item::Existing(e.clone()));
+                            }
                             continue;
                         }
                     }
@@ -138,19 +152,22 @@ impl Core {
                     match fits(&want, &backend_name, max, &alloc, &cap) {
                         Ok(()) => {
                             alloc.add(&backend_name, &want);
-                            Ok(())
+                            Ok(alloc.seq)
                         }
                         Err(r) => Err((r.label, r.message)),
                     }
                 };
-                if let Err((label, message)) = verdict {
-                    metrics::rejected(&self.edge_id, label);
-                    slots.push(Item::Done(Err(Failure::new(
-                        Reason::NoCapacity,
-                        format!("edge {}: {message}", self.edge_id),
-                    ))));
-                    continue;
-                }
+                let since_seq = match verdict {
+                    Ok(seq) => seq,
+                    Err((label, message)) => {
+                        metrics::rejected(&self.edge_id, label);
+                        slots.push(Item::Done(Err(Failure::new(
+                            Reason::NoCapacity,
+                            format!("edge {}: {message}", self.edge_id),
+                        ))));
+                        continue;
+                    }
+                };
                 let rec = SandboxRecord::creating(
                     &it.sandbox_id,
                     &self.edge_id,
@@ -160,7 +177,11 @@ impl Core {
                     spec.clone(),
                     now,
                 );
-                let entry = Arc::new(Entry::new(rec));
+                let entry = Arc::new(Entry::new(SandboxRecord {
+                    spec_digest: digest.clone(),
+                    ..rec
+                }));
+                entry.since_seq.store(since_seq, Ordering::SeqCst);
                 let Ok(guard) = entry.op.clone().try_lock_owned() else {
                     // A fresh mutex is never held; undo the reservation if it were.
                     lock(&self.alloc).sub(&backend_name, &want);

@@ -1,7 +1,10 @@
 //! Leases of ended sandboxes go back to IAM (docs/architecture.md): queued and
 //! sent with `Iam.ReleaseLeases` after 1000 of them or 50 ms, one call per batch (per
 //! distinct end time), retried with backoff while IAM is unreachable, so none is lost while
-//! the edge runs. Also the lookup the edge makes after each creation: concurrent lookups are
+//! the edge runs. A release someone waits for (a caller's stop: its quota must be free when
+//! the stop returns, docs/architecture.md) is sent at once with whatever is queued, and
+//! while a batch is in flight the next ones gather behind it, so a burst of stops still
+//! costs IAM a few calls. Also the lookup the edge makes after each creation: concurrent lookups are
 //! coalesced into one `Iam.GetLeases` call, so a burst of creations costs IAM a few calls
 //! rather than one per sandbox.
 
@@ -169,7 +172,9 @@ pub struct ReleaseItem {
 }
 
 enum Msg {
-    Item(ReleaseItem),
+    /// A lease to release, and who waits for it to be settled (released, refused, or found
+    /// not ours to release).
+    Item(ReleaseItem, Option<oneshot::Sender<()>>),
     Close(Duration, oneshot::Sender<usize>),
 }
 
@@ -237,8 +242,24 @@ impl Releaser {
 
     /// Queues one lease (empty ids are ignored).
     pub fn release(&self, item: ReleaseItem) {
+        self.enqueue(item, None);
+    }
+
+    /// Queues one lease and sends it without waiting to fill a batch; returns once IAM has
+    /// settled it (released, refused, or not ours), or at once for an empty id. Never fails:
+    /// a release IAM does not take now stays queued and is retried, so a caller bounds the
+    /// wait with a timeout of its own.
+    pub async fn release_now(&self, item: ReleaseItem) {
+        let (tx, rx) = oneshot::channel();
+        if self.enqueue(item, Some(tx)) {
+            let _ = rx.await;
+        }
+    }
+
+    /// Whether the item was queued.
+    fn enqueue(&self, item: ReleaseItem, waiter: Option<oneshot::Sender<()>>) -> bool {
         if item.lease_id.is_empty() {
-            return;
+            return false;
         }
         let id = item.lease_id.clone();
         *self
@@ -247,10 +268,12 @@ impl Releaser {
             .unwrap_or_else(|e| e.into_inner())
             .entry(id.clone())
             .or_default() += 1;
-        if self.tx.send(Msg::Item(item)).is_err() {
+        if self.tx.send(Msg::Item(item, waiter)).is_err() {
             settle(&self.pending, [id]);
             tracing::warn!("lease releaser already stopped; reconciliation will release the lease");
+            return false;
         }
+        true
     }
 
     /// Sends what is queued, retrying for up to `deadline`, and stops the task. Returns how
@@ -269,35 +292,73 @@ struct Closing {
     reply: oneshot::Sender<usize>,
 }
 
+/// Lease id → who waits for its release to settle.
+type Waiters = std::collections::HashMap<String, Vec<oneshot::Sender<()>>>;
+
+/// What the batching task holds between messages.
+#[derive(Default)]
+struct Queue {
+    pending: Vec<ReleaseItem>,
+    closing: Option<Closing>,
+    waiters: Waiters,
+}
+
+impl Queue {
+    /// Takes one message; true when it queued an item.
+    fn take(&mut self, m: Option<Msg>) -> bool {
+        match m {
+            Some(Msg::Item(i, w)) => {
+                if let Some(w) = w {
+                    self.waiters.entry(i.lease_id.clone()).or_default().push(w);
+                }
+                self.pending.push(i);
+                true
+            }
+            Some(Msg::Close(d, reply)) => {
+                self.closing = Some(Closing {
+                    until: Instant::now() + d,
+                    reply,
+                });
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Someone waits for a queued item: send without gathering.
+    fn urgent(&self) -> bool {
+        !self.waiters.is_empty()
+    }
+
+    /// Answers the waiters of every lease no longer queued or in flight.
+    fn wake(&mut self, pending_ids: &Pending) {
+        if self.waiters.is_empty() {
+            return;
+        }
+        let p = pending_ids.lock().unwrap_or_else(|e| e.into_inner());
+        self.waiters.retain(|id, ws| {
+            if p.contains_key(id) {
+                return true;
+            }
+            for w in ws.drain(..) {
+                let _ = w.send(());
+            }
+            false
+        });
+    }
+}
+
 async fn run(
     sink: Arc<dyn LeaseSink>,
     cfg: BatchConfig,
     mut rx: mpsc::UnboundedReceiver<Msg>,
     pending_ids: Pending,
 ) {
-    let mut pending: Vec<ReleaseItem> = Vec::new();
-    let mut closing: Option<Closing> = None;
+    let mut q = Queue::default();
     let mut backoff = Duration::from_millis(100);
-    let take =
-        |m: Option<Msg>, pending: &mut Vec<ReleaseItem>, closing: &mut Option<Closing>| -> bool {
-            match m {
-                Some(Msg::Item(i)) => {
-                    pending.push(i);
-                    true
-                }
-                Some(Msg::Close(d, reply)) => {
-                    *closing = Some(Closing {
-                        until: Instant::now() + d,
-                        reply,
-                    });
-                    false
-                }
-                None => false,
-            }
-        };
     loop {
-        if pending.is_empty() {
-            if let Some(c) = closing.take() {
+        if q.pending.is_empty() {
+            if let Some(c) = q.closing.take() {
                 let _ = c.reply.send(0);
                 return;
             }
@@ -305,28 +366,28 @@ async fn run(
             if first.is_none() {
                 return;
             }
-            if take(first, &mut pending, &mut closing) {
-                // Gather for up to `wait` or until a batch is full.
+            if q.take(first) && !q.urgent() {
+                // Gather for up to `wait` or until a batch is full (or someone waits).
                 let until = Instant::now() + cfg.wait;
-                while pending.len() < cfg.max && closing.is_none() {
+                while q.pending.len() < cfg.max && q.closing.is_none() && !q.urgent() {
                     tokio::select! {
-                        m = rx.recv() => if !take(m, &mut pending, &mut closing) { break },
+                        m = rx.recv() => if !q.take(m) { break },
                         _ = tokio::time::sleep_until(until) => break,
                     }
                 }
             }
             continue;
         }
-        while pending.len() < cfg.max {
+        while q.pending.len() < cfg.max {
             match rx.try_recv() {
                 Ok(m) => {
-                    take(Some(m), &mut pending, &mut closing);
+                    q.take(Some(m));
                 }
                 Err(_) => break,
             }
         }
-        let n = pending.len().min(cfg.max);
-        let batch: Vec<ReleaseItem> = pending.drain(..n).collect();
+        let n = q.pending.len().min(cfg.max);
+        let batch: Vec<ReleaseItem> = q.pending.drain(..n).collect();
         let mut settled: std::collections::HashMap<String, usize> = Default::default();
         for i in &batch {
             *settled.entry(i.lease_id.clone()).or_default() += 1;
@@ -343,25 +404,26 @@ async fn run(
                 .into_iter()
                 .flat_map(|(id, n)| std::iter::repeat_n(id, n)),
         );
+        q.wake(&pending_ids);
         if retry.is_empty() {
             backoff = Duration::from_millis(100);
             continue;
         }
-        pending.splice(0..0, retry);
-        if let Some(c) = &closing {
+        q.pending.splice(0..0, retry);
+        if let Some(c) = &q.closing {
             if Instant::now() >= c.until {
-                if let Some(c) = closing.take() {
+                if let Some(c) = q.closing.take() {
                     tracing::warn!(
-                        count = pending.len(),
+                        count = q.pending.len(),
                         "leases left unreleased at shutdown; reconciliation releases them"
                     );
-                    let _ = c.reply.send(pending.len());
+                    let _ = c.reply.send(q.pending.len());
                 }
                 return;
             }
         }
         let mut until = Instant::now() + backoff;
-        if let Some(c) = &closing {
+        if let Some(c) = &q.closing {
             until = until.min(c.until);
         }
         backoff = (backoff * 2).min(cfg.max_backoff);
@@ -369,7 +431,7 @@ async fn run(
             tokio::select! {
                 m = rx.recv() => {
                     if m.is_none() { tokio::time::sleep_until(until).await; break }
-                    take(m, &mut pending, &mut closing);
+                    q.take(m);
                 }
                 _ = tokio::time::sleep_until(until) => break,
             }

@@ -10,6 +10,7 @@
 
 mod admission;
 mod create;
+pub mod freed;
 mod host;
 mod leases;
 mod loops;
@@ -211,7 +212,6 @@ pub async fn start_with_backends(
         retention: ec.stopped_retention().ceil() as i64,
         lease_checks: tokio::sync::Semaphore::new(64),
         real,
-        admitted_seq: std::sync::atomic::AtomicU64::new(0),
         incarnation: hex::encode(rand::random::<[u8; 8]>()),
         cfg: ec.clone(),
     });

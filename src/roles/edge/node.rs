@@ -3,7 +3,7 @@
 //! operation uses to change a record consistently (allocation and disk follow the record).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use super::admission::{Alloc, Capacity, Reserves};
@@ -15,6 +15,9 @@ use crate::backends::{Backend, Handle};
 use crate::config::EdgeConfig;
 use crate::pb;
 use crate::types::Failure;
+
+/// How long a caller's stop waits for IAM to take its lease back.
+const RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// Locks a std mutex, recovering the data if a panicking thread poisoned it.
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -38,6 +41,17 @@ pub(crate) struct Entry {
     pub calls: AtomicU32,
     /// A TTL action for it is queued or running.
     pub ttl_busy: AtomicBool,
+    /// `Alloc::seq` once its charge was in the allocation: states from then on count it.
+    pub since_seq: AtomicU64,
+}
+
+/// What a sandbox that ended gave back to the allocation: states with `since_seq <=
+/// admitted_seq < seq` (of this incarnation) still count `res`; from `seq` on they do not.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Freed {
+    pub res: crate::types::Res,
+    pub since_seq: u64,
+    pub seq: u64,
 }
 
 impl Entry {
@@ -47,6 +61,7 @@ impl Entry {
             rec: Mutex::new(rec),
             calls: AtomicU32::new(0),
             ttl_busy: AtomicBool::new(false),
+            since_seq: AtomicU64::new(0),
         }
     }
     pub fn snapshot(&self) -> SandboxRecord {
@@ -92,9 +107,6 @@ pub(crate) struct Core {
     pub lease_checks: tokio::sync::Semaphore,
     /// Any backend that runs something (capacity defaults to the host's).
     pub real: bool,
-    /// Creation calls finished by this process (EdgeState.admitted_seq): bumped after a
-    /// batch's sandboxes are in `alloc`, read before `alloc` when reporting.
-    pub admitted_seq: std::sync::atomic::AtomicU64,
     /// A random id of this edge process (EdgeState.incarnation).
     pub incarnation: String,
 }
@@ -125,22 +137,44 @@ impl Core {
         rec.charge(frees, self.paused_mem_charge)
     }
 
-    /// Adds a record's charge to the allocation (a record entering memory).
-    pub fn account(&self, rec: &SandboxRecord) {
+    /// Adds a record's charge to the allocation (a record entering memory); returns the
+    /// allocation's `seq` with it in.
+    pub fn account(&self, rec: &SandboxRecord) -> u64 {
         let c = self.charge(rec);
-        lock(&self.alloc).add(rec.backend(), &c);
+        let mut a = lock(&self.alloc);
+        a.add(rec.backend(), &c);
+        a.seq
     }
 
     /// Changes a record; the allocation follows its new charge. Returns the new record.
     pub fn update(&self, entry: &Entry, f: impl FnOnce(&mut SandboxRecord)) -> SandboxRecord {
+        self.update_freed(entry, f).0
+    }
+
+    /// As `update`; also says what the change gave back when it ended the sandbox (its
+    /// charge dropped to nothing), for the apiserver's placement overlay.
+    pub fn update_freed(
+        &self,
+        entry: &Entry,
+        f: impl FnOnce(&mut SandboxRecord),
+    ) -> (SandboxRecord, Option<Freed>) {
         let mut rec = lock(&entry.rec);
         let old = self.charge(&rec);
         f(&mut rec);
         let new = self.charge(&rec);
+        let mut freed = None;
         if old != new {
-            lock(&self.alloc).change(rec.backend(), &old, &new);
+            let mut a = lock(&self.alloc);
+            a.change(rec.backend(), &old, &new);
+            if new == crate::types::Res::default() {
+                freed = Some(Freed {
+                    res: old,
+                    since_seq: entry.since_seq.load(Ordering::SeqCst),
+                    seq: a.seq,
+                });
+            }
         }
-        rec.clone()
+        (rec.clone(), freed)
     }
 
     /// Writes a record to disk when `persist_state` is on. A failed write is logged: the
@@ -167,19 +201,40 @@ impl Core {
     /// Queues the lease of an ended sandbox for release. `verify`: only if IAM still binds
     /// it to this sandbox (creation failed or was interrupted).
     pub fn release_lease(&self, rec: &SandboxRecord, verify: bool) {
+        if let Some(item) = self.release_item(rec, verify) {
+            self.releaser.release(item);
+        }
+    }
+
+    /// Releases the lease of an ended sandbox now and waits (up to `RELEASE_WAIT`) until IAM
+    /// has taken it, so that the project's quota is free when a caller's stop returns
+    /// (docs/architecture.md). IAM slower or unreachable: the release stays queued and is
+    /// retried; the wait ends anyway.
+    pub async fn release_lease_now(&self, rec: &SandboxRecord, verify: bool) {
+        if let Some(item) = self.release_item(rec, verify) {
+            if tokio::time::timeout(RELEASE_WAIT, self.releaser.release_now(item))
+                .await
+                .is_err()
+            {
+                tracing::warn!(sandbox_id = %rec.id(), edge_id = %self.edge_id, "IAM did not take the lease release in time; it stays queued");
+            }
+        }
+    }
+
+    fn release_item(&self, rec: &SandboxRecord, verify: bool) -> Option<ReleaseItem> {
         if rec.lease_foreign || rec.sandbox.lease_id.is_empty() {
-            return;
+            return None;
         }
         let at = if rec.sandbox.ended_at > 0 {
             rec.sandbox.ended_at
         } else {
             crate::types::now_s()
         };
-        self.releaser.release(ReleaseItem {
+        Some(ReleaseItem {
             lease_id: rec.sandbox.lease_id.clone(),
             at,
             verify: verify.then(|| (self.edge_id.clone(), rec.id().to_string())),
-        });
+        })
     }
 
     /// Forgets an ended record (retention passed).

@@ -10,7 +10,7 @@ use tracing::Instrument;
 
 use super::machine::{plan, Op, Plan};
 use super::metrics;
-use super::node::{as_handle, handle, Core, Entry};
+use super::node::{as_handle, handle, Core, Entry, Freed};
 use super::record::SandboxRecord;
 use super::ttl;
 use crate::pb::{self, SandboxState};
@@ -30,9 +30,20 @@ pub(crate) enum Cause {
 impl Core {
     /// Runs `op` on sandbox `id` under its operation lock.
     pub async fn lifecycle(&self, id: &str, op: Op, cause: Cause) -> Result<pb::Sandbox, Failure> {
+        self.lifecycle_freed(id, op, cause).await.map(|(sb, _)| sb)
+    }
+
+    /// As `lifecycle`; also says what this call gave back to the allocation when it ended
+    /// the sandbox (None when it was already ended or kept running).
+    pub async fn lifecycle_freed(
+        &self,
+        id: &str,
+        op: Op,
+        cause: Cause,
+    ) -> Result<(pb::Sandbox, Option<Freed>), Failure> {
         let entry = self.entry(id)?;
         let _g = entry.op.lock().await;
-        self.lifecycle_locked(&entry, op, cause).await
+        self.lifecycle_locked_freed(&entry, op, cause).await
     }
 
     /// `lifecycle` for a caller who holds the entry's operation lock.
@@ -42,12 +53,23 @@ impl Core {
         op: Op,
         cause: Cause,
     ) -> Result<pb::Sandbox, Failure> {
+        self.lifecycle_locked_freed(entry, op, cause)
+            .await
+            .map(|(sb, _)| sb)
+    }
+
+    async fn lifecycle_locked_freed(
+        &self,
+        entry: &Entry,
+        op: Op,
+        cause: Cause,
+    ) -> Result<(pb::Sandbox, Option<Freed>), Failure> {
         let rec = entry.snapshot();
         let id = rec.id().to_string();
         let (via, done, failed) = match plan(op, rec.state()) {
-            Plan::AsIs => return Ok(rec.sandbox),
+            Plan::AsIs => return Ok((rec.sandbox, None)),
             Plan::Conflict(m) => return Err(Failure::conflict(format!("sandbox {id}: {m}"))),
-            Plan::Update => return Ok(rec.sandbox),
+            Plan::Update => return Ok((rec.sandbox, None)),
             Plan::Run { via, done, failed } => (via, done, failed),
         };
         let Some(backend) = self.backend_of(&rec).cloned() else {
@@ -80,8 +102,8 @@ impl Core {
                 .unwrap_or("ok");
             metrics::op_seconds(backend.name(), op.name(), reason, t.elapsed().as_secs_f64());
             let now = now_s();
-            let after = match &result {
-                Ok(state) => self.update(entry, |r| {
+            let (after, freed) = match &result {
+                Ok(state) => self.update_freed(entry, |r| {
                     if let Some(s) = state {
                         r.backend_state = s.clone();
                     }
@@ -105,7 +127,7 @@ impl Core {
                 }),
                 Err(e) => {
                     tracing::warn!(error = %crate::types::chain(&e), "backend step failed");
-                    self.update(entry, |r| {
+                    self.update_freed(entry, |r| {
                         if op == Op::Stop {
                             r.end(
                                 failed,
@@ -120,10 +142,15 @@ impl Core {
             };
             self.persist(&after).await;
             if after.is_ended() {
-                self.release_lease(&after, false);
+                // A caller's stop returns with the quota free; TTL and edge stops need not wait.
+                if cause == Cause::Caller {
+                    self.release_lease_now(&after, false).await;
+                } else {
+                    self.release_lease(&after, false);
+                }
             }
             match result {
-                Ok(_) => Ok(after.sandbox),
+                Ok(_) => Ok((after.sandbox, freed)),
                 Err(e) => Err(e.to_failure()),
             }
         }

@@ -27,6 +27,10 @@ pub struct SandboxRecord {
     /// retry of the same creation may create it again (`create_batch`).
     #[serde(default)]
     pub interrupted: bool,
+    /// Digest of the spec it was created from (`types::spec_digest`); "" = unknown. A
+    /// creation of the same id with another spec is `conflict`.
+    #[serde(default)]
+    pub spec_digest: String,
 }
 
 impl SandboxRecord {
@@ -58,6 +62,7 @@ impl SandboxRecord {
             ttl_paused_at: 0,
             lease_foreign: false,
             interrupted: false,
+            spec_digest: String::new(),
         }
     }
 

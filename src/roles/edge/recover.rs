@@ -59,8 +59,12 @@ impl Core {
             if was_changed {
                 changed.push(rec.clone());
             }
-            self.account(&rec);
-            lock(&self.entries).insert(rec.id().to_string(), Arc::new(Entry::new(rec)));
+            let seq = self.account(&rec);
+            let entry = Entry::new(rec);
+            entry
+                .since_seq
+                .store(seq, std::sync::atomic::Ordering::SeqCst);
+            lock(&self.entries).insert(entry.snapshot().id().to_string(), Arc::new(entry));
         }
         self.persist_many(&changed).await;
 

@@ -52,10 +52,24 @@ impl EdgeService {
         let id = req.into_inner().id;
         let span = self.span(method, &id);
         let core = self.core.clone();
-        answer(
-            detached(async move { core.lifecycle(&id, op, Cause::Caller).await }.instrument(span))
-                .await,
+        let r = detached(
+            async move { core.lifecycle_freed(&id, op, Cause::Caller).await }.instrument(span),
         )
+        .await;
+        let (sb, freed) = r.map_err(|f| to_status(&f))?;
+        let mut resp = Response::new(sb);
+        if let Some(f) = freed {
+            let report = super::freed::FreedReport {
+                incarnation: self.core.incarnation.clone(),
+                since_seq: f.since_seq,
+                seq: f.seq,
+                res: f.res,
+            };
+            if let Ok(v) = report.encode().parse() {
+                resp.metadata_mut().insert(super::freed::FREED_HEADER, v);
+            }
+        }
+        Ok(resp)
     }
 }
 
@@ -88,10 +102,9 @@ impl pb::edge_server::Edge for EdgeService {
                 .await
                 .map(|results| pb::EdgeCreateResponse {
                     results,
-                    admitted_seq: seq_core
-                        .admitted_seq
-                        .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-                        + 1,
+                    // Every sandbox of this batch is in the allocation by now: a state with
+                    // this sequence or later counts it.
+                    admitted_seq: super::node::lock(&seq_core.alloc).seq,
                     incarnation: seq_core.incarnation.clone(),
                 }),
         )

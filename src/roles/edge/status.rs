@@ -11,12 +11,12 @@ impl Core {
     /// This edge as the watcher sees it. Capacity is after overcommit, 0 where unlimited;
     /// `sandboxes_by_backend` counts live (creating, running, paused) sandboxes.
     pub fn edge_state(&self) -> pb::EdgeState {
-        // Read before the allocation: a reader that sees sequence N sees every sandbox of the
-        // calls up to N (they were in `alloc` before N was published).
-        let admitted_seq = self.admitted_seq.load(Ordering::SeqCst);
         let host = read(&self.host);
         let press = pressures(&read(&self.reserves), &host);
+        // The allocation and its sequence come from one read: a state with admitted_seq N
+        // shows exactly the changes up to N.
         let alloc = lock(&self.alloc).clone();
+        let admitted_seq = alloc.seq;
         let mut allocated = alloc.total.to_pb();
         // Simulated sandboxes use nothing: the host's load on a sim-only edge (several may share
         // one machine, as in `cluster up`) says nothing about where the next one fits, and

@@ -181,7 +181,6 @@ fn core(
         retention: cfg.stopped_retention() as i64,
         lease_checks: tokio::sync::Semaphore::new(4),
         real: true,
-        admitted_seq: std::sync::atomic::AtomicU64::new(0),
         incarnation: "test".into(),
         cfg,
     });

@@ -103,6 +103,15 @@ fn admit_one(
                 it.lease_id, l.project, it.project
             )));
         }
+        if !l.spec_digest.is_empty()
+            && !it.spec_digest.is_empty()
+            && l.spec_digest != it.spec_digest
+        {
+            return Err(Failure::conflict(format!(
+                "idempotency_key already made sandbox {} with a different spec; use a new key for a new sandbox",
+                l.sandbox_id
+            )));
+        }
         let prev = Admitted {
             existed: true,
             prev_edge_id: l.edge_id.clone(),
@@ -138,6 +147,7 @@ fn admit_one(
             sandbox_id: it.sandbox_id.clone(),
             created_at: now,
             bound_at,
+            spec_digest: it.spec_digest.clone(),
         },
     );
     st.index_add(&it.edge_id, &it.lease_id);
@@ -301,6 +311,7 @@ pub(super) fn reconcile(
             sandbox_id: r.sandbox_id.clone(),
             created_at,
             bound_at: now,
+            spec_digest: String::new(),
         };
         st.leases.insert(r.lease_id.clone(), lease);
         st.index_add(edge, &r.lease_id);
@@ -381,6 +392,7 @@ mod tests {
                 format!("{edge}.{lease}")
             },
             keep_binding: false,
+            spec_digest: String::new(),
         }
     }
 
@@ -576,6 +588,29 @@ mod tests {
         assert!(r[1].is_ok());
         assert_eq!(r[2].as_ref().unwrap_err().reason, Reason::Invalid);
         assert_eq!(st.usage[&usage::day_of(NOW)]["root/a"].sandboxes_started, 2);
+        consistent(&st);
+    }
+
+    #[test]
+    fn a_key_reused_with_another_spec_is_conflict() {
+        let (mut st, t) = setup();
+        let first = AdmitItem {
+            spec_digest: "d1".into(),
+            ..item("l1", "root/a", 1.0, "e1")
+        };
+        let r = results(ok(&mut st, admit_cmd(&t, "", vec![first.clone()], NOW)));
+        assert!(r[0].is_ok());
+        // The same spec again: the lease, not a second one.
+        let r = results(ok(&mut st, admit_cmd(&t, "", vec![first.clone()], NOW + 1)));
+        assert!(r[0].as_ref().unwrap().existed);
+        let other = AdmitItem {
+            spec_digest: "d2".into(),
+            ..first
+        };
+        let r = results(ok(&mut st, admit_cmd(&t, "", vec![other], NOW + 2)));
+        let e = r[0].as_ref().unwrap_err();
+        assert_eq!(e.reason, Reason::Conflict);
+        assert!(e.message.contains("different spec"), "{}", e.message);
         consistent(&st);
     }
 

@@ -272,6 +272,7 @@ mod tests {
             edge_id: "e1".into(),
             sandbox_id: "e1.x".into(),
             keep_binding: false,
+            spec_digest: String::new(),
         };
         let item2 = AdmitItem {
             lease_id: "l2".into(),

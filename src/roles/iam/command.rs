@@ -31,6 +31,9 @@ pub struct AdmitItem {
     /// Leave an existing binding as it is (see `keep_binding` in iam.proto).
     #[serde(default)]
     pub keep_binding: bool,
+    /// The spec's digest (`spec_digest` in iam.proto); "" = not checked.
+    #[serde(default)]
+    pub spec_digest: String,
 }
 
 /// A lease an edge reports alive (`Reconcile`).

@@ -84,6 +84,7 @@ impl IamService {
                 edge_id: i.edge_id,
                 sandbox_id: i.sandbox_id,
                 keep_binding: i.keep_binding,
+                spec_digest: i.spec_digest,
             })
             .collect();
         let lease_ids: Vec<String> = items.iter().map(|i| i.lease_id.clone()).collect();

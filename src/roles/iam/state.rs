@@ -104,6 +104,8 @@ pub struct Lease {
     pub created_at: i64,
     /// When it was last bound to an edge; 0 = never.
     pub bound_at: i64,
+    /// Digest of the spec it was admitted for; "" = unknown (admitted before digests).
+    pub spec_digest: String,
 }
 
 /// Usage of one project's own sandboxes on one UTC day (docs/concepts.md).

@@ -495,6 +495,7 @@ mod tests {
             edge_id: "e1".into(),
             sandbox_id: format!("e1.{lease}"),
             keep_binding: false,
+            spec_digest: String::new(),
         };
         Command::Admit {
             actor: admin(),
