@@ -379,7 +379,12 @@ async fn every_apiserver_request_has_a_span_with_principal_project_and_sandbox()
     let text = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
     let line = text
         .lines()
-        .find(|l| l.contains("method=StopSandbox") && l.contains("call done"))
+        // Other tests of this binary log to the same capture at once: find this test's call.
+        .find(|l| {
+            l.contains("method=StopSandbox")
+                && l.contains("call done")
+                && l.contains(&format!("sandbox_id=\"{}\"", sb.id))
+        })
         .unwrap_or_else(|| panic!("no StopSandbox span in:\n{text}"));
     assert!(
         line.contains("principal=\"admin\"")

@@ -71,7 +71,14 @@ fn files(p: &Path, out: &mut Vec<PathBuf>) {
         for e in entries {
             let name = e.file_name().unwrap().to_string_lossy().to_string();
             // Generated stubs and build or environment output are not ours to word.
-            if name == "_pb" || name.starts_with('.') || name == "__pycache__" || name == "target" {
+            if name == "_pb"
+                || name.starts_with('.')
+                || name == "__pycache__"
+                || name == "target"
+                // Virtual environments and build output of the SDK, never committed.
+                || name == "build"
+                || name == "site-packages"
+            {
                 continue;
             }
             files(&e, out);

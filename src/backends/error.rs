@@ -33,8 +33,8 @@ pub enum BackendError {
     /// error first (its reason is the caller's).
     #[error(
         "{}; cleaning up after it failed too: {}",
-        crate::types::chain(&*.primary),
-        crate::types::chain(&*.cleanup)
+        crate::types::chain(&**.primary),
+        crate::types::chain(&**.cleanup)
     )]
     CleanupFailed {
         primary: Box<BackendError>,

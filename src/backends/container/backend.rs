@@ -78,14 +78,6 @@ fn cfg_err(backend: &str, message: impl std::fmt::Display) -> BackendError {
     }
 }
 
-/// The message of a creation error without its "creating sandbox X" prefix.
-fn create_message(e: &BackendError) -> String {
-    match e {
-        BackendError::Create { message, .. } => message.clone(),
-        other => other.to_string(),
-    }
-}
-
 fn create_err(id: &str, message: impl std::fmt::Display) -> BackendError {
     BackendError::Create {
         sandbox_id: id.to_string(),

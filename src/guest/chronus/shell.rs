@@ -506,7 +506,8 @@ mod tests {
                 "cd /; export Z=3; unset Y; exit 3",
                 "echo \"${Y-unset} $Z\"; pwd; set -e; cd /usr; false; echo no",
                 "pwd; cd /tmp; exec true",
-                "pwd; foo_not_a_command; if then",
+                // A syntax error stops only its own line: the pwd before it runs.
+                "pwd; foo_not_a_command\nif then",
             ],
         );
         assert_eq!(outs[1].0, "1 2\nfn\n0027\n/tmp\n");
