@@ -683,7 +683,9 @@ async fn a_fork_bomb_does_not_starve_the_agents_and_stop_wins() {
     )
     .await;
     let out = String::from_utf8_lossy(&r.stdout).to_string();
-    let (mine, aether) = out.split_once("--").expect("two parts");
+    let Some((mine, aether)) = out.split_once("--") else {
+        panic!("no \"--\" in the output: {r:?}");
+    };
     assert!(mine.contains("/workload"), "{out}");
     assert!(aether.contains("/agent"), "{out}");
     let pids = pids_cgroup(edge, &id);
