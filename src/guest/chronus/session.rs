@@ -503,7 +503,7 @@ async fn pump(
                 pending = false;
                 let mut eof = false;
                 loop {
-                    match take_in(&s, id, which, &rx, &mut rec, &mut buf) {
+                    match drain_in(&s, id, which, &rx, &mut rec, &mut buf) {
                         Taken::Eof => { eof = true; break; }
                         Taken::More => continue,
                         Taken::Empty => break,
@@ -527,6 +527,36 @@ enum Taken {
     More,
     /// No writer is left.
     Eof,
+}
+
+/// Like [`take_in`], but reads the FIFO itself rather than through tokio's readiness:
+/// at a command's end its output is in the pipe, yet the reactor may not have seen it
+/// (under load it often has not), and `try_read` answers `WouldBlock` from that stale
+/// readiness without reading, which returned commands with their output missing.
+fn drain_in(
+    s: &Session,
+    id: i64,
+    which: Stream,
+    rx: &pipe::Receiver,
+    rec: &mut std::fs::File,
+    buf: &mut [u8],
+) -> Taken {
+    for _ in 0..READS_PER_TURN {
+        match nix::unistd::read(rx, buf) {
+            Ok(0) => return Taken::Eof,
+            Ok(n) => {
+                if let Err(e) =
+                    lock(&s.table).append(id, which, buf.get(..n).unwrap_or_default(), rec)
+                {
+                    tracing::warn!(cmd_id = id, error = %crate::types::chain(&e), "cannot write an output record");
+                }
+            }
+            Err(nix::errno::Errno::EAGAIN) => return Taken::Empty,
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(_) => return Taken::Eof,
+        }
+    }
+    Taken::More
 }
 
 fn take_in(
@@ -568,4 +598,44 @@ pub fn make_dirs(dir: &Path) -> std::io::Result<()> {
     let ctl = dir.join("ctl");
     let _ = std::fs::remove_file(&ctl);
     nix::unistd::mkfifo(&ctl, Mode::from_bits_truncate(0o600)).map_err(std::io::Error::from)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    /// Output already in the FIFO when the command ends is in its result, even when the
+    /// reactor has not yet seen it readable (a current-thread runtime that never parked
+    /// between the write and the end is that case, every time).
+    #[tokio::test(flavor = "current_thread")]
+    async fn output_in_the_fifo_at_the_end_is_taken_in() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("s");
+        std::fs::create_dir(&dir).unwrap();
+        make_dirs(&dir).unwrap();
+        let (s, _jobs) = Session::new(
+            dir.clone(),
+            Limits::default(),
+            tmp.path().to_path_buf(),
+            shell::Flavor::Bash,
+        );
+        let id = s
+            .start(&pb::RunShellRequest {
+                cmd: "true".into(),
+                ..Default::default()
+            })
+            .unwrap();
+        let mut w = std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join("io").join(format!("{id}.out")))
+            .unwrap();
+        w.write_all(b"grep says this\n--\nand that\n").unwrap();
+        drop(w);
+        s.finish(id, 0, false, false).await;
+        let r = s.result(id, 0, 0).await.unwrap();
+        assert!(r.done);
+        assert_eq!(r.stdout, b"grep says this\n--\nand that\n");
+    }
 }
