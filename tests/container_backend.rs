@@ -11,7 +11,7 @@
     clippy::indexing_slicing
 )]
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -686,10 +686,22 @@ async fn a_fork_bomb_does_not_starve_the_agents_and_stop_wins() {
     let Some((mine, aether)) = out.split_once("--") else {
         panic!("no \"--\" in the output: {r:?}");
     };
-    assert!(mine.contains("/workload"), "{out}");
+    // The session's own cgroup below workload/ (the warm `default` session has s1).
+    let Some(session_cg) = mine.lines().find_map(|l| {
+        l.split_once(":/workload/")
+            .map(|(_, s)| s.trim().to_string())
+    }) else {
+        panic!("the shell is not in a session cgroup below workload/: {out}");
+    };
+    assert!(session_cg.starts_with('s'), "{out}");
     assert!(aether.contains("/agent"), "{out}");
     let pids = pids_cgroup(edge, &id);
     assert_eq!(read_trim(&pids.join("workload/pids.max")), "512");
+    // Each session may take all but a margin of the workload's pids_max.
+    assert_eq!(
+        read_trim(&pids.join("workload").join(&session_cg).join("pids.max")),
+        "448"
+    );
     assert!(read_trim(&pids.join("agent/pids.max"))
         .parse::<i64>()
         .is_ok());
@@ -698,7 +710,7 @@ async fn a_fork_bomb_does_not_starve_the_agents_and_stop_wins() {
     assert!(r.cmd_id > 0, "{r:?}");
     let current = pids.join("workload/pids.current");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while read_trim(&current).parse::<i64>().unwrap_or(0) < 500 {
+    while read_trim(&current).parse::<i64>().unwrap_or(0) < 440 {
         assert!(
             std::time::Instant::now() < deadline,
             "the bomb never filled the workload: {}",
@@ -707,11 +719,79 @@ async fn a_fork_bomb_does_not_starve_the_agents_and_stop_wins() {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
 
-    // A new or existing session answering during the bomb is not asserted yet: each
-    // command forks a job of its own from the session's shell, which sits in the full
-    // workload cgroup, so bash waits in its fork retries (issue 7 item 2 stays open).
+    // The bomb is held at its session's limit: the other sessions keep the margin.
+    assert!(read_trim(&current).parse::<i64>().unwrap_or(0) <= 460);
+    // While it runs, a new session's first command and a command in another session
+    // answer (each forks a job from its session's shell: without a cgroup per session,
+    // bash waited in its fork retries for 16.8 s here). The bound is loose: the machine
+    // is shared; the requirement is 1 s.
+    for (session, cmd, want) in [
+        ("fresh", "echo fresh", "fresh\n"),
+        ("other", "true", ""),
+        ("fresh", "echo again", "again\n"),
+    ] {
+        let t = std::time::Instant::now();
+        let r = shell_in(&b, &h, session, cmd, false).await;
+        let took = t.elapsed();
+        assert_eq!(
+            (r.exit_code, String::from_utf8_lossy(&r.stdout).as_ref()),
+            (0, want),
+            "{session}: {r:?}"
+        );
+        assert!(
+            took < std::time::Duration::from_secs(8),
+            "{session} {cmd:?} took {took:?} during the bomb"
+        );
+    }
     // The bomb is still at it.
     assert!(read_trim(&current).parse::<i64>().unwrap_or(0) >= 400);
+
+    // Closing the bomb's session ends all of it, the orphans that left the session's
+    // process tree included (they are in its cgroup), and removes its cgroup.
+    let sessions: BTreeSet<PathBuf> = std::fs::read_dir(pids.join("workload"))
+        .expect("workload dir")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect();
+    {
+        let rt = b.runtime().expect("runtime capability");
+        let mut c = RuntimeClient::new(rt.channel(&h).await.expect("channel"));
+        c.close_session(pb::CloseSessionRequest {
+            sandbox_id: id.clone(),
+            session: "bomb".into(),
+        })
+        .await
+        .expect("close the bomb's session");
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let now: BTreeSet<PathBuf> = std::fs::read_dir(pids.join("workload"))
+            .expect("workload dir")
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.is_dir())
+            .collect();
+        let n = read_trim(&current).parse::<i64>().unwrap_or(0);
+        if now.len() + 1 == sessions.len() && n < 20 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the closed bomb session left {n} processes, cgroups {now:?} (before {sessions:?})"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    // Another bomb for stop to race.
+    let _ = shell_in(&b, &h, "bomb2", ":(){ :|:& };:", true).await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while read_trim(&current).parse::<i64>().unwrap_or(0) < 400 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the second bomb never filled up"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 
     let t = std::time::Instant::now();
     b.stop(&h).await.expect("stop wins against the bomb");
@@ -783,4 +863,97 @@ async fn a_failed_creation_leaves_nothing_on_the_node() {
             assert!(!p.exists(), "{} left behind", p.display());
         }
     }
+}
+
+/// Closing a session ends what it started, a daemon whose parent exited included, and
+/// removes the session's cgroup; so does a chronus killed from outside (its orphans would
+/// otherwise live on under aether, in a cgroup nobody removes). Other sessions are
+/// untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closing_a_session_ends_its_daemons_and_removes_its_cgroup() {
+    if !root_or_skip() {
+        return;
+    }
+    let sb = Sb::new("cb-close", spec()).await;
+    let keep = sb.sh("keep", "sleep 1001 & echo started").await;
+    assert_eq!(keep.stdout, b"started\n", "{keep:?}");
+    let r = sb
+        .sh(
+            "gone",
+            "(sleep 1000 </dev/null >/dev/null 2>&1 &); sed -n 's/^[0-9]*:pids://p' /proc/self/cgroup",
+        )
+        .await;
+    assert_eq!(r.exit_code, 0, "{r:?}");
+    let cg = String::from_utf8_lossy(&r.stdout).trim().to_string();
+    assert!(cg.starts_with("/workload/s"), "{r:?}");
+    let dir = pids_cgroup("cb-close", &sb.id).join(cg.trim_start_matches('/'));
+    let procs = || std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    // The daemon is there (the subshell that started it has exited).
+    while procs().lines().count() < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no daemon: {}",
+            procs()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let gone_after = |dir: &Path, what: &str| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while dir.exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{what}: the session's cgroup is still there, holding {:?}",
+                std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    };
+    sb.client()
+        .await
+        .close_session(pb::CloseSessionRequest {
+            sandbox_id: sb.id.clone(),
+            session: "gone".into(),
+        })
+        .await
+        .expect("close");
+    gone_after(&dir, "closed");
+
+    // Again, but its chronus is killed from outside the sandbox.
+    let r = sb
+        .sh(
+            "crashed",
+            "(sleep 1000 </dev/null >/dev/null 2>&1 &); sed -n 's/^[0-9]*:pids://p' /proc/self/cgroup",
+        )
+        .await;
+    let cg = String::from_utf8_lossy(&r.stdout).trim().to_string();
+    let dir = pids_cgroup("cb-close", &sb.id).join(cg.trim_start_matches('/'));
+    let session_dir =
+        opendsec::guest::aether::sessions::session_dir(Path::new("/run/opendsec"), "crashed");
+    let agents = pids_cgroup("cb-close", &sb.id).join("agent/cgroup.procs");
+    let chronus: Vec<i32> = std::fs::read_to_string(&agents)
+        .expect("agent procs")
+        .lines()
+        .filter_map(|l| l.trim().parse::<i32>().ok())
+        .filter(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| {
+                String::from_utf8_lossy(&c).contains(session_dir.to_str().unwrap_or("?"))
+            })
+        })
+        .collect();
+    assert_eq!(chronus.len(), 1, "the crashed session's chronus");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(chronus[0]),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill chronus");
+    gone_after(&dir, "chronus killed");
+
+    let r = sb.sh("keep", "pgrep -f 'sleep 100[01]' | wc -l").await;
+    assert_eq!(
+        String::from_utf8_lossy(&r.stdout).trim(),
+        "1",
+        "only the other session's sleep is left: {r:?}"
+    );
+    sb.stop().await;
 }

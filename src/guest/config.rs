@@ -38,10 +38,20 @@ pub struct AetherConfig {
     /// The sandbox's own cgroup as mounted inside it (containers: /sys/fs/cgroup), where
     /// chronus counts OOM kills for `ShellResult.oom_killed`; "" = none.
     pub cgroup_dir: String,
-    /// Inherited fds of the sandbox's `workload/cgroup.procs`, one per split cgroup
-    /// hierarchy, opened for writing by the setup process before the pivot (inside, the
-    /// cgroup tree is read-only). aether and chronus move every session shell and started
-    /// process there before it execs, so the workload never shares the agents' cgroup
-    /// (docs/architecture.md "Cgroups"). Empty outside containers.
+    /// Inherited fds of a cgroup's `cgroup.procs` (or v1 `tasks`), one per split cgroup
+    /// hierarchy, opened for writing outside the sandbox (inside, the cgroup tree is
+    /// read-only). aether's are the process API's (`workload/procs/`): it moves every
+    /// process it starts there before the exec. The copy of the config a chronus gets names
+    /// that session's own cgroup (`workload/s<N>/`), which its shell joins before its exec;
+    /// so the workload never shares the agents' cgroup (docs/architecture.md "Cgroups").
+    /// Empty outside containers.
     pub workload_cgroup_fds: Vec<i32>,
+    /// Inherited directory fds of the sandbox's `workload/` cgroup, in the same hierarchies
+    /// and order, where aether makes each session's cgroup when the session starts. Empty
+    /// where sessions get no cgroup of their own (then their shells join the
+    /// `workload_cgroup_fds`); never passed to chronus.
+    pub workload_cgroup_dir_fds: Vec<i32>,
+    /// The `pids.max` aether gives each session's cgroup (0: none written): a little less
+    /// than the sandbox's `pids_max`, so one session's fork bomb leaves the others room.
+    pub session_pids_max: i64,
 }

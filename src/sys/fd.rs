@@ -1,5 +1,5 @@
 //! Taking ownership of file descriptors a parent handed down by number (aether's listening
-//! socket, `listen_fd` in its config).
+//! socket, `listen_fd` in its config, and its cgroup directories).
 
 use std::io;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
@@ -52,6 +52,33 @@ pub fn take_unix_listener(fd: RawFd) -> io::Result<UnixListener> {
     Ok(UnixListener::from(owned))
 }
 
+/// Takes ownership of the inherited directory `fd` (aether's `workload/` cgroup
+/// directories), marking it close-on-exec. The same rules as [`take_unix_listener`]: the
+/// caller must not use the number again, and takes each fd at most once.
+/// Errors: `EBADF` for a closed fd, `ENOTDIR` when it is not a directory.
+pub fn take_dir(fd: RawFd) -> io::Result<OwnedFd> {
+    if fd < 0 {
+        return Err(io::Error::from_raw_os_error(libc::EBADF));
+    }
+    // SAFETY: F_GETFD only reads the descriptor flags of `fd`; a closed fd returns EBADF.
+    cvt(unsafe { libc::fcntl(fd, libc::F_GETFD) })?;
+    // SAFETY: `fd` is open (checked above) and was handed to this process to own, as in
+    // `take_unix_listener`.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    let st = nix::sys::stat::fstat(&owned).map_err(io::Error::from)?;
+    if st.st_mode & libc::S_IFMT != libc::S_IFDIR {
+        // Not ours to close after all: hand the number back untouched.
+        let _ = std::os::fd::IntoRawFd::into_raw_fd(owned);
+        return Err(io::Error::from_raw_os_error(libc::ENOTDIR));
+    }
+    nix::fcntl::fcntl(
+        &owned,
+        nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+    )
+    .map_err(io::Error::from)?;
+    Ok(owned)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,5 +103,20 @@ mod tests {
         let err = take_unix_listener(std::os::fd::AsRawFd::as_raw_fd(&f)).expect_err("file");
         assert_eq!(err.raw_os_error(), Some(libc::ENOTSOCK));
         assert!(take_unix_listener(-1).is_err());
+    }
+
+    #[test]
+    fn takes_a_directory_and_refuses_others() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let dir = std::fs::File::open(d.path()).expect("open dir");
+        let dir = take_dir(dir.into_raw_fd()).expect("take dir");
+        let flags = nix::fcntl::fcntl(&dir, nix::fcntl::FcntlArg::F_GETFD).expect("flags");
+        assert_ne!(flags & libc::FD_CLOEXEC, 0);
+        let f = std::fs::File::open("/dev/null").expect("open");
+        let err = take_dir(std::os::fd::AsRawFd::as_raw_fd(&f)).expect_err("file");
+        assert_eq!(err.raw_os_error(), Some(libc::ENOTDIR));
+        // Still open: not taken.
+        assert!(nix::fcntl::fcntl(&f, nix::fcntl::FcntlArg::F_GETFD).is_ok());
+        assert!(take_dir(-1).is_err());
     }
 }

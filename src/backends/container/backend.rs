@@ -178,10 +178,15 @@ impl ContainerBackend {
             .map(|top| super::image::defaults(top))
             .unwrap_or_default();
         let cgroup = cg.setup_steps(limits);
-        let workload_fds = (0..cgroup.workload.len())
-            .filter_map(|i| i32::try_from(i).ok())
-            .map(|i| WORKLOAD_FD + i)
-            .collect();
+        let split = cgroup.workload.len();
+        let fds = |from: usize| -> Vec<i32> {
+            (from..from + split)
+                .filter_map(|i| i32::try_from(i).ok())
+                .map(|i| WORKLOAD_FD + i)
+                .collect()
+        };
+        let workload_fds = fds(0);
+        let workload_dir_fds = fds(split);
         SetupSpec {
             sandbox_id: id.clone(),
             dir: self.sandbox_dir(id),
@@ -212,6 +217,8 @@ impl ContainerBackend {
                 disk_mb: req.spec.disk_mb.max(1) as u64,
                 cgroup_dir: crate::guest::chronus::oom::CGROUP_ROOT.into(),
                 workload_cgroup_fds: workload_fds,
+                workload_cgroup_dir_fds: workload_dir_fds,
+                session_pids_max: super::cgroup::session_pids_max(limits.pids_max),
             },
         }
     }

@@ -13,9 +13,12 @@
 //! Inside the sandbox's cgroup, on cgroup v2 and on the v1 hierarchies of `cpu` and `pids`,
 //! two children split the agents from what they run (docs/architecture.md "Cgroups"):
 //! `agent/` holds aether and every chronus, with a high CPU weight and a small pids reserve
-//! of its own; `workload/` holds every session shell, its commands and the processes of the
-//! process API, with the sandbox's `pids_max`. A fork bomb then fills `workload/` only: the
-//! agents still fork (a new session's chronus) and still get the CPU they need. Memory, I/O
+//! of its own; `workload/` holds what they run, with the sandbox's `pids_max`: below it,
+//! `procs/` for the processes of the process API and one `s<N>/` per session (its shell and
+//! commands), which aether makes when the session starts, each allowed a little less than
+//! `pids_max`. A fork bomb then fills its own session's cgroup only: the agents still fork
+//! (a new session's chronus) and still get the CPU they need, and the other sessions keep
+//! a margin to fork their commands in. Memory, I/O
 //! and the freezer stay whole-sandbox limits (the sandbox cgroup itself); on v1 the other
 //! hierarchies are not split at all (v1 blkio throttles are not hierarchical).
 
@@ -128,9 +131,24 @@ pub enum CgroupError {
 pub const AGENT: &str = "agent";
 /// The workload's child cgroup of a sandbox: session shells, commands, processes.
 pub const WORKLOAD: &str = "workload";
+/// The process API's cgroup below `workload/` (the sessions' `s<N>/` are its siblings).
+pub const PROCS: &str = "procs";
+/// The most processes of the workload that one session (or the process API) may not take:
+/// whatever one of them forks, the others keep this many to fork their commands in.
+pub const SESSION_PIDS_MARGIN: i64 = 64;
 /// The agents' own process (and thread) limit, on top of the workload's `pids_max`: aether,
 /// one chronus per session and their runtime threads.
 pub const AGENT_PIDS_MAX: i64 = 512;
+/// The `pids.max` of each session's cgroup (and of `procs/`) for a sandbox's `pids_max`:
+/// `pids_max` less [`SESSION_PIDS_MARGIN`] (a quarter of it when that is less), never
+/// below 1; 0 (unlimited) stays unlimited.
+pub fn session_pids_max(pids_max: i64) -> i64 {
+    if pids_max <= 0 {
+        return 0;
+    }
+    (pids_max - SESSION_PIDS_MARGIN.min(pids_max / 4)).max(1)
+}
+
 /// The agents' CPU weight against the workload's default (v2 `cpu.weight`, 100): the most
 /// the kernel takes, so the agents run whenever they are runnable.
 const AGENT_CPU_WEIGHT: &str = "10000";
@@ -146,9 +164,14 @@ pub struct SetupSteps {
     ///    cgroup namespace unshared next is rooted there.
     pub join: Vec<PathBuf>,
     /// 2. Open each for writing before unsharing the cgroup namespace (a migration is
-    ///    checked against the namespace and credentials of the open): `workload/cgroup.procs`
-    ///    of every split hierarchy, for aether to move the workload's processes in.
+    ///    checked against the namespace and credentials of the open):
+    ///    `workload/procs/cgroup.procs` of every split hierarchy, for aether to move the
+    ///    process API's processes in.
     pub workload: Vec<PathBuf>,
+    /// 2b. Open each as a directory at the same time: `workload/` of every split hierarchy,
+    ///    in the same order, where aether makes each session's cgroup (through the fd: in
+    ///    the sandbox the cgroup tree is read-only and rooted at the sandbox).
+    pub workload_dirs: Vec<PathBuf>,
     /// 3. After the unshare, write "0" to each: move into `agent/` where there is one.
     pub agent: Vec<PathBuf>,
     /// 4. Then write each value to its file: v2 controllers for the children (only allowed
@@ -306,7 +329,8 @@ impl Cgroups {
         let cg = self.open(sandbox_id);
         for h in 0..l.hierarchies.len() {
             if cg.is_split(h) {
-                for child in [AGENT, WORKLOAD] {
+                let procs = Path::new(WORKLOAD).join(PROCS);
+                for child in [Path::new(AGENT), Path::new(WORKLOAD), procs.as_path()] {
                     let dir = cg.dir(h).join(child);
                     fs::create_dir_all(&dir)
                         .map_err(|source| CgroupError::Mkdir { path: dir, source })?;
@@ -467,7 +491,7 @@ impl SandboxCgroup {
         self.is_v2(h) || at.cpu == Some(h) || at.pids == Some(h)
     }
 
-    /// The directory of child `child` (`agent`, `workload`) in hierarchy `h`, or the
+    /// The directory of child `child` (`agent`, `workload/procs`) in hierarchy `h`, or the
     /// sandbox's own where the hierarchy is not split.
     fn member_dir(&self, h: usize, child: &str) -> PathBuf {
         if self.is_split(h) {
@@ -477,11 +501,12 @@ impl SandboxCgroup {
         }
     }
 
-    /// Every hierarchy's `cgroup.procs` of the sandbox's workload: `workload/` where the
-    /// hierarchy is split, else the sandbox's own.
+    /// Every hierarchy's `cgroup.procs` of the sandbox's process API: `workload/procs/`
+    /// where the hierarchy is split, else the sandbox's own.
     pub fn procs_files(&self) -> Vec<PathBuf> {
+        let procs = format!("{WORKLOAD}/{PROCS}");
         (0..self.layout.hierarchies.len())
-            .map(|h| self.member_dir(h, WORKLOAD).join("cgroup.procs"))
+            .map(|h| self.member_dir(h, &procs).join("cgroup.procs"))
             .collect()
     }
 
@@ -496,20 +521,27 @@ impl SandboxCgroup {
             ..Default::default()
         };
         for h in (0..n).filter(|h| self.is_split(*h)) {
+            let workload = self.dir(h).join(WORKLOAD);
             steps
                 .workload
-                .push(self.dir(h).join(WORKLOAD).join("cgroup.procs"));
+                .push(workload.join(PROCS).join("cgroup.procs"));
             steps
                 .agent
                 .push(self.dir(h).join(AGENT).join("cgroup.procs"));
             if self.is_v2(h) {
                 let enable = self.child_controllers(h);
                 if !enable.is_empty() {
+                    // The sandbox's, then the workload's: its sessions get their own pids
+                    // limit and an equal CPU weight each.
                     steps
                         .writes
-                        .push((self.dir(h).join("cgroup.subtree_control"), enable));
+                        .push((self.dir(h).join("cgroup.subtree_control"), enable.clone()));
+                    steps
+                        .writes
+                        .push((workload.join("cgroup.subtree_control"), enable));
                 }
             }
+            steps.workload_dirs.push(workload);
         }
         steps.writes.extend(self.child_limit_writes(limits));
         steps
@@ -530,7 +562,7 @@ impl SandboxCgroup {
     }
 
     /// The limits of `agent/` and `workload/`: the agents' CPU weight and pids reserve, the
-    /// workload's `pids_max`.
+    /// workload's `pids_max`, and the process API's share of it (see [`session_pids_max`]).
     fn child_limit_writes(&self, limits: &Limits) -> Vec<(PathBuf, String)> {
         let at = &self.layout.at;
         let mut out = Vec::new();
@@ -550,6 +582,10 @@ impl SandboxCgroup {
             out.push((
                 self.dir(h).join(WORKLOAD).join("pids.max"),
                 pids_value(limits.pids_max),
+            ));
+            out.push((
+                self.dir(h).join(WORKLOAD).join(PROCS).join("pids.max"),
+                pids_value(session_pids_max(limits.pids_max)),
             ));
         }
         out
@@ -696,6 +732,18 @@ fn write_if_present(path: &Path, value: &str) -> Result<bool, CgroupError> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn each_session_leaves_the_others_a_margin() {
+        use super::session_pids_max;
+        assert_eq!(session_pids_max(4096), 4032);
+        assert_eq!(session_pids_max(512), 448);
+        assert_eq!(session_pids_max(100), 75);
+        assert_eq!(session_pids_max(2), 2);
+        assert_eq!(session_pids_max(1), 1);
+        assert_eq!(session_pids_max(0), 0);
+        assert_eq!(session_pids_max(-1), 0);
+    }
+
     use super::lifecycle::remove_tree;
     use super::*;
     use std::process::{Child, Command, Stdio};
@@ -805,7 +853,8 @@ mod tests {
         let steps = cg.setup_steps(&limits());
         assert_eq!(steps.join, [sb.join("cgroup.procs")]);
         assert_eq!(steps.agent, [sb.join("agent/cgroup.procs")]);
-        assert_eq!(steps.workload, [sb.join("workload/cgroup.procs")]);
+        assert_eq!(steps.workload, [sb.join("workload/procs/cgroup.procs")]);
+        assert_eq!(steps.workload_dirs, [sb.join("workload")]);
         let writes: Vec<(PathBuf, &str)> = steps
             .writes
             .iter()
@@ -815,21 +864,29 @@ mod tests {
             writes,
             [
                 (sb.join("cgroup.subtree_control"), "+cpu +pids"),
+                (sb.join("workload/cgroup.subtree_control"), "+cpu +pids"),
                 (sb.join("agent/cpu.weight"), "10000"),
                 (sb.join("agent/pids.max"), "512"),
                 (sb.join("workload/pids.max"), "4096"),
+                (sb.join("workload/procs/pids.max"), "4032"),
             ]
         );
-        assert!(sb.join("agent").is_dir() && sb.join("workload").is_dir());
+        assert!(sb.join("agent").is_dir() && sb.join("workload/procs").is_dir());
         // Once the controllers are there, create (a warm sandbox's new limits) sets them.
-        for f in ["agent/cpu.weight", "agent/pids.max", "workload/pids.max"] {
+        for f in [
+            "agent/cpu.weight",
+            "agent/pids.max",
+            "workload/pids.max",
+            "workload/procs/pids.max",
+        ] {
             fs::write(sb.join(f), "").expect("child control file");
         }
-        fs::write(sb.join("workload/cgroup.procs"), "").expect("workload procs");
+        fs::write(sb.join("workload/procs/cgroup.procs"), "").expect("workload procs");
         cgs.create("e1.a", &limits()).expect("create with children");
         assert_eq!(read(&sb.join("agent/cpu.weight")), "10000");
         assert_eq!(read(&sb.join("agent/pids.max")), "512");
         assert_eq!(read(&sb.join("workload/pids.max")), "4096");
+        assert_eq!(read(&sb.join("workload/procs/pids.max")), "4032");
 
         // Unlimited, not idle; no cpu.idle on this kernel: the weight instead.
         fs::remove_file(sb.join("cpu.idle")).expect("rm cpu.idle");
@@ -861,8 +918,8 @@ mod tests {
         );
 
         cg.join(42).expect("join");
-        assert_eq!(read(&sb.join("workload/cgroup.procs")), "42");
-        assert_eq!(cg.procs_files(), [sb.join("workload/cgroup.procs")]);
+        assert_eq!(read(&sb.join("workload/procs/cgroup.procs")), "42");
+        assert_eq!(cg.procs_files(), [sb.join("workload/procs/cgroup.procs")]);
         assert_eq!(cg.pids(), [42]);
         assert_eq!(cg.memory_bytes(), 1234);
         assert_eq!(cg.oom_kills(), 2);
@@ -887,7 +944,7 @@ mod tests {
         );
 
         fs::write(sb.join("cgroup.procs"), "").expect("empty procs");
-        fs::write(sb.join("workload/cgroup.procs"), "").expect("empty procs");
+        fs::write(sb.join("workload/procs/cgroup.procs"), "").expect("empty procs");
         cg.kill_all().expect("kill_all");
         assert_eq!(
             read(&sb.join("cgroup.kill")),
@@ -970,7 +1027,7 @@ mod tests {
         // (whose throttles are not hierarchical on v1) keep every process in the sandbox's
         // own cgroup.
         for c in ["cpu", "pids"] {
-            assert!(sb(c).join("agent").is_dir() && sb(c).join("workload").is_dir());
+            assert!(sb(c).join("agent").is_dir() && sb(c).join("workload/procs").is_dir());
         }
         for c in ["cpuacct", "memory", "freezer", "blkio"] {
             assert!(!sb(c).join("agent").exists(), "{c}");
@@ -987,9 +1044,13 @@ mod tests {
         assert_eq!(
             steps.workload,
             [
-                sb("cpu").join("workload/cgroup.procs"),
-                sb("pids").join("workload/cgroup.procs")
+                sb("cpu").join("workload/procs/cgroup.procs"),
+                sb("pids").join("workload/procs/cgroup.procs")
             ]
+        );
+        assert_eq!(
+            steps.workload_dirs,
+            [sb("cpu").join("workload"), sb("pids").join("workload")]
         );
         let writes: Vec<(PathBuf, &str)> = steps
             .writes
@@ -1002,9 +1063,13 @@ mod tests {
                 (sb("cpu").join("agent/cpu.shares"), "102400"),
                 (sb("pids").join("agent/pids.max"), "512"),
                 (sb("pids").join("workload/pids.max"), "4096"),
+                (sb("pids").join("workload/procs/pids.max"), "4032"),
             ]
         );
-        assert_eq!(cg.procs_files()[0], sb("cpu").join("workload/cgroup.procs"));
+        assert_eq!(
+            cg.procs_files()[0],
+            sb("cpu").join("workload/procs/cgroup.procs")
+        );
         assert_eq!(cg.procs_files()[2], sb("memory").join("cgroup.procs"));
         for c in ["cpuacct", "freezer", "blkio"] {
             assert!(sb(c).is_dir(), "{c}");

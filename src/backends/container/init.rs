@@ -12,6 +12,7 @@ use std::convert::Infallible;
 use std::ffi::CString;
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::UnixListener;
 use std::process::ExitCode;
 
@@ -95,6 +96,15 @@ fn run(spec: &SetupSpec) -> Result<SetupResult, InitError> {
     for procs in &steps.workload {
         let f = std::fs::OpenOptions::new().write(true).open(procs);
         workload.push(sys("open workload cgroup", f)?);
+    }
+    // Directories, for aether to make each session's cgroup in (by fd: inside, the tree is
+    // read-only and rooted at the sandbox), in the same order.
+    for dir in &steps.workload_dirs {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY)
+            .open(dir);
+        workload.push(sys("open workload cgroup directory", f)?);
     }
     sys(
         "unshare",

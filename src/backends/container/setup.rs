@@ -61,8 +61,8 @@ pub const AETHER_CONFIG: &str = "/run/opendsec/aether.json";
 pub const RUN_DIR: &str = "/run/opendsec";
 /// The file descriptor aether inherits its listening socket on.
 pub const LISTEN_FD: i32 = 3;
-/// The first of the fds aether inherits the sandbox's `workload/cgroup.procs` files on (one
-/// per split hierarchy, consecutive).
+/// The first of the fds aether inherits the sandbox's `workload/procs/cgroup.procs` files
+/// on (one per split hierarchy, consecutive), followed by as many `workload/` directories.
 pub const WORKLOAD_FD: i32 = 4;
 
 /// Docker's default masked paths (hidden behind an empty file or directory).

@@ -4,6 +4,7 @@
 //! session, and answers ListSessions, CloseSession and Watch itself. A tokio
 //! current-thread runtime keeps an idle agent's memory small.
 
+pub mod cgroups;
 pub mod service;
 pub mod sessions;
 
@@ -46,6 +47,8 @@ pub enum AetherError {
         path: String,
         source: std::io::Error,
     },
+    #[error("taking the sessions' cgroups")]
+    SessionCgroups(#[source] cgroups::SessionCgroupError),
     #[error("starting the runtime: {0}")]
     Runtime(std::io::Error),
     #[error("serving")]
@@ -179,7 +182,8 @@ async fn run(cfg: AetherConfig) -> Result<(), AetherError> {
     let listener = listener(&cfg)?;
     let cfg = Arc::new(cfg);
     let procs = crate::guest::procs::Procs::new(cfg.clone(), reaper.clone(), PathBuf::from("/"));
-    let sessions = sessions::Sessions::new(cfg.clone(), reaper);
+    let workload = cgroups::Workload::take(&cfg).map_err(AetherError::SessionCgroups)?;
+    let sessions = sessions::Sessions::new(cfg.clone(), reaper, workload.map(Arc::new));
     let svc = service::Aether {
         sessions: sessions.clone(),
         procs: procs.clone(),

@@ -12,6 +12,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::{watch, OnceCell};
 use tonic::transport::Channel;
 
+use super::cgroups::{SessionCgroup, Workload};
 use crate::guest::config::AetherConfig;
 use crate::guest::lock;
 use crate::guest::proctree;
@@ -59,6 +60,8 @@ pub struct Live {
     pub client: RuntimeClient<Channel>,
     /// Turns true when chronus has ended.
     exited: watch::Receiver<bool>,
+    /// The session's own cgroup, when it has one: its end kills what is left in it.
+    cgroup: Option<(Arc<Workload>, String)>,
 }
 
 #[derive(Default)]
@@ -80,6 +83,8 @@ struct Warm {
 pub struct Sessions {
     cfg: Arc<AetherConfig>,
     reaper: Reaper,
+    /// Where each session gets a cgroup of its own, when the sandbox has one.
+    workload: Option<Arc<Workload>>,
     map: Mutex<HashMap<String, Arc<Slot>>>,
     warm: OnceCell<Option<Warm>>,
     warm_taken: std::sync::atomic::AtomicBool,
@@ -87,10 +92,16 @@ pub struct Sessions {
 }
 
 impl Sessions {
-    pub fn new(cfg: Arc<AetherConfig>, reaper: Reaper) -> Arc<Sessions> {
+    /// The session table; with `workload`, every session gets its own cgroup there.
+    pub fn new(
+        cfg: Arc<AetherConfig>,
+        reaper: Reaper,
+        workload: Option<Arc<Workload>>,
+    ) -> Arc<Sessions> {
         Arc::new_cyclic(|me| Sessions {
             cfg,
             reaper,
+            workload,
             map: Mutex::new(HashMap::new()),
             warm: OnceCell::new(),
             warm_taken: std::sync::atomic::AtomicBool::new(false),
@@ -257,11 +268,29 @@ impl Sessions {
         // Non-dumpable from exec on: a root session must never ptrace a root chronus, not
         // even in the instant before it makes itself non-dumpable.
         crate::sys::process::exec_nondumpable(&mut cmd);
-        // chronus stays in the agents' cgroup and moves its shells into the workload's.
-        if !self.cfg.workload_cgroup_fds.is_empty() {
-            crate::sys::process::inherit_at_exec(&mut cmd, &self.cfg.workload_cgroup_fds);
+        // chronus stays in the agents' cgroup and moves its shell into the session's own
+        // (or, without one, the workload's).
+        let cgroup = self.session_cgroup(name);
+        let mut chronus_cfg = AetherConfig {
+            workload_cgroup_dir_fds: Vec::new(),
+            ..(*self.cfg).clone()
+        };
+        if let Some(cg) = &cgroup {
+            chronus_cfg.workload_cgroup_fds = cg.fds();
         }
-        let child = cmd.spawn().map_err(|e| {
+        if !chronus_cfg.workload_cgroup_fds.is_empty() {
+            crate::sys::process::inherit_at_exec(&mut cmd, &chronus_cfg.workload_cgroup_fds);
+        }
+        let spawned = cmd.spawn();
+        // chronus has its copies; aether keeps none.
+        let cgroup_name = cgroup.map(|SessionCgroup { name, join }| {
+            drop(join);
+            name
+        });
+        let child = spawned.map_err(|e| {
+            if let (Some(w), Some(n)) = (&self.workload, &cgroup_name) {
+                w.remove(n);
+            }
             Failure::unavailable(format!(
                 "session {name:?}: starting {}: {e}",
                 self.cfg.agent,
@@ -272,7 +301,7 @@ impl Sessions {
         let mut exit = self.reaper.watch(child.id());
         let mut child = child;
         if let Some(mut stdin) = child.stdin.take() {
-            let json = serde_json::to_vec(self.cfg.as_ref()).unwrap_or_default();
+            let json = serde_json::to_vec(&chronus_cfg).unwrap_or_default();
             // A pipe holds 64 KiB; a bigger config (a huge image env) is written by a thread.
             std::thread::spawn(move || {
                 let _ = std::io::Write::write_all(&mut stdin, &json);
@@ -314,6 +343,8 @@ impl Sessions {
         let (tx, exited) = watch::channel(false);
         let me = self.me.clone();
         let name_owned = name.to_string();
+        let workload = self.workload.clone();
+        let cgroup = workload.clone().zip(cgroup_name.clone());
         tokio::spawn(async move {
             let e = exit.await;
             tracing::info!(session = %name_owned, pid, exit = ?e.ok(), "chronus ended");
@@ -323,6 +354,12 @@ impl Sessions {
                 if m.get(&name_owned).is_some_and(|s| Arc::ptr_eq(s, &slot)) {
                     m.remove(&name_owned);
                 }
+            }
+            // chronus is the subreaper of everything the session started; once it is gone
+            // (closed, or killed from outside) its orphans would be aether's: end them.
+            if let (Some(w), Some(n)) = (workload, cgroup_name) {
+                w.kill(&n, 100).await;
+                remove_cgroup(&w, &n).await;
             }
         });
         tracing::info!(session = %name, pid, uid = creds.uid, "session started");
@@ -334,7 +371,23 @@ impl Sessions {
             gid: creds.gid,
             client,
             exited,
+            cgroup,
         }))
+    }
+
+    /// A new cgroup for session `name`, when the sandbox gives sessions their own; on a
+    /// failure the session shares the process API's cgroup (it still starts).
+    fn session_cgroup(&self, name: &str) -> Option<SessionCgroup> {
+        match self.workload.as_ref()?.make_session() {
+            Ok(cg) => {
+                tracing::debug!(session = %name, cgroup = %cg.name, "session cgroup made");
+                Some(cg)
+            }
+            Err(e) => {
+                tracing::warn!(session = %name, error = %crate::types::chain(&e), "no cgroup of its own for a session");
+                None
+            }
+        }
     }
 
     /// Ends session `name`: kills chronus's whole process tree, then deletes its
@@ -372,6 +425,22 @@ impl Sessions {
     }
 }
 
+/// Removes an ended session's cgroup once the last of its processes is gone (the session's
+/// end kills them; they take a moment to exit), giving up after a while: the sandbox's
+/// removal takes what is left.
+async fn remove_cgroup(w: &Workload, name: &str) {
+    for _ in 0..40 {
+        if w.remove(name) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    tracing::warn!(
+        cgroup = name,
+        "a session's cgroup still holds processes; left for the sandbox's removal"
+    );
+}
+
 /// Refuses a call to session `name` that names another user than the one it runs as.
 /// Errors: `invalid`, naming the session and both users.
 fn same_user(name: &str, live: &Live, user: &str) -> Result<(), Failure> {
@@ -406,6 +475,15 @@ async fn end(live: &Live) {
         }
         proctree::kill_tree(live.pid, true, &HashSet::new());
         let _ = tokio::time::timeout(Duration::from_millis(250), exited.changed()).await;
+    }
+    // Anything of the session that is not in chronus's tree any more is still in its
+    // cgroup; and the close returns once the cgroup is gone.
+    if let Some((w, name)) = &live.cgroup {
+        let left = w.kill(name, 100).await;
+        if left > 0 {
+            tracing::warn!(cgroup = %name, left, "processes of a closed session still run");
+        }
+        remove_cgroup(w, name).await;
     }
     if let Err(e) = std::fs::remove_dir_all(&live.dir) {
         tracing::debug!(dir = %live.dir.display(), error = %crate::types::chain(&e), "cannot remove a session dir");
