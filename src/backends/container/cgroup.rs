@@ -161,12 +161,15 @@ const AGENT_CPU_SHARES: &str = "102400";
 #[serde(default, deny_unknown_fields)]
 pub struct SetupSteps {
     /// 1. Write "0" to each: join the sandbox's own cgroup in every hierarchy, so that the
-    ///    cgroup namespace unshared next is rooted there.
+    ///    cgroup namespace unshared next is rooted there. Each file is `tasks` on v1 and
+    ///    `cgroup.procs` on v2; only a single-threaded process may write them (see
+    ///    `SandboxCgroup::join_file`).
     pub join: Vec<PathBuf>,
     /// 2. Open each for writing before unsharing the cgroup namespace (a migration is
     ///    checked against the namespace and credentials of the open):
-    ///    `workload/procs/cgroup.procs` of every split hierarchy, for aether to move the
-    ///    process API's processes in.
+    ///    `workload/procs/tasks` (v1) or `workload/procs/cgroup.procs` (v2) of every split
+    ///    hierarchy, for aether to move the process API's processes in, each from its child
+    ///    between fork and exec.
     pub workload: Vec<PathBuf>,
     /// 2b. Open each as a directory at the same time: `workload/` of every split hierarchy,
     ///    in the same order, where aether makes each session's cgroup (through the fd: in
@@ -501,6 +504,28 @@ impl SandboxCgroup {
         }
     }
 
+    /// The file of hierarchy `h` that a single-threaded process writes "0" to in order to
+    /// move itself in: `tasks` on cgroup v1, `cgroup.procs` on v2 (which has no `tasks`).
+    ///
+    /// Why not `cgroup.procs` everywhere: a write there moves a whole thread group, so the
+    /// kernel takes the global `cgroup_threadgroup_rwsem` for writing, and taking it waits
+    /// for an RCU grace period (11–14 ms per join on the v1-hybrid test machine, the
+    /// largest step of a creation, docs/benchmarks.md). Writing "0" to v1's `tasks` moves
+    /// only the writing thread, and the kernel skips that lock for a thread moving itself
+    /// (~0.6 ms). Moving one thread is moving the whole process only when it has one: every
+    /// writer of these files is single-threaded at that moment, the setup process (it runs
+    /// no runtime and starts no thread, see init.rs) for `join` and `agent`, and a child
+    /// between fork and exec (sys::spawn, chronus's session shell) for `workload`. Nothing
+    /// multi-threaded may write them: its other threads would stay behind. A pid other than
+    /// "0" takes the lock anyway, so [`SandboxCgroup::join`] keeps `cgroup.procs`.
+    fn join_file(&self, h: usize) -> &'static str {
+        if self.is_v2(h) {
+            "cgroup.procs"
+        } else {
+            "tasks"
+        }
+    }
+
     /// Every hierarchy's `cgroup.procs` of the sandbox's process API: `workload/procs/`
     /// where the hierarchy is split, else the sandbox's own.
     pub fn procs_files(&self) -> Vec<PathBuf> {
@@ -517,17 +542,19 @@ impl SandboxCgroup {
     pub fn setup_steps(&self, limits: &Limits) -> SetupSteps {
         let n = self.layout.hierarchies.len();
         let mut steps = SetupSteps {
-            join: self.dirs().map(|d| d.join("cgroup.procs")).collect(),
+            join: (0..n)
+                .map(|h| self.dir(h).join(self.join_file(h)))
+                .collect(),
             ..Default::default()
         };
         for h in (0..n).filter(|h| self.is_split(*h)) {
             let workload = self.dir(h).join(WORKLOAD);
             steps
                 .workload
-                .push(workload.join(PROCS).join("cgroup.procs"));
+                .push(workload.join(PROCS).join(self.join_file(h)));
             steps
                 .agent
-                .push(self.dir(h).join(AGENT).join("cgroup.procs"));
+                .push(self.dir(h).join(AGENT).join(self.join_file(h)));
             if self.is_v2(h) {
                 let enable = self.child_controllers(h);
                 if !enable.is_empty() {
@@ -850,6 +877,7 @@ mod tests {
         assert_eq!(read(&sb.join("pids.max")), "4608");
         // What the setup process does: join here, then agent/, enable the children's
         // controllers and give them their limits; workload/ is what aether keeps open.
+        // Always `cgroup.procs`: v2 has no `tasks`.
         let steps = cg.setup_steps(&limits());
         assert_eq!(steps.join, [sb.join("cgroup.procs")]);
         assert_eq!(steps.agent, [sb.join("agent/cgroup.procs")]);
@@ -1032,20 +1060,25 @@ mod tests {
         for c in ["cpuacct", "memory", "freezer", "blkio"] {
             assert!(!sb(c).join("agent").exists(), "{c}");
         }
+        // v1: every move of a process by itself goes through `tasks` (no global lock, no
+        // RCU grace period); v2 keeps `cgroup.procs` (see v2_writes_limits_and_controllers).
         let steps = cg.setup_steps(&limits());
-        assert_eq!(steps.join.len(), 6);
+        assert_eq!(
+            steps.join,
+            ["cpu", "cpuacct", "memory", "pids", "freezer", "blkio"].map(|c| sb(c).join("tasks"))
+        );
         assert_eq!(
             steps.agent,
             [
-                sb("cpu").join("agent/cgroup.procs"),
-                sb("pids").join("agent/cgroup.procs")
+                sb("cpu").join("agent/tasks"),
+                sb("pids").join("agent/tasks")
             ]
         );
         assert_eq!(
             steps.workload,
             [
-                sb("cpu").join("workload/procs/cgroup.procs"),
-                sb("pids").join("workload/procs/cgroup.procs")
+                sb("cpu").join("workload/procs/tasks"),
+                sb("pids").join("workload/procs/tasks")
             ]
         );
         assert_eq!(

@@ -195,7 +195,11 @@ impl Core {
             }
         }
 
-        // 2. Record CREATING before the backend is called (concurrent writes).
+        // 2. Record CREATING before the backend is called (concurrent writes), staged
+        //    without fsync: the RUNNING or FAILED record of step 4 is the creation's one
+        //    durable write, made before anyone is answered, and a crash that loses the
+        //    CREATING record leaves nothing that the restart does not clean up (see
+        //    `Store::stage_many`).
         if let Some(store) = &self.store {
             let idx: Vec<usize> = (0..slots.len())
                 .filter(|&i| matches!(slots.get(i), Some(Item::New(..))))
@@ -210,7 +214,7 @@ impl Core {
                     }
                 })
                 .collect();
-            let written = store.write_many(&recs).await;
+            let written = store.stage_many(&recs).await;
             for (&i, res) in idx.iter().zip(written) {
                 if let (Err(e), Some(slot)) = (res, slots.get_mut(i)) {
                     if let Item::New(entry, _) = &*slot {

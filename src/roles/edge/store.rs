@@ -3,7 +3,8 @@
 //! flags in `<state_dir>/edges/<edge_id>/edge.json`. Every write is temp file → fsync →
 //! rename → fsync of the directory. Batches are written concurrently on the blocking pool,
 //! with one directory fsync at the end, so thousands of records do not take thousands of
-//! sequential fsyncs.
+//! sequential fsyncs. The one exception is a creation's CREATING record, staged without
+//! fsync ([`Store::stage_many`]): why that is safe is told there.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -54,6 +55,17 @@ pub struct Store {
     edge_dir: PathBuf,
     dir: PathBuf,
     seq: Arc<AtomicU64>,
+    /// fsync calls made so far (files and directories), for tests and the benchmarks.
+    syncs: Arc<AtomicU64>,
+}
+
+/// Whether a write waits for the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Durability {
+    /// fsync of each file before its rename, fsync of the directory after.
+    Synced,
+    /// write and rename only: on disk at the kernel's leisure or with the next synced write.
+    Staged,
 }
 
 fn io<'a>(step: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> StoreError + 'a {
@@ -74,7 +86,14 @@ impl Store {
             edge_dir,
             dir,
             seq: Arc::new(AtomicU64::new(0)),
+            syncs: Arc::new(AtomicU64::new(0)),
         })
+    }
+
+    /// How many fsync calls this store (and its clones) made so far, of files and of
+    /// directories together.
+    pub fn syncs(&self) -> u64 {
+        self.syncs.load(Ordering::Relaxed)
     }
 
     /// The file of sandbox `id`.
@@ -88,8 +107,36 @@ impl Store {
         r.pop().unwrap_or(Ok(()))
     }
 
-    /// Writes records concurrently; one result per record, in order.
+    /// Writes records durably and concurrently; one result per record, in order.
     pub async fn write_many(&self, recs: &[SandboxRecord]) -> Vec<Result<(), StoreError>> {
+        self.write_all(recs, Durability::Synced).await
+    }
+
+    /// Writes the CREATING records of new sandboxes without waiting for the disk (temp
+    /// file → write → rename, no fsync): one result per record, in order. Only for records
+    /// that no caller has been answered about yet, which the next synced write of the same
+    /// record (RUNNING or FAILED, before the caller's answer) makes durable along with its
+    /// own. So a creation costs one durable write instead of two (docs/benchmarks.md).
+    ///
+    /// What a crash can leave instead of such a record, and why each ends right:
+    /// - the record, whole: as when it was synced; recovery marks it FAILED `interrupted`,
+    ///   releases its lease and the backend's cleanup removes what was made.
+    /// - no record, or a file with nothing or part of it (it is set aside as corrupt): the
+    ///   edge has no record of the sandbox, so the backend's cleanup at start removes what
+    ///   was made of it (cleanup keeps only live records' sandboxes), the caller, never
+    ///   answered, retries and the retry creates it anew, and a lease nobody retries is
+    ///   released by the watcher's reconciliation (the edge does not hold it).
+    /// - an older record of the same id (an interrupted creation's FAILED one, being
+    ///   created again): ended and interrupted as before, so the retry works as before.
+    pub async fn stage_many(&self, recs: &[SandboxRecord]) -> Vec<Result<(), StoreError>> {
+        self.write_all(recs, Durability::Staged).await
+    }
+
+    async fn write_all(
+        &self,
+        recs: &[SandboxRecord],
+        durability: Durability,
+    ) -> Vec<Result<(), StoreError>> {
         if recs.is_empty() {
             return Vec::new();
         }
@@ -104,14 +151,20 @@ impl Store {
             jobs.push((i, tmp, self.path_of(r.id()), bytes));
         }
         let per = jobs.len().div_ceil(WRITERS);
+        let sync = durability == Durability::Synced;
         let mut tasks = Vec::new();
         while !jobs.is_empty() {
             let chunk: Vec<_> = jobs.drain(..per.min(jobs.len())).collect();
+            let syncs = self.syncs.clone();
             tasks.push(tokio::task::spawn_blocking(move || {
                 chunk
                     .into_iter()
                     .map(|(i, tmp, path, bytes)| {
-                        (i, bytes.and_then(|b| write_file(&tmp, &path, &b)))
+                        let r = bytes.and_then(|b| write_file(&tmp, &path, &b, sync));
+                        if sync {
+                            syncs.fetch_add(1, Ordering::Relaxed);
+                        }
+                        (i, r)
                     })
                     .collect::<Vec<_>>()
             }));
@@ -131,12 +184,16 @@ impl Store {
                 }
             }
         }
-        let dir = self.dir.clone();
-        let synced = tokio::task::spawn_blocking(move || sync_dir(&dir)).await;
-        let dir_err = match synced {
-            Ok(Ok(())) => None,
-            Ok(Err(e)) => Some(crate::types::chain(&e)),
-            Err(e) => Some(crate::types::chain(&e)),
+        let dir_err = if sync {
+            let dir = self.dir.clone();
+            self.syncs.fetch_add(1, Ordering::Relaxed);
+            match tokio::task::spawn_blocking(move || sync_dir(&dir)).await {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(crate::types::chain(&e)),
+                Err(e) => Some(crate::types::chain(&e)),
+            }
+        } else {
+            None
         };
         out.into_iter()
             .zip(recs)
@@ -228,7 +285,7 @@ impl Store {
         let dir = self.edge_dir.clone();
         tokio::task::spawn_blocking(move || {
             let path = dir.join("edge.json");
-            write_file(&dir.join(".edge.json.tmp"), &path, &bytes)?;
+            write_file(&dir.join(".edge.json.tmp"), &path, &bytes, true)?;
             sync_dir(&dir).map_err(io("syncing", &dir))
         })
         .await
@@ -239,11 +296,13 @@ impl Store {
     }
 }
 
-/// temp file → write → fsync → rename.
-fn write_file(tmp: &Path, path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
+/// temp file → write → fsync (when `sync`) → rename.
+fn write_file(tmp: &Path, path: &Path, bytes: &[u8], sync: bool) -> Result<(), StoreError> {
     let mut f = std::fs::File::create(tmp).map_err(io("creating", tmp))?;
     f.write_all(bytes).map_err(io("writing", tmp))?;
-    f.sync_all().map_err(io("syncing", tmp))?;
+    if sync {
+        f.sync_all().map_err(io("syncing", tmp))?;
+    }
     drop(f);
     std::fs::rename(tmp, path).map_err(io("renaming", tmp))
 }

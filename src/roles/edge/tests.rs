@@ -810,3 +810,126 @@ async fn a_retry_creates_again_what_a_restart_interrupted_once_its_lease_is_sett
     );
     assert_eq!(*lock(&backend.created), 1);
 }
+
+/// A creation's one durable write is its RUNNING record: the CREATING record before it is
+/// staged without fsync. One sandbox: the RUNNING record's file and the directory (it was
+/// four with the CREATING record synced too); a batch of three: three files, one directory.
+#[tokio::test]
+async fn a_creation_syncs_only_its_running_record() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let store = Store::open(dir.path(), "e1").unwrap_or_else(|e| panic!("{e}"));
+    let c = core(
+        Arc::new(TestBackend::default()),
+        EdgeConfig::default(),
+        Some(store.clone()),
+        Arc::new(Sink::default()),
+    );
+    let out = c
+        .create_batch(Some(spec()), vec![item("one")])
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    assert!(out[0].error.is_none(), "{out:?}");
+    assert_eq!(store.syncs(), 2, "one record file and its directory");
+    let out = c
+        .create_batch(Some(spec()), vec![item("b1"), item("b2"), item("b3")])
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    assert!(out.iter().all(|r| r.error.is_none()), "{out:?}");
+    assert_eq!(store.syncs(), 2 + 4, "three record files and one directory");
+    let (back, bad) = store.load_all().unwrap_or_else(|e| panic!("{e}"));
+    assert!(bad.is_empty());
+    assert_eq!(back.len(), 4);
+    assert!(back.iter().all(|r| r.state() == SandboxState::Running));
+}
+
+/// What a crash can leave of a staged CREATING record, each ending right at the restart:
+/// the record whole (FAILED, interrupted, its lease released once IAM confirms it), a torn
+/// file (set aside as corrupt) or no file at all. Neither of the last two is kept from the
+/// backend's cleanup of leftovers, and the caller's retry creates each once.
+#[tokio::test]
+async fn a_crash_that_loses_a_staged_creating_record_ends_right() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let store = Store::open(dir.path(), "e1").unwrap_or_else(|e| panic!("{e}"));
+    assert!(store
+        .stage_many(&[
+            rec("whole", SandboxState::Creating),
+            rec("torn", SandboxState::Creating),
+            rec("live", SandboxState::Running),
+        ])
+        .await
+        .iter()
+        .all(|r| r.is_ok()));
+    assert_eq!(store.syncs(), 0, "staged: no fsync");
+    // The crash: the torn one's rename reached the disk, its data did not; the lost one
+    // (never on disk) needs no file. "live" stands for the sandboxes that are kept.
+    std::fs::write(store.path_of("e1.torn"), b"").unwrap_or_else(|e| panic!("{e}"));
+    let bindings: BTreeMap<String, pb::LeaseInfo> = ["whole", "torn", "lost"]
+        .iter()
+        .map(|s| (format!("L-{s}"), bound("e1", &format!("e1.{s}"))))
+        .collect();
+    let sink = Arc::new(Sink {
+        bindings: Some(Mutex::new(bindings)),
+        ..Default::default()
+    });
+    let backend = Arc::new(TestBackend::default());
+    let c = core(
+        backend.clone(),
+        EdgeConfig::default(),
+        Some(store.clone()),
+        sink.clone(),
+    );
+    let report = c.recover().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        (report.adopted, report.failed, report.corrupt),
+        (1, 1, 1),
+        "{report:?}"
+    );
+    let keep: HashSet<String> = ["e1.live".to_string()].into_iter().collect();
+    assert_eq!(
+        lock(&backend.cleaned).clone(),
+        vec![keep],
+        "whatever the torn and the lost creations made is cleaned up"
+    );
+    assert!(c.get("e1.whole").is_some_and(|e| {
+        let r = e.snapshot();
+        r.state() == SandboxState::Failed && r.interrupted
+    }));
+    assert!(c.get("e1.torn").is_none() && c.get("e1.lost").is_none());
+    assert_eq!(released_eventually(&sink, 1).await, vec!["L-whole"]);
+
+    // The callers retry; the apiserver binds the whole one's lease here again.
+    if let Some(b) = &sink.bindings {
+        lock(b).insert("L-whole".into(), bound("e1", "e1.whole"));
+    }
+    for _ in 0..200 {
+        if !c.releaser.is_pending("L-whole") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for s in ["whole", "torn", "lost"] {
+        let r = c
+            .create_batch(Some(spec()), vec![item(s)])
+            .await
+            .unwrap_or_else(|f| panic!("{f}"))
+            .remove(0);
+        let sb = r.sandbox.unwrap_or_else(|| panic!("{s}: {:?}", r.error));
+        assert_eq!(sb.state, SandboxState::Running as i32, "{s}");
+    }
+    assert_eq!(*lock(&backend.created), 3, "each created once");
+    let (back, _) = store.load_all().unwrap_or_else(|e| panic!("{e}"));
+    for s in ["whole", "torn", "lost"] {
+        assert_eq!(
+            back.iter()
+                .find(|r| r.id() == format!("e1.{s}"))
+                .map(|r| r.state()),
+            Some(SandboxState::Running),
+            "{s}"
+        );
+    }
+    assert_eq!(
+        lock(&sink.released).clone(),
+        vec!["L-whole"],
+        "no lease of a retried creation was given back"
+    );
+}
