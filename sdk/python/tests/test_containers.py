@@ -1198,8 +1198,8 @@ async def test_placement_counts_a_sandbox_once(linux):
 async def test_bad_specs_are_refused_at_admission_and_hold_nothing(linux):
     """A spec the container backend cannot start (too little memory, an ``init_user`` the image
     does not have) is ``invalid`` naming the field, at once, and changes nothing: no record, no
-    quota held (a creation taking the project's whole quota succeeds right after), nothing on
-    the node (docs/containers.md "Minimums")."""
+    quota held (a creation taking the project's whole quota succeeds right after), no start in
+    the usage report, nothing on the node (docs/containers.md "Minimums")."""
     top = f"adm-{secrets.token_hex(3)}"
     async with linux.client() as c:
         proj = await c.create_project("root", top, quota={"sandboxes": 1, "memory_mb": 256})
@@ -1222,6 +1222,9 @@ async def test_bad_specs_are_refused_at_admission_and_hold_nothing(linux):
                 assert took < 10, f"{field}: refused after {took:.1f} s, not at admission"
             assert await c.list_sandboxes(project=proj.path, include_ended=True) == []
             assert (await c.get_project(proj.path)).usage.get("sandboxes", 0) == 0
+            # Nor did any refusal count as a started sandbox in the usage report.
+            report = await c.get_usage(proj.path)
+            assert sum(r.sandboxes_started for r in report.rows if r.day != "total") == 0, report
             assert set(cgroup_dirs(linux.edge_id)) == before
             # The whole quota is there: one sandbox with all of the project's memory.
             sb = await c.run_sandbox(container(project=proj.path, memory_limit_mb=256), timeout=60)
