@@ -409,6 +409,7 @@ async fn state_survives_a_restart_and_reasons_reach_the_caller() {
             pb::ReleaseLeasesRequest {
                 lease_ids: vec!["l1".into(), "l2".into(), "zz".into()],
                 at: 0,
+                not_created: false,
             },
             SVC,
         ))

@@ -1195,6 +1195,58 @@ async def test_placement_counts_a_sandbox_once(linux):
             await asyncio.gather(*(sb.stop() for sb in started), return_exceptions=True)
 
 
+async def test_bad_specs_are_refused_at_admission_and_hold_nothing(linux):
+    """A spec the container backend cannot start (too little memory, an ``init_user`` the image
+    does not have) is ``invalid`` naming the field, at once, and changes nothing: no record, no
+    quota held (a creation taking the project's whole quota succeeds right after), no start in
+    the usage report, nothing on the node (docs/containers.md "Minimums")."""
+    top = f"adm-{secrets.token_hex(3)}"
+    async with linux.client() as c:
+        proj = await c.create_project("root", top, quota={"sandboxes": 1, "memory_mb": 256})
+        before = set(cgroup_dirs(linux.edge_id))
+        try:
+            bad = [
+                ("memory_limit_mb", container(project=proj.path, memory_limit_mb=8)),
+                ("memory_limit_mb", container(project=proj.path, memory_limit_mb=31)),
+                ("init_user", container(project=proj.path, memory_limit_mb=128, init_user="nosuchuser")),
+            ]
+            # Twice each: a refusal that kept the project's only sandbox of quota would make the
+            # second attempt quota_exceeded instead.
+            for field, args in bad + bad:
+                t0 = time.monotonic()
+                with pytest.raises(DSecError) as ei:
+                    await c.run_sandbox(args, timeout=60)
+                took = time.monotonic() - t0
+                assert ei.value.reason == opendsec.INVALID, (field, ei.value)
+                assert field in str(ei.value), (field, ei.value)
+                assert took < 10, f"{field}: refused after {took:.1f} s, not at admission"
+            assert await c.list_sandboxes(project=proj.path, include_ended=True) == []
+            assert (await c.get_project(proj.path)).usage.get("sandboxes", 0) == 0
+            # Nor did any refusal count as a started sandbox in the usage report.
+            report = await c.get_usage(proj.path)
+            assert sum(r.sandboxes_started for r in report.rows if r.day != "total") == 0, report
+            assert set(cgroup_dirs(linux.edge_id)) == before
+            # The whole quota is there: one sandbox with all of the project's memory.
+            sb = await c.run_sandbox(container(project=proj.path, memory_limit_mb=256), timeout=60)
+            try:
+                r = await sh(sb, "echo hi")
+                assert r.stdout == "hi\n", r
+            finally:
+                await sb.stop()
+        finally:
+            for left in await c.list_sandboxes(project=proj.path):
+                await left.stop()
+            end = time.monotonic() + 10
+            while True:
+                try:
+                    await c.delete_project(proj.path)
+                    break
+                except DSecError as e:
+                    if e.reason != opendsec.CONFLICT or time.monotonic() > end:
+                        raise
+                await asyncio.sleep(0.1)
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. Killing the edge and the apiserver (roles as separate processes).
 

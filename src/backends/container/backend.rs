@@ -32,13 +32,22 @@ use crate::pb;
 const AGENT_START_TIMEOUT: Duration = Duration::from_secs(15);
 /// The default `pids_max` (docs/containers.md).
 const DEFAULT_PIDS_MAX: i64 = 4096;
-/// The least memory a container sandbox is created with: its agents (aether, chronus) and a
-/// shell need about this much (measured, docs/architecture.md); below it the first
-/// command would be OOM-killed.
+/// The least memory a container sandbox is created with (docs/containers.md "Minimums").
+/// The sandbox's cgroup is charged for its agents' anonymous memory (aether and chronus
+/// about 0.7 MB each, a session's bash about 0.9 MB) and for every file page it faults in
+/// first: when the agent binary and the image's programs are not yet in the host's page
+/// cache, aether, one session and `python3 -c 'import json, os, subprocess'` peak at about
+/// 35 MB without a limit (about 8 MB when the cache is warm). Measured with cold pages on
+/// cgroup v1 (three tries each): at 2-6 MB aether never answers; at 8 MB the kernel
+/// OOM-kills the agents and sessions hang; at 12 MB python is OOM-killed; from 16 MB all
+/// of it works, at 16-20 MB by evicting its own pages (creation 2-3 times slower). 32 MB
+/// is twice the least that worked.
 pub const MIN_MEMORY_MB: i64 = 32;
-/// The least CPU: the CFS quota cannot be set below 1 ms per 100 ms period.
+/// The least CPU: the CFS quota cannot be set below 1 ms per 100 ms period (a sandbox of
+/// 0.01 cores starts in about 1 s and answers commands).
 pub const MIN_CPU_CORES: f64 = 0.01;
-/// The least disk: the sandbox's ext4 image needs room for its own metadata.
+/// The least disk. An image of 2 MB already starts (the writable layer holds only what the
+/// sandbox writes); 16 MB leaves room for ext4's own metadata and a session's first files.
 pub const MIN_DISK_MB: i64 = 16;
 
 /// What the edge records for one container sandbox.
@@ -413,13 +422,13 @@ impl Backend for ContainerBackend {
         };
         if spec.memory_limit_mb < MIN_MEMORY_MB {
             return Err(bad(format!(
-                "memory_limit_mb {} is below this backend's minimum of {MIN_MEMORY_MB} MB (the sandbox's agents and shell need it)",
+                "memory_limit_mb {} is below this backend's minimum of {MIN_MEMORY_MB} MB (the sandbox's agents and a shell need it; docs/containers.md)",
                 spec.memory_limit_mb
             )));
         }
         if spec.cpu_cores_limit < MIN_CPU_CORES {
             return Err(bad(format!(
-                "cpu_cores_limit {} is below this backend's minimum of {MIN_CPU_CORES}",
+                "cpu_cores_limit {} is below this backend's minimum of {MIN_CPU_CORES} cores",
                 spec.cpu_cores_limit
             )));
         }

@@ -10,4 +10,4 @@ pub mod policy;
 pub mod rootfs;
 pub mod setup;
 
-pub use backend::{ContainerBackend, ContainerState};
+pub use backend::{ContainerBackend, ContainerState, MIN_CPU_CORES, MIN_DISK_MB, MIN_MEMORY_MB};

@@ -197,6 +197,7 @@ pub fn normalize_spec(
             )));
         }
     }
+    check_init_user(&s.init_user)?;
     if s.labels.len() > MAX_LABELS
         || s.labels
             .iter()
@@ -242,6 +243,37 @@ pub fn normalize_spec(
     Ok(s)
 }
 
+/// `init_user` is a name or `uid[:gid]`, or `name:gid` (docs/concepts.md): a group part that
+/// is not a number, a name no passwd file can hold (whitespace, `/`, a second `:`) or the id
+/// 4294967295 (which `setuid` takes for "leave unchanged", so the sandbox would keep root)
+/// can start on no backend. Whether the image knows the name is the edge's check.
+fn check_init_user(v: &str) -> Result<(), Failure> {
+    let bad = |why: &str| Err(Failure::invalid(format!("init_user {v:?}: {why}")));
+    let (user, group) = match v.split_once(':') {
+        Some((u, g)) => (u, Some(g)),
+        None => (v, None),
+    };
+    if user.is_empty() {
+        return bad("the user part is empty");
+    }
+    if user
+        .chars()
+        .any(|c| c.is_whitespace() || c == '/' || c == ':')
+    {
+        return bad("a user name has no whitespace, '/' or ':'");
+    }
+    let id_ok = |t: &str| t.parse::<u32>().map(|n| n < u32::MAX);
+    if user.bytes().all(|b| b.is_ascii_digit()) && !id_ok(user).unwrap_or(false) {
+        return bad("a uid is below 4294967295");
+    }
+    if let Some(g) = group {
+        if !id_ok(g).unwrap_or(false) {
+            return bad("the part after ':' is a numeric gid below 4294967295");
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -269,32 +301,100 @@ mod tests {
     }
 
     #[test]
-    fn bad_values_are_invalid() {
+    fn bad_values_are_invalid_naming_the_field() {
         let adm = AdmissionConfig::default();
         type Mutate = Box<dyn Fn(&mut pb::SandboxSpec)>;
-        let cases: Vec<Mutate> = vec![
-            Box::new(|s| s.backend.clear()),
-            Box::new(|s| s.cpu_cores_limit = -1.0),
-            Box::new(|s| s.cpu_cores_limit = f64::NAN),
-            Box::new(|s| s.cpu_cores_limit = 1e9),
-            Box::new(|s| s.memory_limit_mb = -5),
-            Box::new(|s| s.memory_limit_mb = i64::MAX),
-            Box::new(|s| s.disk_mb = -1),
-            Box::new(|s| s.gpus = -1),
-            Box::new(|s| s.gpus = 1),
-            Box::new(|s| {
-                s.network_rules.insert("pypi".into(), true);
-            }),
-            Box::new(|s| s.ttl_max = 604801),
-            Box::new(|s| s.ttl_max = -3),
-            Box::new(|s| s.qos = "XX".into()),
-            Box::new(|s| s.image = "bad project/x:1".into()),
+        let cases: Vec<(&str, Mutate)> = vec![
+            ("backend", Box::new(|s| s.backend.clear())),
+            ("cpu_cores_limit", Box::new(|s| s.cpu_cores_limit = -1.0)),
+            ("cpu_cores_limit", Box::new(|s| s.cpu_cores_limit = -1e-9)),
+            (
+                "cpu_cores_limit",
+                Box::new(|s| s.cpu_cores_limit = f64::NAN),
+            ),
+            (
+                "cpu_cores_limit",
+                Box::new(|s| s.cpu_cores_limit = f64::INFINITY),
+            ),
+            (
+                "cpu_cores_limit",
+                Box::new(|s| s.cpu_cores_limit = f64::NEG_INFINITY),
+            ),
+            ("cpu_cores_limit", Box::new(|s| s.cpu_cores_limit = 1e9)),
+            ("memory_limit_mb", Box::new(|s| s.memory_limit_mb = -5)),
+            (
+                "memory_limit_mb",
+                Box::new(|s| s.memory_limit_mb = i64::MIN),
+            ),
+            (
+                "memory_limit_mb",
+                Box::new(|s| s.memory_limit_mb = i64::MAX),
+            ),
+            ("disk_mb", Box::new(|s| s.disk_mb = -1)),
+            ("gpus", Box::new(|s| s.gpus = -1)),
+            ("gpus", Box::new(|s| s.gpus = 1)),
+            (
+                "network_rules",
+                Box::new(|s| {
+                    s.network_rules.insert("pypi".into(), true);
+                }),
+            ),
+            ("ttl_max", Box::new(|s| s.ttl_max = 604801)),
+            ("ttl_max", Box::new(|s| s.ttl_max = -3)),
+            ("ttl_running_stop", Box::new(|s| s.ttl_running_stop = -2)),
+            ("ttl_paused_s", Box::new(|s| s.ttl_paused_s = -1)),
+            ("qos", Box::new(|s| s.qos = "XX".into())),
+            ("image", Box::new(|s| s.image = "bad project/x:1".into())),
+            ("init_user", Box::new(|s| s.init_user = "a b".into())),
+            ("init_user", Box::new(|s| s.init_user = "../x".into())),
+            ("init_user", Box::new(|s| s.init_user = "bob:staff".into())),
+            ("init_user", Box::new(|s| s.init_user = "1000:".into())),
+            ("init_user", Box::new(|s| s.init_user = ":1000".into())),
+            ("init_user", Box::new(|s| s.init_user = "a:1:2".into())),
+            ("init_user", Box::new(|s| s.init_user = "4294967295".into())),
+            (
+                "init_user",
+                Box::new(|s| s.init_user = "99999999999".into()),
+            ),
+            (
+                "init_user",
+                Box::new(|s| s.init_user = "0:4294967295".into()),
+            ),
+            ("init_user", Box::new(|s| s.init_user = "root\n".into())),
         ];
-        for (i, f) in cases.iter().enumerate() {
+        for (i, (field, f)) in cases.iter().enumerate() {
             let mut s = spec();
             f(&mut s);
             let e = normalize_spec(&s, &adm).unwrap_err();
             assert_eq!(e.reason, crate::types::Reason::Invalid, "case {i}");
+            assert!(
+                e.message.contains(field),
+                "case {i}: {:?} does not name {field}",
+                e.message
+            );
+        }
+    }
+
+    #[test]
+    fn init_users_that_can_exist_pass() {
+        let adm = AdmissionConfig::default();
+        for u in [
+            "",
+            "root",
+            "0",
+            "1000",
+            "1000:1000",
+            "nobody",
+            "svc-user.1",
+            "bob:50",
+            "4294967294",
+        ] {
+            let s = pb::SandboxSpec {
+                init_user: u.into(),
+                ..spec()
+            };
+            let got = normalize_spec(&s, &adm).unwrap_or_else(|e| panic!("{u:?}: {e:?}"));
+            assert_eq!(got.init_user, if u.is_empty() { "root" } else { u });
         }
     }
 

@@ -216,17 +216,27 @@ impl Inner {
         Ok(())
     }
 
-    async fn release(&self, lease_ids: Vec<String>) {
-        if lease_ids.is_empty() {
-            return;
-        }
-        let req = client::internal(
-            pb::ReleaseLeasesRequest { lease_ids, at: 0 },
-            &self.cfg.service_token,
-        );
-        if let Err(s) = self.iam.clone().release_leases(req).await {
-            // The watcher's reconciliation and SweepUnbound return them later.
-            tracing::warn!(error = %s.message(), "releasing leases of failed creations failed");
+    /// Releases the leases of items created nowhere: `(lease id, made nothing)`, where "made
+    /// nothing" (`made_nothing`) takes the admission back from the usage report too.
+    async fn release(&self, leases: Vec<(String, bool)>) {
+        let (refused, failed): (Vec<_>, Vec<_>) = leases.into_iter().partition(|(_, n)| *n);
+        for (group, not_created) in [(refused, true), (failed, false)] {
+            if group.is_empty() {
+                continue;
+            }
+            let lease_ids = group.into_iter().map(|(id, _)| id).collect();
+            let req = client::internal(
+                pb::ReleaseLeasesRequest {
+                    lease_ids,
+                    at: 0,
+                    not_created,
+                },
+                &self.cfg.service_token,
+            );
+            if let Err(s) = self.iam.clone().release_leases(req).await {
+                // The watcher's reconciliation and SweepUnbound return them later.
+                tracing::warn!(error = %s.message(), "releasing leases of failed creations failed");
+            }
         }
     }
 
@@ -325,7 +335,7 @@ impl Inner {
                                 l.tried.push(edge.clone());
                                 retry.push((l, f.clone()));
                             } else {
-                                release.push(l.item.lease_id.clone());
+                                release.push((l.item.lease_id.clone(), made_nothing(&f)));
                                 done.push((l.item.index, Err(f.clone())));
                             }
                         }
@@ -371,7 +381,7 @@ impl Inner {
                                         l.tried.push(edge.clone());
                                         retry.push((l, f));
                                     } else {
-                                        release.push(l.item.lease_id.clone());
+                                        release.push((l.item.lease_id.clone(), made_nothing(&f)));
                                         done.push((l.item.index, Err(f)));
                                     }
                                 }
@@ -392,7 +402,7 @@ impl Inner {
                             live.push(l);
                         }
                         Err(f) => {
-                            release.push(l.item.lease_id.clone());
+                            release.push((l.item.lease_id.clone(), made_nothing(&last)));
                             done.push((l.item.index, Err(replacement_failure(f, last))));
                         }
                     }
@@ -400,7 +410,8 @@ impl Inner {
                 // Rebind the moved leases to their new edges.
                 if let Err(f) = self.admit(job, &mut live, &res, false, &mut done).await {
                     for l in live.drain(..) {
-                        release.push(l.item.lease_id.clone());
+                        // Refused where it was last sent, or never answered: not known.
+                        release.push((l.item.lease_id.clone(), false));
                         done.push((l.item.index, Err(f.clone())));
                     }
                 }
@@ -409,6 +420,16 @@ impl Inner {
         }
         Ok(done)
     }
+}
+
+/// Whether an edge's answer `f` to a creation means it made nothing: a refusal (`invalid`,
+/// `no_capacity`, ...) does; `internal` (the creation was tried and failed), `unavailable`
+/// and `timeout` (the edge may have made it before the answer was lost) do not.
+fn made_nothing(f: &Failure) -> bool {
+    !matches!(
+        f.reason,
+        Reason::Internal | Reason::Unavailable | Reason::Timeout
+    )
 }
 
 /// The failure of an item whose edge failed with `last` and for which no other edge was

@@ -56,10 +56,14 @@ impl Core {
                 s.cpu_cores_limit
             )));
         }
-        if s.memory_limit_mb < 0 || s.disk_mb < 0 || s.gpus < 0 {
-            return Err(Failure::invalid(
-                "memory_limit_mb, disk_mb and gpus may not be negative",
-            ));
+        for (field, v) in [
+            ("memory_limit_mb", s.memory_limit_mb),
+            ("disk_mb", s.disk_mb),
+            ("gpus", i64::from(s.gpus)),
+        ] {
+            if v < 0 {
+                return Err(Failure::invalid(format!("{field} must be ≥ 0, not {v}")));
+            }
         }
         if s.cpu_cores_limit == 0.0 {
             s.cpu_cores_limit = DEFAULT_CPU;

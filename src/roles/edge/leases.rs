@@ -122,10 +122,14 @@ impl LeaseSink for IamLeases {
             return Ok(());
         };
         let mut c = c.clone();
-        c.release_leases(self.request(pb::ReleaseLeasesRequest { lease_ids, at }))
-            .await
-            .map(|_| ())
-            .map_err(|s| rpc::failure_from_status(&s))
+        c.release_leases(self.request(pb::ReleaseLeasesRequest {
+            lease_ids,
+            at,
+            not_created: false,
+        }))
+        .await
+        .map(|_| ())
+        .map_err(|s| rpc::failure_from_status(&s))
     }
 
     async fn lookup(&self, lease_id: &str) -> Result<Option<pb::LeaseInfo>, Failure> {

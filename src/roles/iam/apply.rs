@@ -102,9 +102,12 @@ pub fn apply(st: &mut IamState, cmd: &Command) -> Result<Outcome, Failure> {
             items,
             now,
         } => apply_leases::admit(st, actor, image_project, items, *now),
-        Command::ReleaseLeases { lease_ids, at, now } => {
-            apply_leases::release_leases(st, lease_ids, *at, *now)
-        }
+        Command::ReleaseLeases {
+            lease_ids,
+            at,
+            now,
+            not_created,
+        } => apply_leases::release_leases(st, lease_ids, *at, *now, *not_created),
         Command::Reconcile {
             edge_id,
             leases,

@@ -159,14 +159,19 @@ fn admit_one(
     })
 }
 
-/// Releases one lease that ended at `at`: frees its quota and records its usage. Returns
-/// whether it was held.
-fn release_one(st: &mut IamState, id: &str, at: i64, now: i64) -> bool {
+/// Releases one lease that ended at `at`: frees its quota and records its usage, or, when
+/// no sandbox was ever made for it (`not_created`), takes back the start its admission
+/// counted. Returns whether it was held.
+fn release_one(st: &mut IamState, id: &str, at: i64, now: i64, not_created: bool) -> bool {
     let Some(l) = st.leases.remove(id) else {
         return false;
     };
     st.index_remove(&l.edge_id, id);
     st.uncharge(&l.project, &l.resources);
+    if not_created {
+        usage::unrecord_started(st, &l.project, l.created_at);
+        return true;
+    }
     usage::record_held(
         st,
         &l.project,
@@ -183,11 +188,15 @@ pub(super) fn release_leases(
     ids: &[String],
     at: i64,
     now: i64,
+    not_created: bool,
 ) -> Result<Outcome, Failure> {
     require_bootstrapped(st)?;
     check_batch(ids.len())?;
     let at = if at <= 0 || at > now { now } else { at };
-    let released = ids.iter().filter(|id| release_one(st, id, at, now)).count() as i64;
+    let released = ids
+        .iter()
+        .filter(|id| release_one(st, id, at, now, not_created))
+        .count() as i64;
     usage::prune(st, now);
     Ok(Outcome::Released(released))
 }
@@ -319,7 +328,7 @@ pub(super) fn reconcile(
     let released = plan
         .release
         .iter()
-        .filter(|id| release_one(st, id, now, now))
+        .filter(|id| release_one(st, id, now, now, false))
         .count() as i64;
     usage::prune(st, now);
     Ok(Outcome::Reconciled {
@@ -360,7 +369,7 @@ pub(super) fn sweep_unbound(
             .leases
             .get(&id)
             .is_some_and(|l| now - l.created_at >= max_age_s);
-        if old && release_one(st, &id, now, now) {
+        if old && release_one(st, &id, now, now, false) {
             released += 1;
         }
     }
@@ -679,6 +688,7 @@ mod tests {
                 lease_ids: vec!["l1".into(), "nope".into()],
                 at: NOW + 3600,
                 now: NOW + 3700,
+                not_created: false,
             },
         );
         assert_eq!(out, Outcome::Released(1));
@@ -700,7 +710,8 @@ mod tests {
                 Command::ReleaseLeases {
                     lease_ids: vec!["l1".into()],
                     at: 0,
-                    now: NOW + 3800
+                    now: NOW + 3800,
+                    not_created: false,
                 }
             ),
             Outcome::Released(0)
@@ -711,6 +722,51 @@ mod tests {
         ));
         assert!(r[0].is_ok());
         consistent(&st);
+    }
+
+    #[test]
+    fn a_refused_creation_leaves_no_usage() {
+        let (mut st, t) = setup();
+        // Another creation of the same project that day keeps its start.
+        results(ok(
+            &mut st,
+            admit_cmd(&t, "", vec![item("kept", "root/a", 1.0, "e1")], NOW),
+        ));
+        results(ok(
+            &mut st,
+            admit_cmd(&t, "", vec![item("l1", "root/a", 2.0, "e1")], NOW),
+        ));
+        assert_eq!(st.usage[&usage::day_of(NOW)]["root/a"].sandboxes_started, 2);
+        let out = ok(
+            &mut st,
+            Command::ReleaseLeases {
+                lease_ids: vec!["l1".into()],
+                at: 0,
+                now: NOW + 600,
+                not_created: true,
+            },
+        );
+        assert_eq!(out, Outcome::Released(1));
+        assert_eq!(st.projects["root/a"].usage.cpu_cores, 1.0);
+        let row = st.usage[&usage::day_of(NOW)]["root/a"];
+        assert_eq!(row.sandboxes_started, 1);
+        assert_eq!(row.cpu_core_hours, 0.0);
+        // The only creation of a project refused: the project has no usage row at all.
+        results(ok(
+            &mut st,
+            admit_cmd(&t, "", vec![item("l2", "root/a/b", 1.0, "e1")], NOW),
+        ));
+        ok(
+            &mut st,
+            Command::ReleaseLeases {
+                lease_ids: vec!["l2".into()],
+                at: 0,
+                now: NOW + 600,
+                not_created: true,
+            },
+        );
+        assert!(!st.usage[&usage::day_of(NOW)].contains_key("root/a/b"));
+        assert_eq!(st.projects["root/a/b"].usage, Res::default());
     }
 
     #[test]

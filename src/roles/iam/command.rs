@@ -136,10 +136,13 @@ pub enum Command {
         now: i64,
     },
     /// Releases leases that ended at `at` (0 or later than `now` = `now`); unknown ids are ignored.
+    /// `not_created`: no sandbox was ever made for them, so their admissions leave no usage.
     ReleaseLeases {
         lease_ids: Vec<String>,
         at: i64,
         now: i64,
+        #[serde(default)]
+        not_created: bool,
     },
     /// The leases alive on `edge_id`: unknown ones are adopted, missing ones older than
     /// `min_age_s` are released (an empty list with `min_age_s` 0 releases the edge's all).

@@ -134,6 +134,7 @@ impl IamService {
                 lease_ids: r.lease_ids,
                 at: r.at,
                 now: now_s(),
+                not_created: r.not_created,
             })
             .await?
         {

@@ -685,6 +685,7 @@ mod tests {
                 lease_ids: vec!["f1".into(), "f3".into()],
                 at: NOW + 4321,
                 now: NOW + 7777,
+                not_created: false,
             }],
         )
         .await;

@@ -81,6 +81,25 @@ pub fn record_started(st: &mut IamState, project: &str, at: i64) {
         .sandboxes_started += 1;
 }
 
+/// Takes back a start counted at `at` by `record_started` (a creation refused before any
+/// sandbox was made); never below 0, and nothing for a day already pruned.
+pub fn unrecord_started(st: &mut IamState, project: &str, at: i64) {
+    let day = day_of(at);
+    let Some(rows) = st.usage.get_mut(&day) else {
+        return;
+    };
+    if let Some(row) = rows.get_mut(project) {
+        row.sandboxes_started = (row.sandboxes_started - 1).max(0);
+        // A row of nothing would list the project in reports as if it had used something.
+        if *row == UsageRow::default() {
+            rows.remove(project);
+        }
+    }
+    if rows.is_empty() {
+        st.usage.remove(&day);
+    }
+}
+
 /// Drops days older than the retention at `now`.
 pub fn prune(st: &mut IamState, now: i64) {
     let first = day_of(now) - KEEP_DAYS + 1;
