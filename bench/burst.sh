@@ -29,6 +29,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q --disable-pip-version-check ./sdk/python
 
+# Many sandboxes, each a few fds in the edge and in the client (set before either starts).
+ulimit -n 65536 2>/dev/null || true
 # Short: each sandbox's aether socket path lives under it and must fit a unix socket name.
 STATE=$(mktemp -d /tmp/odb.XXXXXX)
 OUT=$STATE.env
@@ -79,6 +81,4 @@ for _ in $(seq 1 300); do
 done
 # shellcheck disable=SC1090
 . "$OUT"
-# Many sandboxes, each a few fds in the client.
-ulimit -n 65536 2>/dev/null || true
 .venv/bin/python bench/burst.py "$@"

@@ -13,7 +13,6 @@ mod common;
 use common::{root_or_skip, UpOptions};
 
 #[test]
-#[ignore = "until chronus kills the whole command on timeout (issue 7 items 1 and 4): bash still prints its job notice for the killed child"]
 fn an_expired_timeout_prints_only_the_clis_message() {
     if !root_or_skip("an_expired_timeout_prints_only_the_clis_message") {
         return;

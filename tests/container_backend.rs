@@ -901,11 +901,26 @@ async fn closing_a_session_ends_its_daemons_and_removes_its_cgroup() {
     let gone_after = |dir: &Path, what: &str| {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while dir.exists() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{what}: the session's cgroup is still there, holding {:?}",
-                std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default()
-            );
+            if std::time::Instant::now() >= deadline {
+                let held: Vec<String> = std::fs::read_to_string(dir.join("cgroup.procs"))
+                    .unwrap_or_default()
+                    .lines()
+                    .map(|p| {
+                        let st = std::fs::read_to_string(format!("/proc/{p}/status"))
+                            .unwrap_or_default();
+                        let keep: Vec<&str> = st
+                            .lines()
+                            .filter(|l| {
+                                ["Name:", "State:", "PPid:", "NSpid:"]
+                                    .iter()
+                                    .any(|k| l.starts_with(k))
+                            })
+                            .collect();
+                        format!("{p}: {}", keep.join(" "))
+                    })
+                    .collect();
+                panic!("{what}: the session's cgroup is still there, holding {held:?}");
+            }
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
     };
