@@ -703,7 +703,10 @@ async def test_pids_limit_contains_a_fork_bomb(linux):
                     await asyncio.sleep(0.1)
             n, err = state.decode().split()
             assert err == str(EAGAIN), f"fork stopped with errno {err} after {n} children, wanted EAGAIN"
-            assert PIDS_MAX - 32 <= int(n) < PIDS_MAX, state
+            # A session may take all of pids_max but a margin that the sandbox's other
+            # sessions keep (docs/architecture.md "Cgroups").
+            session_max = PIDS_MAX - min(64, PIDS_MAX // 4)
+            assert session_max - 32 <= int(n) < session_max, state
 
             # Another sandbox is not affected while this one is at its limit.
             t0 = time.monotonic()
