@@ -637,6 +637,42 @@ fn read_trim(p: &Path) -> String {
         .to_string()
 }
 
+/// A backend of edge `edge` whose sandboxes have `pids_max` 512 (448 per session), and one
+/// sandbox `<edge>.<name>` of `cpu` cores made with it: its id, spec and state.
+async fn pids_512_sandbox(
+    state: &Path,
+    edge: &str,
+    name: &str,
+    cpu: f64,
+) -> (
+    Arc<dyn Backend>,
+    String,
+    pb::SandboxSpec,
+    opendsec::backends::BackendState,
+) {
+    let cfg = BackendConfig {
+        runtime: "linux".into(),
+        pids_max: 512,
+        ..Default::default()
+    };
+    let b = match backends::build("container", &cfg, &ctx(state, edge)) {
+        Ok(b) => b,
+        Err(e) => panic!("building the container backend: {e}"),
+    };
+    let id = format!("{edge}.{name}");
+    let mut spec = spec();
+    spec.cpu_cores_limit = cpu;
+    let st = b
+        .create(&CreateRequest {
+            sandbox_id: id.clone(),
+            project: "root".into(),
+            spec: spec.clone(),
+        })
+        .await
+        .expect("create");
+    (b, id, spec, st)
+}
+
 /// A fork bomb fills the workload's pids_max in one session; the agents live in a sibling
 /// cgroup with their own pids and a high CPU weight, so a new session still starts, another
 /// session still answers, and stop wins the race against the bomb.
@@ -648,26 +684,7 @@ async fn a_fork_bomb_does_not_starve_the_agents_and_stop_wins() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let state = tmp.path();
     let edge = "cb-bomb";
-    let cfg = BackendConfig {
-        runtime: "linux".into(),
-        pids_max: 512,
-        ..Default::default()
-    };
-    let b = match backends::build("container", &cfg, &ctx(state, edge)) {
-        Ok(b) => b,
-        Err(e) => panic!("building the container backend: {e}"),
-    };
-    let id = format!("{edge}.bomb");
-    let mut spec = spec();
-    spec.cpu_cores_limit = 0.5;
-    let st = b
-        .create(&CreateRequest {
-            sandbox_id: id.clone(),
-            project: "root".into(),
-            spec: spec.clone(),
-        })
-        .await
-        .expect("create");
+    let (b, id, spec, st) = pids_512_sandbox(state, edge, "bomb", 0.5).await;
     let h = Handle {
         sandbox_id: &id,
         spec: &spec,
@@ -689,7 +706,8 @@ async fn a_fork_bomb_does_not_starve_the_agents_and_stop_wins() {
     // The session's own cgroup below workload/ (the warm `default` session has s1).
     let Some(session_cg) = mine.lines().find_map(|l| {
         l.split_once(":/workload/")
-            .map(|(_, s)| s.trim().to_string())
+            // `s<N>/c<id>`: the command's own cgroup is below its session's.
+            .and_then(|(_, s)| s.trim().split('/').next().map(str::to_string))
     }) else {
         panic!("the shell is not in a session cgroup below workload/: {out}");
     };
@@ -884,17 +902,23 @@ async fn closing_a_session_ends_its_daemons_and_removes_its_cgroup() {
         )
         .await;
     assert_eq!(r.exit_code, 0, "{r:?}");
-    let cg = String::from_utf8_lossy(&r.stdout).trim().to_string();
-    assert!(cg.starts_with("/workload/s"), "{r:?}");
-    let dir = pids_cgroup("cb-close", &sb.id).join(cg.trim_start_matches('/'));
-    let procs = || std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+    let pids = pids_cgroup("cb-close", &sb.id);
+    let dir = session_of(
+        &pids,
+        &format!("0:pids:{}", String::from_utf8_lossy(&r.stdout)),
+    );
+    let held = || {
+        read_trim(&dir.join("pids.current"))
+            .parse::<i64>()
+            .unwrap_or(0)
+    };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    // The daemon is there (the subshell that started it has exited).
-    while procs().lines().count() < 2 {
+    // The daemon is there beside the shell (the subshell that started it has exited).
+    while held() != 2 {
         assert!(
             std::time::Instant::now() < deadline,
             "no daemon: {}",
-            procs()
+            held()
         );
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
@@ -941,8 +965,10 @@ async fn closing_a_session_ends_its_daemons_and_removes_its_cgroup() {
             "(sleep 1000 </dev/null >/dev/null 2>&1 &); sed -n 's/^[0-9]*:pids://p' /proc/self/cgroup",
         )
         .await;
-    let cg = String::from_utf8_lossy(&r.stdout).trim().to_string();
-    let dir = pids_cgroup("cb-close", &sb.id).join(cg.trim_start_matches('/'));
+    let dir = session_of(
+        &pids,
+        &format!("0:pids:{}", String::from_utf8_lossy(&r.stdout)),
+    );
     let session_dir =
         opendsec::guest::aether::sessions::session_dir(Path::new("/run/opendsec"), "crashed");
     let agents = pids_cgroup("cb-close", &sb.id).join("agent/cgroup.procs");
@@ -971,4 +997,280 @@ async fn closing_a_session_ends_its_daemons_and_removes_its_cgroup() {
         "only the other session's sleep is left: {r:?}"
     );
     sb.stop().await;
+}
+
+/// Kills everything in a sandbox's pids cgroup when the test fails before its stop, so that
+/// a fork bomb left running does not load the machine for the tests after it.
+struct ReapOnPanic(PathBuf);
+
+impl Drop for ReapOnPanic {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let _ = std::fs::write(self.0.join("pids.max"), "0");
+        for _ in 0..50 {
+            let mut any = false;
+            for e in walkdir(&self.0) {
+                for p in std::fs::read_to_string(e.join("cgroup.procs"))
+                    .unwrap_or_default()
+                    .lines()
+                    .filter_map(|l| l.trim().parse::<i32>().ok())
+                {
+                    any = true;
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(p),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
+            }
+            if !any {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+}
+
+/// `dir` and every directory below it.
+fn walkdir(dir: &Path) -> Vec<PathBuf> {
+    let mut out = vec![dir.to_path_buf()];
+    let mut i = 0;
+    while let Some(d) = out.get(i).cloned() {
+        out.extend(
+            std::fs::read_dir(&d)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.is_dir()),
+        );
+        i += 1;
+    }
+    out
+}
+
+/// Runs `cmd` in `session` (as `user`, "" for the session's) with `timeout` seconds.
+async fn run_timed(
+    b: &Arc<dyn Backend>,
+    h: &Handle<'_>,
+    session: &str,
+    user: &str,
+    cmd: &str,
+    timeout: f64,
+) -> (pb::ShellResult, std::time::Duration) {
+    let rt = b.runtime().expect("runtime capability");
+    let mut c = RuntimeClient::new(rt.channel(h).await.expect("channel"));
+    let t = std::time::Instant::now();
+    let r = c
+        .run_shell(pb::RunShellRequest {
+            sandbox_id: h.sandbox_id.into(),
+            cmd: cmd.into(),
+            timeout,
+            session: session.into(),
+            user: user.into(),
+            ..Default::default()
+        })
+        .await
+        .expect("run_shell")
+        .into_inner();
+    (r, t.elapsed())
+}
+
+/// The session cgroup (below the sandbox's pids cgroup) that a command's
+/// `/proc/self/cgroup` names: `/workload/s<N>/c<id>` gives `workload/s<N>`.
+fn session_of(pids: &Path, out: &str) -> PathBuf {
+    let Some(path) = out
+        .lines()
+        .find_map(|l| l.split_once(":pids:").map(|(_, p)| p.trim().to_string()))
+        .or_else(|| {
+            out.lines()
+                .find_map(|l| l.strip_prefix("0::").map(str::to_string))
+        })
+    else {
+        panic!("no cgroup in {out:?}");
+    };
+    let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    assert!(
+        parts.len() == 3
+            && parts[0] == "workload"
+            && parts[1].starts_with('s')
+            && parts[2].starts_with('c'),
+        "a command runs in a cgroup of its own below its session's: {path}"
+    );
+    pids.join(parts[0]).join(parts[1])
+}
+
+/// A timeout stops the whole command, whatever it does: a script that would go on, a busy
+/// loop, processes that ignore SIGTERM or left its process group and tree (`setsid` of an
+/// orphan), a python fork storm and a bash fork bomb at the session's pids limit. Each
+/// returns within its timeout plus a little, leaves no process behind, and the session's
+/// state stays; the same for a session of a user other than root.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_stops_the_whole_command_fork_storms_included() {
+    if !root_or_skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let edge = "cb-timeout";
+    let (b, id, spec, st) = pids_512_sandbox(tmp.path(), edge, "t", 1.0).await;
+    let h = Handle {
+        sandbox_id: &id,
+        spec: &spec,
+        state: &st,
+    };
+    let pids = pids_cgroup(edge, &id);
+    let _reap = ReapOnPanic(pids.clone());
+    let (r, _) = run_timed(
+        &b,
+        &h,
+        "storm",
+        "",
+        "cd /usr && export Z=kept && cat /proc/self/cgroup",
+        10.0,
+    )
+    .await;
+    assert_eq!(r.exit_code, 0, "{r:?}");
+    let session = session_of(&pids, &String::from_utf8_lossy(&r.stdout));
+    let current = |dir: &Path| {
+        read_trim(&dir.join("pids.current"))
+            .parse::<i64>()
+            .unwrap_or(-1)
+    };
+    // Only the session's shell is left in its cgroup (its commands' cgroups included).
+    let settles = |dir: PathBuf, what: String| async move {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while current(&dir) != 1 {
+            if std::time::Instant::now() >= deadline {
+                let mut held = Vec::new();
+                for d in std::iter::once(dir.clone()).chain(
+                    std::fs::read_dir(&dir)
+                        .into_iter()
+                        .flatten()
+                        .flatten()
+                        .map(|e| e.path())
+                        .filter(|p| p.is_dir()),
+                ) {
+                    for p in std::fs::read_to_string(d.join("cgroup.procs"))
+                        .unwrap_or_default()
+                        .lines()
+                    {
+                        let comm = std::fs::read_to_string(format!("/proc/{p}/cmdline"))
+                            .unwrap_or_default()
+                            .replace('\0', " ");
+                        held.push(format!("{}: {p} {comm}", d.display()));
+                    }
+                }
+                panic!("{what} left {} processes: {held:#?}", current(&dir));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    };
+    settles(session.clone(), "the first command".into()).await;
+
+    let python_storm = "python3 -c 'import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass'";
+    let storms: [(&str, f64, i64); 6] = [
+        ("sleep 5; touch /tmp/x; sleep 40", 1.0, 0),
+        ("while :; do :; done", 1.0, 0),
+        (
+            "trap '' TERM; bash -c 'trap \"\" TERM; sleep 100' & (setsid sleep 101 &); sleep 102",
+            1.0,
+            0,
+        ),
+        (python_storm, 2.0, 300),
+        // The bomb goes to the background at once; the command goes on in the foreground.
+        (":(){ :|:& };:; sleep 100", 3.0, 300),
+        // The orphan of a subshell that left its group and its tree: found by its cgroup only.
+        (
+            "(setsid bash -c 'sleep 103' </dev/null >/dev/null 2>&1 &); sleep 104",
+            1.0,
+            0,
+        ),
+    ];
+    for (cmd, timeout, fills) in storms {
+        let peak = Arc::new(std::sync::atomic::AtomicI64::new(0));
+        let watch = {
+            let (peak, dir) = (peak.clone(), session.clone());
+            tokio::spawn(async move {
+                loop {
+                    peak.fetch_max(current(&dir), std::sync::atomic::Ordering::Relaxed);
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+            })
+        };
+        let (r, took) = run_timed(&b, &h, "storm", "", cmd, timeout).await;
+        watch.abort();
+        assert!(
+            r.timed_out,
+            "{cmd:?}: exit {} after {took:?}, stderr {:?}",
+            r.exit_code,
+            String::from_utf8_lossy(&r.stderr)
+                .chars()
+                .take(300)
+                .collect::<String>()
+        );
+        // The requirement is the timeout plus 2 s; the bound is looser, the machine shared.
+        assert!(
+            took < std::time::Duration::from_secs_f64(timeout + 4.0),
+            "{cmd:?}: a {timeout} s timeout returned after {took:?}"
+        );
+        let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
+        eprintln!("{cmd:?}: timeout {timeout} s, returned after {took:?}, peak {peak} processes");
+        assert!(peak >= fills, "{cmd:?} reached only {peak} processes");
+        settles(session.clone(), format!("{cmd:?}")).await;
+        let (r, _) = run_timed(&b, &h, "storm", "", "pwd; echo $Z", 10.0).await;
+        assert_eq!(
+            String::from_utf8_lossy(&r.stdout),
+            "/usr\nkept\n",
+            "{cmd:?}: {r:?}"
+        );
+    }
+    let (r, _) = run_timed(
+        &b,
+        &h,
+        "storm",
+        "",
+        "sleep 6; test -e /tmp/x && echo there || echo absent",
+        20.0,
+    )
+    .await;
+    assert_eq!(
+        r.stdout, b"absent\n",
+        "the script went on after its timeout"
+    );
+    // What a command leaves running when it ends on its own stays (its cgroup with it).
+    let (r, _) = run_timed(&b, &h, "storm", "", "sleep 105 & echo started", 10.0).await;
+    assert_eq!(r.stdout, b"started\n", "{r:?}");
+    let (r, _) = run_timed(&b, &h, "storm", "", "pgrep -xc sleep", 10.0).await;
+    assert_eq!(r.stdout, b"1\n", "the daemon stays: {r:?}");
+
+    // A session of another user: its chronus makes its commands' cgroups too.
+    let (r, _) = run_timed(
+        &b,
+        &h,
+        "nobody",
+        "nobody",
+        "id -u; cat /proc/self/cgroup",
+        10.0,
+    )
+    .await;
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    assert!(out.starts_with("65534\n"), "{r:?}");
+    let theirs = session_of(&pids, &out);
+    settles(theirs.clone(), "nobody's first command".into()).await;
+    let (r, took) = run_timed(
+        &b,
+        &h,
+        "nobody",
+        "",
+        "(setsid bash -c 'sleep 106' </dev/null >/dev/null 2>&1 &); sleep 107",
+        1.0,
+    )
+    .await;
+    assert!(r.timed_out, "{r:?}");
+    assert!(took < std::time::Duration::from_secs(5), "took {took:?}");
+    settles(theirs, "nobody's timed-out command".into()).await;
+
+    b.stop(&h).await.expect("stop");
+    b.release_node().await.expect("release");
 }

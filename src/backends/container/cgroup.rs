@@ -979,13 +979,47 @@ mod tests {
             "",
             "nothing to kill: no write"
         );
-        fs::write(sb.join("cgroup.procs"), "4242\n").expect("procs");
+        // A live process (this test's, untouched: the fake's cgroup.kill kills nothing).
+        fs::write(sb.join("cgroup.procs"), format!("{}\n", std::process::id())).expect("procs");
         // The fake never empties: kill_all keeps writing cgroup.kill until its deadline.
-        let e = cg.kill_all().expect_err("never empties");
+        let e = cg
+            .kill_all_within(Duration::from_millis(200), Duration::from_secs(30))
+            .expect_err("never empties");
         assert!(matches!(e, CgroupError::KillTimeout { left: 1, .. }), "{e}");
         assert_eq!(read(&sb.join("cgroup.kill")), "1");
         // Dying tasks must get the CPU to exit: the quota went first.
         assert_eq!(read(&sb.join("cpu.max")), "max");
+
+        // A process that is exiting (a zombie: PF_EXITING stays set) is waited for past the
+        // first deadline, as the last process of a sandbox whose mounts the kernel is still
+        // tearing down is: kill_all returns Ok once it is gone, not KillTimeout.
+        let mut child = std::process::Command::new("true")
+            .spawn()
+            .expect("spawn true");
+        let zombie = child.id();
+        let until = Instant::now() + Duration::from_secs(10);
+        while !fs::read_to_string(format!("/proc/{zombie}/stat")).is_ok_and(|s| {
+            s.rsplit_once(')')
+                .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+        }) {
+            assert!(Instant::now() < until, "true did not exit");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        fs::write(sb.join("cgroup.procs"), format!("{zombie}\n")).expect("procs");
+        let procs = sb.join("cgroup.procs");
+        let emptier = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(600));
+            fs::write(procs, "").expect("empty procs");
+        });
+        let waited = Instant::now();
+        cg.kill_all_within(Duration::from_millis(200), Duration::from_secs(30))
+            .expect("an exiting process is waited for");
+        assert!(
+            waited.elapsed() >= Duration::from_millis(500),
+            "returned before it was gone"
+        );
+        emptier.join().expect("emptier");
+        let _ = child.wait();
     }
 
     #[test]

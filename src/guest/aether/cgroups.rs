@@ -7,7 +7,12 @@
 //! aether reaches `workload/` through directory fds the setup process opened outside the
 //! sandbox: inside, the cgroup tree is mounted read-only and rooted at the sandbox, and the
 //! sandbox's root cannot write to it. The fds never reach a session: chronus gets only its
-//! own session's join files.
+//! own session's join files, and one directory fd of its session's cgroup where it makes a
+//! cgroup per command (`s<N>/c<id>`, src/guest/chronus/cmdcgroup.rs) so that a timed-out
+//! command is killed whole. A session of another user than root gets its cgroup's directory
+//! and join files chowned to that user (cgroup delegation): chronus runs as that user, and
+//! the session's own processes still cannot write there (read-only mount, no
+//! CAP_SYS_ADMIN).
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -55,17 +60,25 @@ pub struct Workload {
     next: AtomicU64,
 }
 
-/// A session's cgroup: its name below `workload/`, and the files its shell joins through
-/// (`tasks` on cgroup v1, `cgroup.procs` on v2), one per hierarchy, close-on-exec.
+/// A session's cgroup: its name below `workload/`, the files its shell joins through
+/// (`tasks` on cgroup v1, `cgroup.procs` on v2), one per hierarchy, and the directory of
+/// the hierarchy where its commands get cgroups of their own (the one with `cgroup.kill`
+/// or `pids.max`; `None` when none has either), all close-on-exec.
 pub struct SessionCgroup {
     pub name: String,
     pub join: Vec<OwnedFd>,
+    pub command_dir: Option<OwnedFd>,
 }
 
 impl SessionCgroup {
     /// The join files' fd numbers, for chronus's config.
     pub fn fds(&self) -> Vec<RawFd> {
         self.join.iter().map(|f| f.as_raw_fd()).collect()
+    }
+
+    /// The command cgroups' directory fd number, for chronus's config.
+    pub fn command_dir_fd(&self) -> Option<RawFd> {
+        self.command_dir.as_ref().map(|f| f.as_raw_fd())
     }
 }
 
@@ -95,19 +108,29 @@ impl Workload {
     }
 
     /// Makes a new session's cgroup `s<N>` in every hierarchy, gives it its `pids.max`
-    /// (where the hierarchy has the pids controller) and opens its join files. What it
-    /// made is removed again on a failure. Errors: `Mkdir`, `File`.
-    pub fn make_session(&self) -> Result<SessionCgroup, SessionCgroupError> {
+    /// (where the hierarchy has the pids controller), hands it to `owner` (uid, gid) when
+    /// the session runs as another user than root, and opens its join files and its
+    /// command cgroups' directory. What it made is removed again on a failure. Errors:
+    /// `Mkdir`, `File`.
+    pub fn make_session(
+        &self,
+        owner: Option<(u32, u32)>,
+    ) -> Result<SessionCgroup, SessionCgroupError> {
         let name = format!("s{}", self.next.fetch_add(1, Ordering::Relaxed));
-        let made = self.make_in_all(&name);
+        let made = self.make_in_all(&name, owner);
         if made.is_err() {
             self.remove(&name);
         }
         made
     }
 
-    fn make_in_all(&self, name: &str) -> Result<SessionCgroup, SessionCgroupError> {
+    fn make_in_all(
+        &self,
+        name: &str,
+        owner: Option<(u32, u32)>,
+    ) -> Result<SessionCgroup, SessionCgroupError> {
         let mut join = Vec::with_capacity(self.dirs.len());
+        let mut command_dir = None;
         for dir in &self.dirs {
             match mkdirat(dir, name, Mode::from_bits_truncate(0o755)) {
                 // Left by an earlier aether? Names are never reused within one: take it.
@@ -122,12 +145,77 @@ impl Workload {
             if self.pids_max > 0 {
                 self.write(dir, name, "pids.max", &self.pids_max.to_string())?;
             }
+            if let Some((uid, gid)) = owner.filter(|(uid, _)| *uid != 0) {
+                self.delegate(dir, name, uid, gid)?;
+            }
             join.push(self.open_join(dir, name)?);
+            if command_dir.is_none()
+                && ["cgroup.kill", "pids.max"]
+                    .iter()
+                    .any(|f| has_file(dir, &format!("{name}/{f}")))
+            {
+                let d = openat(
+                    dir,
+                    name,
+                    OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+                    Mode::empty(),
+                )
+                .map_err(|source| SessionCgroupError::File {
+                    step: "opening",
+                    name: name.to_string(),
+                    file: ".",
+                    source,
+                })?;
+                command_dir = Some(d);
+            }
         }
         Ok(SessionCgroup {
             name: name.to_string(),
             join,
+            command_dir,
         })
+    }
+
+    /// Gives session cgroup `name`'s directory and the files a process joins through to
+    /// `uid`:`gid`, so that chronus, running as the session's user, can make its command
+    /// cgroups there and move its shell in and out of them (the kernel checks write access
+    /// to `cgroup.procs` of the common ancestor on v2, and the owner of new files is their
+    /// maker).
+    fn delegate(
+        &self,
+        dir: &OwnedFd,
+        name: &str,
+        uid: u32,
+        gid: u32,
+    ) -> Result<(), SessionCgroupError> {
+        let owner = (
+            Some(nix::unistd::Uid::from_raw(uid)),
+            Some(nix::unistd::Gid::from_raw(gid)),
+        );
+        for (file, path) in [
+            (".", name.to_string()),
+            ("cgroup.procs", format!("{name}/cgroup.procs")),
+            ("tasks", format!("{name}/tasks")),
+        ] {
+            match nix::unistd::fchownat(
+                dir,
+                path.as_str(),
+                owner.0,
+                owner.1,
+                nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+            ) {
+                Ok(()) | Err(Errno::ENOENT) => {}
+                Err(source) => {
+                    return Err(SessionCgroupError::File {
+                        step: "handing to the session's user",
+                        name: name.to_string(),
+                        file,
+                        source,
+                    })
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Writes `value` to `name/file` where the file exists (a hierarchy without that
@@ -226,38 +314,72 @@ impl Workload {
         left
     }
 
-    /// The processes in session cgroup `name` (the union over the hierarchies), as pids of
+    /// The processes in session cgroup `name` and the command cgroups below it (the union
+    /// over the hierarchies), as pids of
     /// the reader's pid namespace (the kernel translates them).
     fn pids(&self, name: &str) -> Vec<i32> {
-        let path = format!("{name}/cgroup.procs");
         let mut out = std::collections::BTreeSet::new();
         for dir in &self.dirs {
-            let Ok(f) = openat(
-                dir,
-                path.as_str(),
-                OFlag::O_RDONLY | OFlag::O_CLOEXEC,
-                Mode::empty(),
-            ) else {
-                continue;
-            };
-            let mut text = String::new();
-            let _ = std::io::Read::read_to_string(&mut std::fs::File::from(f), &mut text);
-            out.extend(
-                text.lines()
-                    .filter_map(|l| l.trim().parse::<i32>().ok())
-                    // 0: a process of another pid namespace; never aether itself.
-                    .filter(|p| *p > 1),
-            );
+            let groups = std::iter::once(name.to_string())
+                .chain(self.children(dir, name).map(|c| format!("{name}/{c}")));
+            for group in groups {
+                let path = format!("{group}/cgroup.procs");
+                let Ok(f) = openat(
+                    dir,
+                    path.as_str(),
+                    OFlag::O_RDONLY | OFlag::O_CLOEXEC,
+                    Mode::empty(),
+                ) else {
+                    continue;
+                };
+                let mut text = String::new();
+                let _ = std::io::Read::read_to_string(&mut std::fs::File::from(f), &mut text);
+                out.extend(
+                    text.lines()
+                        .filter_map(|l| l.trim().parse::<i32>().ok())
+                        // 0: a process of another pid namespace; never aether itself.
+                        .filter(|p| *p > 1),
+                );
+            }
         }
         out.into_iter().collect()
     }
 
-    /// Removes session cgroup `name` in every hierarchy; `false` while one still holds a
-    /// process (`EBUSY`: the caller tries again later). A cgroup that is gone counts as
-    /// removed.
+    /// The cgroups chronus made below session cgroup `name` in the hierarchy of `dir` (its
+    /// commands' `c<id>`); none when it has none or cannot be read.
+    fn children(&self, dir: &OwnedFd, name: &str) -> impl Iterator<Item = String> {
+        let found = nix::dir::Dir::openat(
+            dir,
+            name,
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map(|mut d| {
+            d.iter()
+                .flatten()
+                .filter(|e| e.file_type() == Some(nix::dir::Type::Directory))
+                .filter_map(|e| e.file_name().to_str().ok().map(str::to_string))
+                .filter(|n| n != "." && n != "..")
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+        found.into_iter()
+    }
+
+    /// Removes session cgroup `name` in every hierarchy, its command cgroups first; `false`
+    /// while one still holds a process (`EBUSY`: the caller tries again later). A cgroup
+    /// that is gone counts as removed.
     pub fn remove(&self, name: &str) -> bool {
         let mut all = true;
         for dir in &self.dirs {
+            for c in self.children(dir, name) {
+                let path = format!("{name}/{c}");
+                if let Err(e) = unlinkat(dir, path.as_str(), UnlinkatFlags::RemoveDir) {
+                    if e != Errno::ENOENT {
+                        all = false;
+                    }
+                }
+            }
             match unlinkat(dir, name, UnlinkatFlags::RemoveDir) {
                 Ok(()) | Err(Errno::ENOENT) => {}
                 Err(e) => {
@@ -268,6 +390,11 @@ impl Workload {
         }
         all
     }
+}
+
+/// Whether `path` below `dir` exists.
+fn has_file(dir: &OwnedFd, path: &str) -> bool {
+    nix::sys::stat::fstatat(dir, path, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW).is_ok()
 }
 
 #[cfg(test)]
@@ -295,8 +422,21 @@ mod tests {
         std::fs::create_dir_all(v2.join("s1")).unwrap();
         std::fs::write(v2.join("s1/cgroup.procs"), "").unwrap();
         let w = Workload::new(vec![dir_fd(&v1), dir_fd(&v2)], 4032);
-        let s = w.make_session().unwrap();
+        // Handed to the session's user (any uid will do as root; as another user, itself).
+        let me = nix::unistd::geteuid();
+        let user = if me.is_root() { 4321 } else { me.as_raw() };
+        let s = w.make_session(Some((user, user))).unwrap();
         assert_eq!(s.name, "s1");
+        for p in ["v1/s1", "v1/s1/tasks", "v2/s1", "v2/s1/cgroup.procs"] {
+            let st = nix::sys::stat::stat(&t.path().join(p)).unwrap();
+            assert_eq!((st.st_uid, st.st_gid), (user, user), "{p}");
+        }
+        // Commands get their cgroups where the pids controller (or cgroup.kill) is: v1's.
+        let cmd_dir = s.command_dir_fd().expect("a command cgroup directory");
+        assert_eq!(
+            std::fs::read_link(format!("/proc/self/fd/{cmd_dir}")).unwrap(),
+            v1.join("s1")
+        );
         assert_eq!(
             std::fs::read_to_string(v1.join("s1/pids.max")).unwrap(),
             "4032"
@@ -318,8 +458,10 @@ mod tests {
             .unwrap();
             assert_ne!(flags & libc::FD_CLOEXEC, 0, "join fds are close-on-exec");
         }
-        // A real cgroup's control files go with its rmdir; a fake's must go first.
+        // A real cgroup's control files go with its rmdir; a fake's must go first. The
+        // session's command cgroups go with it.
         drop(s);
+        std::fs::create_dir(v1.join("s1/c7")).unwrap();
         for f in ["v1/s1/tasks", "v1/s1/pids.max", "v2/s1/cgroup.procs"] {
             std::fs::remove_file(t.path().join(f)).unwrap();
         }
@@ -328,7 +470,7 @@ mod tests {
         assert!(w.remove("s1"), "gone counts as removed");
         // Names are never reused; a failure (no join file) removes what it made.
         let e = w
-            .make_session()
+            .make_session(None)
             .err()
             .expect("no join file in a plain directory");
         assert!(e.to_string().contains("s2/cgroup.procs"), "{e}");

@@ -270,23 +270,36 @@ impl Sessions {
         crate::sys::process::exec_nondumpable(&mut cmd);
         // chronus stays in the agents' cgroup and moves its shell into the session's own
         // (or, without one, the workload's).
-        let cgroup = self.session_cgroup(name);
+        let cgroup = self.session_cgroup(name, (creds.uid, creds.gid));
         let mut chronus_cfg = AetherConfig {
             workload_cgroup_dir_fds: Vec::new(),
             ..(*self.cfg).clone()
         };
         if let Some(cg) = &cgroup {
             chronus_cfg.workload_cgroup_fds = cg.fds();
+            chronus_cfg.command_cgroup_dir_fd = cg.command_dir_fd();
         }
-        if !chronus_cfg.workload_cgroup_fds.is_empty() {
-            crate::sys::process::inherit_at_exec(&mut cmd, &chronus_cfg.workload_cgroup_fds);
+        let inherited: Vec<i32> = chronus_cfg
+            .workload_cgroup_fds
+            .iter()
+            .copied()
+            .chain(chronus_cfg.command_cgroup_dir_fd)
+            .collect();
+        if !inherited.is_empty() {
+            crate::sys::process::inherit_at_exec(&mut cmd, &inherited);
         }
         let spawned = cmd.spawn();
         // chronus has its copies; aether keeps none.
-        let cgroup_name = cgroup.map(|SessionCgroup { name, join }| {
-            drop(join);
-            name
-        });
+        let cgroup_name = cgroup.map(
+            |SessionCgroup {
+                 name,
+                 join,
+                 command_dir,
+             }| {
+                drop((join, command_dir));
+                name
+            },
+        );
         let child = spawned.map_err(|e| {
             if let (Some(w), Some(n)) = (&self.workload, &cgroup_name) {
                 w.remove(n);
@@ -377,8 +390,8 @@ impl Sessions {
 
     /// A new cgroup for session `name`, when the sandbox gives sessions their own; on a
     /// failure the session shares the process API's cgroup (it still starts).
-    fn session_cgroup(&self, name: &str) -> Option<SessionCgroup> {
-        match self.workload.as_ref()?.make_session() {
+    fn session_cgroup(&self, name: &str, owner: (u32, u32)) -> Option<SessionCgroup> {
+        match self.workload.as_ref()?.make_session(Some(owner)) {
             Ok(cg) => {
                 tracing::debug!(session = %name, cgroup = %cg.name, "session cgroup made");
                 Some(cg)

@@ -105,8 +105,10 @@ impl Driver {
 
     async fn run_job(&mut self, job: Job) {
         self.s.mark_started(job.id);
+        self.enter_cgroup(job.id).await;
         if job.background {
             if let Err(e) = self.send(&job.line).await {
+                self.leave_cgroup(job.id);
                 self.s
                     .fail(
                         job.id,
@@ -116,6 +118,9 @@ impl Driver {
                     .await;
                 return;
             }
+            // The next command must not move the shell out of this one's cgroup before it
+            // forked this one's subshell.
+            self.wait_for_pid(job.id).await;
             tokio::spawn(watch_background(self.s.clone(), job.id, job.timeout));
             return;
         }
@@ -123,6 +128,7 @@ impl Driver {
         *lock(&self.s.fg) = Some((job.id, tx));
         if let Err(e) = self.send(&job.line).await {
             lock(&self.s.fg).take();
+            self.leave_cgroup(job.id);
             self.s
                 .fail(
                     job.id,
@@ -141,6 +147,11 @@ impl Driver {
             e = &mut sh.exit => Outcome::ShellDied(e.map(|e| e.shell_code()).unwrap_or(-1)),
             _ = sleep_until(deadline) => Outcome::TimedOut,
         };
+        if !matches!(outcome, Outcome::TimedOut) {
+            // Out before its cgroup is removed (a subshell that ended before its pid report
+            // was read leaves the shell there until now).
+            leave_cgroup(&self.s, job.id);
+        }
         match outcome {
             Outcome::Reported(Some(r)) => {
                 *lock(&self.s.cwd) = r.pwd.into();
@@ -158,13 +169,76 @@ impl Driver {
             Outcome::TimedOut => self.time_out(job.id, rx).await,
         }
         lock(&self.s.fg).take();
+        self.leave_cgroup(job.id);
+    }
+
+    /// Puts the shell into command `id`'s own cgroup, where the subshell it forks next is
+    /// born; the command's pid report moves it back out (`route`). Without a cgroup for
+    /// it the command runs in the session's, and is killed by its process tree alone.
+    async fn enter_cgroup(&mut self, id: i64) {
+        if self.s.cgroups.is_none() {
+            return;
+        }
+        let stale = lock(&self.s.forking).take();
+        if let (Some((_, shell)), Some(cg)) = (stale, &self.s.cgroups) {
+            // An earlier command's subshell that never reported: the shell is still in
+            // that command's cgroup.
+            let _ = cg.leave(shell);
+        }
+        if self.ensure_shell().await.is_err() {
+            return;
+        }
+        let (Some(sh), Some(cg)) = (self.shell.as_ref(), &self.s.cgroups) else {
+            return;
+        };
+        match cg.enter(id, sh.pid) {
+            Ok(()) => *lock(&self.s.forking) = Some((id, sh.pid)),
+            Err(e) => {
+                tracing::debug!(cmd_id = id, error = %crate::types::chain(&e), "command runs in the session's cgroup")
+            }
+        }
+    }
+
+    /// Waits (at most `PID_WAIT`) until the shell has reported command `id`'s subshell,
+    /// when the command has a cgroup of its own.
+    async fn wait_for_pid(&self, id: i64) {
+        if !lock(&self.s.forking).is_some_and(|(i, _)| i == id) {
+            return;
+        }
+        let until = Instant::now() + PID_WAIT;
+        loop {
+            let reported = self.s.pid_reported.notified();
+            tokio::pin!(reported);
+            reported.as_mut().enable();
+            if self.s.snap(id).is_none_or(|c| c.pid.is_some() || c.done) {
+                return;
+            }
+            tokio::select! {
+                _ = reported => {}
+                _ = tokio::time::sleep_until(until) => return,
+            }
+        }
+    }
+
+    /// Moves the shell out of command `id`'s cgroup if it is still there (its subshell
+    /// never reported, or the command was killed before).
+    fn leave_cgroup(&self, id: i64) {
+        leave_cgroup(&self.s, id);
     }
 
     /// Kills what is left of command `id`'s job (its shell died without reporting).
     fn kill_orphans(&self, id: i64) {
-        if let Some(pid) = self.s.snap(id).and_then(|c| c.pid) {
-            proctree::kill_job(pid, false);
-        }
+        self.leave_cgroup(id);
+        let leader = self.s.snap(id).and_then(|c| c.pid);
+        self.kill_pass(id, leader, false);
+    }
+
+    /// One pass of killing command `id`: its cgroup's every process where it has one; its
+    /// job by process group and tree (`leader`, when the shell reported it) unless its
+    /// subshell was found in that cgroup (then all of it is there). Returns how many live
+    /// processes of it were found.
+    fn kill_pass(&self, id: i64, leader: Option<i32>, group_only: bool) -> usize {
+        kill_pass(&self.s, id, leader, group_only)
     }
 
     /// Kills the timed-out foreground command's job, pass after pass, until the shell has
@@ -177,6 +251,8 @@ impl Driver {
             return;
         };
         tracing::info!(cmd_id = id, pid = ?pid, "command timed out; killing its job");
+        // Never kill the shell with the command's cgroup.
+        leave_cgroup(&self.s, id);
         // The shell continues a stopped job (there is no terminal to do it from) unless this
         // file says the job is being killed: the group stop must hold while it is.
         if let Err(e) = std::fs::write(self.s.kill_marker(id), b"") {
@@ -187,10 +263,7 @@ impl Driver {
             report = Some(r.clone());
         }
         for _ in 0..KILL_PASSES {
-            let left = match pid {
-                Ok(p) => proctree::kill_job(p, report.is_some()),
-                Err(_) => 0,
-            };
+            let left = kill_pass(&self.s, id, pid.as_ref().ok().copied(), report.is_some());
             if report.is_some() && left == 0 {
                 break;
             }
@@ -229,9 +302,7 @@ impl Driver {
                     let _ = tokio::time::timeout(Duration::from_secs(2), &mut sh.exit).await;
                 }
                 self.shell = None;
-                if let Ok(p) = pid {
-                    proctree::kill_job(p, false);
-                }
+                self.kill_pass(id, pid.as_ref().ok().copied(), false);
             }
         }
         self.s.finish(id, TIMED_OUT_CODE, true, lost).await;
@@ -285,13 +356,12 @@ async fn watch_background(s: Arc<Session>, id: i64, timeout: Option<Duration>) {
             return;
         }
         if timeout.is_some_and(|t| start.elapsed() >= t) {
-            if let Some(pid) = snap.pid {
-                for pass in 0..KILL_PASSES {
-                    if proctree::kill_job(pid, pass > 0) == 0 {
-                        break;
-                    }
-                    tokio::time::sleep(KILL_PAUSE).await;
+            leave_cgroup(&s, id);
+            for pass in 0..KILL_PASSES {
+                if kill_pass(&s, id, snap.pid, pass > 0) == 0 {
+                    break;
                 }
+                tokio::time::sleep(KILL_PAUSE).await;
             }
             s.finish(id, TIMED_OUT_CODE, true, false).await;
             return;
@@ -306,6 +376,40 @@ async fn watch_background(s: Arc<Session>, id: i64, timeout: Option<Duration>) {
                 }
             }
             _ => misses = 0,
+        }
+    }
+}
+
+/// Moves the shell out of command `id`'s cgroup if it is still in it (see
+/// [`Driver::enter_cgroup`]).
+fn leave_cgroup(s: &Session, id: i64) {
+    let Some(cg) = &s.cgroups else { return };
+    let shell = {
+        let mut f = lock(&s.forking);
+        match *f {
+            Some((i, shell)) if i == id => {
+                *f = None;
+                shell
+            }
+            _ => return,
+        }
+    };
+    if let Err(e) = cg.leave(shell) {
+        tracing::debug!(cmd_id = id, error = %crate::types::chain(&e), "cannot move the shell back");
+    }
+}
+
+/// See [`Driver::kill_pass`].
+fn kill_pass(s: &Session, id: i64, leader: Option<i32>, group_only: bool) -> usize {
+    let in_cgroup = s.cgroups.as_ref().and_then(|cg| {
+        let n = cg.kill(id)?;
+        Some((n, cg.holds(id)))
+    });
+    match in_cgroup {
+        Some((n, true)) => n,
+        other => {
+            let in_job = leader.map_or(0, |p| proctree::kill_job(p, group_only));
+            other.map_or(0, |(n, _)| n).max(in_job)
         }
     }
 }
@@ -339,11 +443,19 @@ pub async fn read_ctl(s: Arc<Session>, mut rx: pipe::Receiver) {
 fn route(s: &Arc<Session>, msg: &[u8]) {
     match parse_ctl(msg) {
         Some(Ctl::Pid { id, pid }) => {
+            // The subshell is forked (when it is in the command's cgroup, not a forged
+            // report): the shell leaves the command's cgroup.
+            let believed = s.cgroups.as_ref().and_then(|cg| cg.adopt(id, pid));
+            if believed == Some(false) {
+                return;
+            }
+            leave_cgroup(s, id);
             if let Some(c) = lock(&s.table).get_mut(id) {
                 if c.pid.is_none() && !c.done {
                     c.pid = Some(pid);
                 }
             }
+            s.pid_reported.notify_waiters();
         }
         Some(Ctl::Done {
             id,

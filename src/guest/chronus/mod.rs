@@ -6,6 +6,7 @@
 //! shell fed command by command (see `shell`), output records (see `table`), files and
 //! HTTP as that user. On SIGTERM it kills every process of the session, then exits.
 
+pub mod cmdcgroup;
 pub mod driver;
 pub mod files;
 pub mod http;
@@ -234,7 +235,12 @@ async fn serve(
     spec.cgroup_procs_fds = cfg.workload_cgroup_fds.clone();
     let limits = table::Limits::from_env();
     let cwd = dirs.first().cloned().unwrap_or_else(|| PathBuf::from("/"));
-    let (s, jobs) = session::Session::new(dir.clone(), limits, cwd, spec.flavor);
+    let cgroups = cfg.command_cgroup_dir_fd.and_then(|fd| {
+        cmdcgroup::CommandCgroups::take(fd)
+            .map_err(|e| tracing::warn!(error = %e, "commands get no cgroups of their own"))
+            .ok()
+    });
+    let (s, jobs) = session::Session::new(dir.clone(), limits, cwd, spec.flavor, cgroups);
     let ctl = pipe::OpenOptions::new()
         .read_write(true)
         .open_receiver(s.ctl_path())

@@ -14,6 +14,7 @@ use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
+use super::cmdcgroup::CommandCgroups;
 use super::shell::{self, CmdFiles};
 use super::table::{read_record, Limits, Snap, Stream, Table};
 pub use crate::guest::lock;
@@ -57,17 +58,26 @@ pub struct Session {
     /// The shell's current directory, from the `$PWD` each foreground command reports.
     pub cwd: Mutex<PathBuf>,
     pub fg: Mutex<Foreground>,
+    /// Where each command gets a cgroup of its own, when the session's cgroup allows it.
+    pub cgroups: Option<CommandCgroups>,
+    /// The command whose subshell the shell is about to fork from inside that command's
+    /// cgroup, and the shell's pid: the command's pid report moves the shell back out.
+    pub forking: Mutex<Option<(i64, i32)>>,
+    /// Notified on every pid report.
+    pub pid_reported: tokio::sync::Notify,
     jobs: mpsc::UnboundedSender<Job>,
 }
 
 impl Session {
     /// A session keeping its files in `dir` (`cmd/`, `io/`, `rec/`, `ctl`), starting in
-    /// `cwd`; the receiver feeds the shell driver.
+    /// `cwd`, its commands in cgroups of their own below `cgroups` when given; the receiver
+    /// feeds the shell driver.
     pub fn new(
         dir: PathBuf,
         limits: Limits,
         cwd: PathBuf,
         flavor: shell::Flavor,
+        cgroups: Option<CommandCgroups>,
     ) -> (Arc<Session>, mpsc::UnboundedReceiver<Job>) {
         let (jobs, rx) = mpsc::unbounded_channel();
         let s = Session {
@@ -76,6 +86,9 @@ impl Session {
             dir,
             cwd: Mutex::new(cwd),
             fg: Mutex::new(None),
+            cgroups,
+            forking: Mutex::new(None),
+            pid_reported: tokio::sync::Notify::new(),
             jobs,
         };
         (Arc::new(s), rx)
@@ -275,6 +288,10 @@ impl Session {
         let f = self.files(id);
         for p in [f.script, f.out, f.err, f.state, f.kill] {
             let _ = std::fs::remove_file(p);
+        }
+        if let Some(cg) = &self.cgroups {
+            // What the command left running (`server &`) keeps its cgroup until it ends.
+            cg.done(id);
         }
         tracing::debug!(cmd_id = id, exit_code, timed_out, "command ended");
     }
@@ -620,6 +637,7 @@ mod tests {
             Limits::default(),
             tmp.path().to_path_buf(),
             shell::Flavor::Bash,
+            None,
         );
         let id = s
             .start(&pb::RunShellRequest {

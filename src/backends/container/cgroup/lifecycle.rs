@@ -15,8 +15,16 @@ use super::{keyed_value, write_file, CgroupError, SandboxCgroup};
 const FREEZE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long one freeze of `kill_all` waits for FROZEN before killing anyway.
 const FREEZE_IN_KILL: Duration = Duration::from_millis(1000);
-/// How long `kill_all` waits for the cgroup to empty.
+/// How long `kill_all` waits for the cgroup to empty while a process in it is not yet
+/// exiting (it escaped the signal, or the kernel has not got to it).
 const KILL_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long `kill_all` waits for processes that are already exiting: nothing can stop them
+/// now, but the last one out tears down the sandbox's namespaces and mounts (overlay, ext4
+/// on its loop device), which a burst of thousands of stops at once queues in the kernel
+/// for many seconds (bench/burst.sh, docs/benchmarks.md).
+const EXIT_TIMEOUT: Duration = Duration::from_secs(120);
+/// `PF_EXITING` in `/proc/<pid>/stat`'s flags: the task is in `do_exit`.
+const PF_EXITING: u64 = 0x4;
 /// How long `remove` retries an rmdir that finds the cgroup still busy (exiting tasks).
 const RMDIR_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -93,8 +101,19 @@ impl SandboxCgroup {
     /// (the kernel also kills what is forked meanwhile); else freeze, SIGKILL every member,
     /// thaw: once the freezer reports FROZEN nothing forks or exits, so the pid list read
     /// then is complete and no pid in it is reused; frozen tasks die when thawed. Errors:
-    /// `Signal`, or `KillTimeout` after about 5 s.
+    /// `Signal`, or `KillTimeout` after about 5 s while a process is not yet exiting, or
+    /// after about 120 s while all that are left are exiting (their namespaces' teardown).
     pub fn kill_all(&self) -> Result<(), CgroupError> {
+        self.kill_all_within(KILL_TIMEOUT, EXIT_TIMEOUT)
+    }
+
+    /// [`kill_all`](Self::kill_all) with its two deadlines: `live` while a process left is
+    /// not exiting, `exiting` while all are.
+    pub(super) fn kill_all_within(
+        &self,
+        live: Duration,
+        exiting: Duration,
+    ) -> Result<(), CgroupError> {
         let start = Instant::now();
         if self.pids().is_empty() {
             return Ok(());
@@ -110,7 +129,8 @@ impl SandboxCgroup {
             if pids.is_empty() {
                 return Ok(());
             }
-            if start.elapsed() >= KILL_TIMEOUT {
+            let waited = start.elapsed();
+            if waited >= live && (waited >= exiting || !pids.iter().all(|p| is_exiting(*p))) {
                 return Err(CgroupError::KillTimeout {
                     path: self.dirs().next().unwrap_or_default(),
                     left: pids.len(),
@@ -192,6 +212,21 @@ impl SandboxCgroup {
         tracing::debug!(sandbox_id = %self.id, "cgroup removed");
         Ok(())
     }
+}
+
+/// Whether process `pid` (of the host's pid namespace) is in `do_exit` or already gone: a
+/// signal has nothing left to do to it.
+fn is_exiting(pid: u32) -> bool {
+    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return true;
+    };
+    // "pid (comm) state ppid pgrp session tty_nr tpgid flags ...": comm may hold any byte,
+    // so the fields are counted from the last ')'.
+    let flags = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(6))
+        .and_then(|f| f.parse::<u64>().ok());
+    flags.is_some_and(|f| f & PF_EXITING != 0)
 }
 
 /// Removes a cgroup directory and the cgroups below it, deepest first. Control files
