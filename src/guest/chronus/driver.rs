@@ -105,7 +105,13 @@ impl Driver {
 
     async fn run_job(&mut self, job: Job) {
         self.s.mark_started(job.id);
-        self.enter_cgroup(job.id).await;
+        if job.timeout.is_some() {
+            // Only a timeout needs the command's own cgroup (closing the session kills the
+            // session's): the first move of a process into a new cgroup waits for an RCU
+            // grace period when no cgroup move happened just before (about 10 ms on a quiet
+            // host, docs/benchmarks.md), which a command without a timeout need not pay.
+            self.enter_cgroup(job.id).await;
+        }
         if job.background {
             if let Err(e) = self.send(&job.line).await {
                 self.leave_cgroup(job.id);
@@ -173,7 +179,8 @@ impl Driver {
     }
 
     /// Puts the shell into command `id`'s own cgroup, where the subshell it forks next is
-    /// born; the command's pid report moves it back out (`route`). Without a cgroup for
+    /// born; the command's pid report moves it back out (`route`). Done for commands with a
+    /// timeout only (see `run_job`). Without a cgroup for
     /// it the command runs in the session's, and is killed by its process tree alone.
     async fn enter_cgroup(&mut self, id: i64) {
         if self.s.cgroups.is_none() {
