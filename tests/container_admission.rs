@@ -21,8 +21,6 @@ use opendsec::backends::container::{MIN_CPU_CORES, MIN_DISK_MB, MIN_MEMORY_MB};
 use opendsec::config::Config;
 use opendsec::pb::{self, edge_client::EdgeClient, runtime_client::RuntimeClient};
 use opendsec::rpc::{self, failure_from_status};
-use opendsec::shutdown::Shutdown;
-use opendsec::telemetry::Ready;
 use opendsec::types::Reason;
 use tonic::transport::Channel;
 use tonic::Request;
@@ -33,12 +31,13 @@ fn req<T>(m: T) -> Request<T> {
     rpc::client::internal(m, TOKEN)
 }
 
+#[path = "common/edge.rs"]
+mod edge_harness;
+
 struct Edge {
-    addr: String,
+    edge: edge_harness::Edge,
     state: PathBuf,
     id: String,
-    shutdown: Shutdown,
-    task: tokio::task::JoinHandle<()>,
 }
 
 impl Edge {
@@ -68,33 +67,19 @@ impl Edge {
         });
         let cfg: Config = serde_json::from_value(v).unwrap();
         cfg.validate().unwrap();
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap().to_string();
-        let shutdown = Shutdown::new();
-        let task = opendsec::roles::edge::start(
-            Arc::new(cfg),
-            id.into(),
-            l,
-            shutdown.clone(),
-            Ready::default(),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("start: {e}"));
         Edge {
-            addr,
+            edge: edge_harness::Edge::start(Arc::new(cfg), id).await,
             state: state.to_path_buf(),
             id: id.into(),
-            shutdown,
-            task,
         }
     }
 
     fn channel(&self) -> Channel {
-        rpc::client::channel(&self.addr, Duration::from_secs(2)).unwrap()
+        self.edge.channel()
     }
 
     fn client(&self) -> EdgeClient<Channel> {
-        EdgeClient::new(self.channel())
+        self.edge.client()
     }
 
     /// What of sandbox `sid` is on the node: its directory, disk image, cgroups, mounts.
@@ -129,11 +114,7 @@ impl Edge {
     }
 
     async fn stop(self) {
-        self.shutdown.fire();
-        tokio::time::timeout(Duration::from_secs(60), self.task)
-            .await
-            .expect("edge stops")
-            .unwrap();
+        self.edge.stop(Duration::from_secs(60)).await
     }
 }
 

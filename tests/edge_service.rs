@@ -17,7 +17,6 @@ use opendsec::config::Config;
 use opendsec::pb::{self, edge_client::EdgeClient, runtime_client::RuntimeClient, SandboxState};
 use opendsec::rpc::{self, failure_from_status};
 use opendsec::shutdown::Shutdown;
-use opendsec::telemetry::Ready;
 use opendsec::types::{Failure, Reason};
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
@@ -58,45 +57,30 @@ fn config(
     Arc::new(cfg)
 }
 
-struct Edge {
-    addr: String,
-    shutdown: Shutdown,
-    task: tokio::task::JoinHandle<()>,
-}
+#[path = "common/edge.rs"]
+mod edge_harness;
+
+/// The edge of `config`'s (`e1`), started in this process.
+struct Edge(edge_harness::Edge);
 
 impl Edge {
     async fn start(cfg: Arc<Config>) -> Edge {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .unwrap_or_else(|e| panic!("bind: {e}"));
-        let addr = l.local_addr().unwrap_or_else(|e| panic!("{e}")).to_string();
-        let shutdown = Shutdown::new();
-        let ready = Ready::default();
-        let task =
-            opendsec::roles::edge::start(cfg, "e1".into(), l, shutdown.clone(), ready.clone())
-                .await
-                .unwrap_or_else(|e| panic!("start: {e}"));
-        assert!(ready.get(), "ready once serving");
-        Edge {
-            addr,
-            shutdown,
-            task,
-        }
+        Edge(edge_harness::Edge::start(cfg, "e1").await)
     }
 
     fn client(&self) -> EdgeClient<Channel> {
-        EdgeClient::new(
-            rpc::client::channel(&self.addr, Duration::from_secs(2))
-                .unwrap_or_else(|e| panic!("{e}")),
-        )
+        self.0.client()
     }
 
     async fn stop(self) {
-        self.shutdown.fire();
-        tokio::time::timeout(Duration::from_secs(30), self.task)
-            .await
-            .unwrap_or_else(|_| panic!("edge did not stop"))
-            .unwrap_or_else(|e| panic!("{e}"));
+        self.0.stop(Duration::from_secs(30)).await
+    }
+}
+
+impl std::ops::Deref for Edge {
+    type Target = edge_harness::Edge;
+    fn deref(&self) -> &edge_harness::Edge {
+        &self.0
     }
 }
 

@@ -331,6 +331,8 @@ pub fn detach(dev: &Path) -> io::Result<()> {
 /// Every attached loop device whose backing file lies under `backing_prefix`, as
 /// (`/dev/loopN`, backing file), from `/sys/block/loop*/loop/backing_file`. A backing file
 /// deleted while attached is reported by its old path. Unreadable entries are skipped.
+/// Reads every loop device of the host (thousands after bursts): where the device is known,
+/// [`attached_as`] reads one.
 pub fn attached(backing_prefix: &Path) -> Vec<(PathBuf, PathBuf)> {
     let mut out = Vec::new();
     let Ok(entries) = fs::read_dir("/sys/block") else {
@@ -342,18 +344,36 @@ pub fn attached(backing_prefix: &Path) -> Vec<(PathBuf, PathBuf)> {
         if !name.starts_with("loop") {
             continue;
         }
-        let Ok(backing) = fs::read_to_string(entry.path().join("loop/backing_file")) else {
-            continue;
-        };
-        let backing = backing.trim_end_matches('\n');
-        let backing = backing.strip_suffix(" (deleted)").unwrap_or(backing);
-        let backing = PathBuf::from(backing);
-        if backing.starts_with(backing_prefix) {
-            out.push((PathBuf::from(format!("/dev/{name}")), backing));
+        if let Some(found) = backed_by(&entry.path(), name, backing_prefix) {
+            out.push(found);
         }
     }
     out.sort();
     out
+}
+
+/// The loop device `major:minor` (as `attached` reports it) when it is attached to a
+/// backing file under `backing_prefix`; `None` when it is detached, backs something else
+/// (it was reused) or is not a loop device.
+pub fn attached_as(major_minor: &str, backing_prefix: &Path) -> Option<(PathBuf, PathBuf)> {
+    let sys = fs::canonicalize(Path::new("/sys/dev/block").join(major_minor)).ok()?;
+    let name = sys.file_name()?.to_str()?.to_string();
+    if !name.starts_with("loop") {
+        return None;
+    }
+    backed_by(&sys, &name, backing_prefix)
+}
+
+/// (`/dev/<name>`, backing file) of the loop device at sysfs directory `sys` when its
+/// backing file lies under `backing_prefix`.
+fn backed_by(sys: &Path, name: &str, backing_prefix: &Path) -> Option<(PathBuf, PathBuf)> {
+    let backing = fs::read_to_string(sys.join("loop/backing_file")).ok()?;
+    let backing = backing.trim_end_matches('\n');
+    let backing = backing.strip_suffix(" (deleted)").unwrap_or(backing);
+    let backing = PathBuf::from(backing);
+    backing
+        .starts_with(backing_prefix)
+        .then(|| (PathBuf::from(format!("/dev/{name}")), backing))
 }
 
 #[cfg(test)]
@@ -407,6 +427,19 @@ mod tests {
         assert_eq!(Some((maj, min)), sysfs_dev(dev.number()));
         let found = attached(dir.path());
         assert_eq!(found, vec![(dev.path().to_path_buf(), img.clone())]);
+        // The one device alone, by the `major:minor` a sandbox's record keeps.
+        let majmin = format!("{maj}:{min}");
+        assert_eq!(
+            attached_as(&majmin, dir.path()),
+            Some((dev.path().to_path_buf(), img.clone()))
+        );
+        assert_eq!(attached_as(&majmin, Path::new("/elsewhere")), None);
+        assert_eq!(
+            attached_as("1:3", dir.path()),
+            None,
+            "/dev/null is no loop device"
+        );
+        assert_eq!(attached_as("junk", dir.path()), None);
 
         // Mount in a private mount namespace of a thread of our own, as the sandbox's
         // setup process does, so the host mount table never sees it.

@@ -283,17 +283,19 @@ impl ContainerBackend {
     /// directory. Missing pieces are fine. Every step is tried even after one fails (a
     /// cgroup that will not die still lets the disk and directory go); the error lists
     /// every failed step.
-    async fn destroy(&self, id: &str) -> Result<(), BackendError> {
+    /// `loop_device` (`major:minor`), when known, is the only loop device looked at.
+    async fn destroy(&self, id: &str, loop_device: Option<String>) -> Result<(), BackendError> {
         self.channels().remove(id);
         let cg = self.cgroups.open(id);
         let disk = self.disks.path(id);
         let dir = self.sandbox_dir(id);
         let disks = self.disks.clone();
         let id_s = id.to_string();
-        let failed =
-            tokio::task::spawn_blocking(move || destroy_steps(&cg, &disk, &disks, &id_s, &dir))
-                .await
-                .unwrap_or_else(|e| vec![e.to_string()]);
+        let failed = tokio::task::spawn_blocking(move || {
+            destroy_steps(&cg, &disk, loop_device.as_deref(), &disks, &id_s, &dir)
+        })
+        .await
+        .unwrap_or_else(|e| vec![e.to_string()]);
         if failed.is_empty() {
             return Ok(());
         }
@@ -313,6 +315,7 @@ impl ContainerBackend {
 fn destroy_steps(
     cg: &SandboxCgroup,
     disk: &Path,
+    loop_device: Option<&str>,
     disks: &Disks,
     id: &str,
     dir: &Path,
@@ -333,7 +336,14 @@ fn destroy_steps(
     // autoclear the kernel detaches it shortly after the last process is gone.
     let deadline = Instant::now() + Duration::from_secs(3);
     loop {
-        let attached = crate::sys::loopdev::attached(disk);
+        // Its own device alone when the record names it: reading every loop device of the
+        // host made a stop O(loop devices), 58 ms instead of 35 with 6,785 of them.
+        let attached = match loop_device.filter(|d| !d.is_empty()) {
+            Some(d) => crate::sys::loopdev::attached_as(d, disk)
+                .into_iter()
+                .collect(),
+            None => crate::sys::loopdev::attached(disk),
+        };
         if attached.is_empty() {
             break;
         }
@@ -486,7 +496,7 @@ impl Backend for ContainerBackend {
         let result = self.create_inner(req, lowers, &dir, &sock).await;
         match result {
             Ok(state) => Ok(state),
-            Err(e) => match self.destroy(id).await {
+            Err(e) => match self.destroy(id, None).await {
                 Ok(()) => Err(e),
                 Err(cleanup) => {
                     tracing::warn!(sandbox_id = id, error = %crate::types::chain(&cleanup), "cleaning up a failed creation");
@@ -500,7 +510,8 @@ impl Backend for ContainerBackend {
     }
 
     async fn stop(&self, sandbox: &Handle<'_>) -> Result<(), BackendError> {
-        self.destroy(sandbox.sandbox_id).await
+        let st = Self::state_of(sandbox);
+        self.destroy(sandbox.sandbox_id, Some(st.loop_device)).await
     }
 
     async fn pause(&self, sandbox: &Handle<'_>) -> Result<BackendState, BackendError> {
@@ -577,7 +588,7 @@ impl Backend for ContainerBackend {
         ids.sort();
         for id in ids {
             // One sandbox that will not go does not keep the others.
-            match self.destroy(&id).await {
+            match self.destroy(&id, None).await {
                 Ok(()) => report.removed.push(format!("container {id}")),
                 Err(BackendError::Operation { message, .. }) => failed.push((id, message)),
                 Err(e) => failed.push((id, e.to_string())),

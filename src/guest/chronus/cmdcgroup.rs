@@ -1,176 +1,214 @@
-//! A cgroup per command below the session's own (`workload/s<N>/c<id>/`, one hierarchy:
+//! A cgroup per command below the session's own (`workload/s<N>/c<n>/`, one hierarchy:
 //! the one with `cgroup.kill` or the pids controller), so that a command is killed whole
 //! on its timeout: every process it started is in it, the orphans that left its process
 //! tree and any process group or session it made included, and none of them can leave
 //! (inside the sandbox the cgroup tree is read-only). See docs/sessions.md "Timeouts".
 //!
-//! A command's subshell is forked by the session's long-lived shell, so chronus moves the
-//! shell into the command's cgroup just before it sends the command's line and back into
-//! the session's cgroup once the shell reports the subshell's pid (that report is written
-//! after the fork): the subshell is born in the command's cgroup and the shell spends only
-//! that instant there, forking nothing else.
+//! A command's subshell is forked by the session's long-lived shell, so the shell always
+//! waits for its next command inside a fresh cgroup of its own (a "slot"): it joins the
+//! first one between its fork and exec, and once it reports a command's subshell (that
+//! report is written after the fork) a thread of chronus moves it on into the next slot,
+//! while the command runs. The command keeps the slot it was forked in. Moving the shell
+//! ahead of time keeps the kernel's cost of a cgroup move off the command's path: the
+//! first move into a new cgroup after a quiet spell waits for an RCU grace period (about
+//! 10 ms here, docs/benchmarks.md).
 //!
 //! Killing: v2's `cgroup.kill` where there is one; else `pids.max` 0 (nothing in the
 //! cgroup can fork any more, so the members listed are all there will be), then SIGKILL to
 //! each, pass after pass until none is left. On v2 without `cgroup.kill` (before Linux
 //! 5.14) the cgroup is frozen while its members are signalled.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::{OwnedFd, RawFd};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use nix::errno::Errno;
 use nix::fcntl::{openat, OFlag};
 use nix::sys::signal::{kill, Signal};
 use nix::sys::stat::{mkdirat, Mode};
 use nix::unistd::{unlinkat, Pid, UnlinkatFlags};
+use tokio::sync::oneshot;
 
 use super::session::lock;
 
-/// The session cgroup's directory (of one hierarchy) and its own join file, where the
-/// commands' cgroups are made.
+/// The session cgroup's directory (of one hierarchy), where the commands' cgroups are made,
+/// and which of them holds what.
 pub struct CommandCgroups {
-    dir: OwnedFd,
-    /// `tasks` (v1) or `cgroup.procs` (v2) of the session's cgroup: the shell's way back.
-    session_join: OwnedFd,
+    dir: Arc<OwnedFd>,
     v1: bool,
-    /// Commands whose cgroup was made and the shell moved into it.
-    entered: Mutex<BTreeSet<i64>>,
-    /// Commands whose reported subshell was found in their cgroup: all of such a command
-    /// is there, so killing the cgroup kills the command.
+    next: AtomicU64,
+    /// The slot the shell waits in for its next command, once it is there.
+    shell: Mutex<ShellSlot>,
+    /// Commands and the slot each was forked in.
+    entered: Mutex<BTreeMap<i64, u64>>,
+    /// Commands whose reported subshell was found in their slot: all of such a command is
+    /// there, so killing the slot kills the command.
     verified: Mutex<BTreeSet<i64>>,
-    /// Command cgroups that still held processes when their command ended (its own
-    /// background processes, or killed ones not yet gone): removed once empty.
-    left: Mutex<BTreeSet<i64>>,
+    /// The slot the shell last joined (0: none, it is in the session's cgroup): never
+    /// killed, whatever command took it.
+    shell_at: Arc<AtomicU64>,
+    /// Slots whose command ended (or that the shell left unused), removed once empty by
+    /// the thread that moves the shell on: an rmdir on the command's path would wait for
+    /// the kernel's cgroup lock, which a concurrent move holds through an RCU grace period.
+    left: Arc<Mutex<BTreeSet<u64>>>,
 }
 
-/// Errors making a command's cgroup or moving the shell.
-#[derive(Debug, thiserror::Error)]
-pub enum CommandCgroupError {
-    #[error("{step} command cgroup {name}")]
-    Step {
-        step: &'static str,
-        name: String,
-        #[source]
-        source: Errno,
-    },
+#[derive(Default)]
+struct ShellSlot {
+    /// The slot the shell is in and no command has taken yet.
+    free: Option<u64>,
+    /// A move of the shell into a new slot that has not been waited for: the slot, and
+    /// whether the move worked.
+    moving: Option<(u64, oneshot::Receiver<bool>)>,
 }
 
 impl CommandCgroups {
     /// Takes the inherited directory fd `fd` of the session's cgroup (aether's
-    /// `command_cgroup_dir_fd`) and opens the session's own join file in it. Errors: the fd
-    /// is not an open directory, or the join file cannot be opened.
+    /// `command_cgroup_dir_fd`). Errors: the fd is not an open directory.
     pub fn take(fd: RawFd) -> std::io::Result<CommandCgroups> {
         let dir = crate::sys::fd::take_dir(fd)?;
         let v1 = has(&dir, "tasks");
-        let session_join = openat(
-            &dir,
-            if v1 { "tasks" } else { "cgroup.procs" },
-            OFlag::O_WRONLY | OFlag::O_CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(std::io::Error::from)?;
         Ok(CommandCgroups {
-            dir,
-            session_join,
+            dir: Arc::new(dir),
             v1,
-            entered: Mutex::new(BTreeSet::new()),
+            next: AtomicU64::new(1),
+            shell: Mutex::new(ShellSlot::default()),
+            shell_at: Arc::new(AtomicU64::new(0)),
+            entered: Mutex::new(BTreeMap::new()),
             verified: Mutex::new(BTreeSet::new()),
-            left: Mutex::new(BTreeSet::new()),
+            left: Arc::new(Mutex::new(BTreeSet::new())),
         })
     }
 
-    /// Makes command `id`'s cgroup and moves `shell` (the session's shell, single-threaded)
-    /// into it, so that the next process it forks is born there. Errors: `Step` (the
-    /// command then runs in the session's cgroup; nothing is left made).
-    pub fn enter(&self, id: i64, shell: i32) -> Result<(), CommandCgroupError> {
-        let name = name(id);
-        let err = |step, source| CommandCgroupError::Step {
-            step,
-            name: name.clone(),
-            source,
-        };
-        match mkdirat(&self.dir, name.as_str(), Mode::from_bits_truncate(0o755)) {
-            Ok(()) | Err(Errno::EEXIST) => {}
-            Err(e) => return Err(err("making", e)),
-        }
-        let join = format!("{name}/{}", if self.v1 { "tasks" } else { "cgroup.procs" });
-        let moved = openat(
-            &self.dir,
-            join.as_str(),
-            OFlag::O_WRONLY | OFlag::O_CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(|e| err("opening", e))
-        .and_then(|f| {
-            nix::unistd::write(&f, shell.to_string().as_bytes())
-                .map(drop)
-                .map_err(|e| err("moving the shell into", e))
-        });
-        match moved {
-            Ok(()) => {
-                lock(&self.entered).insert(id);
-                Ok(())
-            }
+    /// Makes a new slot for a shell about to be spawned and opens the file its child joins
+    /// it through before the exec (`join_cgroups_at_exec`); [`placed`](Self::placed) once
+    /// it runs. `None` when the slot cannot be made (the shell then waits in the session's
+    /// cgroup, and its commands run there).
+    pub fn slot_for_spawn(&self) -> Option<(u64, OwnedFd)> {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        match make_slot(&self.dir, self.v1, n) {
+            Ok(join) => Some((n, join)),
             Err(e) => {
-                let _ = unlinkat(&self.dir, name.as_str(), UnlinkatFlags::RemoveDir);
-                Err(e)
+                tracing::debug!(slot = n, error = %e, "no cgroup for the shell's commands");
+                None
             }
         }
     }
 
+    /// The shell spawned with slot `n` runs (it joined it before its exec).
+    pub fn placed(&self, n: u64) {
+        self.shell_at.store(n, Ordering::Relaxed);
+        let mut sh = lock(&self.shell);
+        if let Some(old) = sh.free.replace(n) {
+            lock(&self.left).insert(old);
+        }
+        sh.moving = None;
+    }
+
+    /// A shell could not be spawned with slot `n`: remove it.
+    pub fn discard(&self, n: u64) {
+        let _ = unlinkat(&*self.dir, name(n).as_str(), UnlinkatFlags::RemoveDir);
+    }
+
+    /// Moves `shell` into a new slot, on a thread of its own (the move may wait for the
+    /// kernel); [`take_slot`](Self::take_slot) waits for it. Called once the shell has
+    /// forked the command whose slot it was in.
+    pub fn move_on(&self, shell: i32) {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut sh = lock(&self.shell);
+            if let Some(old) = sh.free.take() {
+                lock(&self.left).insert(old);
+            }
+            sh.moving = Some((n, rx));
+        }
+        let (dir, v1, at) = (self.dir.clone(), self.v1, self.shell_at.clone());
+        let left = self.left.clone();
+        tokio::task::spawn_blocking(move || {
+            let moved = make_slot(&dir, v1, n)
+                .and_then(|join| nix::unistd::write(&join, shell.to_string().as_bytes()).map(drop));
+            if moved.is_ok() {
+                at.store(n, Ordering::Relaxed);
+            }
+            if let Err(e) = &moved {
+                tracing::debug!(slot = n, error = %e, "cannot move the shell into a new cgroup");
+                let _ = unlinkat(&*dir, name(n).as_str(), UnlinkatFlags::RemoveDir);
+            }
+            let _ = tx.send(moved.is_ok());
+            lock(&left).retain(|n| !remove(&dir, *n));
+        });
+    }
+
+    /// Waits until the shell is out of every slot a command has taken (its last move is
+    /// done); `true` when it is in a free slot now.
+    pub async fn settle(&self) -> bool {
+        let moving = lock(&self.shell).moving.take();
+        if let Some((n, rx)) = moving {
+            let ok = rx.await.unwrap_or(false);
+            let mut sh = lock(&self.shell);
+            if ok && sh.moving.is_none() {
+                if let Some(old) = sh.free.replace(n) {
+                    lock(&self.left).insert(old);
+                }
+            }
+        }
+        lock(&self.shell).free.is_some()
+    }
+
+    /// Gives the shell's free slot to command `id` (the subshell it forks next is born
+    /// there); `false` when there is none (see [`settle`](Self::settle)).
+    pub fn take_slot(&self, id: i64) -> bool {
+        let Some(n) = lock(&self.shell).free.take() else {
+            return false;
+        };
+        lock(&self.entered).insert(id, n);
+        true
+    }
+
     /// Whether `pid`, reported as command `id`'s subshell, is to be believed: `None` when
-    /// the command has no cgroup (nothing to check against), else whether `pid` is in the
-    /// command's cgroup, remembered when it is. A report that names another process
+    /// the command has no slot (nothing to check against), else whether `pid` is in the
+    /// command's slot, remembered when it is. A report that names another process
     /// (anything in the session may write to the control FIFO) is not believed; nor is the
     /// true one once the subshell has already ended, which costs nothing: its end report
     /// follows.
     pub fn adopt(&self, id: i64, pid: i32) -> Option<bool> {
-        if !lock(&self.entered).contains(&id) {
-            return None;
-        }
-        if !self.members(&name(id)).contains(&pid) {
+        let n = *lock(&self.entered).get(&id)?;
+        if !self.members(n).contains(&pid) {
             return Some(false);
         }
         lock(&self.verified).insert(id);
         Some(true)
     }
 
-    /// Whether command `id`'s subshell was found in its cgroup (see [`adopt`](Self::adopt)).
+    /// Whether command `id`'s subshell was found in its slot (see [`adopt`](Self::adopt)).
     pub fn holds(&self, id: i64) -> bool {
         lock(&self.verified).contains(&id)
     }
 
-    /// Moves `shell` back into the session's cgroup (after it forked the command's
-    /// subshell, or when the command never started). Errors: `Step`.
-    pub fn leave(&self, shell: i32) -> Result<(), CommandCgroupError> {
-        nix::unistd::write(&self.session_join, shell.to_string().as_bytes())
-            .map(drop)
-            .map_err(|source| CommandCgroupError::Step {
-                step: "moving the shell out of",
-                name: "the session's".into(),
-                source,
-            })
-    }
-
-    /// One pass of killing everything in command `id`'s cgroup; returns how many processes
-    /// it held (0: empty), `None` when the command has no cgroup. Processes forked
-    /// meanwhile are caught by the next pass on v2 without `cgroup.kill` only; elsewhere
-    /// none can be forked. The shell must be out of it first ([`leave`](Self::leave)).
+    /// One pass of killing everything in command `id`'s slot; returns how many processes
+    /// it held (0: empty), `None` when the command has none. Processes forked meanwhile are
+    /// caught by the next pass on v2 without `cgroup.kill` only; elsewhere none can be
+    /// forked. `None` as well while the shell is still in it: [`settle`](Self::settle)
+    /// after [`move_on`](Self::move_on) first.
     pub fn kill(&self, id: i64) -> Option<usize> {
-        if !lock(&self.entered).contains(&id) {
+        let n = *lock(&self.entered).get(&id)?;
+        if n == self.shell_at.load(Ordering::Relaxed) {
+            // The shell has not left it (its move failed or is not done): killing the
+            // slot would kill the session's shell.
             return None;
         }
-        let name = name(id);
+        let name = name(n);
         if !self.v1 && self.write(&name, "cgroup.kill", "1") {
-            return Some(self.members(&name).len());
+            return Some(self.members(n).len());
         }
         let frozen = !self.v1 && self.write(&name, "cgroup.freeze", "1");
         if self.v1 {
             // pids.max 0: a fork in the cgroup fails from now on.
             self.write(&name, "pids.max", "0");
         }
-        let pids = self.members(&name);
+        let pids = self.members(n);
         for pid in &pids {
             // Never aether (1) nor a pid of another namespace (0).
             if *pid > 1 {
@@ -184,31 +222,21 @@ impl CommandCgroups {
         Some(pids.len())
     }
 
-    /// Command `id` ended: removes its cgroup if it is empty, else keeps it to try again
-    /// later; also removes the earlier ones that have emptied since.
+    /// Command `id` ended: its slot is removed once empty (after the shell's next move),
+    /// so no cgroup call is made on the command's path.
     pub fn done(&self, id: i64) {
-        if !lock(&self.entered).remove(&id) {
+        let Some(n) = lock(&self.entered).remove(&id) else {
             return;
-        }
+        };
         lock(&self.verified).remove(&id);
-        let mut left = lock(&self.left);
-        left.insert(id);
-        left.retain(|id| !self.remove(*id));
+        lock(&self.left).insert(n);
     }
 
-    /// Removes command `id`'s cgroup; `false` while it holds a process.
-    fn remove(&self, id: i64) -> bool {
-        match unlinkat(&self.dir, name(id).as_str(), UnlinkatFlags::RemoveDir) {
-            Ok(()) | Err(Errno::ENOENT) => true,
-            Err(_) => false,
-        }
-    }
-
-    /// The pids in command cgroup `name` (of chronus's pid namespace).
-    fn members(&self, name: &str) -> Vec<i32> {
-        let path = format!("{name}/cgroup.procs");
+    /// The pids in slot `n` (of chronus's pid namespace).
+    fn members(&self, n: u64) -> Vec<i32> {
+        let path = format!("{}/cgroup.procs", name(n));
         let Ok(f) = openat(
-            &self.dir,
+            &*self.dir,
             path.as_str(),
             OFlag::O_RDONLY | OFlag::O_CLOEXEC,
             Mode::empty(),
@@ -227,7 +255,7 @@ impl CommandCgroups {
     fn write(&self, name: &str, file: &str, value: &str) -> bool {
         let path = format!("{name}/{file}");
         openat(
-            &self.dir,
+            &*self.dir,
             path.as_str(),
             OFlag::O_WRONLY | OFlag::O_CLOEXEC,
             Mode::empty(),
@@ -237,8 +265,36 @@ impl CommandCgroups {
     }
 }
 
-fn name(id: i64) -> String {
-    format!("c{id}")
+/// Makes slot `n` below `dir` and opens the file a process joins it through (`tasks` on
+/// v1, moving one thread: the shell is single-threaded; `cgroup.procs` on v2).
+fn make_slot(dir: &OwnedFd, v1: bool, n: u64) -> Result<OwnedFd, Errno> {
+    let name = name(n);
+    match mkdirat(dir, name.as_str(), Mode::from_bits_truncate(0o755)) {
+        Ok(()) | Err(Errno::EEXIST) => {}
+        Err(e) => return Err(e),
+    }
+    let join = format!("{name}/{}", if v1 { "tasks" } else { "cgroup.procs" });
+    openat(
+        dir,
+        join.as_str(),
+        OFlag::O_WRONLY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .inspect_err(|_| {
+        let _ = unlinkat(dir, name.as_str(), UnlinkatFlags::RemoveDir);
+    })
+}
+
+/// Removes slot `n` below `dir`; `false` while it holds a process.
+fn remove(dir: &OwnedFd, n: u64) -> bool {
+    match unlinkat(dir, name(n).as_str(), UnlinkatFlags::RemoveDir) {
+        Ok(()) | Err(Errno::ENOENT) => true,
+        Err(_) => false,
+    }
+}
+
+fn name(n: u64) -> String {
+    format!("c{n}")
 }
 
 fn has(dir: &OwnedFd, path: &str) -> bool {

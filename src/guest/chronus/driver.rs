@@ -5,6 +5,7 @@
 //! from the FIFO (docs/sessions.md).
 
 use std::collections::HashSet;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -68,7 +69,18 @@ impl Driver {
             self.shell = None;
         }
         let cwd = lock(&self.s.cwd).clone();
-        let mut sh = Shell::spawn(&self.spec, &cwd, &self.reaper)?;
+        // It waits for its first command in a cgroup of its own, joined before its exec.
+        let slot = self.s.cgroups.as_ref().and_then(|cg| cg.slot_for_spawn());
+        let joins: Vec<RawFd> = slot.iter().map(|(_, f)| f.as_raw_fd()).collect();
+        let spawned = Shell::spawn(&self.spec, &cwd, &self.reaper, &joins);
+        if let (Some((n, _)), Some(cg)) = (&slot, &self.s.cgroups) {
+            if spawned.is_ok() {
+                cg.placed(*n);
+            } else {
+                cg.discard(*n);
+            }
+        }
+        let mut sh = spawned?;
         tracing::debug!(pid = sh.pid, "session shell started");
         sh.send(&init_line(self.spec.flavor, &self.s.current_state_path()))
             .await?;
@@ -105,13 +117,7 @@ impl Driver {
 
     async fn run_job(&mut self, job: Job) {
         self.s.mark_started(job.id);
-        if job.timeout.is_some() {
-            // Only a timeout needs the command's own cgroup (closing the session kills the
-            // session's): the first move of a process into a new cgroup waits for an RCU
-            // grace period when no cgroup move happened just before (about 10 ms on a quiet
-            // host, docs/benchmarks.md), which a command without a timeout need not pay.
-            self.enter_cgroup(job.id).await;
-        }
+        self.enter_cgroup(job.id).await;
         if job.background {
             if let Err(e) = self.send(&job.line).await {
                 self.leave_cgroup(job.id);
@@ -178,31 +184,35 @@ impl Driver {
         self.leave_cgroup(job.id);
     }
 
-    /// Puts the shell into command `id`'s own cgroup, where the subshell it forks next is
-    /// born; the command's pid report moves it back out (`route`). Done for commands with a
-    /// timeout only (see `run_job`). Without a cgroup for
-    /// it the command runs in the session's, and is killed by its process tree alone.
+    /// Gives command `id` the cgroup the shell waits in, where the subshell it forks next is
+    /// born; the command's pid report moves the shell on into a new one (`route`). Waits
+    /// only when the shell's last move is not done yet (it started when the last command
+    /// was forked). Without a cgroup for it the command runs in the session's, and is
+    /// killed by its process tree alone.
     async fn enter_cgroup(&mut self, id: i64) {
-        if self.s.cgroups.is_none() {
-            return;
-        }
-        let stale = lock(&self.s.forking).take();
-        if let (Some((_, shell)), Some(cg)) = (stale, &self.s.cgroups) {
+        let s = self.s.clone();
+        let Some(cg) = &s.cgroups else { return };
+        let stale = lock(&s.forking).take();
+        if let Some((_, shell)) = stale {
             // An earlier command's subshell that never reported: the shell is still in
             // that command's cgroup.
-            let _ = cg.leave(shell);
+            cg.move_on(shell);
         }
         if self.ensure_shell().await.is_err() {
             return;
         }
-        let (Some(sh), Some(cg)) = (self.shell.as_ref(), &self.s.cgroups) else {
+        let Some(shell) = self.shell.as_ref().map(|sh| sh.pid) else {
             return;
         };
-        match cg.enter(id, sh.pid) {
-            Ok(()) => *lock(&self.s.forking) = Some((id, sh.pid)),
-            Err(e) => {
-                tracing::debug!(cmd_id = id, error = %crate::types::chain(&e), "command runs in the session's cgroup")
-            }
+        let mut free = cg.settle().await;
+        if !free {
+            cg.move_on(shell);
+            free = cg.settle().await;
+        }
+        if free && cg.take_slot(id) {
+            *lock(&s.forking) = Some((id, shell));
+        } else {
+            tracing::debug!(cmd_id = id, "command runs in the session's cgroup");
         }
     }
 
@@ -227,7 +237,7 @@ impl Driver {
         }
     }
 
-    /// Moves the shell out of command `id`'s cgroup if it is still there (its subshell
+    /// Moves the shell on out of command `id`'s cgroup if it is still there (its subshell
     /// never reported, or the command was killed before).
     fn leave_cgroup(&self, id: i64) {
         leave_cgroup(&self.s, id);
@@ -258,8 +268,12 @@ impl Driver {
             return;
         };
         tracing::info!(cmd_id = id, pid = ?pid, "command timed out; killing its job");
-        // Never kill the shell with the command's cgroup.
+        // Never kill the shell with the command's cgroup: it must have moved on first.
         leave_cgroup(&self.s, id);
+        let s = self.s.clone();
+        if let Some(cg) = &s.cgroups {
+            cg.settle().await;
+        }
         // The shell continues a stopped job (there is no terminal to do it from) unless this
         // file says the job is being killed: the group stop must hold while it is.
         if let Err(e) = std::fs::write(self.s.kill_marker(id), b"") {
@@ -387,8 +401,8 @@ async fn watch_background(s: Arc<Session>, id: i64, timeout: Option<Duration>) {
     }
 }
 
-/// Moves the shell out of command `id`'s cgroup if it is still in it (see
-/// [`Driver::enter_cgroup`]).
+/// Moves the shell on out of command `id`'s cgroup, into a new one, if it is still in it
+/// (see [`Driver::enter_cgroup`]); the move is done on a thread of its own.
 fn leave_cgroup(s: &Session, id: i64) {
     let Some(cg) = &s.cgroups else { return };
     let shell = {
@@ -401,9 +415,7 @@ fn leave_cgroup(s: &Session, id: i64) {
             _ => return,
         }
     };
-    if let Err(e) = cg.leave(shell) {
-        tracing::debug!(cmd_id = id, error = %crate::types::chain(&e), "cannot move the shell back");
-    }
+    cg.move_on(shell);
 }
 
 /// See [`Driver::kill_pass`].

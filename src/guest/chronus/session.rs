@@ -61,7 +61,8 @@ pub struct Session {
     /// Where each command gets a cgroup of its own, when the session's cgroup allows it.
     pub cgroups: Option<CommandCgroups>,
     /// The command whose subshell the shell is about to fork from inside that command's
-    /// cgroup, and the shell's pid: the command's pid report moves the shell back out.
+    /// cgroup, and the shell's pid: the command's pid report moves the shell on into a new
+    /// cgroup (src/guest/chronus/cmdcgroup.rs).
     pub forking: Mutex<Option<(i64, i32)>>,
     /// Notified on every pid report.
     pub pid_reported: tokio::sync::Notify,
@@ -510,7 +511,7 @@ async fn pump(
                 if r.is_err() {
                     return;
                 }
-                match take_in(&s, id, which, &rx, &mut rec, &mut buf) {
+                match take_with(&s, id, which, &mut rec, &mut buf, ready_read(&rx)) {
                     Taken::Eof => return,
                     Taken::More => tokio::task::yield_now().await,
                     Taken::Empty => {}
@@ -520,7 +521,7 @@ async fn pump(
                 pending = false;
                 let mut eof = false;
                 loop {
-                    match drain_in(&s, id, which, &rx, &mut rec, &mut buf) {
+                    match take_with(&s, id, which, &mut rec, &mut buf, raw_read(&rx)) {
                         Taken::Eof => { eof = true; break; }
                         Taken::More => continue,
                         Taken::Empty => break,
@@ -546,20 +547,28 @@ enum Taken {
     Eof,
 }
 
-/// Like [`take_in`], but reads the FIFO itself rather than through tokio's readiness:
-/// at a command's end its output is in the pipe, yet the reactor may not have seen it
-/// (under load it often has not), and `try_read` answers `WouldBlock` from that stale
-/// readiness without reading, which returned commands with their output missing.
-fn drain_in(
+/// Why one read of a FIFO read nothing (its end is `Ok(0)`).
+enum Read {
+    /// Nothing is there now.
+    Empty,
+    /// Interrupted: read again.
+    Again,
+    /// The FIFO cannot be read any more.
+    Broken,
+}
+
+/// Up to a turn's worth of reads with `read`, each appended to command `id`'s record of
+/// `which`.
+fn take_with(
     s: &Session,
     id: i64,
     which: Stream,
-    rx: &pipe::Receiver,
     rec: &mut std::fs::File,
     buf: &mut [u8],
+    mut read: impl FnMut(&mut [u8]) -> Result<usize, Read>,
 ) -> Taken {
     for _ in 0..READS_PER_TURN {
-        match nix::unistd::read(rx, buf) {
+        match read(buf) {
             Ok(0) => return Taken::Eof,
             Ok(n) => {
                 if let Err(e) =
@@ -568,38 +577,37 @@ fn drain_in(
                     tracing::warn!(cmd_id = id, error = %crate::types::chain(&e), "cannot write an output record");
                 }
             }
-            Err(nix::errno::Errno::EAGAIN) => return Taken::Empty,
-            Err(nix::errno::Errno::EINTR) => {}
-            Err(_) => return Taken::Eof,
+            Err(Read::Empty) => return Taken::Empty,
+            Err(Read::Again) => {}
+            Err(Read::Broken) => return Taken::Eof,
         }
     }
     Taken::More
 }
 
-fn take_in(
-    s: &Session,
-    id: i64,
-    which: Stream,
-    rx: &pipe::Receiver,
-    rec: &mut std::fs::File,
-    buf: &mut [u8],
-) -> Taken {
-    for _ in 0..READS_PER_TURN {
-        match rx.try_read(buf) {
-            Ok(0) => return Taken::Eof,
-            Ok(n) => {
-                if let Err(e) =
-                    lock(&s.table).append(id, which, buf.get(..n).unwrap_or_default(), rec)
-                {
-                    tracing::warn!(cmd_id = id, error = %crate::types::chain(&e), "cannot write an output record");
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Taken::Empty,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(_) => return Taken::Eof,
-        }
+/// Reads `rx` itself rather than through tokio's readiness ([`ready_read`]): at a
+/// command's end its output is in the pipe, yet the reactor may not have seen it (under
+/// load it often has not), and `try_read` answers `WouldBlock` from that stale readiness
+/// without reading, which returned commands with their output missing.
+fn raw_read(rx: &pipe::Receiver) -> impl FnMut(&mut [u8]) -> Result<usize, Read> + '_ {
+    move |b| {
+        nix::unistd::read(rx, b).map_err(|e| match e {
+            nix::errno::Errno::EAGAIN => Read::Empty,
+            nix::errno::Errno::EINTR => Read::Again,
+            _ => Read::Broken,
+        })
     }
-    Taken::More
+}
+
+/// Reads `rx` as far as tokio saw it readable.
+fn ready_read(rx: &pipe::Receiver) -> impl FnMut(&mut [u8]) -> Result<usize, Read> + '_ {
+    move |b| {
+        rx.try_read(b).map_err(|e| match e.kind() {
+            std::io::ErrorKind::WouldBlock => Read::Empty,
+            std::io::ErrorKind::Interrupted => Read::Again,
+            _ => Read::Broken,
+        })
+    }
 }
 
 /// Makes the session's working directories and control FIFO under `dir`.

@@ -83,9 +83,21 @@ pub struct Shell {
 }
 
 impl Shell {
-    /// Starts the shell in `cwd`, else in the first fallback directory that works.
-    /// Errors: no directory works, or the program cannot be run.
-    pub fn spawn(spec: &ShellSpec, cwd: &Path, reaper: &Reaper) -> std::io::Result<Shell> {
+    /// Starts the shell in `cwd`, else in the first fallback directory that works; between
+    /// fork and exec it joins the session's cgroups and then those of `extra_joins` (open
+    /// join files, close-on-exec). Errors: no directory works, or the program cannot be run.
+    pub fn spawn(
+        spec: &ShellSpec,
+        cwd: &Path,
+        reaper: &Reaper,
+        extra_joins: &[std::os::fd::RawFd],
+    ) -> std::io::Result<Shell> {
+        let joins: Vec<std::os::fd::RawFd> = spec
+            .cgroup_procs_fds
+            .iter()
+            .chain(extra_joins)
+            .copied()
+            .collect();
         let mut last = None;
         for dir in std::iter::once(cwd).chain(spec.fallback_dirs.iter().map(PathBuf::as_path)) {
             let mut c = Command::new(&spec.program);
@@ -104,8 +116,8 @@ impl Shell {
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-            if !spec.cgroup_procs_fds.is_empty() {
-                crate::sys::process::join_cgroups_at_exec(&mut c, &spec.cgroup_procs_fds);
+            if !joins.is_empty() {
+                crate::sys::process::join_cgroups_at_exec(&mut c, &joins);
             }
             match c.spawn() {
                 Ok(mut child) => {
