@@ -214,8 +214,9 @@ impl SandboxCgroup {
     }
 }
 
-/// Whether process `pid` (of the host's pid namespace) is in `do_exit` or already gone: a
-/// signal has nothing left to do to it.
+/// Whether process `pid` (of the host's pid namespace) is dying: in `do_exit`, gone, or
+/// with a SIGKILL pending (it dies as soon as it gets a CPU, which in a burst of thousands
+/// of stops takes seconds). A signal has nothing left to do to it.
 fn is_exiting(pid: u32) -> bool {
     let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return true;
@@ -226,7 +227,24 @@ fn is_exiting(pid: u32) -> bool {
         .rsplit_once(')')
         .and_then(|(_, rest)| rest.split_whitespace().nth(6))
         .and_then(|f| f.parse::<u64>().ok());
-    flags.is_some_and(|f| f & PF_EXITING != 0)
+    if flags.is_some_and(|f| f & PF_EXITING != 0) {
+        return true;
+    }
+    fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|st| sigkill_pending(&st))
+}
+
+/// Whether a `/proc/<pid>/status` text shows SIGKILL pending, for the thread (`SigPnd`) or
+/// the whole process (`ShdPnd`): bit 9 − 1 of the hex masks.
+fn sigkill_pending(status: &str) -> bool {
+    const SIGKILL_BIT: u64 = 1 << (libc::SIGKILL - 1);
+    status
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("SigPnd:")
+                .or_else(|| l.strip_prefix("ShdPnd:"))
+        })
+        .filter_map(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .any(|m| m & SIGKILL_BIT != 0)
 }
 
 /// Removes a cgroup directory and the cgroups below it, deepest first. Control files
@@ -263,5 +281,35 @@ pub(super) fn remove_tree(dir: &Path) -> Result<(), CgroupError> {
                 })
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sigkill_pending;
+
+    #[test]
+    fn a_pending_sigkill_is_read_from_either_mask() {
+        let status = |sig: &str, shd: &str| {
+            format!("Name:\tsleep\nState:\tR (running)\nSigPnd:\t{sig}\nShdPnd:\t{shd}\nSigBlk:\t0000000000000100\n")
+        };
+        assert!(!sigkill_pending(&status(
+            "0000000000000000",
+            "0000000000000000"
+        )));
+        assert!(sigkill_pending(&status(
+            "0000000000000000",
+            "0000000000000100"
+        )));
+        assert!(sigkill_pending(&status(
+            "0000000000000100",
+            "0000000000000000"
+        )));
+        // SIGTERM (bit 14) pending is not SIGKILL; a blocked SIGKILL mask is not pending.
+        assert!(!sigkill_pending(&status(
+            "0000000000004000",
+            "0000000000004000"
+        )));
+        assert!(!sigkill_pending("garbage"));
     }
 }
