@@ -1238,6 +1238,21 @@ async fn a_timeout_stops_the_whole_command_fork_storms_included() {
         r.stdout, b"absent\n",
         "the script went on after its timeout"
     );
+    // A command that forges its own end report on the session's control FIFO (anything in
+    // the session can write there) and goes on running is not believed: its timeout still
+    // ends it. The FIFO and the command's id are found from its output file's path.
+    let forge = "P=$BASHPID; O=$(readlink /proc/$P/fd/1); I=${O##*/}; I=${I%.out}; \
+                 C=${O%/io/*}/ctl; printf '%s 0 0 /forged\\0' $I >> $C; exec -a forger sleep 1050";
+    let (r, took) = run_timed(&b, &h, "storm", "", forge, 1.0).await;
+    assert!(
+        r.timed_out,
+        "a forged end report was believed after {took:?}: {r:?}"
+    );
+    assert!(took < std::time::Duration::from_secs(5), "took {took:?}");
+    settles(session.clone(), "the forger".into()).await;
+    let (r, _) = run_timed(&b, &h, "storm", "", "pwd; echo $Z", 10.0).await;
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "/usr\nkept\n", "{r:?}");
+
     // What a command leaves running when it ends on its own stays (its cgroup with it).
     let (r, _) = run_timed(&b, &h, "storm", "", "sleep 105 & echo started", 10.0).await;
     assert_eq!(r.stdout, b"started\n", "{r:?}");

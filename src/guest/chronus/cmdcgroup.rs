@@ -40,8 +40,8 @@ pub struct CommandCgroups {
     next: AtomicU64,
     /// The slot the shell waits in for its next command, once it is there.
     shell: Mutex<ShellSlot>,
-    /// Commands and the slot each was forked in.
-    entered: Mutex<BTreeMap<i64, u64>>,
+    /// Commands, the slot each was forked in and the pid of the shell that forked it.
+    entered: Mutex<BTreeMap<i64, (u64, i32)>>,
     /// Commands whose reported subshell was found in their slot: all of such a command is
     /// there, so killing the slot kills the command.
     verified: Mutex<BTreeSet<i64>>,
@@ -157,14 +157,36 @@ impl CommandCgroups {
         lock(&self.shell).free.is_some()
     }
 
-    /// Gives the shell's free slot to command `id` (the subshell it forks next is born
+    /// Gives the free slot of `shell` to command `id` (the subshell it forks next is born
     /// there); `false` when there is none (see [`settle`](Self::settle)).
-    pub fn take_slot(&self, id: i64) -> bool {
+    pub fn take_slot(&self, id: i64, shell: i32) -> bool {
         let Some(n) = lock(&self.shell).free.take() else {
             return false;
         };
-        lock(&self.entered).insert(id, n);
+        lock(&self.entered).insert(id, (n, shell));
         true
+    }
+
+    /// Whether a child of the shell still lives in command `id`'s slot: the subshell the
+    /// shell forked for it (a foreground command's, or a background command's outer one).
+    /// `None` when the command has no slot. The shell reports a command's end only once
+    /// that child has ended, so an end report while it lives was written by something else
+    /// in the session (anything there can write to the control FIFO) and is not believed.
+    pub fn subshell_lives(&self, id: i64) -> Option<bool> {
+        let (n, shell) = *lock(&self.entered).get(&id)?;
+        Some(self.members(n).into_iter().any(|p| {
+            p != shell
+                && std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|st| {
+                    let mut f = st
+                        .rsplit_once(')')
+                        .map(|(_, r)| r)
+                        .unwrap_or("")
+                        .split_whitespace();
+                    let state = f.next().unwrap_or("Z");
+                    let ppid = f.next().and_then(|v| v.parse::<i32>().ok());
+                    state != "Z" && state != "X" && ppid == Some(shell)
+                })
+        }))
     }
 
     /// Whether `pid`, reported as command `id`'s subshell, is to be believed: `None` when
@@ -174,7 +196,7 @@ impl CommandCgroups {
     /// true one once the subshell has already ended, which costs nothing: its end report
     /// follows.
     pub fn adopt(&self, id: i64, pid: i32) -> Option<bool> {
-        let n = *lock(&self.entered).get(&id)?;
+        let (n, _) = *lock(&self.entered).get(&id)?;
         if !self.members(n).contains(&pid) {
             return Some(false);
         }
@@ -193,7 +215,7 @@ impl CommandCgroups {
     /// forked. `None` as well while the shell is still in it: [`settle`](Self::settle)
     /// after [`move_on`](Self::move_on) first.
     pub fn kill(&self, id: i64) -> Option<usize> {
-        let n = *lock(&self.entered).get(&id)?;
+        let (n, _) = *lock(&self.entered).get(&id)?;
         if n == self.shell_at.load(Ordering::Relaxed) {
             // The shell has not left it (its move failed or is not done): killing the
             // slot would kill the session's shell.
@@ -225,7 +247,7 @@ impl CommandCgroups {
     /// Command `id` ended: its slot is removed once empty (after the shell's next move),
     /// so no cgroup call is made on the command's path.
     pub fn done(&self, id: i64) {
-        let Some(n) = lock(&self.entered).remove(&id) else {
+        let Some((n, _)) = lock(&self.entered).remove(&id) else {
             return;
         };
         lock(&self.verified).remove(&id);

@@ -26,6 +26,10 @@ const KILL_PAUSE: Duration = Duration::from_millis(25);
 /// How long the shell may take to report a job's pid (it does so before anything else).
 const PID_WAIT: Duration = Duration::from_secs(1);
 
+/// How long an end report is checked against the command's subshell (1 ms apart at first,
+/// then further) before it is taken for forged.
+const DONE_CHECK_WITHIN: Duration = Duration::from_secs(1);
+
 /// The exit code of a command that timed out.
 pub const TIMED_OUT_CODE: i32 = -1;
 
@@ -209,7 +213,7 @@ impl Driver {
             cg.move_on(shell);
             free = cg.settle().await;
         }
-        if free && cg.take_slot(id) {
+        if free && cg.take_slot(id, shell) {
             *lock(&s.forking) = Some((id, shell));
         } else {
             tracing::debug!(cmd_id = id, "command runs in the session's cgroup");
@@ -482,23 +486,54 @@ fn route(s: &Arc<Session>, msg: &[u8]) {
             lost,
             pwd,
         }) => {
-            let fg = {
-                let mut g = lock(&s.fg);
-                if g.as_ref().is_some_and(|(i, _)| *i == id) {
-                    g.take()
-                } else {
-                    None
+            let report = Report { status, lost, pwd };
+            match s.cgroups.as_ref().and_then(|cg| cg.subshell_lives(id)) {
+                Some(true) => {
+                    // Believed only once the command's subshell has ended: a background
+                    // command's outer subshell writes its report just before it exits.
+                    let s = s.clone();
+                    tokio::spawn(async move {
+                        let until = Instant::now() + DONE_CHECK_WITHIN;
+                        let mut pause = Duration::from_millis(1);
+                        while Instant::now() < until {
+                            tokio::time::sleep(pause).await;
+                            pause = (pause * 2).min(Duration::from_millis(50));
+                            let lives = s.cgroups.as_ref().and_then(|cg| cg.subshell_lives(id));
+                            if lives != Some(true) {
+                                done(&s, id, report);
+                                return;
+                            }
+                        }
+                        tracing::warn!(
+                            cmd_id = id,
+                            "ignoring an end report while the command's subshell still runs"
+                        );
+                    });
                 }
-            };
-            if let Some((_, tx)) = fg {
-                let _ = tx.send(Report { status, lost, pwd });
-                return;
-            }
-            if s.snap(id).is_some_and(|c| c.background && !c.done) {
-                let s = s.clone();
-                tokio::spawn(async move { s.finish(id, status, false, false).await });
+                _ => done(s, id, report),
             }
         }
         None => tracing::debug!("ignoring a malformed control message"),
+    }
+}
+
+/// Command `id` ended with `report`: its waiting foreground call gets it, or a background
+/// command is finished.
+fn done(s: &Arc<Session>, id: i64, report: Report) {
+    let fg = {
+        let mut g = lock(&s.fg);
+        if g.as_ref().is_some_and(|(i, _)| *i == id) {
+            g.take()
+        } else {
+            None
+        }
+    };
+    if let Some((_, tx)) = fg {
+        let _ = tx.send(report);
+        return;
+    }
+    if s.snap(id).is_some_and(|c| c.background && !c.done) {
+        let s = s.clone();
+        tokio::spawn(async move { s.finish(id, report.status, false, false).await });
     }
 }
