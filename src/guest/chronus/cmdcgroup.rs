@@ -196,8 +196,10 @@ impl CommandCgroups {
     /// true one once the subshell has already ended, which costs nothing: its end report
     /// follows.
     pub fn adopt(&self, id: i64, pid: i32) -> Option<bool> {
-        let (n, _) = *lock(&self.entered).get(&id)?;
-        if !self.members(n).contains(&pid) {
+        let (n, shell) = *lock(&self.entered).get(&id)?;
+        // The shell itself waits in the slot until it forks: a report naming it (forged
+        // before the fork) would move it on, and the command would be born elsewhere.
+        if pid == shell || !self.members(n).contains(&pid) {
             return Some(false);
         }
         lock(&self.verified).insert(id);
@@ -321,4 +323,42 @@ fn name(n: u64) -> String {
 
 fn has(dir: &OwnedFd, path: &str) -> bool {
     nix::sys::stat::fstatat(dir, path, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW).is_ok()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use std::os::fd::IntoRawFd;
+
+    /// On a plain directory laid out as a v1 pids cgroup: only the shell's child in the
+    /// command's slot is believed as its subshell, never the shell itself nor a stranger.
+    #[test]
+    fn a_pid_report_is_believed_only_for_a_member_that_is_not_the_shell() {
+        let t = tempfile::tempdir().unwrap();
+        std::fs::write(t.path().join("tasks"), "").unwrap();
+        // The kernel makes a new cgroup's files; here slot 1's are made first.
+        std::fs::create_dir(t.path().join("c1")).unwrap();
+        std::fs::write(t.path().join("c1/tasks"), "").unwrap();
+        let fd = std::fs::File::open(t.path()).unwrap().into_raw_fd();
+        let cg = CommandCgroups::take(fd).unwrap();
+        let (n, _join) = cg.slot_for_spawn().expect("slot 1");
+        assert_eq!(n, 1);
+        cg.placed(n);
+        let shell = 4242;
+        assert!(cg.take_slot(7, shell));
+        assert_eq!(cg.adopt(8, 99), None, "a command without a slot");
+        std::fs::write(t.path().join("c1/cgroup.procs"), format!("{shell}\n")).unwrap();
+        assert_eq!(
+            cg.adopt(7, shell),
+            Some(false),
+            "the shell is not the subshell"
+        );
+        assert_eq!(cg.adopt(7, 5151), Some(false), "not in the slot");
+        std::fs::write(t.path().join("c1/cgroup.procs"), format!("{shell}\n5151\n")).unwrap();
+        assert_eq!(cg.adopt(7, 5151), Some(true));
+        assert!(cg.holds(7));
+        // The shell is still in slot 1 (it never moved on): the slot is never killed.
+        assert_eq!(cg.kill(7), None);
+    }
 }
