@@ -1303,7 +1303,15 @@ def role_client(rc: RoleCluster, endpoint: Optional[str] = None, **kw) -> DSecCl
     return DSecClient(endpoint=endpoint or rc.endpoint, token=rc.admin_token, project="root", **kw)
 
 
-async def container_edge_up(c: DSecClient, within: float = 30.0) -> None:
+async def container_edge_up(c: DSecClient, within: float = 30.0, rc: Optional[RoleCluster] = None) -> None:
+    """Waits until a healthy edge offers the container backend. With `rc`, waits on each of its
+    apiservers: each fetches the watcher's snapshot on its own, so one may see the edge a
+    refresh later than another and place nothing until it does."""
+    if rc is not None:
+        for addr in rc.api_addrs:
+            async with role_client(rc, endpoint=addr) as one:
+                await container_edge_up(one, within)
+        return
     end = time.monotonic() + within
     while True:
         try:
@@ -1344,7 +1352,7 @@ async def test_apiserver_sigkill_during_stream(role_cluster):
     rc = role_cluster(apiservers=2)
     try:
         async with role_client(rc, endpoint=",".join(rc.api_addrs)) as c:
-            await container_edge_up(c)
+            await container_edge_up(c, rc=rc)
             sb = await c.run_sandbox(container())
             try:
                 out = b""
