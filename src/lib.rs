@@ -8,6 +8,7 @@ pub mod guest;
 pub mod pb;
 pub mod roles;
 pub mod rpc;
+pub mod rt;
 pub mod shutdown;
 pub mod sys;
 pub mod telemetry;

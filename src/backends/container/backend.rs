@@ -235,15 +235,25 @@ impl ContainerBackend {
 
     async fn run_setup(&self, spec: &SetupSpec) -> Result<SetupResult, String> {
         let input = serde_json::to_vec(spec).map_err(|e| crate::types::chain(&e))?;
-        let mut child = tokio::process::Command::new(self.setup.path())
-            .arg0("opendsec")
+        let mut cmd = tokio::process::Command::new(self.setup.path());
+        cmd.arg0("opendsec")
             .arg("sandbox-init")
             .env_clear()
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
+            .kill_on_drop(true);
+        // A spawn is a vfork: the calling thread waits until the child has exec'd, which
+        // under a burst of creations (a loaded CPU) takes milliseconds. On a blocking
+        // thread, the runtime's workers go on meanwhile.
+        let mut child = tokio::task::spawn_blocking(move || cmd.spawn())
+            .await
+            .map_err(|e| {
+                format!(
+                    "starting the setup process: {e}",
+                    e = crate::types::chain(&e)
+                )
+            })?
             .map_err(|e| {
                 format!(
                     "starting the setup process: {e}",

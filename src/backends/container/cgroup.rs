@@ -115,12 +115,14 @@ pub enum CgroupError {
         path: PathBuf,
         source: nix::errno::Errno,
     },
-    /// Processes were still in the cgroup after the kill deadline.
-    #[error("cgroup {path} still has {left} processes after {waited_ms} ms of SIGKILL")]
+    /// Processes were still in the cgroup after the kill deadline. `states` shows some of
+    /// them as `pid:state:flags:pending` (from /proc), for whoever looks into why.
+    #[error("cgroup {path} still has {left} processes after {waited_ms} ms of SIGKILL ({states})")]
     KillTimeout {
         path: PathBuf,
         left: usize,
         waited_ms: u64,
+        states: String,
     },
     /// Removing a cgroup directory failed.
     #[error("removing cgroup {path}")]

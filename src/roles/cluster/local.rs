@@ -33,6 +33,11 @@ pub enum ClusterError {
     Edge(#[from] crate::roles::edge::EdgeError),
     #[error("the cluster did not become ready within {0} s")]
     NotReady(u64),
+    #[error("starting the runtime of {role}")]
+    Runtime {
+        role: String,
+        source: std::io::Error,
+    },
     #[error("state directory {path}")]
     StateDir {
         path: String,
@@ -103,6 +108,42 @@ pub struct LocalCluster {
     iam: JoinHandle<()>,
     handles: Vec<JoinHandle<()>>,
     readies: Vec<Ready>,
+    /// One per role; dropped (shut down) once the roles have ended.
+    runtimes: Vec<crate::rt::Dedicated>,
+}
+
+/// Starts a role on a runtime of its own: `start` gets `listener`, moved onto it. In one
+/// process as in separate ones, one role's queue of work then cannot hold up another's
+/// answers; above all, a burst of creations on the edge and in the apiserver cannot make the
+/// watcher's probe of the edge time out (docs/architecture.md "Runtimes").
+async fn on_own_runtime<F, Fut, E>(
+    runtimes: &mut Vec<crate::rt::Dedicated>,
+    role: &str,
+    listener: TcpListener,
+    start: F,
+) -> Result<JoinHandle<()>, ClusterError>
+where
+    F: FnOnce(TcpListener) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<JoinHandle<()>, E>> + Send + 'static,
+    E: Into<ClusterError> + Send + 'static,
+{
+    let failed = |source: std::io::Error| ClusterError::Runtime {
+        role: role.to_string(),
+        source,
+    };
+    let rt = crate::rt::Dedicated::per_cpu(role).map_err(failed)?;
+    let listener = listener.into_std().map_err(failed)?;
+    let started = rt
+        .spawn(async move {
+            let l = TcpListener::from_std(listener).map_err(|source| ClusterError::Runtime {
+                role: "a role".into(),
+                source,
+            })?;
+            start(l).await.map_err(Into::into)
+        })
+        .await;
+    runtimes.push(rt);
+    started.map_err(|e| failed(std::io::Error::other(crate::types::chain(&e))))?
 }
 
 async fn bind(addr: &str, what: &str) -> Result<TcpListener, ClusterError> {
@@ -276,42 +317,47 @@ impl LocalCluster {
         let iam_shutdown = Shutdown::new();
         let mut handles = Vec::new();
         let mut readies = Vec::new();
+        let mut runtimes = Vec::new();
         let r = Ready::default();
-        let iam =
-            crate::roles::iam::start(cfg.clone(), iam_l, iam_shutdown.clone(), r.clone()).await?;
+        let iam = {
+            let (cfg, sd, r) = (cfg.clone(), iam_shutdown.clone(), r.clone());
+            on_own_runtime(&mut runtimes, "iam", iam_l, move |l| {
+                crate::roles::iam::start(cfg, l, sd, r)
+            })
+            .await?
+        };
         readies.push(r);
         for (e, l) in cfg.edges.clone().iter().zip(edge_ls) {
             let r = Ready::default();
+            let (cfg, id, sd, r2) = (cfg.clone(), e.id.clone(), shutdown.clone(), r.clone());
             handles.push(
-                crate::roles::edge::start(
-                    cfg.clone(),
-                    e.id.clone(),
-                    l,
-                    shutdown.clone(),
-                    r.clone(),
-                )
+                on_own_runtime(&mut runtimes, "edge", l, move |l| {
+                    crate::roles::edge::start(cfg, id, l, sd, r2)
+                })
                 .await?,
             );
             readies.push(r);
         }
         let r = Ready::default();
-        handles.push(
-            crate::roles::watcher::start(cfg.clone(), w_l, shutdown.clone(), r.clone()).await?,
-        );
+        {
+            let (cfg, sd, r) = (cfg.clone(), shutdown.clone(), r.clone());
+            handles.push(
+                on_own_runtime(&mut runtimes, "watcher", w_l, move |l| {
+                    crate::roles::watcher::start(cfg, l, sd, r)
+                })
+                .await?,
+            );
+        }
         readies.push(r);
         let mut api_addrs = Vec::new();
         for (i, l) in api_ls.into_iter().enumerate() {
             api_addrs.push(local_addr(&l));
             let r = Ready::default();
+            let (cfg, sd, r2) = (cfg.clone(), shutdown.clone(), r.clone());
             handles.push(
-                crate::roles::apiserver::start_with(
-                    cfg.clone(),
-                    i,
-                    l,
-                    shutdown.clone(),
-                    r.clone(),
-                    k,
-                )
+                on_own_runtime(&mut runtimes, "apiserver", l, move |l| {
+                    crate::roles::apiserver::start_with(cfg, i, l, sd, r2, k)
+                })
                 .await?,
             );
             readies.push(r);
@@ -325,6 +371,7 @@ impl LocalCluster {
             iam,
             handles,
             readies,
+            runtimes,
         };
         c.wait_ready(30).await?;
         Ok(c)
@@ -358,5 +405,6 @@ impl LocalCluster {
         }
         self.iam_shutdown.fire();
         let _ = tokio::time::timeout(std::time::Duration::from_secs(10), self.iam).await;
+        drop(self.runtimes);
     }
 }

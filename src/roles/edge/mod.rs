@@ -69,6 +69,11 @@ pub enum EdgeError {
         edge_id: String,
         source: std::io::Error,
     },
+    #[error("edge {edge_id}: starting the runtime of its operations")]
+    Runtime {
+        edge_id: String,
+        source: std::io::Error,
+    },
 }
 
 /// Starts edge `edge_id` with the backends of its config (`cfg.edge(&edge_id)`: its entry
@@ -221,12 +226,21 @@ pub async fn start_with_backends(
         source,
     })?;
 
+    let work = Arc::new(
+        crate::rt::Dedicated::per_cpu("edge-work").map_err(|source| EdgeError::Runtime {
+            edge_id: edge_id.clone(),
+            source,
+        })?,
+    );
     let loop_tasks = loops::spawn(core.clone(), probe, shutdown.clone());
     let router = rpc::serve::builder()
         .add_service(
-            pb::edge_server::EdgeServer::new(service::EdgeService { core: core.clone() })
-                .max_decoding_message_size(rpc::MAX_MESSAGE)
-                .max_encoding_message_size(rpc::MAX_MESSAGE),
+            pb::edge_server::EdgeServer::new(service::EdgeService {
+                core: core.clone(),
+                work: work.clone(),
+            })
+            .max_decoding_message_size(rpc::MAX_MESSAGE)
+            .max_encoding_message_size(rpc::MAX_MESSAGE),
         )
         .add_service(
             pb::runtime_server::RuntimeServer::new(runtime::EdgeRuntime { core: core.clone() })
@@ -255,6 +269,9 @@ pub async fn start_with_backends(
         }
         let left = releaser.close(RELEASE_FLUSH).await;
         let _ = releaser_task.await;
+        // Operations still running there are dropped with it; the caller's retry after a
+        // restart finds their records.
+        drop(work);
         tracing::info!(edge_id = %core.edge_id, leases_left = left, "edge stopped");
     }))
 }

@@ -16,20 +16,25 @@ use crate::types::Failure;
 
 pub(crate) struct EdgeService {
     pub core: Arc<Core>,
+    /// Where creations and lifecycle operations run: never on the runtime that answers
+    /// RPCs, so that a burst of them cannot hold up `Status` (the watcher's probe, whose
+    /// timeout is 0.5 s) behind a queue of its own work (docs/architecture.md "Runtimes").
+    pub work: Arc<crate::rt::Dedicated>,
 }
 
 fn answer<T>(r: Result<T, Failure>) -> Result<Response<T>, Status> {
     r.map(Response::new).map_err(|f| to_status(&f))
 }
 
-/// Runs `work` to the end in a task of its own. tonic drops a handler's future when the
-/// caller goes away (an apiserver killed mid-call); a creation or lifecycle operation cut
-/// off there would stay CREATING or STOPPING for good, and a retry of it would find it
+/// Runs `work` to the end in a task of its own on `rt`. tonic drops a handler's future when
+/// the caller goes away (an apiserver killed mid-call); a creation or lifecycle operation
+/// cut off there would stay CREATING or STOPPING for good, and a retry of it would find it
 /// stuck. Detached, it finishes and records its outcome, and the retry gets that.
 async fn detached<T: Send + 'static>(
+    rt: &crate::rt::Dedicated,
     work: impl std::future::Future<Output = Result<T, Failure>> + Send + 'static,
 ) -> Result<T, Failure> {
-    tokio::spawn(work).await.unwrap_or_else(|e| {
+    rt.spawn(work).await.unwrap_or_else(|e| {
         Err(Failure::internal(format!(
             "edge task failed: {e}",
             e = crate::types::chain(&e)
@@ -53,6 +58,7 @@ impl EdgeService {
         let span = self.span(method, &id);
         let core = self.core.clone();
         let r = detached(
+            &self.work,
             async move { core.lifecycle_freed(&id, op, Cause::Caller).await }.instrument(span),
         )
         .await;
@@ -98,15 +104,18 @@ impl pb::edge_server::Edge for EdgeService {
         let core = self.core.clone();
         let seq_core = self.core.clone();
         answer(
-            detached(async move { core.create_batch(r.spec, r.items).await }.instrument(span))
-                .await
-                .map(|results| pb::EdgeCreateResponse {
-                    results,
-                    // Every sandbox of this batch is in the allocation by now: a state with
-                    // this sequence or later counts it.
-                    admitted_seq: super::node::lock(&seq_core.alloc).seq,
-                    incarnation: seq_core.incarnation.clone(),
-                }),
+            detached(
+                &self.work,
+                async move { core.create_batch(r.spec, r.items).await }.instrument(span),
+            )
+            .await
+            .map(|results| pb::EdgeCreateResponse {
+                results,
+                // Every sandbox of this batch is in the allocation by now: a state with
+                // this sequence or later counts it.
+                admitted_seq: super::node::lock(&seq_core.alloc).seq,
+                incarnation: seq_core.incarnation.clone(),
+            }),
         )
     }
 

@@ -32,6 +32,28 @@ struct TestBackend {
     created: Mutex<usize>,
     /// When set, each creation waits for a permit.
     gate: Option<Arc<tokio::sync::Semaphore>>,
+    /// When set, each creation blocks its thread until the hold is opened (a backend whose
+    /// work keeps a runtime's workers busy).
+    hold: Option<Arc<Hold>>,
+}
+
+#[derive(Default)]
+struct Hold {
+    open: Mutex<bool>,
+    cv: std::sync::Condvar,
+}
+
+impl Hold {
+    fn wait(&self) {
+        let mut open = lock(&self.open);
+        while !*open {
+            open = self.cv.wait(open).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+    fn release(&self) {
+        *lock(&self.open) = true;
+        self.cv.notify_all();
+    }
 }
 
 #[async_trait]
@@ -50,6 +72,9 @@ impl Backend for Arc<TestBackend> {
             if let Ok(p) = g.acquire().await {
                 p.forget();
             }
+        }
+        if let Some(h) = &self.hold {
+            h.wait();
         }
         *lock(&self.created) += 1;
         Ok(serde_json::json!({ "for": req.sandbox_id }))
@@ -650,6 +675,95 @@ async fn sim_only_edges_report_no_actual_use_while_real_ones_report_the_host() {
     );
 }
 
+fn service(c: &Arc<Core>) -> super::service::EdgeService {
+    super::service::EdgeService {
+        core: c.clone(),
+        work: Arc::new(
+            crate::rt::Dedicated::per_cpu("edge-work").unwrap_or_else(|e| panic!("{e}")),
+        ),
+    }
+}
+
+/// The watcher's probe (`Status`, 0.5 s timeout) must be answered while every worker of the
+/// edge's operations is busy: here each creation blocks its thread until the test (or, so
+/// that a broken build fails rather than hangs, a timer 10 s later) lets it go.
+#[tokio::test]
+async fn status_answers_while_creations_keep_every_worker_busy() {
+    use pb::edge_server::Edge;
+    let hold = Arc::new(Hold::default());
+    let backend = Arc::new(TestBackend {
+        hold: Some(hold.clone()),
+        ..Default::default()
+    });
+    let c = core(
+        backend.clone(),
+        EdgeConfig::default(),
+        None,
+        Arc::new(Sink::default()),
+    );
+    let svc = Arc::new(service(&c));
+    let released_by_timer = Arc::new(AtomicBool::new(false));
+    // Detached: it outlives a passing test harmlessly.
+    let _timer = {
+        let (hold, flag) = (hold.clone(), released_by_timer.clone());
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(10));
+            flag.store(true, std::sync::atomic::Ordering::SeqCst);
+            hold.release();
+        })
+    };
+    let n = std::thread::available_parallelism().map_or(1, |n| n.get()) + 2;
+    let mut calls = Vec::new();
+    for i in 0..n {
+        let svc = svc.clone();
+        calls.push(tokio::spawn(async move {
+            svc.create_sandboxes(tonic::Request::new(pb::EdgeCreateRequest {
+                spec: Some(spec()),
+                items: vec![item(&format!("b{i}"))],
+            }))
+            .await
+        }));
+    }
+    // Every creation has reached the backend (and blocks a worker there).
+    for _ in 0..500 {
+        let creating = (0..n)
+            .filter(|i| {
+                c.get(&format!("e1.b{i}"))
+                    .is_some_and(|e| e.snapshot().state() == SandboxState::Creating)
+            })
+            .count();
+        if creating == n {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let st = svc
+        .status(tonic::Request::new(pb::StatusRequest {
+            with_leases: false,
+        }))
+        .await
+        .unwrap_or_else(|s| panic!("{s}"))
+        .into_inner();
+    assert!(
+        !released_by_timer.load(std::sync::atomic::Ordering::SeqCst),
+        "Status waited until the creations were let go"
+    );
+    assert_eq!(st.edge_id, "e1");
+    hold.release();
+    for call in calls {
+        let out = call
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|s| panic!("{s}"))
+            .into_inner();
+        assert_eq!(
+            out.results[0].sandbox.as_ref().map(|s| s.state),
+            Some(SandboxState::Running as i32)
+        );
+    }
+    assert_eq!(*lock(&backend.created), n);
+}
+
 #[tokio::test]
 async fn a_caller_that_goes_away_does_not_leave_a_creation_halfway() {
     use pb::edge_server::Edge;
@@ -664,7 +778,7 @@ async fn a_caller_that_goes_away_does_not_leave_a_creation_halfway() {
         None,
         Arc::new(Sink::default()),
     );
-    let svc = super::service::EdgeService { core: c.clone() };
+    let svc = service(&c);
     let call = svc.create_sandboxes(tonic::Request::new(pb::EdgeCreateRequest {
         spec: Some(spec()),
         items: vec![item("a")],

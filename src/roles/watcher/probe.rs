@@ -64,10 +64,15 @@ pub(crate) async fn run(inner: Arc<Inner>, shutdown: Shutdown, ready: Ready) {
             let cfg = cfg.clone();
             let id = id.clone();
             probes.push(async move {
+                let t0 = std::time::Instant::now();
                 let r = match ch {
                     Ok(ch) => probe_one(&cfg, &id, ch, timeout).await,
                     Err(e) => Err(crate::types::chain(&e)),
                 };
+                if let Err(why) = &r {
+                    let ms = t0.elapsed().as_millis() as u64;
+                    tracing::info!(edge_id = %id, reason = %why, ms, "edge probe failed");
+                }
                 (id, r)
             });
         }

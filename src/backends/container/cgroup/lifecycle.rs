@@ -135,6 +135,12 @@ impl SandboxCgroup {
                     path: self.dirs().next().unwrap_or_default(),
                     left: pids.len(),
                     waited_ms: start.elapsed().as_millis() as u64,
+                    states: pids
+                        .iter()
+                        .take(4)
+                        .map(|p| describe(*p))
+                        .collect::<Vec<_>>()
+                        .join(" "),
                 });
             }
             match &kill_file {
@@ -231,6 +237,30 @@ fn is_exiting(pid: u32) -> bool {
         return true;
     }
     fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|st| sigkill_pending(&st))
+}
+
+/// `pid:state:flags:pending` of a process that would not die: its state letter and flags
+/// (hex) from /proc/<pid>/stat, and whether SIGKILL is pending; `pid:gone` once it is gone.
+fn describe(pid: u32) -> String {
+    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return format!("{pid}:gone");
+    };
+    let mut rest = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r.split_whitespace())
+        .into_iter()
+        .flatten();
+    let state = rest.next().unwrap_or("?").to_string();
+    let flags = rest
+        .nth(5)
+        .and_then(|f| f.parse::<u64>().ok())
+        .unwrap_or_default();
+    let pending =
+        fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|st| sigkill_pending(&st));
+    format!(
+        "{pid}:{state}:{flags:x}:{}",
+        if pending { "kill" } else { "-" }
+    )
 }
 
 /// Whether a `/proc/<pid>/status` text shows SIGKILL pending, for the thread (`SigPnd`) or
