@@ -290,24 +290,33 @@ impl ContainerBackend {
     }
 
     /// Removes everything of sandbox `id`: its processes, cgroup, loop device, disk and
-    /// directory. Missing pieces are fine. Every step is tried even after one fails (a
-    /// cgroup that will not die still lets the disk and directory go); the error lists
-    /// every failed step.
+    /// directory. Missing pieces are fine. Every step is tried even after one fails, but a
+    /// sandbox whose processes would not die keeps its directory, so that the edge's cleanup
+    /// at its next start still finds it; and it is tried again in the background
+    /// ([`destroy_later`]). The error lists every failed step.
     /// `loop_device` (`major:minor`), when known, is the only loop device looked at.
     async fn destroy(&self, id: &str, loop_device: Option<String>) -> Result<(), BackendError> {
         self.channels().remove(id);
-        let cg = self.cgroups.open(id);
-        let disk = self.disks.path(id);
-        let dir = self.sandbox_dir(id);
-        let disks = self.disks.clone();
-        let id_s = id.to_string();
-        let failed = tokio::task::spawn_blocking(move || {
-            destroy_steps(&cg, &disk, loop_device.as_deref(), &disks, &id_s, &dir)
-        })
-        .await
-        .unwrap_or_else(|e| vec![e.to_string()]);
+        let steps = DestroySteps {
+            cg: self.cgroups.open(id),
+            disk: self.disks.path(id),
+            dir: self.sandbox_dir(id),
+            disks: self.disks.clone(),
+            id: id.to_string(),
+            loop_device,
+        };
+        let (failed, steps) = tokio::task::spawn_blocking(move || (steps.run(), steps))
+            .await
+            .map_err(|e| BackendError::Operation {
+                op: "stop",
+                sandbox_id: id.to_string(),
+                message: e.to_string(),
+            })?;
         if failed.is_empty() {
             return Ok(());
+        }
+        if steps.cg.exists() {
+            destroy_later(steps);
         }
         Err(BackendError::Operation {
             op: "stop",
@@ -321,7 +330,64 @@ impl ContainerBackend {
     }
 }
 
-/// The blocking steps of [`ContainerBackend::destroy`]; returns what failed, in order.
+/// When a stop could not end a sandbox's processes, how long to wait before each new try.
+const DESTROY_RETRIES: [Duration; 5] = [
+    Duration::from_secs(2),
+    Duration::from_secs(10),
+    Duration::from_secs(30),
+    Duration::from_secs(60),
+    Duration::from_secs(300),
+];
+
+/// Tries `steps` again in the background, a few times with growing pauses, until the
+/// sandbox is gone: its record already says the stop failed, but its processes must not
+/// run on unnoticed.
+fn destroy_later(steps: DestroySteps) {
+    tokio::spawn(async move {
+        let mut steps = steps;
+        for pause in DESTROY_RETRIES {
+            tokio::time::sleep(pause).await;
+            let Ok((failed, back)) =
+                tokio::task::spawn_blocking(move || (steps.run(), steps)).await
+            else {
+                return;
+            };
+            steps = back;
+            if failed.is_empty() {
+                tracing::info!(sandbox_id = %steps.id, "a failed stop was finished");
+                return;
+            }
+            tracing::warn!(sandbox_id = %steps.id, error = %failed.join("; "), "a failed stop was tried again and failed");
+        }
+    });
+}
+
+/// The blocking steps of [`ContainerBackend::destroy`].
+struct DestroySteps {
+    cg: SandboxCgroup,
+    disk: PathBuf,
+    dir: PathBuf,
+    disks: Disks,
+    id: String,
+    loop_device: Option<String>,
+}
+
+impl DestroySteps {
+    /// Runs every step; returns what failed, in order.
+    fn run(&self) -> Vec<String> {
+        destroy_steps(
+            &self.cg,
+            &self.disk,
+            self.loop_device.as_deref(),
+            &self.disks,
+            &self.id,
+            &self.dir,
+        )
+    }
+}
+
+/// The steps of [`DestroySteps::run`]: a sandbox whose processes would not die keeps its
+/// directory (cleanup at the edge's start knows a sandbox by it).
 fn destroy_steps(
     cg: &SandboxCgroup,
     disk: &Path,
@@ -331,16 +397,23 @@ fn destroy_steps(
     dir: &Path,
 ) -> Vec<String> {
     let mut failed = Vec::new();
+    let mut alive = false;
     if cg.exists() {
         match cg.kill_all() {
             // remove() would only try the same kill again.
-            Err(e) => failed.push(e.to_string()),
+            Err(e) => {
+                alive = true;
+                failed.push(e.to_string())
+            }
             Ok(()) => {
                 if let Err(e) = cg.remove() {
                     failed.push(e.to_string());
                 }
             }
         }
+    }
+    if alive {
+        return failed;
     }
     // The sandbox's mount namespace held the only mount of the loop device; with
     // autoclear the kernel detaches it shortly after the last process is gone.
@@ -746,5 +819,41 @@ impl Runtime for ContainerBackend {
         self.channels()
             .insert(sandbox.sandbox_id.to_string(), ch.clone());
         Ok(ch)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backends::container::cgroup::tests::{fake_v2, limits};
+    use crate::backends::container::cgroup::{CgroupVersion, Cgroups};
+
+    /// A stop that cannot end the processes leaves the directory and disk for the next try
+    /// (and the edge's cleanup at start, which knows a sandbox by them).
+    #[test]
+    fn a_sandbox_whose_processes_survive_the_kill_keeps_its_directory_and_disk() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let root = tmp.path().join("cg");
+        let sb = fake_v2(&root, "e1.a");
+        let cg = Cgroups::at(&root, CgroupVersion::V2, "opendsec/e1")
+            .create("e1.a", &limits())
+            .expect("create");
+        // This test's own process: the fake's cgroup.kill kills nothing, so it "survives".
+        std::fs::write(sb.join("cgroup.procs"), format!("{}\n", std::process::id()))
+            .expect("procs");
+        let disks = Disks::new(tmp.path().join("disks"));
+        let disk = disks.path("e1.a");
+        std::fs::create_dir_all(disk.parent().expect("parent")).expect("disks dir");
+        std::fs::write(&disk, b"image").expect("disk");
+        let dir = tmp.path().join("sandboxes/e1.a");
+        std::fs::create_dir_all(&dir).expect("dir");
+        let failed = destroy_steps(&cg, &disk, None, &disks, "e1.a", &dir);
+        assert_eq!(failed.len(), 1, "{failed:?}");
+        assert!(failed[0].contains("SIGKILL"), "{failed:?}");
+        assert!(
+            dir.exists(),
+            "the directory went with processes still running"
+        );
+        assert!(disk.exists(), "the disk went with processes still running");
     }
 }

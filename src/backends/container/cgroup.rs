@@ -760,7 +760,7 @@ fn write_if_present(path: &Path, value: &str) -> Result<bool, CgroupError> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     #[test]
     fn each_session_leaves_the_others_a_margin() {
         use super::session_pids_max;
@@ -793,7 +793,7 @@ mod tests {
         );
     }
 
-    fn limits() -> Limits {
+    pub(crate) fn limits() -> Limits {
         Limits {
             cpu_cores: 1.5,
             idle: true,
@@ -808,7 +808,9 @@ mod tests {
     }
 
     /// Lays out `dir` as a kernel would: control files in the ancestors and the sandbox.
-    fn fake_v2(root: &Path, id: &str) -> PathBuf {
+    /// A cgroup v2 tree under `root` made of plain files, with sandbox `id` of edge `e1`:
+    /// nothing in it is a real process, and its `cgroup.kill` kills nothing.
+    pub(crate) fn fake_v2(root: &Path, id: &str) -> PathBuf {
         let all = "cpuset cpu io memory hugetlb pids rdma misc";
         for (d, ctl) in [("", all), ("opendsec", ""), ("opendsec/e1", "")] {
             let d = root.join(d);
@@ -989,8 +991,20 @@ mod tests {
             .expect_err("never empties");
         assert!(matches!(e, CgroupError::KillTimeout { left: 1, .. }), "{e}");
         assert_eq!(read(&sb.join("cgroup.kill")), "1");
-        // Dying tasks must get the CPU to exit: the quota went first.
+        // Dying tasks must get the CPU to exit: the quota was lifted.
         assert_eq!(read(&sb.join("cpu.max")), "max");
+        // However long the preparation took, no deadline runs out before a kill was sent
+        // (with no time at all, it is still sent once).
+        fs::write(sb.join("cgroup.kill"), "").expect("reset kill");
+        let e = cg
+            .kill_all_within(Duration::ZERO, Duration::ZERO)
+            .expect_err("never empties");
+        assert!(matches!(e, CgroupError::KillTimeout { left: 1, .. }), "{e}");
+        assert_eq!(
+            read(&sb.join("cgroup.kill")),
+            "1",
+            "killed before giving up"
+        );
 
         // A process that is exiting (a zombie: PF_EXITING stays set) is waited for past the
         // first deadline, as the last process of a sandbox whose mounts the kernel is still

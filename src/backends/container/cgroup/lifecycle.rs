@@ -95,14 +95,14 @@ impl SandboxCgroup {
     }
 
     /// Kills every process in the cgroup and waits (bounded) until it is empty; works on a
-    /// paused sandbox and wins against a fork bomb. First the sandbox's CPU quota and
-    /// idleness are lifted: a killed task still has to run to exit, and thousands of them
-    /// behind a 0.1-core quota take many seconds. Then v2 `cgroup.kill` where there is one
+    /// paused sandbox and wins against a fork bomb. v2 `cgroup.kill` where there is one
     /// (the kernel also kills what is forked meanwhile); else freeze, SIGKILL every member,
     /// thaw: once the freezer reports FROZEN nothing forks or exits, so the pid list read
-    /// then is complete and no pid in it is reused; frozen tasks die when thawed. Errors:
-    /// `Signal`, or `KillTimeout` after about 5 s while a process is not yet exiting, or
-    /// after about 120 s while all that are left are exiting (their namespaces' teardown).
+    /// then is complete and no pid in it is reused; frozen tasks die when thawed. After the
+    /// first kill the sandbox's CPU quota and idleness are lifted: a killed task still has
+    /// to run to exit. Errors: `Signal`, or `KillTimeout` after about 5 s from the first
+    /// kill while a process is not yet exiting, or after about 120 s while all that are left
+    /// are exiting (their namespaces' teardown).
     pub fn kill_all(&self) -> Result<(), CgroupError> {
         self.kill_all_within(KILL_TIMEOUT, EXIT_TIMEOUT)
     }
@@ -114,23 +114,30 @@ impl SandboxCgroup {
         live: Duration,
         exiting: Duration,
     ) -> Result<(), CgroupError> {
-        let start = Instant::now();
         if self.pids().is_empty() {
             return Ok(());
         }
-        self.release_cpu();
         let kill_file = (0..self.layout.hierarchies.len())
             .filter(|h| self.is_v2(*h))
             .map(|h| self.dir(h).join("cgroup.kill"))
             .find(|p| p.exists());
+        // The deadlines count from the first kill, once the quota is lifted: in a burst of
+        // thousands of stops, lifting it (the kernel walks every CPU cgroup under one lock)
+        // took longer than the whole first deadline, which then ran out before a single
+        // SIGKILL had been sent and left the sandbox running.
+        let mut start: Option<Instant> = None;
         let mut pause = Duration::from_micros(500);
         loop {
             let pids = self.pids();
             if pids.is_empty() {
                 return Ok(());
             }
-            let waited = start.elapsed();
-            if waited >= live && (waited >= exiting || !pids.iter().all(|p| is_exiting(*p))) {
+            let waited = start.map(|s| s.elapsed()).unwrap_or_default();
+            if start.is_some()
+                && waited >= live
+                && (waited >= exiting || !pids.iter().all(|p| is_exiting(*p)))
+            {
+                let start = start.unwrap_or_else(Instant::now);
                 return Err(CgroupError::KillTimeout {
                     path: self.dirs().next().unwrap_or_default(),
                     left: pids.len(),
@@ -146,6 +153,12 @@ impl SandboxCgroup {
             match &kill_file {
                 Some(f) => write_file(f, "1")?,
                 None => self.freeze_kill_thaw()?,
+            }
+            if start.is_none() {
+                // Killed tasks still have to run to exit: behind a 0.1-core quota thousands
+                // of them take many seconds.
+                self.release_cpu();
+                start = Some(Instant::now());
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(50));
