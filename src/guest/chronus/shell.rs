@@ -208,8 +208,9 @@ fn dump_code(flavor: Flavor, state: &Path) -> String {
              builtin unset -v __opendsec_st __opendsec_p __opendsec_lost __opendsec_ok \
              __opendsec_keep __opendsec_n; {{ \
              builtin printf 'builtin cd -- %q\\n' \"$PWD\"; builtin declare -p; builtin declare -f; \
-             IFS=$' \\t\\n'; builtin printf '__opendsec_keep=\" '; builtin printf '%s ' {names}; \
-             builtin printf '\"\\n'; builtin umask -p; builtin printf '__opendsec_ok=1\\n'; \
+             IFS=$' \\t\\n'; builtin printf 'builtin declare -A __opendsec_keep; __opendsec_keep=( '; \
+             builtin printf '[%s]=1 ' {names}; \
+             builtin printf ')\\n'; builtin umask -p; builtin printf '__opendsec_ok=1\\n'; \
              }} >{state} 2>/dev/null; builtin exit \"$__opendsec_s\"",
             names = all_names()
         ),
@@ -228,11 +229,12 @@ fn restore_code(flavor: Flavor, state: &Path) -> String {
     let state = quote(&state.to_string_lossy());
     match flavor {
         Flavor::Bash => format!(
-            "__opendsec_ok=; __opendsec_keep=; if [ -s {state} ]; then builtin . {state} >/dev/null 2>&1; fi; \
+            "__opendsec_ok=; builtin unset -v __opendsec_keep; \
+             if [ -s {state} ]; then builtin . {state} >/dev/null 2>&1; fi; \
              if [ \"$__opendsec_ok\" = 1 ]; then __opendsec_lost=0; \
              for __opendsec_n in {names}; do case $__opendsec_n in \
-             __opendsec_*) ;; *) case \"$__opendsec_keep\" in *\" $__opendsec_n \"*) ;; \
-             *) builtin unset -v \"$__opendsec_n\" 2>/dev/null;; esac;; \
+             __opendsec_*) ;; *) [[ -n ${{__opendsec_keep[$__opendsec_n]+1}} ]] || \
+             builtin unset -v \"$__opendsec_n\" 2>/dev/null;; \
              esac; done; else __opendsec_lost=1; fi",
             names = all_names()
         ),
