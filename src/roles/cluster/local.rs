@@ -133,12 +133,11 @@ where
     };
     let rt = crate::rt::Dedicated::per_cpu(role).map_err(failed)?;
     let listener = listener.into_std().map_err(failed)?;
+    let name = role.to_string();
     let started = rt
         .spawn(async move {
-            let l = TcpListener::from_std(listener).map_err(|source| ClusterError::Runtime {
-                role: "a role".into(),
-                source,
-            })?;
+            let l = TcpListener::from_std(listener)
+                .map_err(|source| ClusterError::Runtime { role: name, source })?;
             start(l).await.map_err(Into::into)
         })
         .await;
