@@ -200,10 +200,8 @@ impl Core {
         }
 
         // 2. Record CREATING before the backend is called (concurrent writes), staged
-        //    without fsync: the RUNNING or FAILED record of step 4 is the creation's one
-        //    durable write, made before anyone is answered, and a crash that loses the
-        //    CREATING record leaves nothing that the restart does not clean up (see
-        //    `Store::stage_many`).
+        //    without fsync: a crash that loses the CREATING record leaves nothing that the
+        //    restart does not clean up (see `Store::stage_many`).
         if let Some(store) = &self.store {
             let idx: Vec<usize> = (0..slots.len())
                 .filter(|&i| matches!(slots.get(i), Some(Item::New(..))))
@@ -296,7 +294,8 @@ impl Core {
             };
             after.push(rec);
         }
-        self.persist_many(&after).await;
+        // In place before anyone is answered, durable right after (`Store::write_behind`).
+        self.persist_many_behind(&after).await;
         for r in after.iter().filter(|r| r.is_ended()) {
             self.release_lease(r, true);
         }

@@ -198,6 +198,18 @@ impl Core {
         }
     }
 
+    /// As `persist_many`, made durable behind the caller's answer ([`Store::write_behind`]):
+    /// for a creation's RUNNING or FAILED records.
+    pub async fn persist_many_behind(&self, recs: &[SandboxRecord]) {
+        if let Some(s) = &self.store {
+            for (r, res) in recs.iter().zip(s.write_behind(recs).await) {
+                if let Err(e) = res {
+                    tracing::error!(sandbox_id = %r.id(), error = %crate::types::chain(&e), "writing sandbox record");
+                }
+            }
+        }
+    }
+
     /// Queues the lease of an ended sandbox for release. `verify`: only if IAM still binds
     /// it to this sandbox (creation failed or was interrupted).
     pub fn release_lease(&self, rec: &SandboxRecord, verify: bool) {

@@ -3,13 +3,17 @@
 //! flags in `<state_dir>/edges/<edge_id>/edge.json`. Every write is temp file → fsync →
 //! rename → fsync of the directory. Batches are written concurrently on the blocking pool,
 //! with one directory fsync at the end, so thousands of records do not take thousands of
-//! sequential fsyncs. The one exception is a creation's CREATING record, staged without
-//! fsync ([`Store::stage_many`]): why that is safe is told there.
+//! sequential fsyncs. The exceptions are a creation's records: its CREATING record is
+//! staged without fsync ([`Store::stage_many`]) and its RUNNING or FAILED record is made
+//! durable behind the caller's answer ([`Store::write_behind`]); why both are safe is told
+//! there.
 
+use std::collections::BTreeSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
@@ -57,6 +61,92 @@ pub struct Store {
     seq: Arc<AtomicU64>,
     /// fsync calls made so far (files and directories), for tests and the benchmarks.
     syncs: Arc<AtomicU64>,
+    /// The thread that makes written-behind records durable.
+    syncer: Arc<Syncer>,
+}
+
+/// Work for the record syncer thread.
+enum SyncJob {
+    /// A record file written behind: fsync it (and then the directory).
+    Path(PathBuf),
+    /// Answered once every job queued before it is done.
+    Barrier(tokio::sync::oneshot::Sender<()>),
+}
+
+/// Makes written-behind records durable off the callers' path ([`Store::write_behind`]): a
+/// thread takes every path queued since its last round, fsyncs each file that is still
+/// there and then the directory once, so that a burst of creations costs a few group
+/// syncs, not two fsyncs on each creation's path. It ends when the last `Store` clone is
+/// dropped, after the jobs already queued.
+#[derive(Debug)]
+struct Syncer {
+    tx: Mutex<mpsc::Sender<SyncJob>>,
+    /// Held by a round while it syncs; tests hold it to keep the syncer from running.
+    #[cfg_attr(not(test), allow(dead_code))]
+    gate: Arc<Mutex<()>>,
+}
+
+impl Syncer {
+    fn start(dir: PathBuf, syncs: Arc<AtomicU64>) -> std::io::Result<Syncer> {
+        let (tx, rx) = mpsc::channel();
+        let gate = Arc::new(Mutex::new(()));
+        let g = gate.clone();
+        std::thread::Builder::new()
+            .name("edge-record-sync".into())
+            .spawn(move || sync_rounds(&dir, &rx, &syncs, &g))?;
+        Ok(Syncer {
+            tx: Mutex::new(tx),
+            gate,
+        })
+    }
+
+    /// Queues a job; false when the thread is gone (it ended with a panic).
+    fn send(&self, job: SyncJob) -> bool {
+        let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+        tx.send(job).is_ok()
+    }
+}
+
+/// The syncer thread's loop: one round per wake-up, over everything queued by then.
+fn sync_rounds(dir: &Path, rx: &mpsc::Receiver<SyncJob>, syncs: &AtomicU64, gate: &Mutex<()>) {
+    while let Ok(first) = rx.recv() {
+        let _round = gate.lock().unwrap_or_else(|p| p.into_inner());
+        let mut paths = BTreeSet::new();
+        let mut barriers = Vec::new();
+        for job in std::iter::once(first).chain(rx.try_iter()) {
+            match job {
+                SyncJob::Path(p) => {
+                    paths.insert(p);
+                }
+                SyncJob::Barrier(b) => barriers.push(b),
+            }
+        }
+        if !paths.is_empty() {
+            for p in &paths {
+                match std::fs::File::open(p).and_then(|f| f.sync_all()) {
+                    Ok(()) => {
+                        syncs.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // Removed (or replaced and removed) since: nothing left to keep.
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => {
+                        tracing::warn!(path = %p.display(), error = %crate::types::chain(&e), "syncing a sandbox record")
+                    }
+                }
+            }
+            match sync_dir(dir) {
+                Ok(()) => {
+                    syncs.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    tracing::warn!(path = %dir.display(), error = %crate::types::chain(&e), "syncing the record directory")
+                }
+            }
+        }
+        for b in barriers {
+            let _ = b.send(());
+        }
+    }
 }
 
 /// Whether a write waits for the disk.
@@ -82,11 +172,15 @@ impl Store {
         let edge_dir = state_dir.join("edges").join(edge_id);
         let dir = edge_dir.join("sandboxes");
         std::fs::create_dir_all(&dir).map_err(io("creating", &dir))?;
+        let syncs = Arc::new(AtomicU64::new(0));
+        let syncer = Syncer::start(dir.clone(), syncs.clone())
+            .map_err(io("starting the record syncer for", &dir))?;
         Ok(Store {
             edge_dir,
             dir,
             seq: Arc::new(AtomicU64::new(0)),
-            syncs: Arc::new(AtomicU64::new(0)),
+            syncs,
+            syncer: Arc::new(syncer),
         })
     }
 
@@ -114,9 +208,9 @@ impl Store {
 
     /// Writes the CREATING records of new sandboxes without waiting for the disk (temp
     /// file → write → rename, no fsync): one result per record, in order. Only for records
-    /// that no caller has been answered about yet, which the next synced write of the same
-    /// record (RUNNING or FAILED, before the caller's answer) makes durable along with its
-    /// own. So a creation costs one durable write instead of two (docs/benchmarks.md).
+    /// that no caller has been answered about yet, which the next write of the same record
+    /// (RUNNING or FAILED, [`Store::write_behind`]) replaces and makes durable. So no fsync
+    /// waits on a creation's path (docs/benchmarks.md).
     ///
     /// What a crash can leave instead of such a record, and why each ends right:
     /// - the record, whole: as when it was synced; recovery marks it FAILED `interrupted`,
@@ -130,6 +224,44 @@ impl Store {
     ///   created again): ended and interrupted as before, so the retry works as before.
     pub async fn stage_many(&self, recs: &[SandboxRecord]) -> Vec<Result<(), StoreError>> {
         self.write_all(recs, Durability::Staged).await
+    }
+
+    /// Writes records as [`Store::stage_many`] does (temp file → write → rename, no fsync on
+    /// the caller's path) and has the syncer thread make them durable right after, in group
+    /// rounds: one result per record, in order, once each is renamed into place. For a
+    /// creation's RUNNING or FAILED record, whose fsync would otherwise be two disk cache
+    /// flushes on every creation's path (docs/benchmarks.md).
+    ///
+    /// Why it is safe: the records exist so that a crashed edge finds its sandboxes again.
+    /// A crash of the edge process (or its restart) keeps every renamed file, fsynced or
+    /// not: the kernel's page cache holds it. Only a crash of the machine itself loses what
+    /// was not yet synced, and that also ends every sandbox of the machine; what it can
+    /// leave (an older CREATING record, a torn file or none) ends as a lost CREATING record
+    /// does (see [`Store::stage_many`]): the record is marked failed, or set aside, and the
+    /// backend's cleanup removes what is left of the sandbox.
+    pub async fn write_behind(&self, recs: &[SandboxRecord]) -> Vec<Result<(), StoreError>> {
+        let res = self.write_all(recs, Durability::Staged).await;
+        for (rec, r) in recs.iter().zip(&res) {
+            if r.is_ok() && !self.syncer.send(SyncJob::Path(self.path_of(rec.id()))) {
+                tracing::error!(sandbox_id = %rec.id(), "the record syncer is gone; the record stays unsynced");
+            }
+        }
+        res
+    }
+
+    /// Waits until every record written behind before this call is durable (or its sync
+    /// failed and was logged).
+    pub async fn flush(&self) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.syncer.send(SyncJob::Barrier(tx)) {
+            let _ = rx.await;
+        }
+    }
+
+    /// Keeps the syncer thread from starting a round while the guard lives.
+    #[cfg(test)]
+    pub fn hold_syncs(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.syncer.gate.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     async fn write_all(

@@ -925,11 +925,16 @@ async fn a_retry_creates_again_what_a_restart_interrupted_once_its_lease_is_sett
     assert_eq!(*lock(&backend.created), 1);
 }
 
-/// A creation's one durable write is its RUNNING record: the CREATING record before it is
-/// staged without fsync. One sandbox: the RUNNING record's file and the directory (it was
-/// four with the CREATING record synced too); a batch of three: three files, one directory.
+/// A creation waits for no fsync: its CREATING record is staged and its RUNNING record is
+/// renamed into place before the answer and made durable by the syncer thread right after,
+/// in group rounds. With the syncer held, creations are still answered (and their RUNNING
+/// records are on disk); released, one sandbox costs its file and the directory, and a
+/// batch of three costs three files and one directory (it was four fsyncs a creation with
+/// every record synced, then two on each creation's path).
 #[tokio::test]
-async fn a_creation_syncs_only_its_running_record() {
+// The guard blocks the syncer thread, not this task: holding it across the creation is the test.
+#[allow(clippy::await_holding_lock)]
+async fn a_creation_waits_for_no_fsync_and_its_record_is_synced_behind() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let store = Store::open(dir.path(), "e1").unwrap_or_else(|e| panic!("{e}"));
     let c = core(
@@ -938,17 +943,31 @@ async fn a_creation_syncs_only_its_running_record() {
         Some(store.clone()),
         Arc::new(Sink::default()),
     );
+    let held = store.hold_syncs();
     let out = c
         .create_batch(Some(spec()), vec![item("one")])
         .await
         .unwrap_or_else(|f| panic!("{f}"));
     assert!(out[0].error.is_none(), "{out:?}");
+    assert_eq!(store.syncs(), 0, "nothing synced on the creation's path");
+    let (back, _) = store.load_all().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        back.iter().map(|r| r.state()).collect::<Vec<_>>(),
+        vec![SandboxState::Running],
+        "the RUNNING record is in place before the answer"
+    );
+    drop(held);
+    store.flush().await;
     assert_eq!(store.syncs(), 2, "one record file and its directory");
+    let held = store.hold_syncs();
     let out = c
         .create_batch(Some(spec()), vec![item("b1"), item("b2"), item("b3")])
         .await
         .unwrap_or_else(|f| panic!("{f}"));
     assert!(out.iter().all(|r| r.error.is_none()), "{out:?}");
+    assert_eq!(store.syncs(), 2);
+    drop(held);
+    store.flush().await;
     assert_eq!(store.syncs(), 2 + 4, "three record files and one directory");
     let (back, bad) = store.load_all().unwrap_or_else(|e| panic!("{e}"));
     assert!(bad.is_empty());
