@@ -190,6 +190,14 @@ async fn run(cfg: AetherConfig) -> Result<(), AetherError> {
     };
     let mut term = signal(SignalKind::terminate()).map_err(AetherError::Runtime)?;
     let mut int = signal(SignalKind::interrupt()).map_err(AetherError::Runtime)?;
+    // The default session starts now, beside the rest of the sandbox's start (the edge's
+    // connection, its record, the caller's answer): started only once the edge's first
+    // Watch came, it was not ready when the first command arrived, which then waited for
+    // it (about 5 ms of a first command's 13, docs/benchmarks.md).
+    {
+        let sessions = sessions.clone();
+        tokio::spawn(async move { sessions.prewarm().await });
+    }
     tracing::info!(sandbox_id = %cfg.sandbox_id, pid1 = is_pid1, "aether serving");
     tokio::select! {
         r = uds::serve(svc, listener, std::future::pending()) => r?,

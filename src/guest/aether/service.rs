@@ -219,14 +219,6 @@ impl pb::runtime_server::Runtime for Aether {
 
     type WatchStream = Boxed<pb::WatchEvent>;
     async fn watch(&self, _: Request<pb::Empty>) -> Res<Self::WatchStream> {
-        // The edge's first Watch is the end of the sandbox's start: only then is the default
-        // session warmed, so that it does not slow the start down (it is ready, or nearly,
-        // by the time the first command arrives).
-        let sessions = self.sessions.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-            sessions.prewarm().await
-        });
         let ticks = tokio_stream::wrappers::IntervalStream::new(tokio::time::interval(
             Duration::from_secs(1),
         ));

@@ -86,8 +86,12 @@ impl Driver {
         }
         let mut sh = spawned?;
         tracing::debug!(pid = sh.pid, "session shell started");
-        sh.send(&init_line(self.spec.flavor, &self.s.current_state_path()))
-            .await?;
+        sh.send(&init_line(
+            self.spec.flavor,
+            &self.s.current_state_path(),
+            &self.s.next_state_path(),
+        ))
+        .await?;
         self.shell = Some(sh);
         Ok(())
     }
@@ -140,6 +144,8 @@ impl Driver {
             tokio::spawn(watch_background(self.s.clone(), job.id, job.timeout));
             return;
         }
+        // What an earlier command that never reported left there is not this one's state.
+        let _ = std::fs::remove_file(self.s.next_state_path());
         let (tx, mut rx) = oneshot::channel();
         *lock(&self.s.fg) = Some((job.id, tx));
         if let Err(e) = self.send(&job.line).await {

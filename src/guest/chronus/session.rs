@@ -106,8 +106,14 @@ impl Session {
         self.dir.join("state").join("current")
     }
 
+    /// Where a bash session's foreground commands write the state they end with.
+    pub fn next_state_path(&self) -> PathBuf {
+        self.dir.join("state").join("next")
+    }
+
     fn files(&self, id: i64) -> CmdFiles {
         CmdFiles {
+            next: self.next_state_path(),
             script: self.dir.join("cmd").join(format!("{id}.sh")),
             out: self.dir.join("io").join(format!("{id}.out")),
             err: self.dir.join("io").join(format!("{id}.err")),
@@ -123,10 +129,14 @@ impl Session {
     }
 
     /// Takes in command `id`'s state dump: kept as the session's current state when the
-    /// shell took it in whole (`lost` false), else deleted.
+    /// shell took it in whole (`lost` false) and it is not [`shell::UNCHANGED_STATE`] (the
+    /// current state stays), else deleted.
     pub fn keep_state(&self, id: i64, lost: bool) {
-        let state = self.files(id).state;
-        if !lost && state.exists() {
+        let state = match self.flavor {
+            shell::Flavor::Bash => self.next_state_path(),
+            shell::Flavor::Sh => self.files(id).state,
+        };
+        if !lost && state.exists() && !is_unchanged(&state) {
             if let Err(e) = std::fs::rename(&state, self.current_state_path()) {
                 tracing::debug!(cmd_id = id, error = %e, "cannot keep a state dump");
             }
@@ -623,6 +633,12 @@ pub fn make_dirs(dir: &Path) -> std::io::Result<()> {
     let ctl = dir.join("ctl");
     let _ = std::fs::remove_file(&ctl);
     nix::unistd::mkfifo(&ctl, Mode::from_bits_truncate(0o600)).map_err(std::io::Error::from)
+}
+
+/// Whether the state file at `p` says its command changed nothing.
+fn is_unchanged(p: &std::path::Path) -> bool {
+    let short = std::fs::metadata(p).is_ok_and(|m| m.len() == shell::UNCHANGED_STATE.len() as u64);
+    short && std::fs::read(p).is_ok_and(|b| b == shell::UNCHANGED_STATE)
 }
 
 #[cfg(test)]

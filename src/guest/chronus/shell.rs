@@ -7,6 +7,9 @@
 //! (`exit`, a `set -e` failure, the last line), writes the state it ends in (directory,
 //! variables, functions, umask) to `<dir>/state/<id>`; the long-lived shell waits for it,
 //! takes that state in and reports `<id> <status> <lost> <pwd>\0` on the control FIFO.
+//! With bash, a command that changed nothing (most do not) writes only the line that says
+//! its dump was whole, and the long-lived shell has nothing to take in: the subshell
+//! compares its dump with `<dir>/state/current`, the state the long-lived shell is in.
 //! Killing a command (its timeout) is killing its job, never the shell that holds the
 //! session's state; a command that leaves no whole dump (killed, `exec`) is reported with
 //! `lost` 1 and the session goes on with the state it had before. Background commands run
@@ -168,8 +171,12 @@ pub struct CmdFiles {
     pub out: PathBuf,
     pub err: PathBuf,
     pub ctl: PathBuf,
-    /// Where the command's shell writes the session state it ends with (see [`Flavor`]).
+    /// Where the command's shell writes the session state it ends with (see [`Flavor`]),
+    /// with sh.
     pub state: PathBuf,
+    /// Where it does with bash: one file for the session, as a command that changed nothing
+    /// must write the same dump as the command before it (see [`init_line`]).
+    pub next: PathBuf,
     /// Present while chronus kills the command's job: the shell then leaves it stopped.
     pub kill: PathBuf,
 }
@@ -196,30 +203,70 @@ fn all_names() -> String {
         .join(" ")
 }
 
+/// bash's own variables, which it sets itself as commands run (`LINENO`, `PIPESTATUS`, the
+/// command hash `BASH_CMDS`, ...) or which change on every read (`RANDOM`, `SECONDS`): a
+/// command's dump leaves them out and the restore never unsets them, so that they are the
+/// long-lived shell's own and a command that changed nothing has a dump equal to the last.
+const BASH_OWN: &str = "BASHPID BASH_ARGC BASH_ARGV BASH_ARGV0 BASH_CMDS BASH_COMMAND \
+     BASH_EXECUTION_STRING BASH_LINENO BASH_REMATCH BASH_SOURCE BASH_SUBSHELL COMP_WORDBREAKS DIRSTACK \
+     EPOCHREALTIME EPOCHSECONDS FUNCNAME GROUPS HISTCMD LINENO PIPESTATUS RANDOM SECONDS \
+     SRANDOM _";
+
+/// The whole content of a bash command's state file when the command changed nothing: the
+/// dump was whole, and equal to the session's current state.
+pub const UNCHANGED_STATE: &[u8] = b"__opendsec_ok=1\n";
+
 /// The code that ends a command's shell: it writes the state the shell is in to `state`
 /// (the last line, `__opendsec_ok=1`, tells a whole dump from a cut one), then exits with
 /// the command's status. It runs from the `EXIT` trap (so `exit` and a `set -e` failure
-/// keep their state) and after the command's last line.
-fn dump_code(flavor: Flavor, state: &Path) -> String {
-    let state = quote(&state.to_string_lossy());
+/// keep their state) and after the command's last line. With bash (whose commands' code it
+/// is kept in the long-lived shell's `__opendsec_dump`, set by [`init_line`]) a dump equal
+/// to `compare` (the current state) is replaced by [`UNCHANGED_STATE`]. Nothing it needs is
+/// kept in a variable, which the dump would hold: the paths are written into the code and
+/// the status goes through a here-string on fd 5.
+fn dump_code(flavor: Flavor, state: &Path, compare: Option<&Path>) -> String {
+    let st = quote(&state.to_string_lossy());
     match flavor {
-        Flavor::Bash => format!(
-            "__opendsec_s=$?; builtin trap - EXIT; builtin set +eu; \
-             builtin unset -v __opendsec_st __opendsec_p __opendsec_lost __opendsec_ok \
-             __opendsec_keep __opendsec_n; {{ \
-             builtin printf 'builtin cd -- %q\\n' \"$PWD\"; builtin declare -p; builtin declare -f; \
-             IFS=$' \\t\\n'; builtin printf 'builtin declare -A __opendsec_keep; __opendsec_keep=( '; \
-             builtin printf '[%s]=1 ' {names}; \
-             builtin printf ')\\n'; builtin umask -p; builtin printf '__opendsec_ok=1\\n'; \
-             }} >{state} 2>/dev/null; builtin exit \"$__opendsec_s\"",
-            names = all_names()
-        ),
+        Flavor::Bash => {
+            let cmp = compare.map_or_else(String::new, |c| {
+                format!(
+                    "builtin mapfile -d '' __opendsec_a <{st} 2>/dev/null; \
+                     builtin mapfile -d '' __opendsec_b <{c} 2>/dev/null; \
+                     [[ -z \"${{__opendsec_a[0]-}}\" || \"${{__opendsec_a[0]}}\" != \"${{__opendsec_b[0]-}}\" ]] || \
+                     builtin printf '__opendsec_ok=1\\n' >{st} 2>/dev/null; ",
+                    c = quote(&c.to_string_lossy())
+                )
+            });
+            format!(
+                "{{ builtin trap - EXIT; builtin set +eu; builtin unset -v ${{!__opendsec_@}} {own} 2>/dev/null; {{ \
+                 builtin printf 'builtin cd -- %q\\n' \"$PWD\"; builtin declare -p; builtin declare -f; \
+                 IFS=$' \\t\\n'; builtin printf 'builtin declare -A __opendsec_keep; __opendsec_keep=( '; \
+                 builtin printf '[%s]=1 ' {names}; \
+                 builtin printf ')\\n'; builtin umask -p; builtin printf '__opendsec_full=1 __opendsec_ok=1\\n'; \
+                 }} >{st} 2>/dev/null; {cmp}builtin read -r -u 5 __opendsec_s; builtin exit \"$__opendsec_s\"; }} 5<<<\"$?\"",
+                own = BASH_OWN,
+                names = all_names()
+            )
+        }
         Flavor::Sh => format!(
             "__opendsec_s=$?; trap - EXIT; set +eu; __opendsec_pwd=$PWD; export __opendsec_pwd; \
              {{ export -p; printf 'umask %s\\n' \"$(umask)\"; printf '__opendsec_ok=1\\n'; \
-             }} >{state} 2>/dev/null; exit \"$__opendsec_s\""
+             }} >{st} 2>/dev/null; exit \"$__opendsec_s\""
         ),
     }
+}
+
+/// bash: the loop that unsets, after a whole dump was taken in, every variable the dump did
+/// not list (the command unset it), but for ours and bash's own. Kept in the long-lived
+/// shell's `__opendsec_unset`.
+fn unset_code() -> String {
+    format!(
+        "for __opendsec_n in {names}; do case $__opendsec_n in \
+         __opendsec_*|{own}) ;; *) [[ -n ${{__opendsec_keep[$__opendsec_n]+1}} ]] || \
+         builtin unset -v \"$__opendsec_n\" 2>/dev/null;; esac; done",
+        names = all_names(),
+        own = BASH_OWN.split_whitespace().collect::<Vec<_>>().join("|")
+    )
 }
 
 /// The code that takes in a command's state dump in the long-lived shell, setting
@@ -229,14 +276,11 @@ fn restore_code(flavor: Flavor, state: &Path) -> String {
     let state = quote(&state.to_string_lossy());
     match flavor {
         Flavor::Bash => format!(
-            "__opendsec_ok=; builtin unset -v __opendsec_keep; \
+            "__opendsec_ok=; __opendsec_full=; builtin unset -v __opendsec_keep; \
              if [ -s {state} ]; then builtin . {state} >/dev/null 2>&1; fi; \
              if [ \"$__opendsec_ok\" = 1 ]; then __opendsec_lost=0; \
-             for __opendsec_n in {names}; do case $__opendsec_n in \
-             __opendsec_*) ;; *) [[ -n ${{__opendsec_keep[$__opendsec_n]+1}} ]] || \
-             builtin unset -v \"$__opendsec_n\" 2>/dev/null;; \
-             esac; done; else __opendsec_lost=1; fi",
-            names = all_names()
+             [ \"$__opendsec_full\" != 1 ] || builtin eval \"$__opendsec_unset\"; \
+             else __opendsec_lost=1; fi"
         ),
         Flavor::Sh => format!(
             "__opendsec_ok=; __opendsec_pwd=; if [ -s {state} ]; then . {state} >/dev/null 2>&1; fi; \
@@ -248,12 +292,21 @@ fn restore_code(flavor: Flavor, state: &Path) -> String {
 
 /// The first line the long-lived shell gets: job control (each command then runs in its
 /// own process group, which a timeout kills as one), and the state a shell of this session
-/// last ended a command with, when there is one (a restarted shell goes on from there).
-pub fn init_line(flavor: Flavor, current: &Path) -> String {
+/// last ended a command with (`current`), when there is one (a restarted shell goes on
+/// from there). With bash it also keeps the dump's code in a variable (so that each
+/// command's line stays short), for commands that dump to `next`, and in a new session it
+/// writes the state it starts in to `current`, which a command that changes nothing then
+/// matches.
+pub fn init_line(flavor: Flavor, current: &Path, next: &Path) -> String {
     let cur = quote(&current.to_string_lossy());
     match flavor {
         Flavor::Bash => format!(
-            "builtin set -m 2>/dev/null; if [ -s {cur} ]; then builtin . {cur} >/dev/null 2>&1; fi\n"
+            "builtin set -m 2>/dev/null; __opendsec_dump={dump}; __opendsec_unset={unset}; \
+             if [ -s {cur} ]; then builtin . {cur} >/dev/null 2>&1; \
+             else ( {first} ) </dev/null >/dev/null 2>&1 & builtin wait $!; fi\n",
+            dump = quote(&dump_code(flavor, next, Some(current))),
+            unset = quote(&unset_code()),
+            first = dump_code(flavor, current, None),
         ),
         Flavor::Sh => format!(
             "set -m 2>/dev/null; if [ -s {cur} ]; then . {cur} >/dev/null 2>&1; \
@@ -280,13 +333,15 @@ fn eval_code(flavor: Flavor, script: &Path) -> String {
 fn body(flavor: Flavor, f: &CmdFiles, cwd: &str, env: &BTreeMap<String, String>) -> String {
     let run = eval_code(flavor, &f.script);
     if cwd.is_empty() && env.is_empty() {
-        let dump = dump_code(flavor, &f.state);
-        let trap = if flavor == Flavor::Bash {
-            "builtin trap --"
-        } else {
-            "trap --"
+        return match flavor {
+            Flavor::Bash => format!(
+                "builtin trap -- \"$__opendsec_dump\" EXIT; {run}; builtin eval \"$__opendsec_dump\""
+            ),
+            Flavor::Sh => {
+                let dump = dump_code(flavor, &f.state, None);
+                format!("trap -- {} EXIT; {run}; {dump}", quote(&dump))
+            }
         };
-        return format!("{trap} {} EXIT; {run}; {dump}", quote(&dump));
     }
     let mut parts = Vec::new();
     if !cwd.is_empty() {
@@ -321,7 +376,13 @@ pub fn foreground_line(
         ""
     };
     let take = if keeps_state(cwd, env) {
-        restore_code(flavor, &f.state)
+        restore_code(
+            flavor,
+            match flavor {
+                Flavor::Bash => &f.next,
+                Flavor::Sh => &f.state,
+            },
+        )
     } else {
         "__opendsec_lost=0".to_string()
     };
@@ -452,15 +513,20 @@ mod tests {
             err: d.join(format!("{id}.err")),
             ctl: d.join("ctl"),
             state: d.join(format!("{id}.state")),
+            next: d.join("next"),
             kill: d.join(format!("{id}.kill")),
         }
     }
 
     /// Runs `cmds` one after another in one long-lived shell of `flavor`, as the driver
-    /// does; returns each one's (stdout, stderr) and the control messages.
-    fn run_all(flavor: Flavor, cmds: &[&str]) -> (Vec<(String, String)>, Vec<Ctl>) {
+    /// does (after each command, a line does what `Session::keep_state` does with its state
+    /// file); returns each one's (stdout, stderr), the control messages and, per command,
+    /// whether its state file said it changed nothing.
+    fn run_all(flavor: Flavor, cmds: &[&str]) -> (Vec<(String, String)>, Vec<Ctl>, Vec<bool>) {
         let d = tempfile::tempdir().expect("tempdir");
-        let mut input = init_line(flavor, &d.path().join("none"));
+        let cur = d.path().join("current");
+        let log = d.path().join("kept");
+        let mut input = init_line(flavor, &cur, &d.path().join("next"));
         for (i, c) in cmds.iter().enumerate() {
             let f = files(d.path(), i as i64 + 1);
             std::fs::write(&f.script, c).expect("write");
@@ -470,6 +536,21 @@ mod tests {
                 &f,
                 "",
                 &BTreeMap::new(),
+            ));
+            let st = if flavor == Flavor::Bash {
+                &f.next
+            } else {
+                &f.state
+            };
+            let (st, cur, log) = (
+                quote(&st.to_string_lossy()),
+                quote(&cur.to_string_lossy()),
+                quote(&log.to_string_lossy()),
+            );
+            input.push_str(&format!(
+                "if [ \"$(command cat {st} 2>/dev/null)\" = __opendsec_ok=1 ]; then \
+                 echo same >>{log}; command rm -f {st}; else echo full >>{log}; \
+                 [ \"$__opendsec_lost\" != 0 ] || command mv -f {st} {cur}; fi\n"
             ));
         }
         let prog = if flavor == Flavor::Bash { "bash" } else { "sh" };
@@ -500,7 +581,12 @@ mod tests {
             .filter_map(parse_ctl)
             .filter(|m| matches!(m, Ctl::Done { .. }))
             .collect();
-        (outs, msgs)
+        let same = std::fs::read_to_string(&log)
+            .expect("log")
+            .lines()
+            .map(|l| l == "same")
+            .collect();
+        (outs, msgs, same)
     }
 
     fn status_lost(m: &Ctl) -> (i32, bool) {
@@ -512,7 +598,7 @@ mod tests {
 
     #[test]
     fn bash_carries_state_through_exit_and_errexit_but_not_exec() {
-        let (outs, msgs) = run_all(
+        let (outs, msgs, _) = run_all(
             Flavor::Bash,
             &[
                 "cd /tmp; export X=1; Y=2; f() { echo fn; }; umask 027",
@@ -538,9 +624,45 @@ mod tests {
         assert_eq!(sl[4], (0, true));
     }
 
+    /// A command that changes nothing leaves nothing to take in: its state file says so in
+    /// one line, and the long-lived shell keeps its state as it is. What a command does
+    /// change (a variable, an unset, a function, the directory) still carries over, and a
+    /// change undone within the command counts as none. bash's own variables are the
+    /// long-lived shell's: `RANDOM` and `SECONDS` go on working.
+    #[test]
+    fn bash_takes_in_nothing_after_a_command_that_changed_nothing() {
+        let (outs, msgs, same) = run_all(
+            Flavor::Bash,
+            &[
+                "echo hi",
+                "true; [[ a =~ a ]]; echo $RANDOM $SECONDS $LINENO >/dev/null",
+                "export X=1; Y=2",
+                "echo \"$X $Y\"",
+                "unset Y; f() { echo fn; }",
+                "echo \"${Y-unset}\"; f",
+                "Z=1; unset Z; o=$(umask); umask 077; umask \"$o\"; unset o",
+                "cd /tmp",
+                "pwd; [ $RANDOM != $RANDOM ] || [ $RANDOM != $RANDOM ] && echo random",
+                "SECONDS=100",
+                "[ \"$SECONDS\" -lt 100 ] && echo own",
+            ],
+        );
+        assert_eq!(outs[0].0, "hi\n");
+        assert!(outs.iter().all(|(_, e)| e.is_empty()), "{outs:?}");
+        assert_eq!(outs[3].0, "1 2\n");
+        assert_eq!(outs[5].0, "unset\nfn\n");
+        assert_eq!(outs[8].0, "/tmp\nrandom\n");
+        assert_eq!(outs[10].0, "own\n", "SECONDS is the long-lived shell's own");
+        assert_eq!(
+            same,
+            vec![true, true, false, true, false, true, true, false, true, true, true]
+        );
+        assert!(msgs.iter().all(|m| !status_lost(m).1), "{msgs:?}");
+    }
+
     #[test]
     fn sh_carries_directory_and_exports() {
-        let (outs, msgs) = run_all(
+        let (outs, msgs, _) = run_all(
             Flavor::Sh,
             &["cd /tmp; export X=1; exit 4", "echo \"$X\"; pwd"],
         );
