@@ -1038,6 +1038,56 @@ async fn the_warm_default_session_never_fixes_the_user() {
     b.stop();
 }
 
+/// A session's own processes can kill its chronus (it runs as the session's user); the
+/// session then starts again on its next call, as the user its first call fixed, never as
+/// init_user (root): an unprivileged session must not become a root one. Closing it frees
+/// the name for another user.
+#[tokio::test]
+async fn a_session_whose_chronus_was_killed_starts_again_as_its_user() {
+    if !root_or_skip("a_session_whose_chronus_was_killed_starts_again_as_its_user") {
+        return;
+    }
+    let mut a = Agent::start(None).await;
+    let q = |cmd: &str, user: &str| {
+        let mut q = req(cmd);
+        q.session = "agent".into();
+        q.user = user.into();
+        q
+    };
+    assert_eq!(text(&a.run(q("id -u", "1000")).await.stdout), "1000\n");
+    // The command's subshell's $PPID is the session shell's parent: chronus.
+    let _ = a.c.run_shell(q("kill -9 $PPID", "")).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let out = loop {
+        match a.c.run_shell(q("id -u", "")).await {
+            Ok(r) => break r.into_inner(),
+            Err(e) => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "no session again: {e}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    assert_eq!(text(&out.stdout), "1000\n", "{out:?}");
+    let e =
+        a.c.run_shell(q("id -u", "root"))
+            .await
+            .expect_err("another user");
+    let f = failure_from_status(&e);
+    assert_eq!(f.reason, Reason::Invalid, "{}", f.message);
+    assert!(f.message.contains("uid 1000"), "{}", f.message);
+    a.c.close_session(pb::CloseSessionRequest {
+        session: "agent".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("close");
+    assert_eq!(text(&a.run(q("id -u", "root")).await.stdout), "0\n");
+    a.stop();
+}
+
 /// `oom_killed` follows the sandbox cgroup's OOM kill count over the command's lifetime
 /// (here a fake v2 counter the command itself bumps, as the kernel would while it runs),
 /// and needs the command to end by SIGKILL: a plain kill -9, or a count that rose while a

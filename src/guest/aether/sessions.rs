@@ -79,6 +79,15 @@ struct Warm {
     gid: u32,
 }
 
+/// The user a session's first call fixed: the name (or spec) it gave and what that resolved
+/// to.
+#[derive(Debug, Clone)]
+struct Fixed {
+    user: String,
+    uid: u32,
+    gid: u32,
+}
+
 /// The sessions of this sandbox.
 pub struct Sessions {
     cfg: Arc<AetherConfig>,
@@ -88,6 +97,10 @@ pub struct Sessions {
     map: Mutex<HashMap<String, Arc<Slot>>>,
     warm: OnceCell<Option<Warm>>,
     warm_taken: std::sync::atomic::AtomicBool,
+    /// The user of every session that has served a call, kept when its chronus ends (a
+    /// session's own processes can kill it) until the session is closed: started again,
+    /// it runs as that user, never as `init_user`.
+    fixed: Mutex<HashMap<String, Fixed>>,
     me: Weak<Sessions>,
 }
 
@@ -105,6 +118,7 @@ impl Sessions {
             map: Mutex::new(HashMap::new()),
             warm: OnceCell::new(),
             warm_taken: std::sync::atomic::AtomicBool::new(false),
+            fixed: Mutex::new(HashMap::new()),
             me: me.clone(),
         })
     }
@@ -173,8 +187,40 @@ impl Sessions {
     /// Errors: `invalid` for an unknown user or another user than the session's;
     /// `unavailable` when chronus does not start.
     pub async fn get(&self, name: &str, user: &str) -> Result<Arc<Live>, Failure> {
+        // A session whose chronus ended (killed from inside) starts again as its user.
+        let fixed = lock(&self.fixed).get(name).cloned();
+        let user = match &fixed {
+            Some(f) => {
+                same_user(name, &f.user, (f.uid, f.gid), user)?;
+                if user.is_empty() {
+                    f.user.as_str()
+                } else {
+                    user
+                }
+            }
+            None => user,
+        };
         let live = self.get_or_start(name, user).await?;
-        same_user(name, &live, user)?;
+        if let Some(f) = fixed
+            .as_ref()
+            .filter(|f| (f.uid, f.gid) != (live.uid, live.gid))
+        {
+            // Its user's name resolves to other ids now (/etc/passwd was changed).
+            let _ = self.close(name).await;
+            return Err(Failure::invalid(format!(
+                "user: session {name:?} runs as uid {}, gid {}, fixed by its first command; \
+                 {:?} now resolves to uid {}, gid {}: the session is closed",
+                f.uid, f.gid, f.user, live.uid, live.gid
+            )));
+        }
+        same_user(name, &live.user, (live.uid, live.gid), user)?;
+        lock(&self.fixed)
+            .entry(name.to_string())
+            .or_insert_with(|| Fixed {
+                user: live.user.clone(),
+                uid: live.uid,
+                gid: live.gid,
+            });
         Ok(live)
     }
 
@@ -406,9 +452,16 @@ impl Sessions {
     /// Ends session `name`: kills chronus's whole process tree, then deletes its
     /// directory. Errors: `not_found` for a session that does not run.
     pub async fn close(&self, name: &str) -> Result<(), Failure> {
-        let slot = lock(&self.map)
-            .remove(name)
-            .ok_or_else(|| Failure::not_found(format!("session {name:?} does not exist")))?;
+        let slot = lock(&self.map).remove(name);
+        // Closed, the name is free for a session of another user.
+        let was_fixed = lock(&self.fixed).remove(name).is_some();
+        let slot = slot.ok_or_else(|| {
+            Failure::not_found(if was_fixed {
+                format!("session {name:?} does not run (its chronus ended; it was closed now)")
+            } else {
+                format!("session {name:?} does not exist")
+            })
+        })?;
         let Some(live) = slot.cell.get() else {
             return Err(Failure::not_found(format!(
                 "session {name:?} does not exist"
@@ -454,20 +507,16 @@ async fn remove_cgroup(w: &Workload, name: &str) {
     );
 }
 
-/// Refuses a call to session `name` that names another user than the one it runs as.
-/// Errors: `invalid`, naming the session and both users.
-fn same_user(name: &str, live: &Live, user: &str) -> Result<(), Failure> {
-    if user.is_empty() || user == live.user {
+/// Refuses a call to session `name` that names another user than the one it runs as
+/// (`first`, which resolved to `ids`). Errors: `invalid`, naming the session and both users.
+fn same_user(name: &str, first: &str, ids: (u32, u32), user: &str) -> Result<(), Failure> {
+    if user.is_empty() || user == first {
         return Ok(());
     }
-    let shown = if live.user.is_empty() {
-        "root"
-    } else {
-        &live.user
-    };
-    let first = format!("{shown:?} (uid {}, gid {})", live.uid, live.gid);
+    let shown = if first.is_empty() { "root" } else { first };
+    let first = format!("{shown:?} (uid {}, gid {})", ids.0, ids.1);
     match user::resolve(user, Path::new("/")) {
-        Ok(c) if (c.uid, c.gid) == (live.uid, live.gid) => Ok(()),
+        Ok(c) if (c.uid, c.gid) == ids => Ok(()),
         Ok(c) => Err(Failure::invalid(format!(
             "user: session {name:?} runs as user {first}, fixed by its first command; \
              this call names user {user:?} (uid {}, gid {}): use another session for another user",
