@@ -201,7 +201,8 @@ fn too_big(path: &Path) -> Failure {
 /// the data at that offset keeping the rest (one chunk of a larger write: repeating it
 /// changes nothing, so it can be retried); a new file gets `mode`, 0 meaning 0644; a
 /// non-zero `mode` is also applied to an existing file. The parent must exist. Errors:
-/// `invalid` for data over 64 MiB, a negative offset, an offset with `append`, a full
+/// `invalid` for data over 64 MiB, a negative offset, an offset with `append`, a path
+/// that is not a regular file (a FIFO, socket or device: refused at once), a full
 /// disk (see [`failure`]; `disk_mb` is the sandbox's, 0 if unknown); the file system's (a
 /// missing parent is `not_found`).
 pub async fn write(
@@ -234,14 +235,42 @@ pub async fn write(
         } else {
             req.mode & 0o7777
         };
+        let not_regular = || {
+            Failure::invalid(format!(
+                "{} is not a regular file (a FIFO, socket or device): write_file writes files",
+                path.display()
+            ))
+        };
         let mut o = std::fs::OpenOptions::new();
-        o.write(true).create(true).mode(mode);
+        // Non-blocking open: a FIFO without a reader would block the call (and a thread of
+        // chronus) forever; with one, it is refused below.
+        o.write(true)
+            .create(true)
+            .mode(mode)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY);
         if req.append {
             o.append(true);
         } else if req.offset == 0 {
             o.truncate(true);
         }
-        let mut f = o.open(&path).map_err(|e| fail("open", &e))?;
+        let mut f = match o.open(&path) {
+            Ok(f) => f,
+            // A FIFO without a reader, or a unix socket.
+            Err(e) if e.raw_os_error() == Some(libc::ENXIO) => return Err(not_regular()),
+            Err(e) => return Err(fail("open", &e)),
+        };
+        if !f.metadata().map_err(|e| fail("stat", &e))?.is_file() {
+            return Err(not_regular());
+        }
+        nix::fcntl::fcntl(
+            &f,
+            nix::fcntl::FcntlArg::F_SETFL(if req.append {
+                nix::fcntl::OFlag::O_APPEND
+            } else {
+                nix::fcntl::OFlag::empty()
+            }),
+        )
+        .map_err(|e| fail("fcntl", &std::io::Error::from(e)))?;
         let written = if req.offset > 0 {
             f.write_all_at(&req.data, req.offset as u64)
         } else {
@@ -463,8 +492,38 @@ mod tests {
             assert!(e.message.contains("not a regular file"), "{p}: {e:?}");
         }
         // /proc files report no size and still read.
-        let r = read(cwd, rd("/proc/self/status")).await.expect("proc");
+        let r = read(cwd.clone(), rd("/proc/self/status"))
+            .await
+            .expect("proc");
         assert!(r.data.starts_with(b"Name:"));
+        // Nor written: without a reader, a FIFO's open would block the call for ever, and
+        // with one the data would go to whoever reads it.
+        let wr = |p: &str| pb::WriteFileRequest {
+            path: p.into(),
+            data: b"x".to_vec(),
+            ..Default::default()
+        };
+        let refused = |p: &'static str| {
+            let cwd = cwd.clone();
+            async move {
+                let r =
+                    tokio::time::timeout(std::time::Duration::from_secs(10), write(cwd, 0, wr(p)))
+                        .await
+                        .unwrap_or_else(|_| panic!("write_file of {p} blocked"));
+                let e = r.expect_err(p);
+                assert_eq!(e.reason, Reason::Invalid, "{p}: {e:?}");
+                assert!(e.message.contains("not a regular file"), "{p}: {e:?}");
+            }
+        };
+        for p in ["fifo", "sock", "/dev/null"] {
+            refused(p).await;
+        }
+        let _reader = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(d.path().join("fifo"))
+            .expect("reader");
+        refused("fifo").await;
     }
 
     #[tokio::test]
