@@ -18,7 +18,8 @@ fi
 .venv/bin/pip install -q --disable-pip-version-check ./sdk/python
 
 STATE=$(mktemp -d)
-OUT=$(mktemp)
+# In the state directory, which no sandbox sees (the token is the cluster's admin's).
+OUT=$STATE/cluster.env
 "$BIN" cluster up -runtime linux -sim-edges 1 -addr 127.0.0.1:0 -state-dir "$STATE" -log warn >"$OUT" &
 PID=$!
 trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null; rm -rf "$STATE" "$OUT"' EXIT

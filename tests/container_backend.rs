@@ -111,6 +111,52 @@ fn leftovers(state: &Path, edge: &str, id: &str) -> Vec<String> {
     out
 }
 
+/// The development image `host` has the host's `/` as its lower layer, and so the cluster's
+/// state directory: every sandbox's disk image, the records and the cluster's config and
+/// tokens. A sandbox sees it as an empty directory (found by a fresh-user trial: a sandbox
+/// read another sandbox's files out of its disk image).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_host_image_hides_the_state_directory() {
+    if !root_or_skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let state = tmp.path();
+    std::fs::write(state.join("cluster.env"), "OPENDSEC_TOKEN=secret\n").expect("secret");
+    let edge = "cb-hide";
+    let b = backend(state, edge);
+    let id = format!("{edge}.hide");
+    let spec = spec();
+    let st = b
+        .create(&CreateRequest {
+            sandbox_id: id.clone(),
+            project: "root".into(),
+            spec: spec.clone(),
+        })
+        .await
+        .expect("create");
+    let h = Handle {
+        sandbox_id: &id,
+        spec: &spec,
+        state: &st,
+    };
+    let dir = state.canonicalize().expect("canonical");
+    let r = shell(
+        &b,
+        &h,
+        &format!(
+            "ls -A {d}; cat {d}/cluster.env; head -c 1 {d}/{edge}/disks/{id}.img; echo end",
+            d = dir.display()
+        ),
+    )
+    .await;
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    let err = String::from_utf8_lossy(&r.stderr).to_string();
+    assert_eq!(out, "end\n", "stderr: {err}");
+    assert!(err.contains("No such file"), "{err}");
+    b.stop(&h).await.expect("stop");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lifecycle_adoption_and_nothing_left() {
     if !root_or_skip() {

@@ -78,6 +78,27 @@ pub struct ContainerBackend {
     agent: PathBuf,
     channels: Mutex<HashMap<String, Channel>>,
     warned_core_sched: AtomicBool,
+    /// The cluster's state directory, as the host resolves it: hidden in every sandbox whose
+    /// image has it in a lower layer (see [`hidden_state`]).
+    state_dir: PathBuf,
+}
+
+/// The paths, inside a sandbox whose image has `lowers`, under which it would see the
+/// cluster's state directory `state_dir` (every sandbox's disk image, the records, the
+/// cluster's config and tokens): with the development image `host` (the host's `/`), that is
+/// `state_dir` itself. Each is masked (an empty read-only directory) like `masked_paths`.
+fn hidden_state(state_dir: &Path, lowers: &[PathBuf]) -> Vec<String> {
+    let mut out: Vec<String> = lowers
+        .iter()
+        .filter_map(|l| {
+            let l = l.canonicalize().unwrap_or_else(|_| l.clone());
+            let rel = state_dir.strip_prefix(&l).ok()?;
+            Some(Path::new("/").join(rel).display().to_string())
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
 }
 
 fn cfg_err(backend: &str, message: impl std::fmt::Display) -> BackendError {
@@ -154,6 +175,10 @@ impl ContainerBackend {
             agent,
             channels: Mutex::new(HashMap::new()),
             warned_core_sched: AtomicBool::new(false),
+            state_dir: ctx
+                .state_dir
+                .canonicalize()
+                .unwrap_or_else(|_| ctx.state_dir.clone()),
         })
     }
 
@@ -196,6 +221,7 @@ impl ContainerBackend {
         };
         let workload_fds = fds(0);
         let workload_dir_fds = fds(split);
+        let hidden = hidden_state(&self.state_dir, &lowers);
         SetupSpec {
             sandbox_id: id.clone(),
             dir: self.sandbox_dir(id),
@@ -210,7 +236,13 @@ impl ContainerBackend {
                 hostname
             },
             readonly_paths: req.spec.readonly_paths.clone(),
-            masked_paths: req.spec.masked_paths.clone(),
+            masked_paths: req
+                .spec
+                .masked_paths
+                .iter()
+                .cloned()
+                .chain(hidden)
+                .collect(),
             core_sched: self.core_sched,
             aether: AetherConfig {
                 sandbox_id: id.clone(),
@@ -827,6 +859,23 @@ mod tests {
     use super::*;
     use crate::backends::container::cgroup::tests::{fake_v2, limits};
     use crate::backends::container::cgroup::{CgroupVersion, Cgroups};
+
+    #[test]
+    fn the_state_directory_is_hidden_where_a_lower_layer_holds_it() {
+        let st = Path::new("/var/lib/opendsec");
+        assert_eq!(
+            hidden_state(st, &[PathBuf::from("/")]),
+            vec!["/var/lib/opendsec"]
+        );
+        assert_eq!(
+            hidden_state(
+                st,
+                &[PathBuf::from("/nonexistent-x"), PathBuf::from("/var")]
+            ),
+            vec!["/lib/opendsec"]
+        );
+        assert!(hidden_state(st, &[PathBuf::from("/srv/images/debian")]).is_empty());
+    }
 
     /// A stop that cannot end the processes leaves the directory and disk for the next try
     /// (and the edge's cleanup at start, which knows a sandbox by them).
