@@ -341,7 +341,8 @@ impl Core {
         tracing::info!(edge_id = %self.edge_id, stopped = ids.len() - failed, failed, "sandboxes stopped at shutdown");
     }
 
-    /// Marks a running sandbox the backend lost as FAILED and releases it.
+    /// Marks a running sandbox the backend lost as FAILED, releases it and has the backend
+    /// remove what is left of it.
     pub async fn mark_lost(&self, id: &str, why: &str) {
         let Some(entry) = self.get(id) else { return };
         let _g = entry.op.lock().await;
@@ -359,6 +360,14 @@ impl Core {
         });
         self.persist(&after).await;
         self.release_lease(&after, false);
+        // What the sandbox leaves on the node (processes its agent left behind, cgroups,
+        // disk, directory) goes now, not at the edge's next start.
+        if let Some(backend) = self.backend_of(&rec).cloned() {
+            let parts = handle(&rec);
+            if let Err(e) = backend.stop(&as_handle(id, &parts)).await {
+                tracing::warn!(sandbox_id = %id, edge_id = %self.edge_id, error = %crate::types::chain(&e), "removing a lost sandbox");
+            }
+        }
     }
 }
 

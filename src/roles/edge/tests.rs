@@ -30,6 +30,7 @@ struct TestBackend {
     adopted: Mutex<Vec<(String, Recorded)>>,
     cleaned: Mutex<Vec<HashSet<String>>>,
     created: Mutex<usize>,
+    stopped: Mutex<Vec<String>>,
     /// When set, each creation waits for a permit.
     gate: Option<Arc<tokio::sync::Semaphore>>,
     /// When set, each creation blocks its thread until the hold is opened (a backend whose
@@ -79,7 +80,8 @@ impl Backend for Arc<TestBackend> {
         *lock(&self.created) += 1;
         Ok(serde_json::json!({ "for": req.sandbox_id }))
     }
-    async fn stop(&self, _s: &Handle<'_>) -> Result<(), BackendError> {
+    async fn stop(&self, s: &Handle<'_>) -> Result<(), BackendError> {
+        lock(&self.stopped).push(s.sandbox_id.to_string());
         Ok(())
     }
     async fn pause(&self, s: &Handle<'_>) -> Result<BackendState, BackendError> {
@@ -1065,4 +1067,31 @@ async fn a_crash_that_loses_a_staged_creating_record_ends_right() {
         vec!["L-whole"],
         "no lease of a retried creation was given back"
     );
+}
+
+/// A sandbox the backend lost (its agent exited: a sandbox's root can end it) is FAILED, and
+/// what it left on the node is removed at once (before, only the edge's next start did).
+#[tokio::test]
+async fn a_lost_sandbox_is_failed_and_removed_from_the_node() {
+    let backend = Arc::new(TestBackend::default());
+    let c = core(
+        backend.clone(),
+        EdgeConfig::default(),
+        None,
+        Arc::new(Sink::default()),
+    );
+    let out = c
+        .create_batch(Some(spec()), vec![item("lost")])
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    let id = out[0]
+        .sandbox
+        .as_ref()
+        .map(|s| s.id.clone())
+        .unwrap_or_default();
+    assert!(lock(&backend.stopped).is_empty());
+    c.mark_lost(&id, "aether exited").await;
+    let rec = c.get(&id).map(|e| e.snapshot());
+    assert_eq!(rec.map(|r| r.state()), Some(SandboxState::Failed));
+    assert_eq!(*lock(&backend.stopped), vec![id]);
 }
