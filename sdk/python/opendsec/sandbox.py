@@ -8,7 +8,7 @@ import grpc
 import grpc.aio
 
 from opendsec._pb import opendsec_pb2, runtime_pb2, types_pb2
-from opendsec.errors import UNAVAILABLE, DSecError, bad_arguments_are_invalid, error_from_rpc
+from opendsec.errors import INVALID, UNAVAILABLE, DSecError, bad_arguments_are_invalid, error_from_rpc
 from opendsec.models import FileInfo, HttpResult, ShellResult
 
 if TYPE_CHECKING:
@@ -21,6 +21,9 @@ __all__ = ["Sandbox", "StreamItem", "FILE_CHUNK_BYTES"]
 #: message of 2 MiB also passes anything in between that keeps gRPC's default 4 MB limit,
 #: and keeps the memory of each call small.
 FILE_CHUNK_BYTES = 2 << 20
+#: The most :meth:`Sandbox.read_file` returns by default (1 GiB): it holds the whole file in
+#: memory, and a sparse file can be far larger than the sandbox's disk.
+MAX_READ_BYTES = 1 << 30
 
 #: What :meth:`Sandbox.stream_shell` yields: ``("stdout", bytes)``, ``("stderr", bytes)``,
 #: then ``("exit", ShellResult)``.
@@ -263,18 +266,38 @@ class Sandbox:
 
     # ---------------------------------------------------------------- files
 
-    async def read_file(self, path: str, offset: int = 0, length: int = 0, session: str = "default") -> bytes:
+    async def read_file(
+        self,
+        path: str,
+        offset: int = 0,
+        length: int = 0,
+        session: str = "default",
+        max_bytes: int = MAX_READ_BYTES,
+    ) -> bytes:
         """Reads a file; ``length=0`` reads to the end. Past the end: ``b""``.
 
-        Any size (up to the sandbox's disk) works: the file is read in calls of
-        :data:`FILE_CHUNK_BYTES` each, one after the other. A FIFO, socket or device is
-        ``invalid`` ("not a regular file").
+        Any size up to ``max_bytes`` (:data:`MAX_READ_BYTES` unless given) works: the file is
+        read in calls of :data:`FILE_CHUNK_BYTES` each, one after the other. More than
+        ``max_bytes`` to return is ``invalid`` before it is read (a sparse file can be far
+        larger than the sandbox's disk): read it in pieces with ``offset`` and ``length``, or
+        raise ``max_bytes``. A FIFO, socket or device is ``invalid`` ("not a regular file").
         """
-        pos, length = int(offset), int(length)
+        pos, length, limit = int(offset), int(length), int(max_bytes)
         if pos < 0 or length < 0:
             # One call: the server refuses it, naming the bad value.
             return await self._read_part(path, pos, length, session)
+
+        def too_big(n: str) -> DSecError:
+            return DSecError(
+                INVALID,
+                f"{path}: {n} bytes to read is over max_bytes {limit}: "
+                "read it in pieces with offset and length, or raise max_bytes",
+            )
+
+        if length > limit:
+            raise too_big(str(length))
         out = bytearray()
+        sized = False
         while True:
             want = FILE_CHUNK_BYTES if length == 0 else min(FILE_CHUNK_BYTES, length - len(out))
             part = await self._read_part(path, pos, want, session)
@@ -282,6 +305,14 @@ class Sandbox:
             pos += len(part)
             if len(part) < want or (length and len(out) == length):
                 return bytes(out)
+            if length == 0 and not sized:
+                # More than one call's worth: how much is there?
+                sized = True
+                left = (await self.stat(path, session)).size - int(offset)
+                if left > limit:
+                    raise too_big(str(left))
+            if len(out) > limit:
+                raise too_big(f"more than {len(out)}")
 
     async def _read_part(self, path: str, offset: int, length: int, session: str) -> bytes:
         req = runtime_pb2.ReadFileRequest(

@@ -287,6 +287,13 @@ class FakeDSec:
         end = len(data) if request.length == 0 else request.offset + request.length
         return runtime_pb2.ReadFileResponse(data=data[request.offset:end])
 
+    async def Stat(self, request, context):
+        await self._enter("Stat", context)
+        data = self.files.get(request.path)
+        if data is None:
+            await Fault(grpc.StatusCode.NOT_FOUND, "not_found", request.path).raise_in(context)
+        return runtime_pb2.FileInfo(path=request.path, type="file", size=len(data))
+
     async def Remove(self, request, context):
         await self._enter("Remove", context)
         self.files.pop(request.path, None)

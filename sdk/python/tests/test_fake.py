@@ -516,6 +516,16 @@ async def test_files_larger_than_one_call_are_chunked(fake):
         await sb.write_file("/big", data[:5], append=True)
         assert fake.service.files["/big"] == data + data[:5]
         assert await sb.read_file("/big", offset=len(data) + 5) == b""
+        # More than max_bytes to return is refused after one call and a stat, not read
+        # into memory (a sparse file can be far larger than the disk).
+        fake.service.calls["ReadFile"] = 0
+        with pytest.raises(DSecError) as e:
+            await sb.read_file("/big", max_bytes=chunk + 1)
+        assert e.value.reason == "invalid" and "max_bytes" in e.value.message, e.value
+        assert fake.service.calls["ReadFile"] == 1
+        assert await sb.read_file("/big", offset=chunk, max_bytes=chunk + 12350) == data[chunk:] + data[:5]
+        with pytest.raises(DSecError):
+            await sb.read_file("/big", length=chunk + 2, max_bytes=chunk + 1)
 
 
 async def test_lifecycle_and_tasks(fake):
