@@ -70,6 +70,13 @@ fn the_binary_prints_the_chain_once() {
         "the cause is printed once: {}",
         r.err
     );
+    // And the file once ("loading F: reading config F: ..." before).
+    assert_eq!(
+        r.err.matches(missing.to_str().unwrap()).count(),
+        1,
+        "the file is named once: {}",
+        r.err
+    );
     let r = common::run(
         &["cluster", "up", "-config", missing.to_str().unwrap()],
         &[],

@@ -94,8 +94,13 @@ async fn bind(addr: &str, what: &str) -> anyhow::Result<tokio::net::TcpListener>
 }
 
 async fn run(role: &str, flags: RoleFlags) -> anyhow::Result<()> {
-    let mut cfg = Config::load(&flags.config)
-        .with_context(|| format!("loading {}", flags.config.display()))?;
+    // Reading and parsing errors name the file already; an invalid value does not.
+    let mut cfg = Config::load(&flags.config).map_err(|e| match e {
+        crate::config::ConfigError::Invalid(_) => {
+            anyhow::Error::new(e).context(format!("config {}", flags.config.display()))
+        }
+        e => anyhow::Error::new(e),
+    })?;
     if !flags.replica.is_empty() {
         bail!("-replica: replicated IAM and watchers are not built yet; run a single one");
     }
