@@ -69,21 +69,27 @@ pub(crate) async fn run(inner: Arc<Inner>, shutdown: Shutdown, ready: Ready) {
                     Ok(ch) => probe_one(&cfg, &id, ch, timeout).await,
                     Err(e) => Err(crate::types::chain(&e)),
                 };
-                if let Err(why) = &r {
-                    let ms = t0.elapsed().as_millis() as u64;
-                    tracing::info!(edge_id = %id, reason = %why, ms, "edge probe failed");
-                }
-                (id, r)
+                (id, r, t0.elapsed().as_millis() as u64)
             });
         }
         let results = join_all(probes).await;
         let now = now_f();
         {
             let mut edges = inner.edges.write().await;
-            for (id, res) in results {
+            for (id, res, ms) in results {
                 let Some(e) = edges.get_mut(&id) else {
                     continue;
                 };
+                if let Err(why) = &res {
+                    // The misses that lead to "edge unhealthy" are what a busy edge's
+                    // trouble looks like; an edge known to be down would repeat them at
+                    // every probe.
+                    if e.healthy {
+                        tracing::info!(edge_id = %id, reason = %why, ms, "edge probe failed");
+                    } else {
+                        tracing::debug!(edge_id = %id, reason = %why, ms, "edge probe failed");
+                    }
+                }
                 match res {
                     Ok(state) => {
                         e.state = state;
