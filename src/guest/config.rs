@@ -51,6 +51,10 @@ pub struct AetherConfig {
     /// where sessions get no cgroup of their own (then their shells join the
     /// `workload_cgroup_fds`); never passed to chronus.
     pub workload_cgroup_dir_fds: Vec<i32>,
+    /// The memory limit in bytes aether gives each session's cgroup (0: none written): a
+    /// little less than the workload's, so one session's fork bomb leaves the others room.
+    #[serde(default)]
+    pub session_memory_max: i64,
     /// In the copy of the config a chronus gets: an inherited directory fd of its session's
     /// cgroup (`workload/s<N>/`, in the hierarchy with `cgroup.kill` or `pids.max`), where
     /// it makes each command's own cgroup `c<id>` so that a timeout kills the whole command

@@ -765,6 +765,38 @@ async def test_fork_bomb_does_not_starve_the_agents(linux):
                     print(f"stopping {sb.id}: {e}")
 
 
+async def test_fork_bomb_at_the_memory_limit_leaves_other_sessions_room(linux):
+    """A fork bomb that fills a small sandbox's memory (256 MB, before its pids) is
+    OOM-killed within its own session's memory cgroup: the agents keep a reserve outside the
+    workload's, and every session is held a little below the workload's limit, so another
+    session's command and a file call still answer (they hung for good before), and stop
+    wins."""
+    async with linux.client() as c:
+        sb = await c.run_sandbox(container(cpu_cores_limit=0.5, memory_limit_mb=256))
+        stopped = False
+        try:
+            r = await sh(sb, "echo ready", session="other")
+            assert (r.exit_code, r.stdout) == (0, "ready\n"), r
+            await sb.run_shell_background("bomb(){ bomb|bomb & }; bomb", session="bomb")
+            await asyncio.sleep(5)
+            r = await asyncio.wait_for(sb.run_shell("echo alive", session="other", timeout=20), 40)
+            assert r.stdout == "alive\n", r
+            fi = await asyncio.wait_for(sb.stat("/tmp"), 40)
+            assert fi.type == "dir", fi
+            t0 = time.monotonic()
+            await sb.stop()
+            stopped = True
+            took = time.monotonic() - t0
+            assert took < 10, f"stop took {took:.1f} s during the bomb"
+            await wait_clean(linux, sb.id)
+        finally:
+            if not stopped:
+                try:
+                    await sb.stop()
+                except DSecError as e:
+                    print(f"stopping {sb.id}: {e}")
+
+
 async def test_disk_limit(linux):
     async with linux.client() as c:
         sb = await c.run_sandbox(container(disk_mb=64))

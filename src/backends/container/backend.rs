@@ -259,6 +259,8 @@ impl ContainerBackend {
                 cgroup_dir: crate::guest::chronus::oom::CGROUP_ROOT.into(),
                 workload_cgroup_fds: workload_fds,
                 workload_cgroup_dir_fds: workload_dir_fds,
+                session_memory_max: super::cgroup::session_memory_mb(limits.memory_mb)
+                    .saturating_mul(1 << 20),
                 command_cgroup_dir_fd: None,
                 session_pids_max: super::cgroup::session_pids_max(limits.pids_max),
             },

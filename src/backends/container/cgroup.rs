@@ -129,6 +129,37 @@ pub enum CgroupError {
     Remove { path: PathBuf, source: io::Error },
 }
 
+/// How far below the sandbox's memory limit (MiB) its workload is held, so that the agents
+/// can still allocate while the workload is at its own limit (a fork bomb filling the
+/// memory: the kernel reclaims and OOM-kills in the workload, and an agent that had to
+/// reclaim too never answered): an eighth of the limit, at least 8 and at most 32 MiB.
+pub fn agent_memory_reserve_mb(memory_mb: i64) -> i64 {
+    (memory_mb / 8).clamp(8, 32)
+}
+
+/// The workload's memory limit (MiB) in a sandbox of `memory_mb` (0: none): the sandbox's
+/// less [`agent_memory_reserve_mb`], and never under half of it.
+pub fn workload_memory_mb(memory_mb: i64) -> i64 {
+    if memory_mb <= 0 {
+        return 0;
+    }
+    memory_mb
+        .saturating_sub(agent_memory_reserve_mb(memory_mb))
+        .max(memory_mb / 2)
+}
+
+/// The memory limit (MiB) of each session's own cgroup in a sandbox of `memory_mb` (0:
+/// none): the workload's less an eighth of it (at least 8 MiB), so that a session that fills
+/// its memory (a fork bomb) is OOM-killed within itself and leaves the other sessions room
+/// to start their commands, as its `pids.max` leaves them processes.
+pub fn session_memory_mb(memory_mb: i64) -> i64 {
+    let w = workload_memory_mb(memory_mb);
+    if w <= 0 {
+        return 0;
+    }
+    w.saturating_sub((w / 8).max(8)).max(w / 2)
+}
+
 /// The agents' child cgroup of a sandbox: aether and chronus.
 pub const AGENT: &str = "agent";
 /// The workload's child cgroup of a sandbox: session shells, commands, processes.
@@ -332,6 +363,11 @@ impl Cgroups {
             })?;
         }
         let cg = self.open(sandbox_id);
+        if let Some(h) = cg.memory_v1() {
+            // Where the workload's processes join (v1 allows the agents in the parent).
+            let dir = cg.dir(h).join(WORKLOAD);
+            fs::create_dir_all(&dir).map_err(|source| CgroupError::Mkdir { path: dir, source })?;
+        }
         for h in 0..l.hierarchies.len() {
             if cg.is_split(h) {
                 let procs = Path::new(WORKLOAD).join(PROCS);
@@ -489,6 +525,13 @@ impl SandboxCgroup {
         self.layout.hierarchies.get(h).is_some_and(|x| x.v2)
     }
 
+    /// The v1 memory hierarchy, where the workload gets a memory cgroup of its own below
+    /// the sandbox's (`workload/`, limited to [`workload_memory_mb`]) and the agents stay in
+    /// the sandbox's. On v2, `workload/` is the memory cgroup of everything the agents run.
+    fn memory_v1(&self) -> Option<usize> {
+        self.layout.at.memory.filter(|h| !self.is_v2(*h))
+    }
+
     /// Whether hierarchy `h` splits the sandbox into `agent/` and `workload/`: cgroup v2,
     /// and the v1 hierarchies of the controllers the split is for (cpu, pids).
     fn is_split(&self, h: usize) -> bool {
@@ -529,11 +572,18 @@ impl SandboxCgroup {
     }
 
     /// Every hierarchy's `cgroup.procs` of the sandbox's process API: `workload/procs/`
-    /// where the hierarchy is split, else the sandbox's own.
+    /// where the hierarchy is split, `workload/` in v1's memory hierarchy, else the
+    /// sandbox's own.
     pub fn procs_files(&self) -> Vec<PathBuf> {
         let procs = format!("{WORKLOAD}/{PROCS}");
         (0..self.layout.hierarchies.len())
-            .map(|h| self.member_dir(h, &procs).join("cgroup.procs"))
+            .map(|h| {
+                if self.memory_v1() == Some(h) {
+                    self.dir(h).join(WORKLOAD).join("cgroup.procs")
+                } else {
+                    self.member_dir(h, &procs).join("cgroup.procs")
+                }
+            })
             .collect()
     }
 
@@ -561,7 +611,8 @@ impl SandboxCgroup {
                 let enable = self.child_controllers(h);
                 if !enable.is_empty() {
                     // The sandbox's, then the workload's: its sessions get their own pids
-                    // limit and an equal CPU weight each.
+                    // and memory limits and an equal CPU weight each (commands, below the
+                    // sessions, get no controller: they are charged to their session).
                     steps
                         .writes
                         .push((self.dir(h).join("cgroup.subtree_control"), enable.clone()));
@@ -570,6 +621,13 @@ impl SandboxCgroup {
                         .push((workload.join("cgroup.subtree_control"), enable));
                 }
             }
+            steps.workload_dirs.push(workload);
+        }
+        if let Some(h) = self.memory_v1() {
+            // Last in both lists: the process API joins the memory hierarchy's workload/
+            // itself (it has no procs/ there), and each session gets its own below it.
+            let workload = self.dir(h).join(WORKLOAD);
+            steps.workload.push(workload.join(self.join_file(h)));
             steps.workload_dirs.push(workload);
         }
         steps.writes.extend(self.child_limit_writes(limits));
@@ -587,6 +645,9 @@ impl SandboxCgroup {
         if at.pids == Some(h) {
             v.push("+pids");
         }
+        if at.memory == Some(h) && self.is_v2(h) {
+            v.push("+memory");
+        }
         v.join(" ")
     }
 
@@ -602,6 +663,15 @@ impl SandboxCgroup {
             } else {
                 out.push((agent.join("cpu.shares"), AGENT_CPU_SHARES.to_string()));
             }
+        }
+        if let Some(h) = at.memory.filter(|h| self.is_v2(*h)) {
+            let w = workload_memory_mb(limits.memory_mb);
+            let v = if w > 0 {
+                w.saturating_mul(1 << 20).to_string()
+            } else {
+                "max".to_string()
+            };
+            out.push((self.dir(h).join(WORKLOAD).join("memory.max"), v));
         }
         if let Some(h) = at.pids.filter(|h| self.is_split(*h)) {
             out.push((
@@ -673,10 +743,27 @@ impl SandboxCgroup {
         } else {
             "memory.oom_control"
         };
-        fs::read_to_string(self.dir(h).join(file))
-            .ok()
-            .and_then(|s| keyed_value(&s, "oom_kill"))
-            .unwrap_or(0)
+        let read = |d: &Path| {
+            fs::read_to_string(d.join(file))
+                .ok()
+                .and_then(|s| keyed_value(&s, "oom_kill"))
+                .unwrap_or(0)
+        };
+        let dir = self.dir(h);
+        if self.is_v2(h) {
+            // v2's memory.events counts the whole subtree.
+            return read(&dir);
+        }
+        // v1 counts each cgroup's own: the workload's and its sessions' too.
+        let workload = dir.join(WORKLOAD);
+        let sessions = fs::read_dir(&workload)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            .map(|e| read(&e.path()))
+            .sum::<u64>();
+        read(&dir) + read(&workload) + sessions
     }
 
     /// What to bind into the sandbox at /sys/fs/cgroup, as (host directory, name below
@@ -881,7 +968,8 @@ pub(super) mod tests {
         assert_eq!(read(&sb.join("pids.max")), "4608");
         // What the setup process does: join here, then agent/, enable the children's
         // controllers and give them their limits; workload/ is what aether keeps open.
-        // Always `cgroup.procs`: v2 has no `tasks`.
+        // Always `cgroup.procs`: v2 has no `tasks`. Sessions get memory limits of their own
+        // (aether writes them); commands below them get no controller.
         let steps = cg.setup_steps(&limits());
         assert_eq!(steps.join, [sb.join("cgroup.procs")]);
         assert_eq!(steps.agent, [sb.join("agent/cgroup.procs")]);
@@ -895,9 +983,14 @@ pub(super) mod tests {
         assert_eq!(
             writes,
             [
-                (sb.join("cgroup.subtree_control"), "+cpu +pids"),
-                (sb.join("workload/cgroup.subtree_control"), "+cpu +pids"),
+                (sb.join("cgroup.subtree_control"), "+cpu +pids +memory"),
+                (
+                    sb.join("workload/cgroup.subtree_control"),
+                    "+cpu +pids +memory"
+                ),
                 (sb.join("agent/cpu.weight"), "10000"),
+                // 512 MiB less the agents' reserve of 32 MiB.
+                (sb.join("workload/memory.max"), "503316480"),
                 (sb.join("agent/pids.max"), "512"),
                 (sb.join("workload/pids.max"), "4096"),
                 (sb.join("workload/procs/pids.max"), "4032"),
@@ -1101,15 +1194,25 @@ pub(super) mod tests {
         assert_eq!(read(&sb("memory").join("memory.oom_control")), "0");
         assert!(!sb("memory").join("memory.memsw.limit_in_bytes").exists());
         assert_eq!(read(&sb("pids").join("pids.max")), "4608");
-        // v1 splits only where the split is for (cpu, pids); memory, the freezer and blkio
-        // (whose throttles are not hierarchical on v1) keep every process in the sandbox's
-        // own cgroup.
+        // v1 splits only where the split is for (cpu, pids); the freezer and blkio (whose
+        // throttles are not hierarchical on v1) keep every process in the sandbox's own
+        // cgroup, and memory keeps the agents there, the workload in `workload/` below it.
         for c in ["cpu", "pids"] {
             assert!(sb(c).join("agent").is_dir() && sb(c).join("workload/procs").is_dir());
         }
         for c in ["cpuacct", "memory", "freezer", "blkio"] {
             assert!(!sb(c).join("agent").exists(), "{c}");
         }
+        assert!(sb("memory").join("workload").is_dir());
+        // Once the kernel's files are there (they are at once in a real tree), the
+        // workload's memory is held below the sandbox's by the agents' reserve.
+        fs::write(sb("memory").join("workload/memory.limit_in_bytes"), "").expect("limit");
+        fs::write(sb("memory").join("workload/memory.oom_control"), "").expect("oom");
+        cgs.create("e1.a", &limits()).expect("create again");
+        assert_eq!(
+            read(&sb("memory").join("workload/memory.limit_in_bytes")),
+            (480u64 << 20).to_string()
+        );
         // v1: every move of a process by itself goes through `tasks` (no global lock, no
         // RCU grace period); v2 keeps `cgroup.procs` (see v2_writes_limits_and_controllers).
         let steps = cg.setup_steps(&limits());
@@ -1128,12 +1231,17 @@ pub(super) mod tests {
             steps.workload,
             [
                 sb("cpu").join("workload/procs/tasks"),
-                sb("pids").join("workload/procs/tasks")
+                sb("pids").join("workload/procs/tasks"),
+                sb("memory").join("workload/tasks")
             ]
         );
         assert_eq!(
             steps.workload_dirs,
-            [sb("cpu").join("workload"), sb("pids").join("workload")]
+            [
+                sb("cpu").join("workload"),
+                sb("pids").join("workload"),
+                sb("memory").join("workload")
+            ]
         );
         let writes: Vec<(PathBuf, &str)> = steps
             .writes
@@ -1153,7 +1261,10 @@ pub(super) mod tests {
             cg.procs_files()[0],
             sb("cpu").join("workload/procs/cgroup.procs")
         );
-        assert_eq!(cg.procs_files()[2], sb("memory").join("cgroup.procs"));
+        assert_eq!(
+            cg.procs_files()[2],
+            sb("memory").join("workload/cgroup.procs")
+        );
         for c in ["cpuacct", "freezer", "blkio"] {
             assert!(sb(c).is_dir(), "{c}");
         }

@@ -106,6 +106,7 @@ fn run(spec: &SetupSpec) -> Result<SetupResult, InitError> {
             .open(dir);
         workload.push(sys("open workload cgroup directory", f)?);
     }
+
     sys(
         "unshare",
         unshare(

@@ -57,6 +57,8 @@ pub enum SessionCgroupError {
 pub struct Workload {
     dirs: Vec<OwnedFd>,
     pids_max: i64,
+    /// Each session's memory limit in bytes (0: none written).
+    memory_max: i64,
     next: AtomicU64,
 }
 
@@ -95,7 +97,9 @@ impl Workload {
                 .map_err(|source| SessionCgroupError::Inherit { fd: *fd, source })?;
             dirs.push(d);
         }
-        Ok(Some(Workload::new(dirs, cfg.session_pids_max)))
+        let mut w = Workload::new(dirs, cfg.session_pids_max);
+        w.memory_max = cfg.session_memory_max;
+        Ok(Some(w))
     }
 
     /// A workload over `dirs` whose sessions get `pids.max` = `pids_max` (0: not written).
@@ -103,6 +107,7 @@ impl Workload {
         Workload {
             dirs,
             pids_max,
+            memory_max: 0,
             next: AtomicU64::new(1),
         }
     }
@@ -144,6 +149,14 @@ impl Workload {
             }
             if self.pids_max > 0 {
                 self.write(dir, name, "pids.max", &self.pids_max.to_string())?;
+            }
+            if self.memory_max > 0 {
+                let v = self.memory_max.to_string();
+                // Whichever the hierarchy has: v2, or v1 (limit first: memsw must not be
+                // below it, and a new cgroup's memsw is unlimited).
+                self.write(dir, name, "memory.max", &v)?;
+                self.write(dir, name, "memory.limit_in_bytes", &v)?;
+                self.write(dir, name, "memory.memsw.limit_in_bytes", &v)?;
             }
             if let Some((uid, gid)) = owner.filter(|(uid, _)| *uid != 0) {
                 self.delegate(dir, name, uid, gid)?;
@@ -475,5 +488,48 @@ mod tests {
             .expect("no join file in a plain directory");
         assert!(e.to_string().contains("s2/cgroup.procs"), "{e}");
         assert!(!v1.join("s2").exists());
+    }
+
+    /// Each session gets the memory limit it was given, in whichever file its hierarchy
+    /// has (v2 `memory.max`; v1 `memory.limit_in_bytes` then `memory.memsw.limit_in_bytes`),
+    /// so that a session that fills its memory is OOM-killed within itself.
+    #[test]
+    fn gives_each_session_its_memory_limit() {
+        let t = tempfile::tempdir().unwrap();
+        let v1 = t.path().join("memory");
+        let v2 = t.path().join("v2");
+        for (d, files) in [
+            (
+                &v1,
+                &[
+                    "tasks",
+                    "memory.limit_in_bytes",
+                    "memory.memsw.limit_in_bytes",
+                ][..],
+            ),
+            (&v2, &["cgroup.procs", "memory.max"][..]),
+        ] {
+            std::fs::create_dir_all(d.join("s1")).unwrap();
+            for f in files {
+                std::fs::write(d.join("s1").join(f), "").unwrap();
+            }
+        }
+        let mut w = Workload::new(vec![dir_fd(&v1), dir_fd(&v2)], 0);
+        w.memory_max = 420 << 20;
+        let s = w.make_session(None).unwrap();
+        let want = (420u64 << 20).to_string();
+        for f in [
+            "memory/s1/memory.limit_in_bytes",
+            "memory/s1/memory.memsw.limit_in_bytes",
+            "v2/s1/memory.max",
+        ] {
+            assert_eq!(
+                std::fs::read_to_string(t.path().join(f)).unwrap(),
+                want,
+                "{f}"
+            );
+        }
+        assert!(!v1.join("s1/memory.max").exists());
+        drop(s);
     }
 }

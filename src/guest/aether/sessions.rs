@@ -323,6 +323,7 @@ impl Sessions {
         };
         if let Some(cg) = &cgroup {
             chronus_cfg.workload_cgroup_fds = cg.fds();
+
             chronus_cfg.command_cgroup_dir_fd = cg.command_dir_fd();
         }
         let inherited: Vec<i32> = chronus_cfg

@@ -2,14 +2,40 @@
 //! disk I/O throttles.
 
 use super::{
-    pids_value, write_file, write_if_present, write_raw, CgroupError, DiskIo, Limits,
-    SandboxCgroup, AGENT_PIDS_MAX,
+    pids_value, workload_memory_mb, write_file, write_if_present, write_raw, CgroupError, DiskIo,
+    Limits, SandboxCgroup, AGENT_PIDS_MAX, WORKLOAD,
 };
 
 /// The CFS period for CPU quotas, in µs (the kernel's default).
 const CPU_PERIOD_US: i64 = 100_000;
 /// The smallest quota the kernel accepts, in µs.
 const CPU_MIN_QUOTA_US: i64 = 1_000;
+
+/// v1: the memory limit of cgroup `dir` (`None`: no limit), without swap on top.
+fn set_memory_v1(dir: &std::path::Path, bytes: Option<i64>) -> Result<(), CgroupError> {
+    let v = bytes.unwrap_or(-1).to_string();
+    let limit = dir.join("memory.limit_in_bytes");
+    let memsw = dir.join("memory.memsw.limit_in_bytes");
+    // memsw must stay >= the memory limit: lowering goes limit first, raising memsw
+    // first. Try the first order; EINVAL means it was a raise.
+    match write_raw(&limit, &v) {
+        Ok(()) => {
+            write_if_present(&memsw, &v)?;
+        }
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) && memsw.exists() => {
+            write_file(&memsw, &v)?;
+            write_file(&limit, &v)?;
+        }
+        Err(source) => {
+            return Err(CgroupError::Write {
+                path: limit,
+                value: v,
+                source,
+            })
+        }
+    }
+    Ok(())
+}
 
 impl SandboxCgroup {
     /// Applies `limits` (see [`Cgroups::create`]); also what a warm sandbox taken for a
@@ -74,29 +100,15 @@ impl SandboxCgroup {
             write_if_present(&dir.join("memory.swap.max"), "0")?;
             return Ok(());
         }
-        let v = bytes.unwrap_or(-1).to_string();
-        let limit = dir.join("memory.limit_in_bytes");
-        let memsw = dir.join("memory.memsw.limit_in_bytes");
-        // memsw must stay >= the memory limit: lowering goes limit first, raising memsw
-        // first. Try the first order; EINVAL means it was a raise.
-        match write_raw(&limit, &v) {
-            Ok(()) => {
-                write_if_present(&memsw, &v)?;
-            }
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) && memsw.exists() => {
-                write_file(&memsw, &v)?;
-                write_file(&limit, &v)?;
-            }
-            Err(source) => {
-                return Err(CgroupError::Write {
-                    path: limit,
-                    value: v,
-                    source,
-                })
-            }
-        }
+        set_memory_v1(&dir, bytes)?;
         // The OOM killer must act in the sandbox (not hang it at the limit).
         write_if_present(&dir.join("memory.oom_control"), "0")?;
+        let workload = dir.join(WORKLOAD);
+        if workload.join("memory.limit_in_bytes").exists() {
+            let w = workload_memory_mb(memory_mb);
+            set_memory_v1(&workload, (w > 0).then(|| w.saturating_mul(1 << 20)))?;
+            write_if_present(&workload.join("memory.oom_control"), "0")?;
+        }
         Ok(())
     }
 
