@@ -63,4 +63,30 @@ pub struct AetherConfig {
     /// The `pids.max` aether gives each session's cgroup (0: none written): a little less
     /// than the sandbox's `pids_max`, so one session's fork bomb leaves the others room.
     pub session_pids_max: i64,
+    /// In the copy of the config a chronus gets: an inherited fd that signals when its
+    /// session's memory cgroup runs out of memory, so that chronus kills everything the
+    /// session runs but its shell (docs/sessions.md "Out of memory"). `None`: no memory
+    /// cgroup of its own, or no way to watch it.
+    pub session_oom_fd: Option<OomFd>,
+}
+
+/// How a session's out-of-memory events reach its chronus.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OomFd {
+    /// cgroup v1: an eventfd registered for the session's `memory.oom_control` through
+    /// `cgroup.event_control`; each OOM adds to its count.
+    Eventfd(i32),
+    /// cgroup v2: the session's `memory.events`, open for reading; the kernel flags it
+    /// (`POLLPRI`) when a counter changes, and its `oom` and `oom_kill` lines count.
+    MemoryEvents(i32),
+}
+
+impl OomFd {
+    /// The fd number.
+    pub fn fd(self) -> i32 {
+        match self {
+            OomFd::Eventfd(fd) | OomFd::MemoryEvents(fd) => fd,
+        }
+    }
 }

@@ -57,6 +57,22 @@ pub fn take_unix_listener(fd: RawFd) -> io::Result<UnixListener> {
 /// caller must not use the number again, and takes each fd at most once.
 /// Errors: `EBADF` for a closed fd, `ENOTDIR` when it is not a directory.
 pub fn take_dir(fd: RawFd) -> io::Result<OwnedFd> {
+    take_if(
+        fd,
+        |mode| mode & libc::S_IFMT == libc::S_IFDIR,
+        libc::ENOTDIR,
+    )
+}
+
+/// Takes ownership of the inherited `fd`, whatever it is (a session's OOM eventfd or its
+/// `memory.events`), marking it close-on-exec; the rules of [`take_dir`].
+/// Errors: `EBADF` for a closed fd.
+pub fn take_fd(fd: RawFd) -> io::Result<OwnedFd> {
+    take_if(fd, |_| true, libc::EBADF)
+}
+
+/// Takes `fd` when `wanted(st_mode)`, else leaves it open and fails with `errno`.
+fn take_if(fd: RawFd, wanted: impl Fn(u32) -> bool, errno: i32) -> io::Result<OwnedFd> {
     if fd < 0 {
         return Err(io::Error::from_raw_os_error(libc::EBADF));
     }
@@ -66,10 +82,10 @@ pub fn take_dir(fd: RawFd) -> io::Result<OwnedFd> {
     // `take_unix_listener`.
     let owned = unsafe { OwnedFd::from_raw_fd(fd) };
     let st = nix::sys::stat::fstat(&owned).map_err(io::Error::from)?;
-    if st.st_mode & libc::S_IFMT != libc::S_IFDIR {
+    if !wanted(st.st_mode) {
         // Not ours to close after all: hand the number back untouched.
         let _ = std::os::fd::IntoRawFd::into_raw_fd(owned);
-        return Err(io::Error::from_raw_os_error(libc::ENOTDIR));
+        return Err(io::Error::from_raw_os_error(errno));
     }
     nix::fcntl::fcntl(
         &owned,

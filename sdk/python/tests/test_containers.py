@@ -733,29 +733,76 @@ def sandbox_pids(edge_id: str, sandbox_id: str) -> int:
     return 0
 
 
-async def test_fork_bomb_does_not_starve_the_agents(linux):
-    """A bash fork bomb fills pids_max in one session: a new session's first command and a
-    command in another session still answer, and stop wins the race against the bomb
-    (the agents live in a cgroup of their own beside the workload's)."""
+# Issue 7 item 2: during a fork bomb, a command in another session and a new session's first
+# command answer within 1 s, and stop within 2 s. The machines are shared and noisy, so the
+# tests allow three times that, which still fails where the sessions used to hang (16 s in
+# bash's fork retries, or for good in reclaim); each run prints what it measured.
+ANSWER_WITHIN = 3.0
+STOP_WITHIN = 6.0
+
+
+def sandbox_oom_kills(edge_id: str, sandbox_id: str) -> int:
+    """OOM kills in the sandbox's memory cgroups (v2: memory.events, which counts those
+    below; v1: every cgroup's own memory.oom_control, summed)."""
+    n = 0
+    for root in ("/sys/fs/cgroup/memory", "/sys/fs/cgroup"):
+        top = Path(root, "opendsec", edge_id, sandbox_id)
+        if root.endswith("memory"):
+            for f in top.rglob("memory.oom_control"):
+                for line in f.read_text().splitlines():
+                    if line.startswith("oom_kill "):
+                        n += int(line.split()[1])
+        else:
+            try:
+                for line in Path(top, "memory.events").read_text().splitlines():
+                    if line.startswith("oom_kill "):
+                        n += int(line.split()[1])
+            except OSError:
+                pass
+    return n
+
+
+async def assert_answers_during_bomb(linux, args: DSecRunArgs, bomb: str, loaded, what: str, after=None) -> None:
+    """Starts ``bomb`` in session "bomb", waits for ``loaded(sb)`` to say it is at its limit,
+    then times a command in an existing session, a new session's first command and a file
+    call, awaits ``after(sb, command id)`` if given, and times stop (issue 7 item 2)."""
     async with linux.client() as c:
-        sb = await c.run_sandbox(container(cpu_cores_limit=0.5))
+        sb = await c.run_sandbox(args)
         stopped = False
         try:
             r = await sh(sb, "echo ready", session="other")
             assert (r.exit_code, r.stdout) == (0, "ready\n"), r
-            await sb.run_shell_background(":(){ :|:& };:", session="bomb")
-            end = time.monotonic() + 20
-            while sandbox_pids(linux.edge_id, sb.id) < PIDS_MAX - 64:
-                assert time.monotonic() < end, f"the bomb reached only {sandbox_pids(linux.edge_id, sb.id)} pids"
+            r = await sh(sb, "cd /tmp && export KEPT=yes", session="bomb")
+            assert r.exit_code == 0, r
+            cmd_id = await sb.run_shell_background(bomb, session="bomb")
+            end = time.monotonic() + 30
+            while not loaded(sb):
+                assert time.monotonic() < end, f"the bomb did not reach its limit ({what}) within 30 s"
                 await asyncio.sleep(0.1)
-            # A new or existing session answering during the bomb (issue 7 item 2) is not
-            # asserted yet: each command now forks a job of its own from the session's shell,
-            # which sits in the full workload cgroup, so bash waits in its fork retries.
+            took = {}
+            calls = [
+                ("run_shell in another session", lambda: sb.run_shell("echo alive", session="other", timeout=20), "alive\n"),
+                ("a new session's first command", lambda: sb.run_shell("echo new", session="fresh", timeout=20), "new\n"),
+            ]
+            for name, call, want in calls:
+                t0 = time.monotonic()
+                r = await asyncio.wait_for(call(), 40)
+                took[name] = time.monotonic() - t0
+                assert (r.exit_code, r.stdout) == (0, want), (name, r)
+            t0 = time.monotonic()
+            fi = await asyncio.wait_for(sb.stat("/tmp"), 40)
+            took["stat"] = time.monotonic() - t0
+            assert fi.type == "dir", fi
+            if after is not None:
+                await after(sb, cmd_id)
             t0 = time.monotonic()
             await sb.stop()
             stopped = True
-            took = time.monotonic() - t0
-            assert took < 10, f"stop took {took:.1f} s during the bomb"
+            took["stop"] = time.monotonic() - t0
+            print(f"\n{what}: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in took.items()))
+            for name, t in took.items():
+                limit = STOP_WITHIN if name == "stop" else ANSWER_WITHIN
+                assert t < limit, f"{name} took {t:.2f} s during the bomb ({what})"
             await wait_clean(linux, sb.id)
         finally:
             if not stopped:
@@ -763,38 +810,48 @@ async def test_fork_bomb_does_not_starve_the_agents(linux):
                     await sb.stop()
                 except DSecError as e:
                     print(f"stopping {sb.id}: {e}")
+
+
+async def test_fork_bomb_does_not_starve_the_agents(linux):
+    """A bash fork bomb fills its session's share of pids_max: a command in another session,
+    a new session's first command and a file call still answer, and stop wins the race
+    against the bomb (the agents live in a cgroup of their own beside the workload's, and
+    each session in one of its own below that)."""
+    await assert_answers_during_bomb(
+        linux,
+        container(cpu_cores_limit=0.5),
+        ":(){ :|:& };:",
+        lambda sb: sandbox_pids(linux.edge_id, sb.id) >= PIDS_MAX - 64,
+        "bash fork bomb at pids_max",
+    )
 
 
 async def test_fork_bomb_at_the_memory_limit_leaves_other_sessions_room(linux):
-    """A fork bomb that fills a small sandbox's memory (256 MB, before its pids) is
-    OOM-killed within its own session's memory cgroup: the agents keep a reserve outside the
-    workload's, and every session is held a little below the workload's limit, so another
-    session's command and a file call still answer (they hung for good before), and stop
-    wins."""
-    async with linux.client() as c:
-        sb = await c.run_sandbox(container(cpu_cores_limit=0.5, memory_limit_mb=256))
-        stopped = False
-        try:
-            r = await sh(sb, "echo ready", session="other")
-            assert (r.exit_code, r.stdout) == (0, "ready\n"), r
-            await sb.run_shell_background("bomb(){ bomb|bomb & }; bomb", session="bomb")
-            await asyncio.sleep(5)
-            r = await asyncio.wait_for(sb.run_shell("echo alive", session="other", timeout=20), 40)
-            assert r.stdout == "alive\n", r
-            fi = await asyncio.wait_for(sb.stat("/tmp"), 40)
-            assert fi.type == "dir", fi
-            t0 = time.monotonic()
-            await sb.stop()
-            stopped = True
-            took = time.monotonic() - t0
-            assert took < 10, f"stop took {took:.1f} s during the bomb"
-            await wait_clean(linux, sb.id)
-        finally:
-            if not stopped:
-                try:
-                    await sb.stop()
-                except DSecError as e:
-                    print(f"stopping {sb.id}: {e}")
+    """A fork bomb that fills a small sandbox's memory (256 MB, before its pids) runs out of
+    memory within its own session's memory cgroup, and chronus then kills all of it at once
+    (docs/sessions.md "Out of memory"): another session's command, a new session and a file
+    call answer (they took 5 to 70 s while the bomb thrashed in reclaim, and hung for good
+    before the sessions had memory cgroups of their own), the bomb's session keeps its shell
+    and state, and stop wins."""
+
+    async def bomb_is_gone(sb: Sandbox, cmd_id: int) -> None:
+        # The bomb's command itself ended at once (`bomb` returns after its first fork);
+        # what it left running in its command's cgroup is what is killed.
+        end = time.monotonic() + 5
+        while (n := sandbox_pids(linux.edge_id, sb.id)) > 64:
+            assert time.monotonic() < end, f"{n} processes and threads are left in the sandbox"
+            await asyncio.sleep(0.1)
+        r = await sh(sb, 'echo "$KEPT $PWD"', session="bomb")
+        assert (r.exit_code, r.stdout) == (0, "yes /tmp\n"), r
+
+    await assert_answers_during_bomb(
+        linux,
+        container(cpu_cores_limit=0.5, memory_limit_mb=256),
+        "bomb(){ bomb|bomb & }; bomb",
+        lambda sb: sandbox_oom_kills(linux.edge_id, sb.id) > 0,
+        "fork bomb at 256 MB",
+        after=bomb_is_gone,
+    )
 
 
 async def test_disk_limit(linux):

@@ -263,6 +263,7 @@ impl ContainerBackend {
                     .saturating_mul(1 << 20),
                 command_cgroup_dir_fd: None,
                 session_pids_max: super::cgroup::session_pids_max(limits.pids_max),
+                session_oom_fd: None,
             },
         }
     }

@@ -22,7 +22,7 @@ use nix::fcntl::{openat, OFlag};
 use nix::sys::stat::{mkdirat, Mode};
 use nix::unistd::{unlinkat, UnlinkatFlags};
 
-use crate::guest::config::AetherConfig;
+use crate::guest::config::{AetherConfig, OomFd};
 
 /// Errors making or removing a session's cgroup.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +70,18 @@ pub struct SessionCgroup {
     pub name: String,
     pub join: Vec<OwnedFd>,
     pub command_dir: Option<OwnedFd>,
+    /// What tells the session's chronus that its memory cgroup ran out of memory (see
+    /// [`oom_watch`]); `None` without a memory hierarchy or where it cannot be watched.
+    pub oom: Option<(OomKind, OwnedFd)>,
+}
+
+/// Which kind of fd [`SessionCgroup::oom`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OomKind {
+    /// A v1 eventfd registered for `memory.oom_control`.
+    Eventfd,
+    /// v2's `memory.events`, open for reading.
+    MemoryEvents,
 }
 
 impl SessionCgroup {
@@ -82,6 +94,60 @@ impl SessionCgroup {
     pub fn command_dir_fd(&self) -> Option<RawFd> {
         self.command_dir.as_ref().map(|f| f.as_raw_fd())
     }
+
+    /// The out-of-memory fd, for chronus's config.
+    pub fn oom_fd(&self) -> Option<OomFd> {
+        self.oom.as_ref().map(|(kind, f)| match kind {
+            OomKind::Eventfd => OomFd::Eventfd(f.as_raw_fd()),
+            OomKind::MemoryEvents => OomFd::MemoryEvents(f.as_raw_fd()),
+        })
+    }
+}
+
+/// Opens what tells a session that cgroup `name` below `dir` ran out of memory: v1 (the
+/// cgroup has `memory.oom_control`) an eventfd registered for it through
+/// `cgroup.event_control`, v2 (`memory.events`) that file for reading. `None` where the
+/// hierarchy has no memory controller; a failure is logged and also gives `None`: the
+/// kernel's own OOM killer still works, only more slowly (docs/sessions.md "Out of
+/// memory").
+pub fn oom_watch(dir: &OwnedFd, name: &str) -> Option<(OomKind, OwnedFd)> {
+    let ro = OFlag::O_RDONLY | OFlag::O_CLOEXEC;
+    let control = format!("{name}/memory.oom_control");
+    if has_file(dir, &control) {
+        let made = (|| -> Result<OwnedFd, Errno> {
+            let oom = openat(dir, control.as_str(), ro, Mode::empty())?;
+            let ctl = openat(
+                dir,
+                format!("{name}/cgroup.event_control").as_str(),
+                OFlag::O_WRONLY | OFlag::O_CLOEXEC,
+                Mode::empty(),
+            )?;
+            let efd =
+                nix::sys::eventfd::EventFd::from_flags(nix::sys::eventfd::EfdFlags::EFD_CLOEXEC)?;
+            let line = format!("{} {}", efd.as_raw_fd(), oom.as_raw_fd());
+            nix::unistd::write(&ctl, line.as_bytes())?;
+            // The registration lives as long as the eventfd does; the files may go.
+            Ok(OwnedFd::from(efd))
+        })();
+        return match made {
+            Ok(fd) => Some((OomKind::Eventfd, fd)),
+            Err(e) => {
+                tracing::warn!(session_cgroup = name, error = %e, "cannot watch the session's memory cgroup for OOM");
+                None
+            }
+        };
+    }
+    let events = format!("{name}/memory.events");
+    if has_file(dir, &events) {
+        return match openat(dir, events.as_str(), ro, Mode::empty()) {
+            Ok(fd) => Some((OomKind::MemoryEvents, fd)),
+            Err(e) => {
+                tracing::warn!(session_cgroup = name, error = %e, "cannot watch the session's memory cgroup for OOM");
+                None
+            }
+        };
+    }
+    None
 }
 
 impl Workload {
@@ -136,6 +202,7 @@ impl Workload {
     ) -> Result<SessionCgroup, SessionCgroupError> {
         let mut join = Vec::with_capacity(self.dirs.len());
         let mut command_dir = None;
+        let mut oom = None;
         for dir in &self.dirs {
             match mkdirat(dir, name, Mode::from_bits_truncate(0o755)) {
                 // Left by an earlier aether? Names are never reused within one: take it.
@@ -162,6 +229,9 @@ impl Workload {
                 self.delegate(dir, name, uid, gid)?;
             }
             join.push(self.open_join(dir, name)?);
+            if oom.is_none() && self.memory_max > 0 {
+                oom = oom_watch(dir, name);
+            }
             if command_dir.is_none()
                 && ["cgroup.kill", "pids.max"]
                     .iter()
@@ -186,6 +256,7 @@ impl Workload {
             name: name.to_string(),
             join,
             command_dir,
+            oom,
         })
     }
 

@@ -325,12 +325,14 @@ impl Sessions {
             chronus_cfg.workload_cgroup_fds = cg.fds();
 
             chronus_cfg.command_cgroup_dir_fd = cg.command_dir_fd();
+            chronus_cfg.session_oom_fd = cg.oom_fd();
         }
         let inherited: Vec<i32> = chronus_cfg
             .workload_cgroup_fds
             .iter()
             .copied()
             .chain(chronus_cfg.command_cgroup_dir_fd)
+            .chain(chronus_cfg.session_oom_fd.map(|o| o.fd()))
             .collect();
         if !inherited.is_empty() {
             crate::sys::process::inherit_at_exec(&mut cmd, &inherited);
@@ -342,8 +344,9 @@ impl Sessions {
                  name,
                  join,
                  command_dir,
+                 oom,
              }| {
-                drop((join, command_dir));
+                drop((join, command_dir, oom));
                 name
             },
         );

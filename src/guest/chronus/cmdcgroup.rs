@@ -223,9 +223,33 @@ impl CommandCgroups {
             // slot would kill the session's shell.
             return None;
         }
+        Some(self.kill_slot(n))
+    }
+
+    /// One pass of killing everything the session runs but its shell: every command's
+    /// slot, running or ended (what an ended command left running is still there), except
+    /// the one the shell is in and the free one it waits in. Returns how many processes
+    /// those slots held. For a session out of memory (docs/sessions.md "Out of memory").
+    pub fn kill_all_but_shell(&self) -> usize {
+        let spare = {
+            let sh = lock(&self.shell);
+            [sh.free, sh.moving.as_ref().map(|(n, _)| *n)]
+        };
+        let shell_at = self.shell_at.load(Ordering::Relaxed);
+        let mut slots: BTreeSet<u64> = lock(&self.entered).values().map(|(n, _)| *n).collect();
+        slots.extend(lock(&self.left).iter().copied());
+        slots
+            .into_iter()
+            .filter(|n| *n != shell_at && !spare.contains(&Some(*n)))
+            .map(|n| self.kill_slot(n))
+            .sum()
+    }
+
+    /// One pass of killing everything in slot `n`; returns how many processes it held.
+    fn kill_slot(&self, n: u64) -> usize {
         let name = name(n);
         if !self.v1 && self.write(&name, "cgroup.kill", "1") {
-            return Some(self.members(n).len());
+            return self.members(n).len();
         }
         let frozen = !self.v1 && self.write(&name, "cgroup.freeze", "1");
         if self.v1 {
@@ -243,7 +267,7 @@ impl CommandCgroups {
             // Frozen tasks that got SIGKILL exit once thawed.
             self.write(&name, "cgroup.freeze", "0");
         }
-        Some(pids.len())
+        pids.len()
     }
 
     /// Command `id` ended: its slot is removed once empty (after the shell's next move),

@@ -11,6 +11,7 @@ pub mod driver;
 pub mod files;
 pub mod http;
 pub mod oom;
+pub mod oomkill;
 pub mod service;
 pub mod session;
 pub mod shell;
@@ -241,6 +242,9 @@ async fn serve(
             .ok()
     });
     let (s, jobs) = session::Session::new(dir.clone(), limits, cwd, spec.flavor, cgroups);
+    if let Some(fd) = cfg.session_oom_fd {
+        oomkill::watch(fd, s.clone());
+    }
     let ctl = pipe::OpenOptions::new()
         .read_write(true)
         .open_receiver(s.ctl_path())

@@ -25,9 +25,13 @@ pub fn set_root(dir: &str) {
     }
 }
 
-/// [`kills`] under the root set by [`set_root`]; `None` when none was set.
+/// [`kills`] under the root set by [`set_root`], plus this chronus's own kills of its
+/// session's commands on an OOM ([`super::oomkill`]: its SIGKILL may reach the process
+/// before the kernel's does, which then counts nothing); `None` when no root was set.
 pub fn count() -> Option<u64> {
-    ROOT.get().and_then(|r| kills(r))
+    ROOT.get()
+        .and_then(|r| kills(r))
+        .map(|n| n + super::oomkill::kills())
 }
 
 /// How deep below the sandbox's cgroup counters are summed (bounds the walk).
