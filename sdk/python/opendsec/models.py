@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from opendsec import _args
 from opendsec._pb import opendsec_pb2, runtime_pb2, types_pb2
 
 __all__ = [
@@ -72,22 +73,24 @@ class DSecRunArgs:
     def to_spec(self) -> types_pb2.SandboxSpec:
         """Returns the protobuf ``SandboxSpec`` these arguments ask for."""
         return types_pb2.SandboxSpec(
-            backend=self.backend,
-            image=self._image(),
-            cpu_cores_limit=float(self.cpu_cores_limit),
-            memory_limit_mb=int(self.memory_limit_mb),
-            gpus=int(self.gpus),
-            gpu_mode=self.gpu_mode,
-            disk_mb=int(self.disk_mb),
-            ttl_running_stop=int(self.ttl_running_stop),
-            ttl_max=int(self.ttl_max),
-            network_rules={str(k): bool(v) for k, v in (self.network_rules or {}).items()},
-            init_user=self.init_user,
-            task_id=self.task_id,
-            qos=self.qos,
-            labels={str(k): str(v) for k, v in (self.labels or {}).items()},
-            readonly_paths=[str(p) for p in (self.readonly_paths or [])],
-            masked_paths=[str(p) for p in (self.masked_paths or [])],
+            backend=_args.text("backend", self.backend),
+            image=_args.text("image", self._image()),
+            cpu_cores_limit=_args.number("cpu_cores_limit", self.cpu_cores_limit),
+            memory_limit_mb=_args.integer("memory_limit_mb", self.memory_limit_mb),
+            gpus=_args.integer("gpus", self.gpus),
+            gpu_mode=_args.text("gpu_mode", self.gpu_mode),
+            disk_mb=_args.integer("disk_mb", self.disk_mb),
+            ttl_running_stop=_args.integer("ttl_running_stop", self.ttl_running_stop),
+            ttl_max=_args.integer("ttl_max", self.ttl_max),
+            network_rules={
+                _args.text("network rule", k): bool(v) for k, v in (self.network_rules or {}).items()
+            },
+            init_user=_args.text("init_user", self.init_user),
+            task_id=_args.text("task_id", self.task_id),
+            qos=_args.text("qos", self.qos),
+            labels={_args.text("label name", k): _args.text("label value", v) for k, v in (self.labels or {}).items()},
+            readonly_paths=[_args.text("readonly path", p) for p in (self.readonly_paths or [])],
+            masked_paths=[_args.text("masked path", p) for p in (self.masked_paths or [])],
         )
 
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Optional, Union
 import grpc
 import grpc.aio
 
+from opendsec import _args
 from opendsec._pb import opendsec_pb2, runtime_pb2, types_pb2
 from opendsec.errors import INVALID, UNAVAILABLE, DSecError, bad_arguments_are_invalid, error_from_rpc
 from opendsec.models import FileInfo, HttpResult, ShellResult
@@ -119,12 +120,12 @@ class Sandbox:
     ) -> runtime_pb2.RunShellRequest:
         return runtime_pb2.RunShellRequest(
             sandbox_id=self.id,
-            cmd=cmd,
-            timeout=float(timeout or 0),
-            session=session,
-            env={str(k): str(v) for k, v in (env or {}).items()},
-            cwd=cwd or "",
-            user=user or "",
+            cmd=_args.text("cmd", cmd),
+            timeout=_args.optional_number("timeout", timeout),
+            session=_args.session(session),
+            env=_args.env(env),
+            cwd=_args.optional_text("cwd", cwd),
+            user=_args.optional_text("user", user),
             request_id=_new_key(),
             background=background,
         )
@@ -183,7 +184,7 @@ class Sandbox:
         """
         req = runtime_pb2.GetOutputRequest(
             sandbox_id=self.id,
-            session=session,
+            session=_args.session(session),
             cmd_id=int(cmd_id),
             wait=float(wait),
             stdout_offset=int(stdout_offset),
@@ -261,7 +262,7 @@ class Sandbox:
 
     async def close_session(self, session: str) -> None:
         """Ends a session, killing every process it started."""
-        req = runtime_pb2.CloseSessionRequest(sandbox_id=self.id, session=session)
+        req = runtime_pb2.CloseSessionRequest(sandbox_id=self.id, session=_args.session(session))
         await self._client._unary("CloseSession", req, retry=True)
 
     # ---------------------------------------------------------------- files
@@ -316,7 +317,7 @@ class Sandbox:
 
     async def _read_part(self, path: str, offset: int, length: int, session: str) -> bytes:
         req = runtime_pb2.ReadFileRequest(
-            sandbox_id=self.id, path=path, offset=offset, length=length, session=session
+            sandbox_id=self.id, path=_args.path(path), offset=offset, length=length, session=_args.session(session)
         )
         return bytes((await self._client._unary("ReadFile", req, retry=True)).data)
 
@@ -340,7 +341,9 @@ class Sandbox:
             mode: Permission bits, e.g. ``0o755``; 0 for the default.
             append: Append instead of replacing.
         """
-        raw = memoryview(data.encode("utf-8") if isinstance(data, str) else bytes(data))
+        raw = _args.data(data)
+        path = _args.path(path)
+        session = _args.session(session)
         info: Optional[runtime_pb2.FileInfo] = None
         start = 0
         while info is None or start < len(raw):
@@ -360,18 +363,20 @@ class Sandbox:
 
     async def list_dir(self, path: str, session: str = "default") -> list[FileInfo]:
         """Lists a directory."""
-        req = runtime_pb2.PathRequest(sandbox_id=self.id, path=path, session=session)
+        req = runtime_pb2.PathRequest(sandbox_id=self.id, path=_args.path(path), session=_args.session(session))
         resp = await self._client._unary("ListDir", req, retry=True)
         return [FileInfo.from_pb(e) for e in resp.entries]
 
     async def stat(self, path: str, session: str = "default") -> FileInfo:
         """A file's information."""
-        req = runtime_pb2.PathRequest(sandbox_id=self.id, path=path, session=session)
+        req = runtime_pb2.PathRequest(sandbox_id=self.id, path=_args.path(path), session=_args.session(session))
         return FileInfo.from_pb(await self._client._unary("Stat", req, retry=True))
 
     async def remove(self, path: str, recursive: bool = False, session: str = "default") -> None:
         """Removes a file; ``recursive=True`` removes a directory and its contents. Not retried."""
-        req = runtime_pb2.RemoveRequest(sandbox_id=self.id, path=path, recursive=recursive, session=session)
+        req = runtime_pb2.RemoveRequest(
+            sandbox_id=self.id, path=_args.path(path), recursive=bool(recursive), session=_args.session(session)
+        )
         await self._client._unary("Remove", req, retry=False)
 
     # ---------------------------------------------------------------- HTTP

@@ -656,6 +656,42 @@ async def test_wrong_argument_types_are_invalid_not_python_exceptions():
                 raise AssertionError("accepted")
 
 
+async def test_arguments_python_would_convert_are_invalid_and_nothing_is_sent(fake):
+    """``int("512")``, ``float("5")`` and ``bytes(5)`` succeed in Python, and a NUL cuts a
+    string short in the sandbox: none of them may reach the server as something else."""
+    async with client_for(fake.addr) as c:
+        sb = await new_sandbox(c)
+        creates = fake.service.calls["CreateSandbox"]
+        before = dict(fake.service.calls)
+        bad = {
+            "memory_limit_mb as str": lambda: c.run_sandbox(DSecRunArgs(backend="sim", memory_limit_mb="512")),
+            "cpu as str": lambda: c.run_sandbox(DSecRunArgs(backend="sim", cpu_cores_limit="1")),
+            "disk_mb as float": lambda: c.run_sandbox(DSecRunArgs(backend="sim", disk_mb=1.5)),
+            "ttl as bool": lambda: c.run_sandbox(DSecRunArgs(backend="sim", ttl_max=True)),
+            "label value as int": lambda: c.run_sandbox(DSecRunArgs(backend="sim", labels={"step": 3})),
+            "timeout as str": lambda: sb.run_shell("true", timeout="5"),
+            "empty session": lambda: sb.run_shell("true", session=""),
+            "NUL in cmd": lambda: sb.run_shell("echo a\0; rm -rf /x"),
+            "env with =": lambda: sb.run_shell("true", env={"A=B": "c"}),
+            "env value as int": lambda: sb.run_shell("true", env={"A": 1}),
+            "background NUL": lambda: sb.run_shell_background("sleep 1\0"),
+            "data as int": lambda: sb.write_file("/tmp/x", 5),
+            "data as list": lambda: sb.write_file("/tmp/x", [1, 2]),
+            "empty path": lambda: sb.write_file("", b"x"),
+            "NUL in path": lambda: sb.read_file("/etc/passwd\0.txt"),
+            "session of stat": lambda: sb.stat("/tmp", session=""),
+        }
+        for what, call in bad.items():
+            with pytest.raises(DSecError) as ei:
+                await call()
+            assert ei.value.reason == opendsec.INVALID, (what, ei.value)
+        assert dict(fake.service.calls) == before, "a bad argument reached the server"
+        assert fake.service.calls["CreateSandbox"] == creates
+        # numpy-like integers and ints for floats still work.
+        r = await sb.run_shell("true", timeout=5)
+        assert r.exit_code == 0
+
+
 def test_a_message_over_grpcs_size_limit_is_invalid_not_rate_limited():
     """gRPC's own size check answers RESOURCE_EXHAUSTED; that is a bad request (docs/python-sdk.md
     "Files"), while a bare RESOURCE_EXHAUSTED from elsewhere stays rate_limited."""
