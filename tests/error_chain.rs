@@ -127,6 +127,38 @@ fn a_bad_command_line_exits_2_and_help_exits_0_in_single_dash_style() {
     );
 }
 
+/// Usage errors a fresh user met that used to be accepted: a `-log` word that is no level
+/// (it logged nothing), `cluster` without a command (exit 0), and clusters of no edge or
+/// apiserver (one was started instead). Each exits 2 with an `error:` line naming the value.
+#[test]
+fn usage_errors_exit_2_and_name_what_was_wrong() {
+    for (args, want) in [
+        (&["iam", "-log", "verbose"][..], "-log \"verbose\""),
+        (
+            &["edge", "-log", "info,loud"][..],
+            "\"loud\" is not a log level",
+        ),
+        (
+            &["cluster", "up", "-log", "verbose"][..],
+            "-log \"verbose\"",
+        ),
+        (&["cluster"][..], "missing cluster command"),
+        (&["cluster", "up", "-sim-edges", "0"][..], "-sim-edges 0"),
+        (&["cluster", "up", "-apiservers", "0"][..], "-apiservers 0"),
+    ] {
+        let r = common::run(args, &[]);
+        assert!(
+            r.code != 0 && r.err.starts_with("error: ") && r.err.contains(want),
+            "{args:?}: exit {} {}",
+            r.code,
+            r.err
+        );
+    }
+    for args in [&["iam", "-log", "verbose"][..], &["cluster"][..]] {
+        assert_eq!(common::run(args, &[]).code, 2, "{args:?}");
+    }
+}
+
 #[test]
 fn a_log_written_to_a_file_has_no_colour_codes() {
     let c = common::cluster_up(&common::UpOptions {

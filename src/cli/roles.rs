@@ -80,7 +80,10 @@ pub fn main(role: &str, args: &[String]) -> ExitCode {
         Ok(f) => f,
         Err(code) => return code,
     };
-    crate::telemetry::init_logging(&flags.log);
+    if let Err(e) = crate::telemetry::init_logging(&flags.log) {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     super::flags::block_on(run(role, flags))
 }
 

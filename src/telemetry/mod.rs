@@ -9,12 +9,37 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 use crate::shutdown::Shutdown;
 
-/// Starts logging to stderr at `level` (`error`, `warn`, `info`, `debug`, or a filter).
-/// Colours only when stderr is a terminal: a log redirected to a file stays plain text.
-pub fn init_logging(level: &str) {
+/// The log levels `-log` takes as a single word.
+const LEVELS: &[&str] = &["off", "error", "warn", "info", "debug", "trace"];
+
+/// Checks a `-log` value: a level (`error`, `warn`, `info`, `debug`, `trace`, `off`) or a
+/// filter of comma-separated directives, each a level or `target=level` (e.g.
+/// `info,opendsec::roles::edge=debug`). A bare word that is not a level is refused: the
+/// filter syntax would take it for a target name and log nothing else (`-log verbose`).
+/// Errors: a message naming the value.
+pub fn check_log_level(level: &str) -> Result<(), String> {
+    let bad = |why: &str| format!("-log {level:?}: {why}; use one of {}", LEVELS.join(", "));
+    if level.trim().is_empty() {
+        return Err(bad("empty"));
+    }
+    for part in level.split(',') {
+        let part = part.trim();
+        if !part.contains('=') && !LEVELS.contains(&part.to_ascii_lowercase().as_str()) {
+            return Err(bad(&format!("{part:?} is not a log level")));
+        }
+    }
+    tracing_subscriber::EnvFilter::try_new(level)
+        .map(drop)
+        .map_err(|e| bad(&e.to_string()))
+}
+
+/// Starts logging to stderr at `level` (see [`check_log_level`]). Colours only when stderr
+/// is a terminal: a log redirected to a file stays plain text. Errors: the level is not
+/// valid (nothing is started then).
+pub fn init_logging(level: &str) -> Result<(), String> {
     use std::io::IsTerminal;
-    let filter = tracing_subscriber::EnvFilter::try_new(level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    check_log_level(level)?;
+    let filter = tracing_subscriber::EnvFilter::try_new(level).map_err(|e| e.to_string())?;
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
@@ -24,6 +49,31 @@ pub fn init_logging(level: &str) {
     // Metrics recorded before a recorder exists are dropped, and some gauges are set only once
     // at start: install it together with logging, before any role runs.
     let _ = metrics_handle();
+    Ok(())
+}
+
+#[cfg(test)]
+mod log_level_tests {
+    use super::check_log_level;
+
+    #[test]
+    fn levels_and_filters_pass_and_other_words_are_refused() {
+        for ok in [
+            "info",
+            "WARN",
+            "debug",
+            "off",
+            "info,opendsec::roles::edge=debug",
+            "h2=warn",
+        ] {
+            assert_eq!(check_log_level(ok), Ok(()), "{ok}");
+        }
+        for bad in ["verbose", "", "info,loud", "  "] {
+            let e = check_log_level(bad).expect_err(bad);
+            assert!(e.starts_with(&format!("-log {bad:?}")), "{e}");
+            assert!(e.contains("error, warn, info"), "{e}");
+        }
+    }
 }
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();

@@ -280,7 +280,7 @@ pub fn main(args: &[String]) -> ExitCode {
         Ok(f) => f,
         Err(code) => return code,
     };
-    crate::telemetry::init_logging("warn");
+    let _ = crate::telemetry::init_logging("warn");
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

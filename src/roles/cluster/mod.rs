@@ -10,13 +10,22 @@ pub use local::{LocalCluster, UpOptions};
 
 use std::process::ExitCode;
 
-/// Entry for `opendsec cluster <sub> ...`.
+const CLUSTER_USAGE: &str =
+    "usage: opendsec cluster up [flags]   (see `opendsec cluster up -help`)";
+
+/// Entry for `opendsec cluster <sub> ...`: exit 0 for help, 2 for a missing or unknown
+/// command.
 pub fn main(args: Vec<String>) -> ExitCode {
     match args.first().map(String::as_str) {
         Some("up") => up::main(args.get(1..).unwrap_or_default()),
-        Some("-h") | Some("--help") | Some("-help") | Some("help") | None => {
-            println!("usage: opendsec cluster up [flags]   (see `opendsec cluster up --help`)");
+        Some("-h") | Some("--help") | Some("-help") | Some("help") => {
+            println!("{CLUSTER_USAGE}");
             ExitCode::SUCCESS
+        }
+        // No command is a usage error, as for any other command that needs one.
+        None => {
+            eprintln!("error: invalid: missing cluster command\n{CLUSTER_USAGE}");
+            ExitCode::from(2)
         }
         Some(other) => {
             eprintln!("error: invalid: unknown cluster command {other:?}; known: up");

@@ -76,7 +76,10 @@ pub fn main(args: &[String]) -> ExitCode {
         Ok(f) => f,
         Err(code) => return code,
     };
-    crate::telemetry::init_logging(&f.log);
+    if let Err(e) = crate::telemetry::init_logging(&f.log) {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     crate::cli::flags::block_on(run(f))
 }
 
@@ -92,6 +95,13 @@ async fn run(f: UpFlags) -> anyhow::Result<()> {
     use anyhow::{bail, Context};
     if f.tls {
         bail!("invalid: -tls is not built yet; run without it (plaintext on loopback)");
+    }
+    if f.config.is_empty() && f.sim_edges == 0 {
+        // A cluster of no edge runs nothing; one edge used to start in its place.
+        bail!("invalid: -sim-edges 0: a cluster needs at least one edge");
+    }
+    if f.config.is_empty() && f.apiservers == 0 {
+        bail!("invalid: -apiservers 0: a cluster needs at least one apiserver");
     }
     if !f.microvm_kernel.is_empty() {
         bail!("invalid: -microvm-kernel: the microvm backend is not built yet");
