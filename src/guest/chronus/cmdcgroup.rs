@@ -226,11 +226,11 @@ impl CommandCgroups {
         Some(self.kill_slot(n))
     }
 
-    /// One pass of killing everything the session runs but its shell: every command's
-    /// slot, running or ended (what an ended command left running is still there), except
-    /// the one the shell is in and the free one it waits in. Returns how many processes
-    /// those slots held. For a session out of memory (docs/sessions.md "Out of memory").
-    pub fn kill_all_but_shell(&self) -> usize {
+    /// The slots of everything the session runs but its shell: every command's slot,
+    /// running or ended (what an ended command left running is still there), except the
+    /// one the shell is in and the free one it waits in. For a session out of memory
+    /// (docs/sessions.md "Out of memory"), killed with [`kill_slots`](Self::kill_slots).
+    pub fn command_slots(&self) -> Vec<u64> {
         let spare = {
             let sh = lock(&self.shell);
             [sh.free, sh.moving.as_ref().map(|(n, _)| *n)]
@@ -241,7 +241,18 @@ impl CommandCgroups {
         slots
             .into_iter()
             .filter(|n| *n != shell_at && !spare.contains(&Some(*n)))
-            .map(|n| self.kill_slot(n))
+            .collect()
+    }
+
+    /// One pass of killing everything in `slots` (from [`command_slots`](Self::command_slots):
+    /// a command started since has a slot of its own, which is left alone), the shell's
+    /// slot never; returns how many processes they held.
+    pub fn kill_slots(&self, slots: &[u64]) -> usize {
+        let shell_at = self.shell_at.load(Ordering::Relaxed);
+        slots
+            .iter()
+            .filter(|n| **n != shell_at)
+            .map(|n| self.kill_slot(*n))
             .sum()
     }
 

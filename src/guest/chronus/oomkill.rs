@@ -69,9 +69,11 @@ fn kill_all(s: &Session) {
     let Some(cg) = &s.cgroups else { return };
     // Counted before the first signal: a command it ends reads the count after its end.
     KILLS.fetch_add(1, Ordering::SeqCst);
+    // The slots of the moment: a command the caller starts meanwhile is not killed.
+    let slots = cg.command_slots();
     let mut first = 0;
     for pass in 0..KILL_PASSES {
-        let n = cg.kill_all_but_shell();
+        let n = cg.kill_slots(&slots);
         if pass == 0 {
             first = n;
         }
