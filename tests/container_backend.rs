@@ -101,8 +101,12 @@ fn leftovers(state: &Path, edge: &str, id: &str) -> Vec<String> {
             }
         }
     }
+    // Prepared disks (spares, docs/architecture.md "Prepared disks") are the backend's own,
+    // not a sandbox's; `prepared_disks_are_taken_and_none_outlives_the_backend` counts them.
     for (dev, backing) in opendsec::sys::loopdev::attached(state) {
-        out.push(format!("{} -> {}", dev.display(), backing.display()));
+        if !backing.to_string_lossy().contains("/.spare/") {
+            out.push(format!("{} -> {}", dev.display(), backing.display()));
+        }
     }
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     for l in mounts.lines().filter(|l| l.contains(id)) {
@@ -574,6 +578,14 @@ async fn oom_killed_tells_the_oom_killer_from_kill_9() {
         .sh("default", "python3 -c 'x = bytearray(1 << 30)'")
         .await;
     assert_eq!((r.exit_code, r.oom_killed), (137, true), "{r:?}");
+    // chronus's kill of the session's commands on that OOM does not reach the next ones
+    // (its passes used to go on over commands started meanwhile).
+    let r = sb.sh("default", "sleep 0.3; echo after").await;
+    assert_eq!(
+        (r.exit_code, r.stdout.as_slice()),
+        (0, &b"after\n"[..]),
+        "{r:?}"
+    );
     let r = sb.sh("default", "sh -c 'kill -9 $$'").await;
     assert_eq!((r.exit_code, r.oom_killed), (137, false), "{r:?}");
     let r = sb.sh("default", "echo ok").await;
@@ -1334,4 +1346,80 @@ async fn a_timeout_stops_the_whole_command_fork_storms_included() {
 
     b.stop(&h).await.expect("stop");
     b.release_node().await.expect("release");
+}
+
+/// The loop devices of prepared disks (spare images) under `state`.
+fn spare_devices(state: &Path) -> Vec<PathBuf> {
+    opendsec::sys::loopdev::attached(state)
+        .into_iter()
+        .filter(|(_, backing)| backing.to_string_lossy().contains("/.spare/"))
+        .map(|(dev, _)| dev)
+        .collect()
+}
+
+async fn wait_for_spares(state: &Path, n: usize) {
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while spare_devices(state).len() != n {
+        assert!(
+            std::time::Instant::now() < end,
+            "{} prepared disks, wanted {n}",
+            spare_devices(state).len()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+/// Prepared disks (docs/architecture.md "Prepared disks"): the backend keeps two disks of
+/// its default size attached and mounted ahead of time; a creation of that size takes one
+/// (the sandbox's loop device was a spare's, and it works as the sandbox's disk), another
+/// is made, and releasing the node leaves no loop device, mount or spare image behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepared_disks_are_taken_and_none_outlives_the_backend() {
+    if !root_or_skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let state = tmp.path();
+    let b = backend(state, "cb-pd");
+    wait_for_spares(state, 2).await;
+    let spares: HashSet<PathBuf> = spare_devices(state).into_iter().collect();
+    let mut s = spec();
+    s.disk_mb = BackendConfig::default().default_disk_mb();
+    let id = "cb-pd.a".to_string();
+    let st = b
+        .create(&CreateRequest {
+            sandbox_id: id.clone(),
+            project: "root".into(),
+            spec: s.clone(),
+        })
+        .await
+        .expect("create");
+    let dev = st["loop_device"].as_str().expect("loop_device").to_string();
+    let minor = dev.split_once(':').map(|(_, m)| m).unwrap_or_default();
+    assert!(
+        spares.contains(&PathBuf::from(format!("/dev/loop{minor}"))),
+        "the sandbox's disk {dev} was not one of the prepared {spares:?}"
+    );
+    let h = Handle {
+        sandbox_id: &id,
+        spec: &s,
+        state: &st,
+    };
+    let r = shell(
+        &b,
+        &h,
+        "echo kept > /tmp/f && cat /tmp/f && df -k / | tail -1",
+    )
+    .await;
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    assert!(r.exit_code == 0 && out.starts_with("kept\n"), "{r:?}");
+    wait_for_spares(state, 2).await;
+    b.stop(&h).await.expect("stop");
+    b.release_node().await.expect("release");
+    assert_eq!(spare_devices(state), Vec::<PathBuf>::new());
+    assert_eq!(leftovers(state, "cb-pd", &id), Vec::<String>::new());
+    let spare_dir = state.join("cb-pd").join("disks").join(".spare");
+    assert!(!spare_dir.exists(), "{} is left", spare_dir.display());
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    assert!(!mounts.contains(".spare"), "{mounts}");
 }

@@ -58,6 +58,9 @@ pub struct BackendConfig {
     pub core_sched: Option<bool>,
     // linux
     pub pids_max: i64,
+    /// Disks of each size kept attached and mounted ahead of their sandboxes
+    /// (docs/architecture.md "Prepared disks"); `None`: 2; 0: none.
+    pub prepared_disks: Option<i64>,
     pub pause_reclaim: bool,
     pub warm_pool: BTreeMap<String, i64>,
     pub layer_cache: Option<bool>,

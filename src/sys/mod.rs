@@ -4,6 +4,7 @@
 #![allow(unsafe_code)]
 
 pub mod loopdev;
+pub mod mountfd;
 
 use std::io;
 

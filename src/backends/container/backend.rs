@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -19,7 +19,10 @@ use tonic::transport::Channel;
 use super::agent::{self, SetupExe};
 use super::cgroup::{CgroupError, Cgroups, DiskIo, Limits, SandboxCgroup};
 use super::disk::Disks;
-use super::setup::{self, SetupResult, SetupSpec, AGENT_PATH, LISTEN_FD, RUN_DIR, WORKLOAD_FD};
+use super::diskpool::{DiskPool, PreparedDisk};
+use super::setup::{
+    self, PreparedDiskRef, SetupResult, SetupSpec, AGENT_PATH, LISTEN_FD, RUN_DIR, WORKLOAD_FD,
+};
 use crate::backends::{
     Adopted, Backend, BackendContext, BackendError, BackendState, CleanupReport, CreateRequest,
     Handle, Health, Recorded, Runtime,
@@ -74,6 +77,8 @@ pub struct ContainerBackend {
     dir: PathBuf,
     cgroups: Cgroups,
     disks: Disks,
+    /// Disks made ahead of their sandboxes.
+    pool: Arc<DiskPool>,
     setup: SetupExe,
     agent: PathBuf,
     channels: Mutex<HashMap<String, Channel>>,
@@ -140,6 +145,9 @@ impl ContainerBackend {
             )
         })?;
         let disks = Disks::new(base.join("disks"));
+        let depth = cfg.prepared_disks.unwrap_or(2).clamp(0, 64) as usize;
+        let pool = DiskPool::new(disks.clone(), depth);
+        pool.fill(cfg.default_disk_mb().max(1) as u64);
         // The agent and the setup program are this same executable; `agent_dir` may hold
         // another build of it (tests run the backend inside a test harness).
         let src = ["opendsec-aether", "opendsec"]
@@ -171,6 +179,7 @@ impl ContainerBackend {
             dir,
             cgroups,
             disks,
+            pool,
             setup,
             agent,
             channels: Mutex::new(HashMap::new()),
@@ -226,6 +235,7 @@ impl ContainerBackend {
             sandbox_id: id.clone(),
             dir: self.sandbox_dir(id),
             disk_image: self.disks.path(id),
+            prepared_disk: None,
             lowers,
             cgroup,
             cgroup_mounts: cg.mounts(),
@@ -725,6 +735,8 @@ impl Backend for ContainerBackend {
     }
 
     async fn release_node(&self) -> Result<(), BackendError> {
+        let pool = self.pool.clone();
+        let _ = tokio::task::spawn_blocking(move || pool.clear()).await;
         let cgroups = self.cgroups.clone();
         let step = "removing the edge's cgroup parent";
         match tokio::task::spawn_blocking(move || cgroups.remove_parents()).await {
@@ -777,24 +789,36 @@ impl ContainerBackend {
         );
         let disk_mb = spec.disk_mb.max(1) as u64;
         let limits2 = limits.clone();
-        let cg = tokio::task::spawn_blocking(move || -> Result<SandboxCgroup, String> {
-            std::fs::create_dir_all(&dir2)
-                .map_err(|e| format!("{}: {e}", dir2.display(), e = crate::types::chain(&e)))?;
-            disks
-                .create(&id2, disk_mb)
-                .map_err(|e| crate::types::chain(&e))?;
-            cgroups
-                .create(&id2, &limits2)
-                .map_err(|e| crate::types::chain(&e))
-        })
+        let pool = self.pool.clone();
+        let (cg, prepared) = tokio::task::spawn_blocking(
+            move || -> Result<(SandboxCgroup, Option<PreparedDisk>), String> {
+                std::fs::create_dir_all(&dir2)
+                    .map_err(|e| format!("{}: {e}", dir2.display(), e = crate::types::chain(&e)))?;
+                let prepared = pool.take(&id2, disk_mb);
+                if prepared.is_none() {
+                    disks
+                        .create(&id2, disk_mb)
+                        .map_err(|e| crate::types::chain(&e))?;
+                }
+                let cg = cgroups
+                    .create(&id2, &limits2)
+                    .map_err(|e| crate::types::chain(&e))?;
+                Ok((cg, prepared))
+            },
+        )
         .await
         .map_err(|e| create_err(id, e))?
         .map_err(|e| create_err(id, e))?;
-        let setup_spec = self.setup_spec(req, lowers, &cg, &limits);
-        let res = self
-            .run_setup(&setup_spec)
-            .await
-            .map_err(|e| create_err(id, e))?;
+        let mut setup_spec = self.setup_spec(req, lowers, &cg, &limits);
+        setup_spec.prepared_disk = prepared.as_ref().map(|p| PreparedDiskRef {
+            edge_pid: std::process::id(),
+            mount_fd: p.mount_fd(),
+            device: p.device_number(),
+        });
+        let res = self.run_setup(&setup_spec).await;
+        // The sandbox's mount holds the prepared disk now (or it failed and the disk goes).
+        drop(prepared);
+        let res = res.map_err(|e| create_err(id, e))?;
         if let (Some(io), Some((maj, min))) = (&self.disk_io, res.loop_device.split_once(':')) {
             if let (Ok(maj), Ok(min)) = (maj.parse(), min.parse()) {
                 cg.set_disk_io(maj, min, io)

@@ -23,6 +23,8 @@ const TEMPLATE_FORMAT: u32 = 1;
 pub const DISK_LABEL: &str = "opendsec";
 /// Image file suffix.
 const IMG: &str = ".img";
+/// Where spare images for prepared disks are made, below the disks directory.
+const SPARE_DIR: &str = ".spare";
 
 /// A failed disk step, with the path it failed on.
 #[derive(Debug, thiserror::Error)]
@@ -100,6 +102,50 @@ impl Disks {
             let _ = fs::remove_file(&tmp);
         }
         renamed.map(|()| path)
+    }
+
+    /// Makes a spare image of `size_mb` MiB for the prepared disks (`<dir>/.spare/`, see
+    /// `diskpool`), as [`create`](Self::create) makes a sandbox's; [`adopt`](Self::adopt)
+    /// gives it to a sandbox. Errors: as `create`.
+    pub fn create_spare(&self, size_mb: u64) -> Result<PathBuf, DiskError> {
+        if size_mb == 0 {
+            return Err(DiskError::InvalidSize { size_mb });
+        }
+        let template = self.template(size_mb)?;
+        let dir = self.dir.join(SPARE_DIR);
+        fs::create_dir_all(&dir).map_err(|source| DiskError::CreateDir {
+            path: dir.clone(),
+            source,
+        })?;
+        let path = dir.join(format!("{size_mb}-{}{IMG}", unique()));
+        sparse_copy(&template, &path).map_err(|source| {
+            let _ = fs::remove_file(&path);
+            DiskError::Copy {
+                from: template.clone(),
+                to: path.clone(),
+                source,
+            }
+        })?;
+        Ok(path)
+    }
+
+    /// Renames spare image `spare` to sandbox `sandbox_id`'s image (a loop device on it
+    /// follows the file). Errors: `InvalidId`, `Rename`.
+    pub fn adopt(&self, spare: &Path, sandbox_id: &str) -> Result<PathBuf, DiskError> {
+        check_id(sandbox_id)?;
+        let path = self.path(sandbox_id);
+        fs::rename(spare, &path).map_err(|source| DiskError::Rename {
+            from: spare.to_path_buf(),
+            to: path.clone(),
+            source,
+        })?;
+        Ok(path)
+    }
+
+    /// Deletes every spare image (at the edge's start and end: a spare's loop device and
+    /// mount went with the process that held them).
+    pub fn remove_spares(&self) {
+        let _ = fs::remove_dir_all(self.dir.join(SPARE_DIR));
     }
 
     /// Where the sandbox's image is (or would be): `<dir>/<sandbox_id>.img`.

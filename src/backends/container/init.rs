@@ -107,6 +107,16 @@ fn run(spec: &SetupSpec) -> Result<SetupResult, InitError> {
         workload.push(sys("open workload cgroup directory", f)?);
     }
 
+    // Copied while the edge is still this process's parent (the sandbox's PID 1, forked
+    // below, is not its child); attached by that PID 1 in the sandbox's mount namespace.
+    let prepared = match &spec.prepared_disk {
+        Some(p) => Some(sys(
+            "copy the prepared disk from the edge",
+            crate::sys::mountfd::fd_of_parent(p.edge_pid, p.mount_fd),
+        )?),
+        None => None,
+    };
+
     sys(
         "unshare",
         unshare(
@@ -130,7 +140,7 @@ fn run(spec: &SetupSpec) -> Result<SetupResult, InitError> {
     match sys("fork", fork_single_threaded())? {
         Forked::Child => {
             drop(r);
-            let err = match child(spec, &w, &workload) {
+            let err = match child(spec, &w, &workload, prepared) {
                 Ok(never) => match never {},
                 Err(e) => e,
             };
@@ -139,7 +149,7 @@ fn run(spec: &SetupSpec) -> Result<SetupResult, InitError> {
             std::process::exit(1);
         }
         Forked::Parent { child } => {
-            drop(w);
+            drop((w, prepared));
             let mut msg = String::new();
             let _ = std::fs::File::from(r).read_to_string(&mut msg);
             match msg.strip_prefix("ok ") {
@@ -167,18 +177,35 @@ fn child(
     spec: &SetupSpec,
     report: &OwnedFd,
     workload: &[std::fs::File],
+    prepared: Option<OwnedFd>,
 ) -> Result<Infallible, InitError> {
     rootfs::make_private()?;
     let (disk, root) = rootfs::scratch(&spec.dir)?;
-    let dev = sys(
-        "attach loop device",
-        LoopDevice::attach(&spec.disk_image, false, true),
-    )?;
-    let (major, minor) = dev.major_minor();
-    rootfs::overlay(dev.path(), &disk, &root, &spec.lowers)?;
-    // The mount now holds the device; with autoclear it frees itself once the sandbox's
-    // mount namespace is gone.
-    drop(dev);
+    let device = match (prepared, &spec.prepared_disk) {
+        (Some(mount), Some(p)) => {
+            // Attached and mounted by the edge ahead of time; its mount now moves into the
+            // sandbox's namespace, and holds the device from then on.
+            sys(
+                "attach the prepared disk",
+                crate::sys::mountfd::attach(mount.as_fd(), &disk),
+            )?;
+            drop(mount);
+            rootfs::overlay_on(&disk, &root, &spec.lowers)?;
+            p.device.clone()
+        }
+        _ => {
+            let dev = sys(
+                "attach loop device",
+                LoopDevice::attach(&spec.disk_image, false, true),
+            )?;
+            let (major, minor) = dev.major_minor();
+            rootfs::overlay(dev.path(), &disk, &root, &spec.lowers)?;
+            // The mount now holds the device; with autoclear it frees itself once the
+            // sandbox's mount namespace is gone.
+            drop(dev);
+            format!("{major}:{minor}")
+        }
+    };
     rootfs::populate(&root, spec)?;
     let sock = spec.dir.join("aether.sock");
     let _ = std::fs::remove_file(&sock);
@@ -192,10 +219,7 @@ fn child(
     let core = spec.core_sched && sched_core_create().is_ok();
     policy::install_seccomp()?;
     policy::drop_capabilities()?;
-    let line = format!(
-        "ok {major}:{minor} {}",
-        if core { "core" } else { "nocore" }
-    );
+    let line = format!("ok {device} {}", if core { "core" } else { "nocore" });
     sys("report", nix::unistd::write(report, line.as_bytes()))?;
     // From here on a failure shows as aether never answering; the edge times out and
     // removes the sandbox.

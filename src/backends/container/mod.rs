@@ -4,6 +4,7 @@ pub mod agent;
 mod backend;
 pub mod cgroup;
 pub mod disk;
+pub mod diskpool;
 pub mod image;
 pub mod init;
 pub mod policy;

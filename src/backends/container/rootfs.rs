@@ -116,6 +116,12 @@ pub fn overlay(
         MsFlags::MS_NODEV,
         None,
     )?;
+    overlay_on(disk, root, lowers)
+}
+
+/// Mounts the overlay root on top of the image's lowers, its upper layer in `disk` (the
+/// writable layer, mounted there already: by [`overlay`], or a prepared disk attached).
+pub fn overlay_on(disk: &Path, root: &Path, lowers: &[PathBuf]) -> Result<(), RootfsError> {
     let (upper, work) = (disk.join("upper"), disk.join("work"));
     mkdir(&upper, 0o755)?;
     mkdir(&work, 0o700)?;

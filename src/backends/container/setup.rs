@@ -18,6 +18,9 @@ pub struct SetupSpec {
     pub dir: PathBuf,
     /// The sparse ext4 image holding the writable upper layer.
     pub disk_image: PathBuf,
+    /// A disk the edge prepared (docs/architecture.md "Prepared disks"): attached and
+    /// mounted already, to be copied from the edge and attached in place of `disk_image`.
+    pub prepared_disk: Option<PreparedDiskRef>,
     /// The image's lower directories, topmost first.
     pub lowers: Vec<PathBuf>,
     /// How the setup process joins the sandbox's cgroups: the sandbox's own before
@@ -37,6 +40,16 @@ pub struct SetupSpec {
     pub core_sched: bool,
     /// aether's configuration, written to [`AETHER_CONFIG`] inside.
     pub aether: AetherConfig,
+}
+
+/// Where a prepared disk's detached mount is: fd `mount_fd` of the edge, process
+/// `edge_pid` (the setup process's parent), on loop device `device` (`major:minor`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PreparedDiskRef {
+    pub edge_pid: u32,
+    pub mount_fd: i32,
+    pub device: String,
 }
 
 /// The setup process's answer.
