@@ -115,6 +115,7 @@ impl Session {
         CmdFiles {
             next: self.next_state_path(),
             script: self.dir.join("cmd").join(format!("{id}.sh")),
+            line: self.dir.join("cmd").join(format!("{id}.line")),
             out: self.dir.join("io").join(format!("{id}.out")),
             err: self.dir.join("io").join(format!("{id}.err")),
             ctl: self.ctl_path(),
@@ -186,15 +187,25 @@ impl Session {
         } else {
             shell::foreground_line(self.flavor, id, &files, &req.cwd, &env)
         };
-        if let Err(e) = self.prepare(id, &files, &req.cmd) {
-            lock(&self.table).remove(id);
-            // The session's paths are internal: logged, never told to the caller.
-            tracing::warn!(cmd_id = id, dir = %self.dir.display(), error = %e, "cannot prepare a command");
-            return Err(Failure::internal(format!(
-                "cannot prepare command {id}: {}",
-                e.kind()
-            )));
-        }
+        let prepared = self.prepare(id, &files, &req.cmd).and_then(|()| {
+            if self.flavor != shell::Flavor::Bash {
+                return Ok(line);
+            }
+            write_private(&files.line, line.as_bytes())?;
+            Ok(shell::eval_line(&files.line))
+        });
+        let line = match prepared {
+            Ok(l) => l,
+            Err(e) => {
+                lock(&self.table).remove(id);
+                // The session's paths are internal: logged, never told to the caller.
+                tracing::warn!(cmd_id = id, dir = %self.dir.display(), error = %e, "cannot prepare a command");
+                return Err(Failure::internal(format!(
+                    "cannot prepare command {id}: {}",
+                    e.kind()
+                )));
+            }
+        };
         let job = Job {
             id,
             line,
@@ -211,13 +222,7 @@ impl Session {
 
     /// Writes the script, makes the two FIFOs and starts their readers.
     fn prepare(self: &Arc<Self>, id: i64, f: &CmdFiles, cmd: &str) -> std::io::Result<()> {
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&f.script)
-            .and_then(|mut file| std::io::Write::write_all(&mut file, cmd.as_bytes()))?;
+        write_private(&f.script, cmd.as_bytes())?;
         let mut keepers = Vec::new();
         let mut drains = Vec::new();
         for (which, path) in [(Stream::Out, &f.out), (Stream::Err, &f.err)] {
@@ -297,7 +302,7 @@ impl Session {
             c.changed.send_modify(|v| *v += 1);
         }
         let f = self.files(id);
-        for p in [f.script, f.out, f.err, f.state, f.kill] {
+        for p in [f.script, f.line, f.out, f.err, f.state, f.kill] {
             let _ = std::fs::remove_file(p);
         }
         if let Some(cg) = &self.cgroups {
@@ -466,6 +471,17 @@ impl Session {
 }
 
 /// The result fields of a snapshot, without output.
+/// Writes `data` to a new file `path` (0600), replacing one that was there.
+fn write_private(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .and_then(|mut file| std::io::Write::write_all(&mut file, data))
+}
+
 fn bare(id: i64, s: &Snap, out_off: i64, err_off: i64) -> pb::ShellResult {
     pb::ShellResult {
         cmd_id: id,

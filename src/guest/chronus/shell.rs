@@ -168,6 +168,9 @@ pub fn valid_env_name(k: &str) -> bool {
 /// Paths of one command's files.
 pub struct CmdFiles {
     pub script: PathBuf,
+    /// With bash: the command's whole line, which the shell reads and `eval`s (see
+    /// [`eval_line`]).
+    pub line: PathBuf,
     pub out: PathBuf,
     pub err: PathBuf,
     pub ctl: PathBuf,
@@ -313,6 +316,17 @@ pub fn init_line(flavor: Flavor, current: &Path, next: &Path) -> String {
              cd -- \"$__opendsec_pwd\" 2>/dev/null; unset __opendsec_pwd; fi\n"
         ),
     }
+}
+
+/// The short line that has bash run the command line kept in file `line` (at the top
+/// level, as if it had come on stdin). bash reads stdin a byte per `read` (it may not read
+/// past a line it runs), so a command's 1.2 KiB line cost as many system calls; from a file
+/// it is one. `eval`, not `.`, so that no message of the shell names the file.
+pub fn eval_line(line: &Path) -> String {
+    format!(
+        "builtin mapfile -d '' __opendsec_l <{}; builtin eval \"builtin unset -v __opendsec_l; ${{__opendsec_l[0]}}\"\n",
+        quote(&line.to_string_lossy())
+    )
 }
 
 /// The code that runs the command's script in the current (sub)shell: read and `eval`ed,
@@ -515,6 +529,7 @@ mod tests {
             state: d.join(format!("{id}.state")),
             next: d.join("next"),
             kill: d.join(format!("{id}.kill")),
+            line: d.join(format!("{id}.line")),
         }
     }
 
