@@ -554,6 +554,23 @@ async fn the_sandbox_root_cannot_trace_or_read_the_agents() {
         };
         assert_eq!(f.get(2), Some(&want), "{l}\n{out}");
     }
+    // aether's config cannot be rewritten, replaced or unmounted by the sandbox's root.
+    let r = sb
+        .sh(
+            "attacker",
+            "echo '{}' > /run/opendsec/aether.json; echo w=$?; \
+             mv /run/opendsec/aether.json /tmp/a 2>/dev/null; echo m=$?; \
+             rm -f /run/opendsec/aether.json 2>/dev/null; echo r=$?; \
+             umount /run/opendsec/aether.json 2>/dev/null || echo u=refused; \
+             head -c 1 /run/opendsec/aether.json 2>/dev/null; echo",
+        )
+        .await;
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    assert_eq!(out, "w=1\nm=1\nr=1\nu=refused\n{\n", "{r:?}");
+    assert!(
+        String::from_utf8_lossy(&r.stderr).contains("Read-only file system"),
+        "{r:?}"
+    );
     // SIGSTOP and SIGKILL to PID 1 from inside do nothing; the agents keep answering.
     let r = sb
         .sh("attacker", "kill -STOP 1; kill -KILL 1; echo sent")

@@ -337,6 +337,25 @@ fn run(root: &Path, spec: &SetupSpec) -> Result<(), RootfsError> {
         &cfg,
         fs::set_permissions(&cfg, fs::Permissions::from_mode(0o600)),
     )?;
+    // Read-only, as the agent is: the sandbox's root (without CAP_SYS_ADMIN) can neither
+    // rewrite it nor remove the mount point (found by a fresh user's trial).
+    let cfg_src = cfg.to_string_lossy().into_owned();
+    m(
+        "bind aether config",
+        Some(&cfg_src),
+        &cfg,
+        None,
+        MsFlags::MS_BIND,
+        None,
+    )?;
+    m(
+        "remount aether config read-only",
+        None,
+        &cfg,
+        None,
+        MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | NOSUID_NODEV_NOEXEC,
+        None,
+    )?;
     mkdir(&inside("/run/opendsec/sessions"), 0o711)
 }
 
