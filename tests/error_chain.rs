@@ -127,9 +127,11 @@ fn a_bad_command_line_exits_2_and_help_exits_0_in_single_dash_style() {
     );
 }
 
-/// Usage errors a fresh user met that used to be accepted: a `-log` word that is no level
-/// (it logged nothing), `cluster` without a command (exit 0), and clusters of no edge or
-/// apiserver (one was started instead). Each exits 2 with an `error:` line naming the value.
+/// Usage errors a fresh user met that used to be accepted or looked like something else: a
+/// `-log` word that is no level (it logged nothing), `cluster` without a command (exit 0),
+/// clusters of no edge or apiserver (one was started instead), `edge` without `-id` (exit 1)
+/// and a flag value that does not parse (no `error:` prefix). Each exits 2 with an `error:`
+/// line naming what was wrong.
 #[test]
 fn usage_errors_exit_2_and_name_what_was_wrong() {
     for (args, want) in [
@@ -145,6 +147,9 @@ fn usage_errors_exit_2_and_name_what_was_wrong() {
         (&["cluster"][..], "missing cluster command"),
         (&["cluster", "up", "-sim-edges", "0"][..], "-sim-edges 0"),
         (&["cluster", "up", "-apiservers", "0"][..], "-apiservers 0"),
+        (&["edge"][..], "-id is required"),
+        (&["apiserver", "-index", "-1"][..], "index"),
+        (&["iam", "-nosuchflag"][..], "nosuchflag"),
     ] {
         let r = common::run(args, &[]);
         assert!(
@@ -154,7 +159,12 @@ fn usage_errors_exit_2_and_name_what_was_wrong() {
             r.err
         );
     }
-    for args in [&["iam", "-log", "verbose"][..], &["cluster"][..]] {
+    for args in [
+        &["iam", "-log", "verbose"][..],
+        &["cluster"][..],
+        &["edge"][..],
+        &["apiserver", "-index", "-1"][..],
+    ] {
         assert_eq!(common::run(args, &[]).code, 2, "{args:?}");
     }
 }

@@ -47,7 +47,14 @@ pub fn parse<T: argh::FromArgs>(
             println!("{}", crate::cli::ctl::single_dash(&e.output));
             std::process::ExitCode::SUCCESS
         } else {
-            eprintln!("{}", crate::cli::ctl::single_dash(&e.output));
+            // A usage error reads as `opendsec ctl`'s do: `error: invalid: ...`.
+            let out = crate::cli::ctl::single_dash(&e.output);
+            let out = out.trim_start();
+            if out.starts_with("error:") {
+                eprintln!("{out}");
+            } else {
+                eprintln!("error: invalid: {out}");
+            }
             std::process::ExitCode::from(2)
         }
     })

@@ -84,6 +84,11 @@ pub fn main(role: &str, args: &[String]) -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
+    if role == "edge" && flags.id.is_empty() {
+        // A usage error (exit 2), found before anything is read or started.
+        eprintln!("error: invalid: -id is required (an edge id, several comma separated, or all)");
+        return ExitCode::from(2);
+    }
     super::flags::block_on(run(role, flags))
 }
 
