@@ -123,10 +123,7 @@ impl Overlay {
     pub fn observe(&mut self, snap: &pb::Snapshot) {
         for e in &snap.edges {
             if let Some(v) = self.placed.get_mut(&e.id) {
-                v.retain(|p| match &p.shown_by {
-                    None => true,
-                    Some((inc, seq)) => *inc == e.incarnation && e.admitted_seq < *seq,
-                });
+                v.retain(|p| !shows(e, p));
             }
             if let Some(v) = self.stopped.get_mut(&e.id) {
                 v.retain(|s| {
@@ -159,7 +156,10 @@ impl Overlay {
     pub fn extra(&self, e: &pb::EdgeState) -> Extra {
         let mut x = Extra::default();
         if let Some(v) = self.placed.get(&e.id) {
-            for p in v {
+            // A placement `e` already counts is skipped here, not only dropped by the next
+            // `observe`: the snapshot that shows it can arrive before the edge's answer
+            // settles it, and no newer one comes while the edge stays unchanged.
+            for p in v.iter().filter(|p| !shows(e, p)) {
                 x.add.add(&p.res);
             }
         }
@@ -180,6 +180,16 @@ impl Overlay {
         self.penalties
             .get(edge)
             .is_some_and(|u| *u > Instant::now())
+    }
+}
+
+/// Whether edge state `e` counts placement `p` itself: a state of the same edge process at or
+/// after the admission that created it, or one of a restarted process (which reports what it
+/// holds).
+fn shows(e: &pb::EdgeState, p: &Placed) -> bool {
+    match &p.shown_by {
+        None => false,
+        Some((inc, seq)) => *inc != e.incarnation || e.admitted_seq >= *seq,
     }
 }
 
@@ -508,6 +518,27 @@ mod tests {
         ov.settle("a", &one, "inc-0", 99, "a.2");
         ov.observe(&snap);
         assert_eq!(ov.extra(&snap.edges[0]).add.cpu_cores, 0.0);
+    }
+
+    #[test]
+    fn a_snapshot_that_shows_a_placement_before_it_settles_counts_it_once() {
+        // The edge's new state reaches the snapshot before its answer to the creation does;
+        // no newer snapshot follows while nothing changes on the edge.
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let mut ov = Overlay::default();
+        let one = req(1.0).res;
+        ov.add("a", one);
+        let mut shown = edge("a", 2.0, 1.0);
+        shown.incarnation = "inc-1".into();
+        shown.admitted_seq = 7;
+        let snap = pb::Snapshot {
+            edges: vec![shown],
+            ..Default::default()
+        };
+        ov.observe(&snap);
+        ov.settle("a", &one, "inc-1", 7, "a.1");
+        assert_eq!(ov.extra(&snap.edges[0]).add.cpu_cores, 0.0);
+        assert!(choose(&snap, &ov, &req(1.0), 2, 0.2, &[], &mut rng).is_ok());
     }
 
     #[test]
