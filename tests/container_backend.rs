@@ -414,6 +414,8 @@ struct Sb {
     id: String,
     spec: pb::SandboxSpec,
     st: opendsec::backends::BackendState,
+    /// Set by [`Sb::stop`]; otherwise dropping stops the sandbox.
+    stopped: bool,
     _tmp: tempfile::TempDir,
 }
 
@@ -435,6 +437,7 @@ impl Sb {
             id,
             spec,
             st,
+            stopped: false,
             _tmp: tmp,
         }
     }
@@ -467,8 +470,45 @@ impl Sb {
             .into_inner()
     }
 
-    async fn stop(self) {
+    async fn stop(mut self) {
         self.b.stop(&self.h()).await.expect("stop");
+        self.stopped = true;
+    }
+}
+
+/// A test that fails midway stops its sandbox all the same: a sandbox left running keeps
+/// its cgroups (named after the test's fixed edge id) for the next run to trip over.
+impl Drop for Sb {
+    fn drop(&mut self) {
+        if self.stopped {
+            return;
+        }
+        let (b, id, spec, state) = (
+            self.b.clone(),
+            self.id.clone(),
+            self.spec.clone(),
+            self.st.clone(),
+        );
+        // On a thread of its own: drop cannot wait on the test's runtime.
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async {
+                let h = Handle {
+                    sandbox_id: &id,
+                    spec: &spec,
+                    state: &state,
+                };
+                if let Err(e) = b.stop(&h).await {
+                    eprintln!("stopping {id} after the test failed: {e}");
+                }
+            });
+        })
+        .join();
     }
 }
 

@@ -70,23 +70,33 @@ pub struct AetherConfig {
     pub session_oom_fd: Option<OomFd>,
 }
 
-/// How a session's out-of-memory events reach its chronus.
+/// How a session's out-of-memory events reach its chronus, with what tells a fresh event
+/// from a stale one: both inherited fds of the session's memory cgroup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OomFd {
+    pub kind: OomKind,
+    /// The fd that signals an OOM (see [`OomKind`]).
+    pub events: i32,
+    /// The cgroup's memory use in bytes, open for reading: v1 `memory.usage_in_bytes`, v2
+    /// `memory.current`. An event only counts while the use is still near the limit.
+    pub usage: i32,
+}
+
+/// Which kind of fd [`OomFd::events`] is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum OomFd {
+pub enum OomKind {
     /// cgroup v1: an eventfd registered for the session's `memory.oom_control` through
     /// `cgroup.event_control`; each OOM adds to its count.
-    Eventfd(i32),
+    Eventfd,
     /// cgroup v2: the session's `memory.events`, open for reading; the kernel flags it
     /// (`POLLPRI`) when a counter changes, and its `oom` and `oom_kill` lines count.
-    MemoryEvents(i32),
+    MemoryEvents,
 }
 
 impl OomFd {
-    /// The fd number.
-    pub fn fd(self) -> i32 {
-        match self {
-            OomFd::Eventfd(fd) | OomFd::MemoryEvents(fd) => fd,
-        }
+    /// The fd numbers, for inheriting them.
+    pub fn fds(self) -> [i32; 2] {
+        [self.events, self.usage]
     }
 }

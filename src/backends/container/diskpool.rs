@@ -43,6 +43,13 @@ impl PreparedDisk {
         let (major, minor) = self.device.major_minor();
         format!("{major}:{minor}")
     }
+
+    /// Unmounts and detaches the disk (closing its fds), then deletes its image.
+    fn discard(self) {
+        let image = self.image.clone();
+        drop(self);
+        let _ = std::fs::remove_file(image);
+    }
 }
 
 /// Prepared disks by size, `depth` of each size that was asked for (the backend's
@@ -115,9 +122,7 @@ impl DiskPool {
                             // Checked under the lock `clear` takes: a disk made meanwhile goes.
                             if pool.is_closed() {
                                 drop(ready);
-                                let image = d.image.clone();
-                                drop(d);
-                                let _ = std::fs::remove_file(image);
+                                d.discard();
                                 break;
                             }
                             ready.entry(size_mb).or_default().push(d);
@@ -153,9 +158,7 @@ impl DiskPool {
             ready.drain().flat_map(|(_, v)| v).collect()
         };
         for d in all {
-            let image = d.image.clone();
-            drop(d);
-            let _ = std::fs::remove_file(image);
+            d.discard();
         }
         self.disks.remove_spares();
     }

@@ -22,7 +22,7 @@ use nix::fcntl::{openat, OFlag};
 use nix::sys::stat::{mkdirat, Mode};
 use nix::unistd::{unlinkat, UnlinkatFlags};
 
-use crate::guest::config::{AetherConfig, OomFd};
+use crate::guest::config::{AetherConfig, OomFd, OomKind};
 
 /// Errors making or removing a session's cgroup.
 #[derive(Debug, thiserror::Error)]
@@ -72,16 +72,14 @@ pub struct SessionCgroup {
     pub command_dir: Option<OwnedFd>,
     /// What tells the session's chronus that its memory cgroup ran out of memory (see
     /// [`oom_watch`]); `None` without a memory hierarchy or where it cannot be watched.
-    pub oom: Option<(OomKind, OwnedFd)>,
+    pub oom: Option<OomWatch>,
 }
 
-/// Which kind of fd [`SessionCgroup::oom`] is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OomKind {
-    /// A v1 eventfd registered for `memory.oom_control`.
-    Eventfd,
-    /// v2's `memory.events`, open for reading.
-    MemoryEvents,
+/// The two fds of a session's memory cgroup its chronus watches (see [`OomFd`]).
+pub struct OomWatch {
+    pub kind: OomKind,
+    pub events: OwnedFd,
+    pub usage: OwnedFd,
 }
 
 impl SessionCgroup {
@@ -97,24 +95,26 @@ impl SessionCgroup {
 
     /// The out-of-memory fd, for chronus's config.
     pub fn oom_fd(&self) -> Option<OomFd> {
-        self.oom.as_ref().map(|(kind, f)| match kind {
-            OomKind::Eventfd => OomFd::Eventfd(f.as_raw_fd()),
-            OomKind::MemoryEvents => OomFd::MemoryEvents(f.as_raw_fd()),
+        self.oom.as_ref().map(|w| OomFd {
+            kind: w.kind,
+            events: w.events.as_raw_fd(),
+            usage: w.usage.as_raw_fd(),
         })
     }
 }
 
 /// Opens what tells a session that cgroup `name` below `dir` ran out of memory: v1 (the
 /// cgroup has `memory.oom_control`) an eventfd registered for it through
-/// `cgroup.event_control`, v2 (`memory.events`) that file for reading. `None` where the
-/// hierarchy has no memory controller; a failure is logged and also gives `None`: the
-/// kernel's own OOM killer still works, only more slowly (docs/sessions.md "Out of
-/// memory").
-pub fn oom_watch(dir: &OwnedFd, name: &str) -> Option<(OomKind, OwnedFd)> {
+/// `cgroup.event_control`, v2 (`memory.events`) that file for reading; and with it the
+/// cgroup's usage file. `None` where the hierarchy has no memory controller; a failure is
+/// logged and also gives `None`: the kernel's own OOM killer still works, only more slowly
+/// (docs/sessions.md "Out of memory").
+pub fn oom_watch(dir: &OwnedFd, name: &str) -> Option<OomWatch> {
     let ro = OFlag::O_RDONLY | OFlag::O_CLOEXEC;
     let control = format!("{name}/memory.oom_control");
-    if has_file(dir, &control) {
-        let made = (|| -> Result<OwnedFd, Errno> {
+    let events = format!("{name}/memory.events");
+    let made = if has_file(dir, &control) {
+        (|| -> Result<OomWatch, Errno> {
             let oom = openat(dir, control.as_str(), ro, Mode::empty())?;
             let ctl = openat(
                 dir,
@@ -122,32 +122,43 @@ pub fn oom_watch(dir: &OwnedFd, name: &str) -> Option<(OomKind, OwnedFd)> {
                 OFlag::O_WRONLY | OFlag::O_CLOEXEC,
                 Mode::empty(),
             )?;
+            let usage = openat(
+                dir,
+                format!("{name}/memory.usage_in_bytes").as_str(),
+                ro,
+                Mode::empty(),
+            )?;
             let efd =
                 nix::sys::eventfd::EventFd::from_flags(nix::sys::eventfd::EfdFlags::EFD_CLOEXEC)?;
             let line = format!("{} {}", efd.as_raw_fd(), oom.as_raw_fd());
             nix::unistd::write(&ctl, line.as_bytes())?;
             // The registration lives as long as the eventfd does; the files may go.
-            Ok(OwnedFd::from(efd))
-        })();
-        return match made {
-            Ok(fd) => Some((OomKind::Eventfd, fd)),
-            Err(e) => {
-                tracing::warn!(session_cgroup = name, error = %e, "cannot watch the session's memory cgroup for OOM");
-                None
-            }
-        };
-    }
-    let events = format!("{name}/memory.events");
-    if has_file(dir, &events) {
-        return match openat(dir, events.as_str(), ro, Mode::empty()) {
-            Ok(fd) => Some((OomKind::MemoryEvents, fd)),
-            Err(e) => {
-                tracing::warn!(session_cgroup = name, error = %e, "cannot watch the session's memory cgroup for OOM");
-                None
-            }
-        };
-    }
-    None
+            Ok(OomWatch {
+                kind: OomKind::Eventfd,
+                events: OwnedFd::from(efd),
+                usage,
+            })
+        })()
+    } else if has_file(dir, &events) {
+        (|| -> Result<OomWatch, Errno> {
+            Ok(OomWatch {
+                kind: OomKind::MemoryEvents,
+                events: openat(dir, events.as_str(), ro, Mode::empty())?,
+                usage: openat(
+                    dir,
+                    format!("{name}/memory.current").as_str(),
+                    ro,
+                    Mode::empty(),
+                )?,
+            })
+        })()
+    } else {
+        return None;
+    };
+    made.map_err(|e| {
+        tracing::warn!(session_cgroup = name, error = %e, "cannot watch the session's memory cgroup for OOM");
+    })
+    .ok()
 }
 
 impl Workload {

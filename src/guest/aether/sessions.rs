@@ -332,7 +332,7 @@ impl Sessions {
             .iter()
             .copied()
             .chain(chronus_cfg.command_cgroup_dir_fd)
-            .chain(chronus_cfg.session_oom_fd.map(|o| o.fd()))
+            .chain(chronus_cfg.session_oom_fd.into_iter().flat_map(|o| o.fds()))
             .collect();
         if !inherited.is_empty() {
             crate::sys::process::inherit_at_exec(&mut cmd, &inherited);

@@ -329,7 +329,22 @@ impl CommandCgroups {
 fn make_slot(dir: &OwnedFd, v1: bool, n: u64) -> Result<OwnedFd, Errno> {
     let name = name(n);
     match mkdirat(dir, name.as_str(), Mode::from_bits_truncate(0o755)) {
-        Ok(()) | Err(Errno::EEXIST) => {}
+        Ok(()) => {}
+        // Left by an earlier chronus in a cgroup of the same name: one it killed on v1
+        // kept `pids.max` 0 (see `kill_slot`), which would fail every fork of the command.
+        Err(Errno::EEXIST) if v1 => {
+            let limit = format!("{name}/pids.max");
+            if has(dir, &limit) {
+                let f = openat(
+                    dir,
+                    limit.as_str(),
+                    OFlag::O_WRONLY | OFlag::O_CLOEXEC,
+                    Mode::empty(),
+                )?;
+                nix::unistd::write(&f, b"max")?;
+            }
+        }
+        Err(Errno::EEXIST) => {}
         Err(e) => return Err(e),
     }
     let join = format!("{name}/{}", if v1 { "tasks" } else { "cgroup.procs" });
@@ -365,6 +380,22 @@ fn has(dir: &OwnedFd, path: &str) -> bool {
 mod tests {
     use super::*;
     use std::os::fd::IntoRawFd;
+
+    /// A slot left by an earlier chronus that killed it (v1 `pids.max` 0) is taken with
+    /// its limit lifted, so its command can fork.
+    #[test]
+    fn a_leftover_killed_slot_gets_its_pids_limit_back() {
+        let t = tempfile::tempdir().unwrap();
+        std::fs::create_dir(t.path().join("c3")).unwrap();
+        std::fs::write(t.path().join("c3/tasks"), "").unwrap();
+        std::fs::write(t.path().join("c3/pids.max"), "0").unwrap();
+        let dir = OwnedFd::from(std::fs::File::open(t.path()).unwrap());
+        make_slot(&dir, true, 3).expect("slot 3");
+        assert_eq!(
+            std::fs::read_to_string(t.path().join("c3/pids.max")).unwrap(),
+            "max"
+        );
+    }
 
     /// On a plain directory laid out as a v1 pids cgroup: only the shell's child in the
     /// command's slot is believed as its subshell, never the shell itself nor a stranger.

@@ -21,8 +21,8 @@ use crate::guest::reaper::Reaper;
 
 /// Passes of killing a timed-out command's job, `KILL_PAUSE` apart, before the shell itself
 /// is taken for stuck and restarted (it reports as soon as the job's leader is reaped).
-const KILL_PASSES: usize = 40;
-const KILL_PAUSE: Duration = Duration::from_millis(25);
+pub(super) const KILL_PASSES: usize = 40;
+pub(super) const KILL_PAUSE: Duration = Duration::from_millis(25);
 /// How long the shell may take to report a job's pid (it does so before anything else).
 const PID_WAIT: Duration = Duration::from_secs(1);
 

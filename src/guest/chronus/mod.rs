@@ -243,7 +243,7 @@ async fn serve(
     });
     let (s, jobs) = session::Session::new(dir.clone(), limits, cwd, spec.flavor, cgroups);
     if let Some(fd) = cfg.session_oom_fd {
-        oomkill::watch(fd, s.clone());
+        oomkill::watch(fd, cfg.session_memory_max, s.clone());
     }
     let ctl = pipe::OpenOptions::new()
         .read_write(true)
