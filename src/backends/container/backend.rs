@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tonic::transport::Channel;
 
 use super::agent::{self, SetupExe};
@@ -312,8 +312,11 @@ impl ContainerBackend {
                 .map_err(|e| format!("writing the setup spec: {e}", e = crate::types::chain(&e)))?;
         }
         let mut out = String::new();
-        if let Some(mut stdout) = child.stdout.take() {
-            let read = tokio::time::timeout(AGENT_START_TIMEOUT, stdout.read_to_string(&mut out));
+        if let Some(stdout) = child.stdout.take() {
+            // The result is one line. Its end, not the pipe's: the pipe closes only once the
+            // sandbox's PID 1 has handed its copy to /dev/null on its way to exec aether.
+            let mut stdout = tokio::io::BufReader::new(stdout);
+            let read = tokio::time::timeout(AGENT_START_TIMEOUT, stdout.read_line(&mut out));
             read.await
                 .map_err(|_| "the setup process did not answer".to_string())?
                 .map_err(|e| {

@@ -163,8 +163,11 @@ impl Sessions {
             user_spec
         };
         let alive = warm.slot.cell.get().is_some_and(|l| !*l.exited.borrow());
-        let same = user::resolve(spec, Path::new("/"))
-            .is_ok_and(|c| (c.uid, c.gid) == (warm.uid, warm.gid));
+        // The warm session runs as `init_user` itself: no look-up in the image's passwd (a
+        // read and parse of it, on the first command's path) for the call that names it.
+        let same = spec == self.cfg.init_user
+            || user::resolve(spec, Path::new("/"))
+                .is_ok_and(|c| (c.uid, c.gid) == (warm.uid, warm.gid));
         if alive && same {
             return Some(warm.slot.clone());
         }
