@@ -653,6 +653,45 @@ async fn oom_killed_tells_the_oom_killer_from_kill_9() {
     sb.stop().await;
 }
 
+/// Item 3 (a session's state is never lost silently): a command that kills its session's
+/// chronus fails `not_found` ("the command was lost"), a retry of it (same request id) is
+/// refused instead of run again in the new session, and the first command of that new
+/// session has `state_lost`, as its directory and variables are gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_that_kills_its_chronus_is_lost_once_and_says_so() {
+    if !root_or_skip() {
+        return;
+    }
+    let sb = Sb::new("cb-12", spec()).await;
+    let r = sb.sh("default", "cd /tmp && export A=1").await;
+    assert_eq!((r.exit_code, r.state_lost), (0, false), "{r:?}");
+    let mut c = sb.client().await;
+    // $PPID of the command is the session shell's parent: chronus.
+    let req = pb::RunShellRequest {
+        sandbox_id: sb.id.clone(),
+        cmd: "echo ran >> /tmp/runs; kill -9 $PPID; sleep 2".into(),
+        session: "default".into(),
+        request_id: "rq-kill".into(),
+        timeout: 30.0,
+        ..Default::default()
+    };
+    for attempt in ["first", "retry"] {
+        let e = c.run_shell(req.clone()).await.expect_err(attempt);
+        let f = opendsec::rpc::failure_from_status(&e);
+        assert_eq!(f.reason, Reason::NotFound, "{attempt}: {f:?}");
+        assert!(f.message.contains("ended while it ran"), "{attempt}: {f:?}");
+    }
+    let r = sb.sh("default", "pwd; echo A=$A; cat /tmp/runs").await;
+    assert_eq!(
+        (r.stdout.as_slice(), r.state_lost),
+        (&b"/root\nA=\nran\n"[..], true),
+        "{r:?}"
+    );
+    let r = sb.sh("default", "true").await;
+    assert_eq!((r.exit_code, r.state_lost), (0, false), "{r:?}");
+    sb.stop().await;
+}
+
 /// Item: files. A FIFO, socket or device is `invalid` at once (a FIFO blocked the call for
 /// ever); a full disk is `invalid` naming disk_mb, not `no_capacity`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

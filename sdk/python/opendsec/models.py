@@ -144,9 +144,11 @@ class ShellResult:
     #: The kernel's OOM killer ended a process of the command (the sandbox's
     #: ``memory_limit_mb``): ``exit_code`` is then 137. A plain ``kill -9`` leaves it False.
     oom_killed: bool = False
-    #: The command ended so that its session could not take in its changes to the
-    #: session's directory and variables (killed by its timeout, ``exec``, its shell
-    #: killed): the next command runs with the state from before it.
+    #: The session's directory and variables did not carry over across this command:
+    #: either the command ended so that its session could not take in its changes (killed
+    #: by its timeout, ``exec``, its shell killed; the next command runs with the state
+    #: from before it), or it is the first command after the session's agent was killed
+    #: from inside the sandbox, and ran in a fresh shell (docs/sessions.md).
     state_lost: bool = False
 
     @property

@@ -5,6 +5,7 @@
 //! current-thread runtime keeps an idle agent's memory small.
 
 pub mod cgroups;
+pub mod requests;
 pub mod service;
 pub mod sessions;
 

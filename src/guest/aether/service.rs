@@ -10,7 +10,7 @@ use futures::{Stream, StreamExt};
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-use super::sessions::{session_name, Sessions};
+use super::sessions::{session_name, Live, Sessions};
 use crate::guest::procs::{ProcError, ProcessEvents, Procs};
 use crate::pb;
 use crate::pb::runtime_client::RuntimeClient;
@@ -39,34 +39,71 @@ fn boxed<T: Send + 'static>(s: tonic::Streaming<T>) -> Boxed<T> {
 }
 
 impl Aether {
-    /// The client of session `name`, starting it as `user` when `start` (calls that only
-    /// read a command's output never start a session). Errors: `invalid` name or user,
-    /// `not_found` (not started), `unavailable` (chronus does not start).
-    async fn session(
-        &self,
-        name: &str,
-        user: &str,
-        start: bool,
-    ) -> Result<RuntimeClient<Channel>, Status> {
+    /// Session `name`, starting it as `user` when `start` (calls that only read a command's
+    /// output never start a session). Errors: `invalid` name or user, `not_found` (not
+    /// started), `unavailable` (chronus does not start).
+    async fn live(&self, name: &str, user: &str, start: bool) -> Result<Arc<Live>, Status> {
         let name = session_name(name).map_err(|f| to_status(&f))?;
-        let live = if start {
+        if start {
             self.sessions.get(&name, user).await
         } else {
             self.sessions
                 .existing(&name)
                 .ok_or_else(|| Failure::not_found(format!("session {name:?} does not exist")))
         }
-        .map_err(|f| to_status(&f))?;
-        Ok(live.client.clone())
+        .map_err(|f| to_status(&f))
+    }
+
+    /// The client of session `name` (see [`Aether::live`]).
+    async fn session(
+        &self,
+        name: &str,
+        user: &str,
+        start: bool,
+    ) -> Result<RuntimeClient<Channel>, Status> {
+        Ok(self.live(name, user, start).await?.client.clone())
+    }
+
+    /// Session `r.session`, started if need be, with `r`'s request id noted for it.
+    /// Errors: those of [`Aether::live`]; `not_found` for a retry of a command whose
+    /// chronus ended ([`Sessions::forward`]).
+    async fn live_for(&self, r: &pb::RunShellRequest) -> Result<Arc<Live>, Status> {
+        let live = self.live(&r.session, &r.user, true).await?;
+        let name = session_name(&r.session).map_err(|f| to_status(&f))?;
+        self.sessions
+            .forward(&name, &r.request_id, &live)
+            .map_err(|f| to_status(&f))?;
+        Ok(live)
     }
 }
+
+/// How long a call that broke off waits to see whether the session's chronus died.
+const LOST_WITHIN: Duration = Duration::from_millis(500);
 
 #[tonic::async_trait]
 impl pb::runtime_server::Runtime for Aether {
     async fn run_shell(&self, req: Request<pb::RunShellRequest>) -> Res<pb::ShellResult> {
         let r = req.into_inner();
-        let mut c = self.session(&r.session, &r.user, true).await?;
-        c.run_shell(r).await
+        let live = self.live_for(&r).await?;
+        let (session, background) = (r.session.clone(), r.background);
+        let mut c = live.client.clone();
+        match c.run_shell(r).await {
+            Ok(mut resp) => {
+                if !background && live.take_restarted() {
+                    resp.get_mut().state_lost = true;
+                }
+                Ok(resp)
+            }
+            // A broken connection (not an answer of chronus's) while chronus dies.
+            Err(st)
+                if matches!(st.code(), tonic::Code::Unavailable | tonic::Code::Unknown)
+                    && live.ended_within(LOST_WITHIN).await =>
+            {
+                let name = session_name(&session).unwrap_or_default();
+                Err(to_status(&super::requests::lost(&name)))
+            }
+            Err(st) => Err(st),
+        }
     }
 
     async fn get_output(&self, req: Request<pb::GetOutputRequest>) -> Res<pb::ShellResult> {
@@ -81,8 +118,21 @@ impl pb::runtime_server::Runtime for Aether {
         req: Request<pb::RunShellRequest>,
     ) -> Res<Self::StreamShellStream> {
         let r = req.into_inner();
-        let mut c = self.session(&r.session, &r.user, true).await?;
-        Ok(Response::new(boxed(c.stream_shell(r).await?.into_inner())))
+        let live = self.live_for(&r).await?;
+        let mut c = live.client.clone();
+        let stream = c.stream_shell(r).await?.into_inner();
+        // The end of the first command after a restart tells that the session's state is gone.
+        let tell = live.clone();
+        Ok(Response::new(Box::pin(stream.map(move |item| {
+            item.map(|mut chunk| {
+                if let Some(pb::shell_chunk::Kind::Exit(res)) = chunk.kind.as_mut() {
+                    if tell.take_restarted() {
+                        res.state_lost = true;
+                    }
+                }
+                chunk
+            })
+        }))))
     }
 
     type StreamOutputStream = Boxed<pb::ShellChunk>;

@@ -13,6 +13,7 @@ use tokio::sync::{watch, OnceCell};
 use tonic::transport::Channel;
 
 use super::cgroups::{SessionCgroup, Workload};
+use super::requests::Requests;
 use crate::guest::config::AetherConfig;
 use crate::guest::lock;
 use crate::guest::proctree;
@@ -62,6 +63,27 @@ pub struct Live {
     exited: watch::Receiver<bool>,
     /// The session's own cgroup, when it has one: its end kills what is left in it.
     cgroup: Option<(Arc<Workload>, String)>,
+    /// This chronus replaces one that ended without the session being closed (killed from
+    /// inside): the session's directory and variables are gone, which the next command's
+    /// result tells (`state_lost`).
+    restarted: std::sync::atomic::AtomicBool,
+}
+
+impl Live {
+    /// Whether this chronus replaces one that ended; true only for the first caller.
+    pub fn take_restarted(&self) -> bool {
+        self.restarted
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Whether this chronus has ended, or ends within `d` (a call it broke off by dying
+    /// fails a moment before the reaper has seen it go).
+    pub async fn ended_within(&self, d: Duration) -> bool {
+        let mut exited = self.exited.clone();
+        tokio::time::timeout(d, exited.wait_for(|e| *e))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
 }
 
 #[derive(Default)]
@@ -101,6 +123,8 @@ pub struct Sessions {
     /// session's own processes can kill it) until the session is closed: started again,
     /// it runs as that user, never as `init_user`.
     fixed: Mutex<HashMap<String, Fixed>>,
+    /// The request ids of forwarded commands (see [`Requests`]).
+    requests: Mutex<Requests>,
     me: Weak<Sessions>,
 }
 
@@ -119,6 +143,7 @@ impl Sessions {
             warm: OnceCell::new(),
             warm_taken: std::sync::atomic::AtomicBool::new(false),
             fixed: Mutex::new(HashMap::new()),
+            requests: Mutex::new(Requests::default()),
             me: me.clone(),
         })
     }
@@ -175,6 +200,13 @@ impl Sessions {
             end(live).await;
         }
         None
+    }
+
+    /// Notes that a command with `request_id` goes to `live`, session `name`'s chronus.
+    /// Errors: `not_found` when that id went to an earlier chronus of the session, which
+    /// ended (a retry: running it again here would run it twice, docs/sessions.md).
+    pub fn forward(&self, name: &str, request_id: &str, live: &Live) -> Result<(), Failure> {
+        lock(&self.requests).forward(name, request_id, live.pid)
     }
 
     /// The running session `name`, if any (no session is started).
@@ -281,6 +313,8 @@ impl Sessions {
         } else {
             user_spec
         };
+        // A session that served a call and was not closed: its chronus ended.
+        let restarted = lock(&self.fixed).contains_key(name);
         let creds = user::resolve(spec, Path::new("/")).map_err(|e| {
             Failure::invalid(format!(
                 "session {name:?}: {e}",
@@ -438,6 +472,7 @@ impl Sessions {
             client,
             exited,
             cgroup,
+            restarted: std::sync::atomic::AtomicBool::new(restarted),
         }))
     }
 
