@@ -190,9 +190,18 @@ dsec_impl!({
     async fn list_sandboxes(&self, r: Request<pb::ListSandboxesRequest>) -> Result<Response<pb::ListSandboxesResponse>, Status> {
         self.auth(&r)?;
         let req = r.into_inner();
+        if req.task_id == "edge-down" {
+            return Ok(Response::new(pb::ListSandboxesResponse {
+                sandboxes: vec![],
+                unreachable_edges: vec!["edge-2".into()],
+            }));
+        }
         let mut sb = Fake::sandbox("edge-1.a", None);
         sb.message = format!("project={} task={} ended={}", req.project, req.task_id, req.include_ended);
-        Ok(Response::new(pb::ListSandboxesResponse { sandboxes: vec![sb] }))
+        Ok(Response::new(pb::ListSandboxesResponse {
+            sandboxes: vec![sb],
+            unreachable_edges: vec![],
+        }))
     }
 
     async fn pause_task(&self, r: Request<pb::TaskRequest>) -> Result<Response<pb::TaskActionResult>, Status> {
@@ -531,6 +540,17 @@ async fn sandbox_json_and_error_format() {
     assert_eq!(
         r.json()["sandboxes"][0]["message"],
         "project=root/team-a task=job-1 ended=true"
+    );
+    // An empty list still has its key; an edge that did not answer is named on stderr.
+    let r = ctl(&s.addr, &["sandbox", "list", "-task", "edge-down"]).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["sandboxes"], serde_json::json!([]));
+    assert_eq!(r.json()["unreachable_edges"], serde_json::json!(["edge-2"]));
+    assert!(
+        r.stderr
+            .contains("warning: edges edge-2 did not answer: their sandboxes are not listed"),
+        "{}",
+        r.stderr
     );
     let r = ctl(&s.addr, &["status"]).await;
     assert_eq!(r.json()["edges"][0]["id"], "edge-1");

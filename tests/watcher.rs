@@ -243,5 +243,20 @@ async fn lost_edges_turn_unhealthy_and_their_quota_is_released() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(released, "the lost edge's quota was not released");
+    // A list names the lost edge instead of silently leaving its sandboxes out.
+    let listed = c
+        .list_sandboxes(with_token(
+            pb::ListSandboxesRequest {
+                project: "root".into(),
+                ..Default::default()
+            },
+            t,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed.sandboxes.len(), 40 - on_e1);
+    assert!(listed.sandboxes.iter().all(|s| s.edge_id == "e2"));
+    assert_eq!(listed.unreachable_edges, vec!["e1".to_string()]);
     all.fire();
 }

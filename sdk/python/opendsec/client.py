@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import time
@@ -24,6 +25,8 @@ from opendsec.models import (
     UsageReport,
 )
 from opendsec.sandbox import Sandbox
+
+_log = logging.getLogger("opendsec")
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -344,11 +347,19 @@ class DSecClient:
             task_id: Only this task's sandboxes.
             include_ended: Include recently ended (``STOPPED``, ``FAILED``) ones.
             project: Default: the client's project.
+
+        The sandboxes of an edge that does not answer (down, or unhealthy in the cluster's
+        view) are missing from the list; the ``opendsec`` logger then warns, naming the edges.
         """
         req = opendsec_pb2.ListSandboxesRequest(
             project=self._project(project), task_id=task_id, include_ended=include_ended
         )
         resp = await self._unary("ListSandboxes", req, retry=True)
+        if resp.unreachable_edges:
+            _log.warning(
+                "list_sandboxes: edges %s did not answer: their sandboxes are not listed",
+                ", ".join(resp.unreachable_edges),
+            )
         return [Sandbox(self, s) for s in resp.sandboxes]
 
     async def cluster_status(self) -> types_pb2.Snapshot:

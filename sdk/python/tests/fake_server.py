@@ -75,6 +75,8 @@ class FakeDSec:
         # method -> faults returned (in order) before the method behaves normally
         self.faults: dict[str, list[Fault]] = collections.defaultdict(list)
         self.sandboxes: dict[str, types_pb2.Sandbox] = {}
+        #: Edges ListSandboxes reports as not answering.
+        self.unreachable_edges: list[str] = []
         self.create_keys: list[str] = []
         self.created_by_key: dict[str, str] = {}  # idempotency key -> sandbox id
         self.created_count = 0
@@ -173,7 +175,7 @@ class FakeDSec:
     async def ListSandboxes(self, request, context):
         await self._enter("ListSandboxes", context)
         out = [s for s in self.sandboxes.values() if not request.task_id or s.spec.task_id == request.task_id]
-        return opendsec_pb2.ListSandboxesResponse(sandboxes=out)
+        return opendsec_pb2.ListSandboxesResponse(sandboxes=out, unreachable_edges=self.unreachable_edges)
 
     async def _set_state(self, method: str, request, context, state: int):
         await self._enter(method, context)

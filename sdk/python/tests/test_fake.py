@@ -713,3 +713,18 @@ def test_a_message_over_grpcs_size_limit_is_invalid_not_rate_limited():
     big = error_from_rpc(Err("CLIENT: Sent message larger than max (100000079 vs. 83886080)"))
     assert big.reason == opendsec.INVALID
     assert error_from_rpc(Err("slow down")).reason == opendsec.RATE_LIMITED
+
+
+async def test_a_list_missing_an_edge_warns_naming_it(fake, caplog):
+    """The apiserver names the edges that did not answer a list; the SDK says so."""
+    async with client_for(fake.addr) as c:
+        await new_sandbox(c)
+        with caplog.at_level("WARNING", logger="opendsec"):
+            assert len(await c.list_sandboxes()) == 1
+        assert caplog.records == []
+        fake.service.unreachable_edges = ["node-1", "node-2"]
+        with caplog.at_level("WARNING", logger="opendsec"):
+            assert len(await c.list_sandboxes()) == 1
+        assert [r.getMessage() for r in caplog.records] == [
+            "list_sandboxes: edges node-1, node-2 did not answer: their sandboxes are not listed"
+        ]

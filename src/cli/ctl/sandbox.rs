@@ -183,7 +183,13 @@ impl SandboxArgs {
                 let resp = conn
                     .call(req, |mut c, r| async move { c.list_sandboxes(r).await })
                     .await?;
-                output::json(&resp)
+                if !resp.unreachable_edges.is_empty() {
+                    eprintln!(
+                        "warning: edges {} did not answer: their sandboxes are not listed",
+                        resp.unreachable_edges.join(", ")
+                    );
+                }
+                output::json(&list_json(&resp)?)
             }
             SandboxCmd::Timeout(a) => {
                 values::sandbox_id(&a.id)?;
@@ -437,6 +443,19 @@ async fn create_batch(conn: &Conn, req: pb::CreateSandboxesRequest) -> Result<()
     } else {
         Err(CtlError::Exit(1))
     }
+}
+
+/// The list as JSON, `sandboxes` always present: an empty list prints
+/// `{"sandboxes": []}`, not `{}`.
+fn list_json(resp: &pb::ListSandboxesResponse) -> Result<serde_json::Value, CtlError> {
+    let mut v = serde_json::to_value(resp).map_err(|e| {
+        Failure::internal(format!("encoding JSON: {e}", e = crate::types::chain(&e)))
+    })?;
+    if let Some(m) = v.as_object_mut() {
+        m.entry("sandboxes")
+            .or_insert_with(|| serde_json::Value::Array(Vec::new()));
+    }
+    Ok(v)
 }
 
 #[cfg(test)]

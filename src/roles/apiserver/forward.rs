@@ -155,7 +155,8 @@ impl Inner {
     }
 
     /// Lists the project's (and subprojects') sandboxes across every edge. An unreachable
-    /// edge is skipped: its sandboxes are unavailable, the others are still listed.
+    /// or unhealthy edge is skipped and named in `unreachable_edges`: the others' sandboxes
+    /// are still listed.
     pub(crate) async fn list(
         &self,
         caller: &Caller,
@@ -171,6 +172,12 @@ impl Inner {
             .authorize(caller, &project, "sandbox.operate")
             .await?;
         let snap = self.current_snapshot().await?;
+        let mut unreachable: Vec<String> = snap
+            .edges
+            .iter()
+            .filter(|e| !e.healthy)
+            .map(|e| e.id.clone())
+            .collect();
         let calls = snap.edges.iter().filter(|e| e.healthy).map(|e| {
             let r = pb::EdgeListRequest {
                 project: project.clone(),
@@ -179,27 +186,37 @@ impl Inner {
             };
             let client = self.edges.edge(&e.addr);
             async move {
-                match client {
+                let listed = match client {
                     Ok(mut c) => c
                         .list_sandboxes(self.edges.req(r))
                         .await
                         .map(|r| r.into_inner().sandboxes)
-                        .unwrap_or_default(),
-                    Err(_) => Vec::new(),
-                }
+                        .map_err(|s| failure_from_status(&s)),
+                    Err(f) => Err(f),
+                };
+                (e.id.as_str(), listed)
             }
         });
-        let mut all: Vec<pb::Sandbox> = futures::future::join_all(calls)
-            .await
-            .into_iter()
-            .flatten()
-            .collect();
+        let mut all = Vec::new();
+        for (edge, listed) in futures::future::join_all(calls).await {
+            match listed {
+                Ok(v) => all.extend(v),
+                Err(f) => {
+                    tracing::warn!(edge_id = edge, error = %f.message, "an edge did not answer a list");
+                    unreachable.push(edge.to_string());
+                }
+            }
+        }
+        unreachable.sort();
         all.sort_by(|a, b| {
             a.created_at
                 .cmp(&b.created_at)
                 .then_with(|| a.id.cmp(&b.id))
         });
-        Ok(pb::ListSandboxesResponse { sandboxes: all })
+        Ok(pb::ListSandboxesResponse {
+            sandboxes: all,
+            unreachable_edges: unreachable,
+        })
     }
 
     /// pause_task / resume_task / stop_task over every edge.

@@ -135,6 +135,7 @@ impl pb::edge_server::Edge for EdgeService {
         let r = req.into_inner();
         Ok(Response::new(pb::ListSandboxesResponse {
             sandboxes: self.core.list(&r.project, &r.task_id, r.include_ended),
+            unreachable_edges: Vec::new(),
         }))
     }
 

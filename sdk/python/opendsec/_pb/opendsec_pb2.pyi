@@ -57,10 +57,12 @@ class ListSandboxesRequest(_message.Message):
     def __init__(self, project: _Optional[str] = ..., task_id: _Optional[str] = ..., include_ended: bool = ...) -> None: ...
 
 class ListSandboxesResponse(_message.Message):
-    __slots__ = ("sandboxes",)
+    __slots__ = ("sandboxes", "unreachable_edges")
     SANDBOXES_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_EDGES_FIELD_NUMBER: _ClassVar[int]
     sandboxes: _containers.RepeatedCompositeFieldContainer[_types_pb2.Sandbox]
-    def __init__(self, sandboxes: _Optional[_Iterable[_Union[_types_pb2.Sandbox, _Mapping]]] = ...) -> None: ...
+    unreachable_edges: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sandboxes: _Optional[_Iterable[_Union[_types_pb2.Sandbox, _Mapping]]] = ..., unreachable_edges: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SetSandboxTimeoutRequest(_message.Message):
     __slots__ = ("id", "timeout_s")
