@@ -164,8 +164,55 @@ fn usage_errors_exit_2_and_name_what_was_wrong() {
         &["cluster"][..],
         &["edge"][..],
         &["apiserver", "-index", "-1"][..],
+        // A flag of another role is refused, not ignored.
+        &["iam", "-id", "node-0"][..],
+        &["watcher", "-index", "1"][..],
+        &["apiserver", "-advertise", "x:1"][..],
+        &["edge", "-id", "node-0", "-drain-delay", "1s"][..],
     ] {
         assert_eq!(common::run(args, &[]).code, 2, "{args:?}");
+    }
+}
+
+#[test]
+fn each_role_lists_only_its_own_flags() {
+    let common_flags = ["-config", "-metrics", "-log", "-grace"];
+    for (role, own, others) in [
+        (
+            "iam",
+            &["-replica"][..],
+            &["-id", "-index", "-drain-delay", "-advertise"][..],
+        ),
+        (
+            "watcher",
+            &["-replica"][..],
+            &["-id", "-index", "-drain-delay"][..],
+        ),
+        (
+            "apiserver",
+            &["-index", "-drain-delay"][..],
+            &["-id", "-replica", "-advertise"][..],
+        ),
+        (
+            "edge",
+            &["-id", "-addr", "-advertise"][..],
+            &["-index", "-replica", "-drain-delay"][..],
+        ),
+    ] {
+        let r = common::run(&[role, "-help"], &[]);
+        assert_eq!(r.code, 0, "{role}: {}", r.err);
+        let flags: Vec<&str> = r
+            .out
+            .lines()
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|w| w.starts_with('-'))
+            .collect();
+        for f in common_flags.iter().chain(own) {
+            assert!(flags.contains(f), "{role} -help lacks {f}: {}", r.out);
+        }
+        for f in others {
+            assert!(!flags.contains(f), "{role} -help lists {f}: {}", r.out);
+        }
     }
 }
 

@@ -12,43 +12,128 @@ use crate::config::Config;
 use crate::shutdown::Shutdown;
 use crate::telemetry::Ready;
 
-/// Flags every server role takes (`opendsec iam|watcher|apiserver|edge`).
-#[derive(FromArgs, Debug)]
-/// Run one OpenDsec role from the cluster config (docs/configuration.md). Exit status: 0 after
-/// a clean shutdown (SIGINT or SIGTERM), 1 when the role fails, 2 for a bad command line.
-#[argh(help_triggers("-h", "--help", "help"))]
+/// What a server role was started with: the union of the four roles' flags (see
+/// [`ReplicaArgs`], [`ApiserverArgs`], [`EdgeArgs`]); a flag a role does not
+/// take keeps its default.
+#[derive(Debug)]
 pub struct RoleFlags {
-    /// the cluster config file (JSON; default /etc/opendsec/opendsec.json)
-    #[argh(option, default = "PathBuf::from(\"/etc/opendsec/opendsec.json\")")]
     pub config: PathBuf,
-    /// address for /metrics, /healthz and /readyz, e.g. 127.0.0.1:9463 (default: none)
-    #[argh(option, default = "String::new()")]
     pub metrics: String,
-    /// log level: error, warn, info, debug (default info)
-    #[argh(option, default = "String::from(\"info\")")]
     pub log: String,
-    /// apiserver: which entry of `apiserver` to run (default 0)
-    #[argh(option, default = "0")]
     pub index: usize,
-    /// edge: the edge id(s), comma separated, or `all` (required for edge)
-    #[argh(option, default = "String::new()")]
     pub id: String,
-    /// edge: listen address overriding the config's (default: the config's)
-    #[argh(option, default = "String::new()")]
     pub addr: String,
-    /// edge: address registered with the watchers (default: the config's)
-    #[argh(option, default = "String::new()")]
     pub advertise: String,
-    /// iam/watcher: which replica to run (replicated mode; not built yet)
+    pub replica: String,
+    pub drain_delay: String,
+    pub grace: String,
+}
+
+impl RoleFlags {
+    fn common(config: PathBuf, metrics: String, log: String, grace: String) -> RoleFlags {
+        RoleFlags {
+            config,
+            metrics,
+            log,
+            index: 0,
+            id: String::new(),
+            addr: String::new(),
+            advertise: String::new(),
+            replica: String::new(),
+            drain_delay: String::from("6s"),
+            grace,
+        }
+    }
+}
+
+/// One role's command line: the flags every role takes, then `$extra`, so that each role's
+/// `-help` lists only what it takes (an `iam -id x` is a usage error, not ignored).
+macro_rules! role_args {
+    ($name:ident, $what:literal, { $($extra:tt)* }) => {
+        #[derive(FromArgs, Debug)]
+        #[doc = $what]
+        #[doc = " Reads the cluster config (docs/configuration.md). Exit status: 0 after a clean"]
+        #[doc = " shutdown (SIGINT or SIGTERM), 1 when the role fails, 2 for a bad command line."]
+        #[argh(help_triggers("-h", "--help", "help"))]
+        pub struct $name {
+            /// the cluster config file (JSON; default /etc/opendsec/opendsec.json)
+            #[argh(option, default = "PathBuf::from(\"/etc/opendsec/opendsec.json\")")]
+            pub config: PathBuf,
+            /// address for /metrics, /healthz and /readyz, e.g. 127.0.0.1:9463 (default: none)
+            #[argh(option, default = "String::new()")]
+            pub metrics: String,
+            /// log level: error, warn, info, debug (default info)
+            #[argh(option, default = "String::from(\"info\")")]
+            pub log: String,
+            /// on shutdown, give calls in flight this long before exiting (default 30s)
+            #[argh(option, default = "String::from(\"30s\")")]
+            pub grace: String,
+            $($extra)*
+        }
+    };
+}
+
+role_args!(ReplicaArgs, "Run IAM (principals, projects, quotas, leases) or the watcher (edge probes, the cluster snapshot).", {
+    /// which replica to run (replicated mode; not built yet)
     #[argh(option, default = "String::new()")]
     pub replica: String,
-    /// apiserver: on SIGTERM, fail /readyz and keep serving this long (e.g. 6s) so a load
-    /// balancer takes the instance out first (default 6s)
+});
+
+role_args!(ApiserverArgs, "Run an apiserver: the public API.", {
+    /// which entry of `apiserver` in the config to run (default 0)
+    #[argh(option, default = "0")]
+    pub index: usize,
+    /// on SIGTERM, fail /readyz and keep serving this long (e.g. 6s) so a load balancer
+    /// takes the instance out first (default 6s)
     #[argh(option, default = "String::from(\"6s\")")]
     pub drain_delay: String,
-    /// then give calls in flight this long before exiting (default 30s)
-    #[argh(option, default = "String::from(\"30s\")")]
-    pub grace: String,
+});
+
+role_args!(EdgeArgs, "Run edges: each runs the sandboxes of one node.", {
+    /// the edge id(s), comma separated, or `all` (required)
+    #[argh(option, default = "String::new()")]
+    pub id: String,
+    /// listen address overriding the config's (one edge only; default: the config's)
+    #[argh(option, default = "String::new()")]
+    pub addr: String,
+    /// address registered with the watchers (one edge only; default: the config's)
+    #[argh(option, default = "String::new()")]
+    pub advertise: String,
+});
+
+/// Parses `args` as `role`'s flags. Errors: the exit code of a usage error or of `-help`.
+fn parse_role(role: &str, args: &[String]) -> Result<RoleFlags, ExitCode> {
+    let cmd = format!("opendsec {role}");
+    Ok(match role {
+        "iam" | "watcher" => {
+            let a: ReplicaArgs = super::flags::parse(&cmd, args)?;
+            RoleFlags {
+                replica: a.replica,
+                ..RoleFlags::common(a.config, a.metrics, a.log, a.grace)
+            }
+        }
+        "apiserver" => {
+            let a: ApiserverArgs = super::flags::parse(&cmd, args)?;
+            RoleFlags {
+                index: a.index,
+                drain_delay: a.drain_delay,
+                ..RoleFlags::common(a.config, a.metrics, a.log, a.grace)
+            }
+        }
+        "edge" => {
+            let a: EdgeArgs = super::flags::parse(&cmd, args)?;
+            RoleFlags {
+                id: a.id,
+                addr: a.addr,
+                advertise: a.advertise,
+                ..RoleFlags::common(a.config, a.metrics, a.log, a.grace)
+            }
+        }
+        other => {
+            eprintln!("error: invalid: unknown role {other:?}");
+            return Err(ExitCode::from(2));
+        }
+    })
 }
 
 /// Parses `6s`, `500ms`, `2m`, `1h` or plain seconds.
@@ -76,7 +161,7 @@ pub fn parse_duration(s: &str) -> anyhow::Result<std::time::Duration> {
 
 /// Entry for `opendsec <role> ...` of a server role.
 pub fn main(role: &str, args: &[String]) -> ExitCode {
-    let flags: RoleFlags = match super::flags::parse(&format!("opendsec {role}"), args) {
+    let flags = match parse_role(role, args) {
         Ok(f) => f,
         Err(code) => return code,
     };
