@@ -692,6 +692,39 @@ async fn a_command_that_kills_its_chronus_is_lost_once_and_says_so() {
     sb.stop().await;
 }
 
+/// Item 1 (a timeout is a hard stop) against a hostile session: junk its own user writes
+/// to the session's control FIFO (no NUL, as `echo` writes) spoiled the next report, and
+/// that session's later commands hung past their timeouts. They now run normally.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn junk_on_the_control_fifo_does_not_hang_the_session() {
+    if !root_or_skip() {
+        return;
+    }
+    let sb = Sb::new("cb-13", spec()).await;
+    let junk = "n=0; for f in /run/opendsec/sessions/*/ctl; do echo junk > $f && n=$((n+1)); \
+                printf 'more junk' > $f; done; echo wrote $n";
+    for (cmd, want) in [
+        (junk, "wrote 1\n"),
+        ("echo next", "next\n"),
+        ("cd /tmp && echo again", "again\n"),
+        ("pwd", "/tmp\n"),
+    ] {
+        let r = tokio::time::timeout(std::time::Duration::from_secs(10), sb.sh("default", cmd))
+            .await
+            .unwrap_or_else(|_| panic!("{cmd}: the session hung"));
+        assert_eq!(
+            (
+                r.exit_code,
+                r.timed_out,
+                String::from_utf8_lossy(&r.stdout).as_ref()
+            ),
+            (0, false, want),
+            "{cmd}: {r:?}"
+        );
+    }
+    sb.stop().await;
+}
+
 /// Item: files. A FIFO, socket or device is `invalid` at once (a FIFO blocked the call for
 /// ever); a full disk is `invalid` naming disk_mb, not `no_capacity`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -458,6 +458,9 @@ pub async fn read_ctl(s: Arc<Session>, mut rx: pipe::Receiver) {
             Ok(n) => n,
         };
         buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
+        // The shell writes each message as `\0<message>\0` in one write (atomic on a
+        // pipe), so junk the session wrote without a NUL ends at the next message's first
+        // NUL and is dropped on its own, instead of spoiling the message after it.
         while let Some(pos) = buf.iter().position(|b| *b == 0) {
             let msg: Vec<u8> = buf.drain(..=pos).collect();
             route(&s, msg.split_last().map(|(_, m)| m).unwrap_or_default());

@@ -402,11 +402,11 @@ pub fn foreground_line(
     };
     format!(
         "( {body} ) </dev/null >>{out} 2>>{err} & __opendsec_p=$!; \
-         {b}printf '%s p %s\\0' {id} \"$__opendsec_p\" >>{ctl}; \
+         {b}printf '\\0%s p %s\\0' {id} \"$__opendsec_p\" >>{ctl}; \
          {b}wait \"$__opendsec_p\"; __opendsec_st=$?; \
          while {b}kill -0 \"$__opendsec_p\" 2>/dev/null; do [ -e {kill} ] || {b}kill -CONT -- \"-$__opendsec_p\" 2>/dev/null; \
          {b}wait \"$__opendsec_p\"; __opendsec_st=$?; done; \
-         {take}; {b}printf '%s %s %s %s\\0' {id} \"$__opendsec_st\" \"$__opendsec_lost\" \"$PWD\" >>{ctl}\n",
+         {take}; {b}printf '\\0%s %s %s %s\\0' {id} \"$__opendsec_st\" \"$__opendsec_lost\" \"$PWD\" >>{ctl}\n",
         body = body(flavor, f, cwd, env),
         kill = quote(&f.kill.to_string_lossy()),
         out = quote(&f.out.to_string_lossy()),
@@ -439,8 +439,8 @@ pub fn background_line(
     }
     parts.push(format!("{{ {run}; }}"));
     format!(
-        "( ( {inner} ) </dev/null >>{out} 2>>{err}; {b}printf '%s %s 0 %s\\0' {id} \"$?\" \"$PWD\" >>{ctl} ) \
-         </dev/null >/dev/null 2>&1 & {b}printf '%s p %s\\0' {id} \"$!\" >>{ctl}\n",
+        "( ( {inner} ) </dev/null >>{out} 2>>{err}; {b}printf '\\0%s %s 0 %s\\0' {id} \"$?\" \"$PWD\" >>{ctl} ) \
+         </dev/null >/dev/null 2>&1 & {b}printf '\\0%s p %s\\0' {id} \"$!\" >>{ctl}\n",
         inner = parts.join(" && "),
         out = quote(&f.out.to_string_lossy()),
         err = quote(&f.err.to_string_lossy()),
