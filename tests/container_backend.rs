@@ -725,6 +725,40 @@ async fn junk_on_the_control_fifo_does_not_hang_the_session() {
     sb.stop().await;
 }
 
+/// An unprivileged session cannot become the sandbox's root through a setuid program: a
+/// setuid-root copy of `id` left in /tmp by the root session runs as the session's user
+/// (`no_new_privs`), while the root session is unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setuid_programs_give_an_unprivileged_session_nothing() {
+    if !root_or_skip() {
+        return;
+    }
+    let sb = Sb::new("cb-14", spec()).await;
+    let r = sb
+        .sh(
+            "default",
+            "cp /usr/bin/id /tmp/sid && chmod 4755 /tmp/sid && /tmp/sid -u; \
+             grep NoNewPrivs /proc/self/status",
+        )
+        .await;
+    assert_eq!(r.stdout, b"0\nNoNewPrivs:\t0\n", "{r:?}");
+    let mut c = sb.client().await;
+    let r = c
+        .run_shell(pb::RunShellRequest {
+            sandbox_id: sb.id.clone(),
+            cmd: "/tmp/sid -u; grep NoNewPrivs /proc/self/status".into(),
+            session: "nobody".into(),
+            user: "65534:65534".into(),
+            timeout: 30.0,
+            ..Default::default()
+        })
+        .await
+        .expect("run_shell")
+        .into_inner();
+    assert_eq!(r.stdout, b"65534\nNoNewPrivs:\t1\n", "{r:?}");
+    sb.stop().await;
+}
+
 /// Item: files. A FIFO, socket or device is `invalid` at once (a FIFO blocked the call for
 /// ever); a full disk is `invalid` naming disk_mb, not `no_capacity`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -108,6 +108,13 @@ pub fn set_nondumpable() -> io::Result<()> {
     nix::sys::prctl::set_dumpable(false).map_err(io::Error::from)
 }
 
+/// Sets `no_new_privs` on the calling process, for good (it is inherited by children and
+/// kept across exec): exec of a setuid, setgid or file-capability program no longer grants
+/// anything. Errors: the prctl's errno.
+pub fn set_no_new_privs() -> io::Result<()> {
+    nix::sys::prctl::set_no_new_privs().map_err(io::Error::from)
+}
+
 /// Whether the calling process is dumpable (see [`set_nondumpable`]).
 pub fn is_dumpable() -> io::Result<bool> {
     nix::sys::prctl::get_dumpable().map_err(io::Error::from)

@@ -64,6 +64,8 @@ pub enum ChronusError {
     NotRoot { current: u32, wanted: u32 },
     #[error("making chronus non-dumpable: {0}")]
     Nondumpable(std::io::Error),
+    #[error("setting no_new_privs for an unprivileged session: {0}")]
+    NoNewPrivs(std::io::Error),
     #[error("preparing session dir {path}")]
     SessionDir {
         path: PathBuf,
@@ -165,6 +167,12 @@ fn run(a: ChronusArgs) -> Result<(), ChronusError> {
     // A change of uid or gid resets the flag to `fs.suid_dumpable`, which an administrator
     // may have set to 1: the session's own processes (same uid) must not trace chronus.
     crate::sys::process::set_nondumpable().map_err(ChronusError::Nondumpable)?;
+    // An unprivileged session stays unprivileged: no setuid or setcap program it runs
+    // (`su`, `passwd`, a setuid copy a root session left in /tmp) gains anything
+    // (docs/sessions.md "The session's user"). Root sessions keep them working, as the sandbox's root.
+    if creds.uid != 0 {
+        crate::sys::process::set_no_new_privs().map_err(ChronusError::NoNewPrivs)?;
+    }
     // If aether dies, so does the session (set after the uid change, which clears it).
     let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM);
     session::make_dirs(&dir).map_err(|source| ChronusError::SessionDir {
