@@ -283,6 +283,15 @@ async fn lifecycle_retry_drain_and_restart() {
         op(&mut c, "touch", "e1.b").await.map(|s| state_of(&s)).ok(),
         Some(SandboxState::Running)
     );
+    // touch resumes a paused sandbox, as any runtime call does.
+    assert_eq!(
+        op(&mut c, "pause", "e1.b").await.map(|s| state_of(&s)).ok(),
+        Some(SandboxState::Paused)
+    );
+    assert_eq!(
+        op(&mut c, "touch", "e1.b").await.map(|s| state_of(&s)).ok(),
+        Some(SandboxState::Running)
+    );
     assert_eq!(list(&mut c, "root", "", false).await, vec!["e1.a", "e1.b"]);
     assert_eq!(
         list(&mut c, "root", "", true).await,

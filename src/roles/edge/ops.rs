@@ -206,8 +206,10 @@ impl Core {
         out
     }
 
-    /// Resets the idle timer. Ended sandboxes: `conflict`.
-    pub fn touch(&self, id: &str) -> Result<pb::Sandbox, Failure> {
+    /// Resets the idle timer, resuming a paused sandbox first (as any runtime call does,
+    /// docs/concepts.md "Sandboxes"). Ended sandboxes: `conflict`; a failed resume: its
+    /// failure.
+    pub async fn touch(&self, id: &str) -> Result<pb::Sandbox, Failure> {
         let entry = self.entry(id)?;
         let rec = entry.snapshot();
         if rec.is_ended() {
@@ -215,6 +217,12 @@ impl Core {
                 "sandbox {id}: cannot touch a sandbox that is {}",
                 rec.state().as_str_name()
             )));
+        }
+        if matches!(
+            rec.state(),
+            SandboxState::Paused | SandboxState::Pausing | SandboxState::Resuming
+        ) {
+            self.lifecycle(id, Op::Resume, Cause::Caller).await?;
         }
         Ok(self
             .update(&entry, |r| r.sandbox.last_active_at = now_s())

@@ -165,7 +165,7 @@ impl pb::edge_server::Edge for EdgeService {
         req: Request<pb::SandboxRef>,
     ) -> Result<Response<pb::Sandbox>, Status> {
         check_service_token(&req, &self.core.service_token)?;
-        answer(self.core.touch(&req.into_inner().id))
+        answer(self.core.touch(&req.into_inner().id).await)
     }
 
     async fn set_sandbox_timeout(
