@@ -91,6 +91,7 @@ impl Fake {
             },
             oom_killed: req.cmd.contains("oom"),
             timed_out: req.cmd.contains("slow") && req.timeout > 0.0,
+            dropped_bytes: if req.cmd.contains("flood") { 5000 } else { 0 },
             done: true,
             ..Default::default()
         };
@@ -635,7 +636,8 @@ async fn create_checks_input_before_calling() {
         ),
     ] {
         let r = ctl(&s.addr, args).await;
-        assert_eq!(r.code, 1, "{args:?}: {}", r.stderr);
+        // A value that does not parse or is not allowed is a usage error (docs/cli.md).
+        assert_eq!(r.code, 2, "{args:?}: {}", r.stderr);
         assert!(r.stderr.starts_with(want), "{args:?}: {}", r.stderr);
     }
     assert_eq!(
@@ -771,8 +773,19 @@ async fn exec_streams_quotes_and_passes_exit_codes() {
     assert_eq!(r.out(), "flaky output fail7\n");
     assert_eq!(r.stderr, "it failed\n");
 
+    // Output past the recorded limit is said to be missing; the exit code is the command's.
+    let r = ctl(&s.addr, &["exec", "edge-1.a", "flood"]).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.out(), "flood\n");
+    assert!(
+        r.stderr
+            .contains("5000 bytes of output past the first 64 MB of a stream were dropped"),
+        "{}",
+        r.stderr
+    );
+
     let r = ctl(&s.addr, &["exec", "missing"]).await;
-    assert_eq!(r.code, 1);
+    assert_eq!(r.code, 2);
     assert!(
         r.stderr.starts_with("error: invalid: exec needs a command"),
         "{}",
@@ -976,7 +989,7 @@ async fn iam_commands_tasks_and_usage() {
         ],
     )
     .await;
-    assert_eq!(r.code, 1);
+    assert_eq!(r.code, 2);
     let r = ctl(&s.addr, &["principal", "delete", "trainer"]).await;
     assert_eq!((r.code, r.out().trim()), (0, "{}"));
 

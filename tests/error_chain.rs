@@ -169,6 +169,9 @@ fn usage_errors_exit_2_and_name_what_was_wrong() {
         &["watcher", "-index", "1"][..],
         &["apiserver", "-advertise", "x:1"][..],
         &["edge", "-id", "node-0", "-drain-delay", "1s"][..],
+        &["cluster", "up", "-sim-edges", "0"][..],
+        &["cluster", "up", "-apiservers", "0"][..],
+        &["cluster", "up", "-tls"][..],
     ] {
         assert_eq!(common::run(args, &[]).code, 2, "{args:?}");
     }

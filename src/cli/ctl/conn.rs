@@ -97,7 +97,7 @@ impl Settings {
     pub fn resolve(
         flags: &ConnFlags,
         env: impl Fn(&str) -> Option<String>,
-    ) -> Result<Settings, Failure> {
+    ) -> Result<Settings, CtlError> {
         let pick = |flag: &Option<String>, var: &str| -> Option<String> {
             flag.clone().or_else(|| env(var)).filter(|v| !v.is_empty())
         };

@@ -57,7 +57,7 @@ pub enum Direction<'a> {
 
 /// Works out the direction. Errors: `invalid` unless exactly one side is a sandbox path,
 /// for a bad id, or for a sandbox path that is not absolute.
-pub fn direction<'a>(src: &'a str, dst: &'a str) -> Result<Direction<'a>, Failure> {
+pub fn direction<'a>(src: &'a str, dst: &'a str) -> Result<Direction<'a>, CtlError> {
     let d = match (remote(src), remote(dst)) {
         (Some((id, path)), None) => Direction::Download {
             id,
@@ -70,12 +70,12 @@ pub fn direction<'a>(src: &'a str, dst: &'a str) -> Result<Direction<'a>, Failur
             path,
         },
         (Some(_), Some(_)) => {
-            return Err(Failure::invalid(
+            return Err(super::CtlError::usage(
                 "cp copies between this machine and a sandbox, not between sandboxes",
             ))
         }
         (None, None) => {
-            return Err(Failure::invalid(
+            return Err(super::CtlError::usage(
                 "one side of cp must be a sandbox path <id>:<path>",
             ))
         }
@@ -85,7 +85,7 @@ pub fn direction<'a>(src: &'a str, dst: &'a str) -> Result<Direction<'a>, Failur
     };
     values::sandbox_id(id)?;
     if !path.starts_with('/') || path.contains('\0') {
-        return Err(Failure::invalid(format!(
+        return Err(super::CtlError::usage(format!(
             "sandbox path {path:?} must be absolute"
         )));
     }
@@ -238,12 +238,12 @@ mod tests {
                 path: "/srv/a"
             }
         );
-        assert_eq!(direction("./x:y", "-").unwrap_err().reason, Reason::Invalid);
+        assert!(direction("./x:y", "-").unwrap_err().is_usage());
         assert!(direction("a:/x", "b:/y").is_err());
         assert!(direction("local", "other").is_err());
         assert!(direction("id:relative/path", "out")
             .unwrap_err()
-            .message
+            .message()
             .contains("absolute"));
         assert!(direction(":/x", "out").is_err());
     }

@@ -66,12 +66,12 @@ pub fn shell_quote(word: &str) -> String {
 /// The shell command for the given words: one word is a whole shell command, taken as is;
 /// several are each quoted and joined with spaces. Errors: `invalid` for no command or an
 /// empty one.
-pub fn command_line(words: &[String]) -> Result<String, Failure> {
+pub fn command_line(words: &[String]) -> Result<String, CtlError> {
     match words {
-        [] => Err(Failure::invalid(
+        [] => Err(super::CtlError::usage(
             "exec needs a command after the sandbox id",
         )),
-        [one] if one.trim().is_empty() => Err(Failure::invalid("empty command")),
+        [one] if one.trim().is_empty() => Err(super::CtlError::usage("empty command")),
         [one] => Ok(one.clone()),
         many => Ok(many
             .iter()
@@ -82,7 +82,7 @@ pub fn command_line(words: &[String]) -> Result<String, Failure> {
 }
 
 impl ExecArgs {
-    fn timeout_s(&self) -> Result<Option<f64>, Failure> {
+    fn timeout_s(&self) -> Result<Option<f64>, CtlError> {
         self.timeout
             .as_deref()
             .map(|t| values::number_above("timeout", t, 0.0))
@@ -91,7 +91,7 @@ impl ExecArgs {
 
     /// The whole command's time limit: `-deadline` if given, else the default stretched to
     /// cover `-timeout` plus a minute. Errors: `invalid` for a bad `-timeout`.
-    pub fn deadline(&self, s: &Settings) -> Result<Option<Duration>, Failure> {
+    pub fn deadline(&self, s: &Settings) -> Result<Option<Duration>, CtlError> {
         let timeout = self.timeout_s()?;
         Ok(match (s.deadline_given, s.deadline, timeout) {
             (false, Some(d), Some(t)) if t < 1e9 => {
@@ -129,6 +129,16 @@ impl ExecArgs {
             // A timeout says so already; `exec` or a killed shell does not (docs/sessions.md).
             output::err(
                 b"opendsecctl: the session did not keep this command's changes to its directory and variables\n",
+            )?;
+        }
+        if result.dropped_bytes > 0 {
+            // The command ran on; only the recording stopped (docs/sessions.md).
+            output::err(
+                format!(
+                    "opendsecctl: {} bytes of output past the first 64 MB of a stream were dropped\n",
+                    result.dropped_bytes
+                )
+                .as_bytes(),
             )?;
         }
         if result.timed_out {

@@ -42,6 +42,26 @@ pub enum CtlError {
     Exit(u8),
 }
 
+impl CtlError {
+    /// A bad value or a missing argument on the command line (exit 2).
+    pub fn usage(message: impl Into<String>) -> CtlError {
+        CtlError::Usage(message.into())
+    }
+
+    /// Whether this is a usage error (exit 2).
+    pub fn is_usage(&self) -> bool {
+        matches!(self, CtlError::Usage(_))
+    }
+
+    /// The message, as printed after `error: <reason>: `.
+    pub fn message(&self) -> String {
+        match self {
+            CtlError::Failed(f) => f.message.clone(),
+            e => e.to_string(),
+        }
+    }
+}
+
 /// What every command gets: the resolved settings and when the command started.
 pub struct Ctx {
     pub settings: conn::Settings,

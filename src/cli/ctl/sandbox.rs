@@ -89,9 +89,9 @@ pub struct CreateArgs {
 
 /// `-gpus`: only 0 until GPU sandboxes exist, so a request for one is never silently
 /// served without. Errors: `invalid` naming the missing feature.
-fn gpus(n: i64) -> Result<i32, Failure> {
+fn gpus(n: i64) -> Result<i32, CtlError> {
     if n != 0 {
-        return Err(Failure::invalid(format!(
+        return Err(super::CtlError::usage(format!(
             "-gpus {n}: GPU sandboxes are not built yet; leave -gpus at 0"
         )));
     }
@@ -101,12 +101,12 @@ fn gpus(n: i64) -> Result<i32, Failure> {
 /// `-net`: the rules are checked, then refused until network policy exists (a sandbox has
 /// no network beyond its own loopback), so nobody believes a rule is in force. Errors:
 /// `invalid` for a bad rule or naming the missing feature.
-fn net(rules: Option<&str>) -> Result<std::collections::HashMap<String, bool>, Failure> {
+fn net(rules: Option<&str>) -> Result<std::collections::HashMap<String, bool>, CtlError> {
     let Some(rules) = rules else {
         return Ok(Default::default());
     };
     values::net_rules(rules)?;
-    Err(Failure::invalid(
+    Err(super::CtlError::usage(
         "-net: network policy is not built yet (sandboxes have only their own loopback); \
          leave -net out",
     ))
@@ -240,11 +240,13 @@ async fn lifecycle(ctx: &Ctx, id: &str, op: Op) -> Result<(), CtlError> {
 
 impl CreateArgs {
     /// The spec and count these options ask for. Errors: `invalid` naming the option.
-    pub fn spec(&self) -> Result<(pb::SandboxSpec, u32), Failure> {
+    pub fn spec(&self) -> Result<(pb::SandboxSpec, u32), CtlError> {
         values::one_of("backend", &self.backend, &values::BACKENDS)?;
         if let Some(i) = &self.image {
             if i.is_empty() || i.chars().any(|c| c.is_whitespace() || c.is_control()) {
-                return Err(Failure::invalid(format!("-image: bad image name {i:?}")));
+                return Err(super::CtlError::usage(format!(
+                    "-image: bad image name {i:?}"
+                )));
             }
         }
         if let Some(t) = &self.task {
@@ -259,7 +261,7 @@ impl CreateArgs {
                        default: i64,
                        min: i64,
                        max: i64|
-         -> Result<i64, Failure> {
+         -> Result<i64, CtlError> {
             v.as_deref()
                 .map(|s| values::int(name, s, min, max))
                 .transpose()
@@ -524,18 +526,18 @@ mod tests {
         let e = args(|a| a.net = Some("pypi,!npm".into()))
             .spec()
             .unwrap_err();
-        assert_eq!(e.reason, Reason::Invalid);
+        assert!(e.is_usage());
         assert!(
-            e.message.contains("network policy is not built yet"),
+            e.message().contains("network policy is not built yet"),
             "{}",
-            e.message
+            e.message()
         );
         let e = args(|a| a.gpus = Some("1".into())).spec().unwrap_err();
-        assert_eq!(e.reason, Reason::Invalid);
+        assert!(e.is_usage());
         assert!(
-            e.message.contains("GPU sandboxes are not built yet"),
+            e.message().contains("GPU sandboxes are not built yet"),
             "{}",
-            e.message
+            e.message()
         );
         assert_eq!(
             args(|a| a.gpus = Some("0".into())).spec().unwrap().0.gpus,
@@ -560,8 +562,8 @@ mod tests {
         ];
         for (name, f) in cases {
             let e = args(|a| f(a)).spec().unwrap_err();
-            assert_eq!(e.reason, Reason::Invalid);
-            assert!(e.message.starts_with(name), "{name}: {}", e.message);
+            assert!(e.is_usage());
+            assert!(e.message().starts_with(name), "{name}: {}", e.message());
         }
     }
 

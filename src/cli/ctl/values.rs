@@ -1,12 +1,14 @@
 //! Parsing and checking of option values before any call is made (docs/cli.md): numbers, Go-style
 //! durations, `-net` rules, `-quota` pairs, permission lists, dates and ids. Every bad value is
-//! a `Failure` with reason `invalid` whose message names the option and the offending value.
+//! a usage error (exit 2) whose message names the option and the offending value (cut to 64
+//! characters).
 
 use std::collections::HashMap;
 use std::time::Duration;
 
+use super::CtlError;
 use crate::types::names;
-use crate::types::Failure;
+use crate::types::names::shown;
 
 /// Largest file `cp` moves in one call (docs/cli.md `cp`: up to 64 MB).
 pub const MAX_FILE: u64 = 64 * 1024 * 1024;
@@ -19,13 +21,13 @@ pub const KINDS: [&str; 3] = ["agent", "user", "service"];
 
 /// Parses a whole number for option `name`, within `min..=max`.
 /// Errors: `invalid` naming the option, e.g. `-mem: "abc" is not a whole number`.
-pub fn int(name: &str, s: &str, min: i64, max: i64) -> Result<i64, Failure> {
+pub fn int(name: &str, s: &str, min: i64, max: i64) -> Result<i64, CtlError> {
     let v: i64 = s
         .trim()
         .parse()
-        .map_err(|_| Failure::invalid(format!("-{name}: {s:?} is not a whole number")))?;
+        .map_err(|_| invalid(format!("-{name}: {} is not a whole number", shown(s))))?;
     if v < min || v > max {
-        return Err(Failure::invalid(format!(
+        return Err(invalid(format!(
             "-{name}: {v} is out of range ({min} to {max})"
         )));
     }
@@ -34,14 +36,15 @@ pub fn int(name: &str, s: &str, min: i64, max: i64) -> Result<i64, Failure> {
 
 /// Parses a finite number (fractions allowed) for option `name`, greater than `above`.
 /// Errors: `invalid` naming the option.
-pub fn number_above(name: &str, s: &str, above: f64) -> Result<f64, Failure> {
+pub fn number_above(name: &str, s: &str, above: f64) -> Result<f64, CtlError> {
     let v: f64 = s
         .trim()
         .parse()
-        .map_err(|_| Failure::invalid(format!("-{name}: {s:?} is not a number")))?;
+        .map_err(|_| invalid(format!("-{name}: {} is not a number", shown(s))))?;
     if !v.is_finite() || v <= above {
-        return Err(Failure::invalid(format!(
-            "-{name}: {s:?} must be a number above {above}"
+        return Err(invalid(format!(
+            "-{name}: {} must be a number above {above}",
+            shown(s)
         )));
     }
     Ok(v)
@@ -50,10 +53,11 @@ pub fn number_above(name: &str, s: &str, above: f64) -> Result<f64, Failure> {
 /// Parses a duration: Go's form (`300ms`, `30s`, `5m`, `1h30m`, `1.5h`) or plain seconds
 /// (`30`, `2.5`). Zero is allowed (callers give it a meaning, e.g. "no limit").
 /// Errors: `invalid` for anything else, negative values included.
-pub fn duration(name: &str, s: &str) -> Result<Duration, Failure> {
+pub fn duration(name: &str, s: &str) -> Result<Duration, CtlError> {
     let bad = || {
-        Failure::invalid(format!(
-            "-{name}: {s:?} is not a duration (e.g. 30s, 5m, 1h, or seconds)"
+        invalid(format!(
+            "-{name}: {} is not a duration (e.g. 30s, 5m, 1h, or seconds)",
+            shown(s)
         ))
     };
     let t = s.trim();
@@ -103,7 +107,7 @@ pub fn duration(name: &str, s: &str) -> Result<Duration, Failure> {
 /// A rule is a rule set name, a domain (`github.com`, `*.github.com`), an IPv4 address or
 /// network, or `*`, optionally with `:port`, `:lo-hi` and `/tcp` or `/udp`.
 /// Errors: `invalid` naming the offending entry; a rule given twice is invalid too.
-pub fn net_rules(s: &str) -> Result<HashMap<String, bool>, Failure> {
+pub fn net_rules(s: &str) -> Result<HashMap<String, bool>, CtlError> {
     let mut out = HashMap::new();
     for entry in s.split(',') {
         let (rule, allow) = match entry.strip_prefix('!') {
@@ -111,9 +115,9 @@ pub fn net_rules(s: &str) -> Result<HashMap<String, bool>, Failure> {
             None => (entry, true),
         };
         check_rule(rule)
-            .map_err(|why| Failure::invalid(format!("-net: bad rule {entry:?}: {why}")))?;
+            .map_err(|why| invalid(format!("-net: bad rule {}: {why}", shown(entry))))?;
         if out.insert(rule.to_string(), allow).is_some() {
-            return Err(Failure::invalid(format!(
+            return Err(invalid(format!(
                 "-net: rule {rule:?} is given more than once"
             )));
         }
@@ -181,7 +185,7 @@ fn check_destination(d: &str) -> Result<(), String> {
 fn check_ipv4(s: &str) -> Result<(), String> {
     s.parse::<std::net::Ipv4Addr>()
         .map(|_| ())
-        .map_err(|_| format!("{s:?} is not an IPv4 address"))
+        .map_err(|_| format!("{} is not an IPv4 address", shown(s)))
 }
 
 fn check_ports(p: &str) -> Result<(), String> {
@@ -217,14 +221,14 @@ fn check_ports(p: &str) -> Result<(), String> {
 /// Parses `-quota k=v,...` (docs/concepts.md): keys `sandboxes`, `cpu_cores`, `memory_mb`, `gpus`;
 /// values non-negative, whole numbers except `cpu_cores`.
 /// Errors: `invalid` naming an unknown key, a repeated key or a bad value.
-pub fn quota(s: &str) -> Result<HashMap<String, f64>, Failure> {
+pub fn quota(s: &str) -> Result<HashMap<String, f64>, CtlError> {
     let mut out = HashMap::new();
     for pair in s.split(',') {
         let (k, v) = pair
             .split_once('=')
-            .ok_or_else(|| Failure::invalid(format!("-quota: {pair:?} is not key=value")))?;
+            .ok_or_else(|| invalid(format!("-quota: {} is not key=value", shown(pair))))?;
         if !names::QUOTA_KEYS.contains(&k) {
-            return Err(Failure::invalid(format!(
+            return Err(invalid(format!(
                 "-quota: unknown key {k:?}; known: {}",
                 names::QUOTA_KEYS.join(", ")
             )));
@@ -232,19 +236,15 @@ pub fn quota(s: &str) -> Result<HashMap<String, f64>, Failure> {
         let n: f64 = v
             .trim()
             .parse()
-            .map_err(|_| Failure::invalid(format!("-quota: {k}={v:?} is not a number")))?;
+            .map_err(|_| invalid(format!("-quota: {k}={} is not a number", shown(v))))?;
         if !n.is_finite() || n < 0.0 {
-            return Err(Failure::invalid(format!(
-                "-quota: {k}={v} must be zero or more"
-            )));
+            return Err(invalid(format!("-quota: {k}={v} must be zero or more")));
         }
         if k != "cpu_cores" && n.fract() != 0.0 {
-            return Err(Failure::invalid(format!(
-                "-quota: {k}={v} must be a whole number"
-            )));
+            return Err(invalid(format!("-quota: {k}={v} must be a whole number")));
         }
         if out.insert(k.to_string(), n).is_some() {
-            return Err(Failure::invalid(format!(
+            return Err(invalid(format!(
                 "-quota: key {k:?} is given more than once"
             )));
         }
@@ -253,14 +253,14 @@ pub fn quota(s: &str) -> Result<HashMap<String, f64>, Failure> {
 }
 
 /// Parses a comma separated permission list (docs/concepts.md), dropping repeats, keeping order.
-/// Errors: `invalid` for an empty list entry or an unknown permission.
-pub fn permissions(s: &str) -> Result<Vec<String>, Failure> {
+/// Errors: a usage error for an empty list entry or an unknown permission.
+pub fn permissions(s: &str) -> Result<Vec<String>, CtlError> {
     let mut out: Vec<String> = Vec::new();
     for p in s.split(',') {
         if p.is_empty() {
-            return Err(Failure::invalid(format!("empty permission in {s:?}")));
+            return Err(invalid(format!("empty permission in {}", shown(s))));
         }
-        names::check_permission(p)?;
+        names::check_permission(p).map_err(|f| invalid(f.message))?;
         if !out.iter().any(|x| x == p) {
             out.push(p.to_string());
         }
@@ -270,13 +270,13 @@ pub fn permissions(s: &str) -> Result<Vec<String>, Failure> {
 
 /// Checks a `YYYY-MM-DD` date (usage `-from`/`-to`).
 /// Errors: `invalid` naming the option and the value.
-pub fn date(name: &str, s: &str) -> Result<(), Failure> {
-    let bad = || Failure::invalid(format!("-{name}: {s:?} is not a date YYYY-MM-DD"));
+pub fn date(name: &str, s: &str) -> Result<(), CtlError> {
+    let bad = || invalid(format!("-{name}: {} is not a date YYYY-MM-DD", shown(s)));
     let b = s.as_bytes();
     if b.len() != 10 || b.get(4) != Some(&b'-') || b.get(7) != Some(&b'-') {
         return Err(bad());
     }
-    let num = |r: std::ops::Range<usize>| -> Result<u32, Failure> {
+    let num = |r: std::ops::Range<usize>| -> Result<u32, CtlError> {
         let part = &s[r];
         if !part.bytes().all(|c| c.is_ascii_digit()) {
             return Err(bad());
@@ -291,39 +291,43 @@ pub fn date(name: &str, s: &str) -> Result<(), Failure> {
 
 /// Checks a sandbox id as given on the command line: not empty, no spaces or control chars.
 /// Errors: `invalid`.
-pub fn sandbox_id(s: &str) -> Result<(), Failure> {
+pub fn sandbox_id(s: &str) -> Result<(), CtlError> {
     if s.is_empty() || s.len() > 256 || s.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(Failure::invalid(format!("bad sandbox id {s:?}")));
+        return Err(invalid(format!("bad sandbox id {}", shown(s))));
     }
     Ok(())
 }
 
 /// Checks a plain name (task, session, token id): 1 to 256 characters, no control chars.
 /// Errors: `invalid` naming `what`.
-pub fn plain(what: &str, s: &str) -> Result<(), Failure> {
+pub fn plain(what: &str, s: &str) -> Result<(), CtlError> {
     if s.is_empty() || s.len() > 256 || s.chars().any(|c| c.is_control()) {
-        return Err(Failure::invalid(format!("bad {what} {s:?}")));
+        return Err(invalid(format!("bad {what} {}", shown(s))));
     }
     Ok(())
 }
 
 /// Checks `value` is one of `allowed` for option `name`.
 /// Errors: `invalid` listing the allowed values.
-pub fn one_of(name: &str, value: &str, allowed: &[&str]) -> Result<(), Failure> {
+pub fn one_of(name: &str, value: &str, allowed: &[&str]) -> Result<(), CtlError> {
     if allowed.contains(&value) {
         Ok(())
     } else {
-        Err(Failure::invalid(format!(
+        Err(invalid(format!(
             "-{name}: {value:?} is not one of {}",
             allowed.join(", ")
         )))
     }
 }
 
+/// A value that does not parse: a usage error (exit 2, docs/cli.md "Exit codes").
+fn invalid(message: String) -> CtlError {
+    CtlError::usage(message)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::types::Reason;
 
     #[test]
     fn durations_go_style_and_plain_seconds() {
@@ -340,8 +344,8 @@ mod tests {
             "", "5x", "m", "-5s", "-3", "1h-", "s5", "1..2s", "inf", "NaN",
         ] {
             let e = duration("deadline", bad).unwrap_err();
-            assert_eq!(e.reason, Reason::Invalid, "{bad}");
-            assert!(e.message.contains("-deadline"), "{}", e.message);
+            assert!(e.is_usage(), "{bad}");
+            assert!(e.message().contains("-deadline"), "{}", e.message());
         }
     }
 
@@ -389,8 +393,8 @@ mod tests {
             "ex%ample.com",
         ] {
             let e = net_rules(bad).unwrap_err();
-            assert_eq!(e.reason, Reason::Invalid, "{bad}");
-            assert!(e.message.starts_with("-net:"), "{}", e.message);
+            assert!(e.is_usage(), "{bad}");
+            assert!(e.message().starts_with("-net:"), "{}", e.message());
         }
     }
 
@@ -402,7 +406,11 @@ mod tests {
         assert_eq!(q["memory_mb"], 4096000.0);
         assert_eq!(q["gpus"], 0.0);
         let e = quota("disk=5").unwrap_err();
-        assert!(e.message.contains("unknown key \"disk\""), "{}", e.message);
+        assert!(
+            e.message().contains("unknown key \"disk\""),
+            "{}",
+            e.message()
+        );
         for bad in [
             "sandboxes",
             "sandboxes=",
@@ -413,7 +421,7 @@ mod tests {
             "",
             "cpu_cores=inf",
         ] {
-            assert_eq!(quota(bad).unwrap_err().reason, Reason::Invalid, "{bad}");
+            assert!(quota(bad).unwrap_err().is_usage(), "{bad}");
         }
     }
 
@@ -422,7 +430,7 @@ mod tests {
         assert_eq!(int("mem", "1024", 1, i64::MAX).unwrap(), 1024);
         assert!(int("mem", "10x", 1, 100)
             .unwrap_err()
-            .message
+            .message()
             .contains("-mem"));
         assert!(int("count", "0", 1, 32768).is_err());
         assert!(int("count", "32769", 1, 32768).is_err());

@@ -80,7 +80,33 @@ pub fn main(args: &[String]) -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
+    if let Err(why) = check_flags(&f) {
+        // A usage error (exit 2), found before anything starts.
+        eprintln!("error: invalid: {why}");
+        return ExitCode::from(2);
+    }
     crate::cli::flags::block_on(run(f))
+}
+
+/// Flag values `cluster up` cannot run with: none of them starts anything.
+fn check_flags(f: &UpFlags) -> Result<(), &'static str> {
+    if f.tls {
+        return Err("-tls is not built yet; run without it (plaintext on loopback)");
+    }
+    if f.config.is_empty() && f.sim_edges == 0 {
+        // A cluster of no edge runs nothing; one edge used to start in its place.
+        return Err("-sim-edges 0: a cluster needs at least one edge");
+    }
+    if f.config.is_empty() && f.apiservers == 0 {
+        return Err("-apiservers 0: a cluster needs at least one apiserver");
+    }
+    if !f.microvm_kernel.is_empty() {
+        return Err("-microvm-kernel: the microvm backend is not built yet");
+    }
+    if !f.image_store.is_empty() {
+        return Err("-image-store: the shared image store is not built yet");
+    }
+    Ok(())
 }
 
 fn metrics_addr(a: &str) -> String {
@@ -92,23 +118,7 @@ fn metrics_addr(a: &str) -> String {
 }
 
 async fn run(f: UpFlags) -> anyhow::Result<()> {
-    use anyhow::{bail, Context};
-    if f.tls {
-        bail!("invalid: -tls is not built yet; run without it (plaintext on loopback)");
-    }
-    if f.config.is_empty() && f.sim_edges == 0 {
-        // A cluster of no edge runs nothing; one edge used to start in its place.
-        bail!("invalid: -sim-edges 0: a cluster needs at least one edge");
-    }
-    if f.config.is_empty() && f.apiservers == 0 {
-        bail!("invalid: -apiservers 0: a cluster needs at least one apiserver");
-    }
-    if !f.microvm_kernel.is_empty() {
-        bail!("invalid: -microvm-kernel: the microvm backend is not built yet");
-    }
-    if !f.image_store.is_empty() {
-        bail!("invalid: -image-store: the shared image store is not built yet");
-    }
+    use anyhow::Context;
     let cluster = if f.config.is_empty() {
         let o = UpOptions {
             sim_edges: f.sim_edges,
