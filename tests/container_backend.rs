@@ -158,6 +158,31 @@ async fn the_host_image_hides_the_state_directory() {
     let err = String::from_utf8_lossy(&r.stderr).to_string();
     assert_eq!(out, "end\n", "stderr: {err}");
     assert!(err.contains("No such file"), "{err}");
+    // Nor the host's password hashes, nor what the host keeps in its temporary directories
+    // (other clusters' state and tokens); those come up empty, writable and with their
+    // modes, on the sandbox's own disk.
+    let secret = std::path::PathBuf::from(format!("/var/tmp/odc-secret-{}", std::process::id()));
+    std::fs::write(&secret, "token\n").expect("host secret");
+    let r = shell(
+        &b,
+        &h,
+        &format!(
+            "cat /etc/shadow /etc/gshadow {s} 2>/dev/null; ls -A /tmp /var/tmp; \
+             stat -c '%a %U' /tmp /var/tmp /etc; echo x > /tmp/y && cat /tmp/y",
+            s = secret.display()
+        ),
+    )
+    .await;
+    let _ = std::fs::remove_file(&secret);
+    assert_eq!(
+        String::from_utf8_lossy(&r.stdout),
+        "/tmp:\n\n/var/tmp:\n1777 root\n1777 root\n755 root\nx\n",
+        "{r:?}"
+    );
+    assert!(
+        std::path::Path::new("/etc/shadow").exists(),
+        "the host's own file is untouched"
+    );
     b.stop(&h).await.expect("stop");
 }
 

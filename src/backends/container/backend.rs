@@ -106,6 +106,31 @@ fn hidden_state(state_dir: &Path, lowers: &[PathBuf]) -> Vec<String> {
     out
 }
 
+/// What a sandbox of the development image `host` (a lower that is the host's `/`) must
+/// not see of the host: its password hashes, and its temporary directories, where other
+/// clusters' state and tokens (the quickstart's `/tmp/opendsec`) and other users' files
+/// live. The directories come up empty and writable on the sandbox's own disk.
+const HOST_HIDDEN: [&str; 6] = [
+    "/tmp",
+    "/var/tmp",
+    "/etc/shadow",
+    "/etc/shadow-",
+    "/etc/gshadow",
+    "/etc/gshadow-",
+];
+
+/// The paths to hide through the upper layer for an image of `lowers` (see [`HOST_HIDDEN`]).
+fn hidden_lower(lowers: &[PathBuf]) -> Vec<String> {
+    let host = lowers
+        .iter()
+        .any(|l| l.canonicalize().unwrap_or_else(|_| l.clone()) == Path::new("/"));
+    if host {
+        HOST_HIDDEN.iter().map(|p| p.to_string()).collect()
+    } else {
+        Vec::new()
+    }
+}
+
 fn cfg_err(backend: &str, message: impl std::fmt::Display) -> BackendError {
     BackendError::Config {
         backend: backend.to_string(),
@@ -230,7 +255,16 @@ impl ContainerBackend {
         };
         let workload_fds = fds(0);
         let workload_dir_fds = fds(split);
-        let hidden = hidden_state(&self.state_dir, &lowers);
+        let hidden_lower = hidden_lower(&lowers);
+        // A state directory below a hidden one is not there to mask.
+        let hidden: Vec<String> = hidden_state(&self.state_dir, &lowers)
+            .into_iter()
+            .filter(|p| {
+                !hidden_lower
+                    .iter()
+                    .any(|h| Path::new(p).starts_with(Path::new(h)))
+            })
+            .collect();
         SetupSpec {
             sandbox_id: id.clone(),
             dir: self.sandbox_dir(id),
@@ -253,6 +287,7 @@ impl ContainerBackend {
                 .cloned()
                 .chain(hidden)
                 .collect(),
+            hidden_lower,
             core_sched: self.core_sched,
             aether: AetherConfig {
                 sandbox_id: id.clone(),

@@ -190,7 +190,7 @@ fn child(
                 crate::sys::mountfd::attach(mount.as_fd(), &disk),
             )?;
             drop(mount);
-            rootfs::overlay_on(&disk, &root, &spec.lowers)?;
+            rootfs::overlay_on(&disk, &root, &spec.lowers, &spec.hidden_lower)?;
             p.device.clone()
         }
         _ => {
@@ -199,7 +199,7 @@ fn child(
                 LoopDevice::attach(&spec.disk_image, false, true),
             )?;
             let (major, minor) = dev.major_minor();
-            rootfs::overlay(dev.path(), &disk, &root, &spec.lowers)?;
+            rootfs::overlay(dev.path(), &disk, &root, &spec.lowers, &spec.hidden_lower)?;
             // The mount now holds the device; with autoclear it frees itself once the
             // sandbox's mount namespace is gone.
             drop(dev);

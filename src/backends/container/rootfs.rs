@@ -104,6 +104,7 @@ pub fn overlay(
     disk: &Path,
     root: &Path,
     lowers: &[PathBuf],
+    hide: &[String],
 ) -> Result<(), RootfsError> {
     let dev = device.to_string_lossy();
     // nodev on both: a device node in an image or written by the sandbox opens nothing
@@ -116,15 +117,24 @@ pub fn overlay(
         MsFlags::MS_NODEV,
         None,
     )?;
-    overlay_on(disk, root, lowers)
+    overlay_on(disk, root, lowers, hide)
 }
 
 /// Mounts the overlay root on top of the image's lowers, its upper layer in `disk` (the
 /// writable layer, mounted there already: by [`overlay`], or a prepared disk attached).
-pub fn overlay_on(disk: &Path, root: &Path, lowers: &[PathBuf]) -> Result<(), RootfsError> {
+/// `hide`: paths of the lowers the sandbox must not see (see [`hide_in_upper`]).
+pub fn overlay_on(
+    disk: &Path,
+    root: &Path,
+    lowers: &[PathBuf],
+    hide: &[String],
+) -> Result<(), RootfsError> {
     let (upper, work) = (disk.join("upper"), disk.join("work"));
     mkdir(&upper, 0o755)?;
     mkdir(&work, 0o700)?;
+    for p in hide {
+        hide_in_upper(&upper, lowers, p)?;
+    }
     let lower: Vec<String> = lowers
         .iter()
         .map(|l| l.to_string_lossy().into_owned())
@@ -143,6 +153,72 @@ pub fn overlay_on(disk: &Path, root: &Path, lowers: &[PathBuf]) -> Result<(), Ro
         MsFlags::MS_NODEV,
         Some(&opts),
     )
+}
+
+/// Hides `path` (absolute, inside the sandbox) of the topmost lower that has it, through the
+/// upper layer: a directory becomes opaque (`trusted.overlay.opaque`: empty, and what the
+/// sandbox writes there goes to its own disk), a file gets a whiteout (a 0:0 character
+/// device). Each directory made in the upper layer on the way takes the lower's mode and
+/// owner, which the merged view shows. A path no lower has is left alone.
+fn hide_in_upper(upper: &Path, lowers: &[PathBuf], path: &str) -> Result<(), RootfsError> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let rel = Path::new(path.trim_start_matches('/'));
+    let Some(lower) = lowers
+        .iter()
+        .find(|l| l.join(rel).symlink_metadata().is_ok())
+    else {
+        return Ok(());
+    };
+    // Parents first, as the lower has them.
+    let mut made = upper.to_path_buf();
+    let mut seen = lower.clone();
+    let parts: Vec<_> = rel.components().collect();
+    for (i, c) in parts.iter().enumerate() {
+        made.push(c);
+        seen.push(c);
+        let last = i + 1 == parts.len();
+        let md = io("stat", &seen, seen.symlink_metadata())?;
+        if last && !md.is_dir() {
+            if made.symlink_metadata().is_err() {
+                let r = rustix::fs::mknodat(
+                    rustix::fs::CWD,
+                    &made,
+                    rustix::fs::FileType::CharacterDevice,
+                    rustix::fs::Mode::empty(),
+                    0,
+                );
+                io("whiteout", &made, r.map_err(std::io::Error::from))?;
+            }
+            return Ok(());
+        }
+        if !md.is_dir() {
+            // A link or file on the way: nothing below it to hide this way.
+            return Ok(());
+        }
+        if made.symlink_metadata().is_err() {
+            io("mkdir", &made, fs::create_dir(&made))?;
+            io(
+                "chmod",
+                &made,
+                fs::set_permissions(&made, fs::Permissions::from_mode(md.mode() & 0o7777)),
+            )?;
+            io(
+                "chown",
+                &made,
+                std::os::unix::fs::chown(&made, Some(md.uid()), Some(md.gid())),
+            )?;
+        }
+        if last {
+            let r = rustix::fs::setxattr(
+                &made,
+                "trusted.overlay.opaque",
+                b"y",
+                rustix::fs::XattrFlags::empty(),
+            );
+            io("make opaque", &made, r.map_err(std::io::Error::from))?;
+        }
+    }
+    Ok(())
 }
 
 /// /proc (of the new pid namespace: the caller must be its PID 1), /dev, /sys read-only with

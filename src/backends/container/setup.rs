@@ -36,6 +36,11 @@ pub struct SetupSpec {
     /// Caller's extra read-only and masked paths (absolute, validated by the edge).
     pub readonly_paths: Vec<String>,
     pub masked_paths: Vec<String>,
+    /// Paths of the image the sandbox must not see, hidden through the upper layer (empty
+    /// for images; the development image `host` hides the host's secrets and temporary
+    /// directories, docs/containers.md "The host image").
+    #[serde(default)]
+    pub hidden_lower: Vec<String>,
     /// Ask for a core-scheduling cookie.
     pub core_sched: bool,
     /// aether's configuration, written to [`AETHER_CONFIG`] inside.
