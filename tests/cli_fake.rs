@@ -618,6 +618,10 @@ async fn create_checks_input_before_calling() {
             "error: invalid: -backend",
         ),
         (
+            &["sandbox", "create", "-backend", "container"],
+            "error: invalid: -image is required for backend container",
+        ),
+        (
             &["sandbox", "create", "-count", "0"],
             "error: invalid: -count",
         ),

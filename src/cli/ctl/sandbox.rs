@@ -242,6 +242,12 @@ impl CreateArgs {
     /// The spec and count these options ask for. Errors: `invalid` naming the option.
     pub fn spec(&self) -> Result<(pb::SandboxSpec, u32), CtlError> {
         values::one_of("backend", &self.backend, &values::BACKENDS)?;
+        if self.backend != "sim" && self.image.is_none() {
+            return Err(super::CtlError::usage(format!(
+                "-image is required for backend {} (e.g. -image host, the development image of cluster up)",
+                self.backend
+            )));
+        }
         if let Some(i) = &self.image {
             if i.is_empty() || i.chars().any(|c| c.is_whitespace() || c.is_control()) {
                 return Err(super::CtlError::usage(format!(
