@@ -735,9 +735,12 @@ def sandbox_pids(edge_id: str, sandbox_id: str) -> int:
 # Issue 7 item 2: during a fork bomb, a command in another session and a new session's first
 # command answer within 1 s, and stop within 2 s. The machines are shared and noisy, so the
 # tests allow three times that, which still fails where the sessions used to hang (16 s in
-# bash's fork retries, or for good in reclaim); each run prints what it measured.
-ANSWER_WITHIN = 3.0
-STOP_WITHIN = 6.0
+# bash's fork retries, or for good in reclaim); each run prints what it measured. Where the
+# tests run slower than this machine (scripts/v2-guest.sh, an emulated guest, sets
+# OPENDSEC_TEST_TIME_SCALE), the bounds widen by that factor.
+TIME_SCALE = max(1.0, float(os.environ.get("OPENDSEC_TEST_TIME_SCALE", "1")))
+ANSWER_WITHIN = 3.0 * TIME_SCALE
+STOP_WITHIN = 6.0 * TIME_SCALE
 
 
 def sandbox_oom_kills(edge_id: str, sandbox_id: str) -> int:
@@ -774,9 +777,10 @@ async def assert_answers_during_bomb(linux, args: DSecRunArgs, bomb: str, loaded
             r = await sh(sb, "cd /tmp && export KEPT=yes", session="bomb")
             assert r.exit_code == 0, r
             cmd_id = await sb.run_shell_background(bomb, session="bomb")
-            end = time.monotonic() + 30
+            fill_within = 30 * TIME_SCALE
+            end = time.monotonic() + fill_within
             while not loaded(sb):
-                assert time.monotonic() < end, f"the bomb did not reach its limit ({what}) within 30 s"
+                assert time.monotonic() < end, f"the bomb did not reach its limit ({what}) within {fill_within:.0f} s"
                 await asyncio.sleep(0.1)
             took = {}
             calls = [
