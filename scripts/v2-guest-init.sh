@@ -17,13 +17,25 @@ mount -t devtmpfs devtmpfs /dev
 mkdir -p /dev/pts /dev/shm
 mount -t devpts -o newinstance,ptmxmode=0666 devpts /dev/pts
 mount -t tmpfs tmpfs /dev/shm
-for d in /tmp /run /var/tmp; do mount -t tmpfs -o mode=1777 tmpfs "$d"; done
+# The work tree, found before the guest's own tmpfs hide what was under them: a clone under
+# /tmp (as CI makes) is bound back at its own path from a plain bind of the 9p root.
+tree=$(cd "$(dirname "$0")/.." && pwd -P)
+mount -t tmpfs -o mode=0755 tmpfs /run
+mkdir -p /run/hostroot
+mount --bind / /run/hostroot
+for d in /tmp /var/tmp; do mount -t tmpfs -o mode=1777 tmpfs "$d"; done
+case "$tree" in
+  /tmp/* | /var/tmp/* | /run/*)
+    mkdir -p "$tree"
+    mount --bind "/run/hostroot$tree" "$tree"
+    ;;
+esac
 mount -t cgroup2 cgroup2 /sys/fs/cgroup
 for c in $(cat /sys/fs/cgroup/cgroup.controllers); do
   echo "+$c" > /sys/fs/cgroup/cgroup.subtree_control
 done
 ip link set lo up 2>/dev/null || busybox ip link set lo up
-work=$(dirname "$0")/../target/v2-guest
+work=$tree/target/v2-guest
 set -a
 # shellcheck disable=SC1091
 . "$work/env"
