@@ -5,6 +5,7 @@ pub mod backends;
 pub mod cli;
 pub mod config;
 pub mod guest;
+pub mod images;
 pub mod pb;
 pub mod roles;
 pub mod rpc;

@@ -1,0 +1,8 @@
+//! The shared image store (docs/images.md): image names, content digests, the store's layout
+//! and its atomic writes, and the unpacking of untrusted layer tars.
+
+pub mod digest;
+pub mod layer;
+pub mod name;
+pub mod store;
+pub mod unpack;

@@ -1,0 +1,394 @@
+//! The image store's layout on disk (docs/images.md "The store"), shared by every node:
+//!
+//! ```text
+//! <root>/layers/<hex>/rootfs/...     a layer's files, overlay format
+//! <root>/layers/<hex>/meta.json      what the layer is (LayerMeta)
+//! <root>/images/<project>/<name>/<tag>.json   image manifests (ImageManifest)
+//! <root>/snapshots/  <root>/vmdisks/  <root>/inuse/
+//! <root>/tmp/                        writes in progress (GC removes what a crash left)
+//! ```
+//!
+//! A layer's directory is named by its diff_id's hex (the digest of its uncompressed tar), so a
+//! layer is stored once however it was compressed. Layers are written whole into `tmp/` and
+//! renamed into place, after the file system has been synced: a layer directory that exists
+//! is complete. Two imports of one layer race harmlessly: the second rename finds the first's
+//! directory and its own copy is dropped. Manifests are a temporary file, fsync, rename (or a
+//! hard link, which fails when the name exists, where the caller did not ask to overwrite).
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::digest::Digest;
+use super::name::ImageRef;
+use crate::types::Failure;
+
+/// The store's top-level directories, made by [`Store::open`].
+pub const DIRS: [&str; 6] = ["layers", "images", "snapshots", "vmdisks", "inuse", "tmp"];
+
+/// What a stored layer is (`layers/<hex>/meta.json`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LayerMeta {
+    /// The digest of the uncompressed tar: the layer's identity.
+    pub diff_id: Option<Digest>,
+    /// The blob it was imported from (compressed as it came), if any.
+    pub blob: Option<Digest>,
+    /// Entries and file bytes written.
+    pub entries: u64,
+    pub file_bytes: u64,
+    /// Extended attributes of the tar that were not kept.
+    pub xattrs_dropped: u64,
+    /// Directories the layer marks opaque (relative, `""` for its root), kept for their
+    /// expansion against the layers below (docs/images.md).
+    pub opaque: Vec<String>,
+    /// When it was written (RFC 3339, UTC).
+    pub created: String,
+}
+
+/// An image: its layers bottom first, and the defaults its sandboxes start with
+/// (`images/<project>/<name>/<tag>.json`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ImageManifest {
+    /// The layers' diff_ids, bottom first (OCI order).
+    pub layers: Vec<Digest>,
+    /// `KEY=value` defaults, in order.
+    pub env: Vec<String>,
+    pub workdir: String,
+    pub user: String,
+    /// The image this one was made from (`pack_diff`), as `project/name:tag`.
+    pub parent: String,
+    /// Where it came from (`docker.io/library/python:3.12`, a file), for people.
+    pub source: String,
+    pub created: String,
+    /// Anything else worth keeping about it.
+    pub labels: BTreeMap<String, String>,
+}
+
+/// Failures of the store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("image store {root}: {what}")]
+    Io {
+        root: PathBuf,
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+    /// The name is taken and the caller did not ask to overwrite (`conflict`).
+    #[error("image {0} exists (overwrite replaces it)")]
+    Exists(String),
+    /// No such image (`not_found`).
+    #[error("image {0} not found")]
+    NotFound(String),
+    /// A manifest that is not ours to read (`internal`: the store was changed by hand).
+    #[error("image {image}: manifest {path} cannot be read")]
+    BadManifest {
+        image: String,
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+impl StoreError {
+    /// The caller-facing failure.
+    pub fn to_failure(&self) -> Failure {
+        let msg = crate::types::chain(self);
+        match self {
+            StoreError::Exists(_) => Failure::conflict(msg),
+            StoreError::NotFound(_) => Failure::not_found(msg),
+            StoreError::Io { .. } | StoreError::BadManifest { .. } => Failure::internal(msg),
+        }
+    }
+}
+
+/// An open image store.
+#[derive(Debug, Clone)]
+pub struct Store {
+    root: PathBuf,
+}
+
+/// A layer being written under `tmp/`: removed when dropped unless committed.
+#[derive(Debug)]
+pub struct Staging {
+    dir: PathBuf,
+    done: bool,
+}
+
+impl Staging {
+    /// The directory the layer's files go into (empty when staged).
+    pub fn rootfs(&self) -> PathBuf {
+        self.dir.join("rootfs")
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if !self.done {
+            if let Err(e) = fs::remove_dir_all(&self.dir) {
+                tracing::warn!(dir = %self.dir.display(), error = %e, "removing a staged layer");
+            }
+        }
+    }
+}
+
+impl Store {
+    /// Opens the store at `root`, making its directories where they are missing.
+    /// Errors: `Io` when they cannot be made.
+    pub fn open(root: &Path) -> Result<Store, StoreError> {
+        let s = Store {
+            root: root.to_path_buf(),
+        };
+        for d in DIRS {
+            fs::create_dir_all(root.join(d)).map_err(|e| s.io(format!("making {d}/"), e))?;
+        }
+        Ok(s)
+    }
+
+    /// The store's root.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn io(&self, what: impl Into<String>, source: io::Error) -> StoreError {
+        StoreError::Io {
+            root: self.root.clone(),
+            what: what.into(),
+            source,
+        }
+    }
+
+    /// `layers/<hex>`: the layer's directory (its files in `rootfs/`).
+    pub fn layer_dir(&self, diff_id: &Digest) -> PathBuf {
+        self.root.join("layers").join(diff_id.hex())
+    }
+
+    /// Whether the layer is stored (complete: only whole layers are renamed into place).
+    pub fn has_layer(&self, diff_id: &Digest) -> bool {
+        self.layer_dir(diff_id).join("meta.json").is_file()
+    }
+
+    /// A fresh, empty layer directory under `tmp/`.
+    pub fn stage(&self) -> Result<Staging, StoreError> {
+        let name = format!(
+            "layer-{}-{:016x}",
+            std::process::id(),
+            rand::random::<u64>()
+        );
+        let dir = self.root.join("tmp").join(name);
+        fs::create_dir(&dir).map_err(|e| self.io("staging a layer", e))?;
+        let staging = Staging { dir, done: false };
+        fs::create_dir(staging.rootfs()).map_err(|e| self.io("staging a layer", e))?;
+        Ok(staging)
+    }
+
+    /// Puts a staged layer in place as `meta.diff_id`: its meta written, the file system
+    /// synced, then one rename. When another writer put the same layer in place first, ours
+    /// is dropped and theirs kept (they hold the same bytes: the name is their digest).
+    pub fn commit_layer(&self, mut staging: Staging, meta: &LayerMeta) -> Result<(), StoreError> {
+        let Some(diff_id) = &meta.diff_id else {
+            return Err(self.io(
+                "committing a layer",
+                io::Error::new(io::ErrorKind::InvalidInput, "the layer has no diff_id"),
+            ));
+        };
+        let body = serde_json::to_vec_pretty(meta)
+            .map_err(|e| self.io("encoding a layer's meta", e.into()))?;
+        write_synced(&staging.dir.join("meta.json"), &body)
+            .map_err(|e| self.io("writing a layer's meta", e))?;
+        // One syncfs instead of an fsync per file: the layer is durable before it is visible.
+        let dirfd = fs::File::open(&staging.dir).map_err(|e| self.io("syncing a layer", e))?;
+        rustix::fs::syncfs(&dirfd).map_err(|e| self.io("syncing a layer", e.into()))?;
+        let dest = self.layer_dir(diff_id);
+        match fs::rename(&staging.dir, &dest) {
+            Ok(()) => {
+                staging.done = true;
+                sync_dir(&self.root.join("layers")).map_err(|e| self.io("syncing layers/", e))?;
+                Ok(())
+            }
+            // ENOTEMPTY/EEXIST: the layer is there already; `staging` is dropped (removed).
+            Err(e)
+                if matches!(e.raw_os_error(), Some(libc::ENOTEMPTY) | Some(libc::EEXIST))
+                    && self.has_layer(diff_id) =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(self.io(format!("putting layer {diff_id} in place"), e)),
+        }
+    }
+
+    /// `images/<project>/<name>/<tag>.json`.
+    pub fn manifest_path(&self, image: &ImageRef) -> PathBuf {
+        let mut p = self.root.join("images");
+        for seg in image.project.split('/') {
+            p.push(seg);
+        }
+        p.push(&image.name);
+        p.push(format!("{}.json", image.tag));
+        p
+    }
+
+    /// Writes `image`'s manifest. Without `overwrite` an existing name is `Exists` and is left
+    /// as it was. The manifest is complete on disk before the name points at it.
+    pub fn write_manifest(
+        &self,
+        image: &ImageRef,
+        m: &ImageManifest,
+        overwrite: bool,
+    ) -> Result<(), StoreError> {
+        let path = self.manifest_path(image);
+        let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        fs::create_dir_all(&dir).map_err(|e| self.io(format!("making {}", dir.display()), e))?;
+        let body =
+            serde_json::to_vec_pretty(m).map_err(|e| self.io("encoding a manifest", e.into()))?;
+        let tmp = self.root.join("tmp").join(format!(
+            "manifest-{}-{:016x}.json",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        write_synced(&tmp, &body).map_err(|e| self.io("writing a manifest", e))?;
+        let placed = if overwrite {
+            fs::rename(&tmp, &path)
+        } else {
+            // link(2) fails with EEXIST if the name is taken, atomically: no check-then-write.
+            let r = fs::hard_link(&tmp, &path);
+            let _ = fs::remove_file(&tmp);
+            r
+        };
+        match placed {
+            Ok(()) => sync_dir(&dir).map_err(|e| self.io("syncing a manifest's directory", e)),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                Err(StoreError::Exists(image.to_string()))
+            }
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                Err(self.io(format!("placing manifest {}", path.display()), e))
+            }
+        }
+    }
+
+    /// Reads `image`'s manifest. Errors: `NotFound`, `BadManifest`, `Io`.
+    pub fn read_manifest(&self, image: &ImageRef) -> Result<ImageManifest, StoreError> {
+        let path = self.manifest_path(image);
+        let body = match fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(StoreError::NotFound(image.to_string()))
+            }
+            Err(e) => return Err(self.io(format!("reading {}", path.display()), e)),
+        };
+        serde_json::from_slice(&body).map_err(|source| StoreError::BadManifest {
+            image: image.to_string(),
+            path,
+            source,
+        })
+    }
+}
+
+fn write_synced(path: &Path, body: &[u8]) -> io::Result<()> {
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)?;
+    f.write_all(body)?;
+    f.sync_all()
+}
+
+fn sync_dir(dir: &Path) -> io::Result<()> {
+    fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn digest(n: u8) -> Digest {
+        Digest::of(&[n])
+    }
+
+    #[test]
+    fn a_layer_is_visible_only_whole_and_a_second_copy_is_dropped() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = Store::open(tmp.path()).unwrap();
+        for d in DIRS {
+            assert!(tmp.path().join(d).is_dir(), "{d}");
+        }
+        let meta = LayerMeta {
+            diff_id: Some(digest(1)),
+            ..Default::default()
+        };
+        let a = s.stage().unwrap();
+        fs::write(a.rootfs().join("f"), b"one").unwrap();
+        let b = s.stage().unwrap();
+        fs::write(b.rootfs().join("f"), b"one").unwrap();
+        assert!(!s.has_layer(&digest(1)));
+        s.commit_layer(a, &meta).unwrap();
+        assert!(s.has_layer(&digest(1)));
+        s.commit_layer(b, &meta).unwrap();
+        assert_eq!(
+            fs::read(s.layer_dir(&digest(1)).join("rootfs/f")).unwrap(),
+            b"one"
+        );
+        // Both stagings are gone: one renamed into place, the other dropped.
+        assert_eq!(fs::read_dir(tmp.path().join("tmp")).unwrap().count(), 0);
+        let back: LayerMeta =
+            serde_json::from_slice(&fs::read(s.layer_dir(&digest(1)).join("meta.json")).unwrap())
+                .unwrap();
+        assert_eq!(back, meta);
+    }
+
+    #[test]
+    fn a_dropped_staging_leaves_nothing() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = Store::open(tmp.path()).unwrap();
+        let st = s.stage().unwrap();
+        fs::create_dir_all(st.rootfs().join("a/b")).unwrap();
+        std::os::unix::fs::symlink("/etc", st.rootfs().join("a/b/etc")).unwrap();
+        drop(st);
+        assert_eq!(fs::read_dir(tmp.path().join("tmp")).unwrap().count(), 0);
+        assert!(
+            Path::new("/etc/passwd").exists(),
+            "removal did not follow the symlink"
+        );
+    }
+
+    #[test]
+    fn manifests_are_placed_atomically_and_kept_unless_overwritten() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = Store::open(tmp.path()).unwrap();
+        let r = ImageRef::parse("root/rl/py:3.12").unwrap();
+        assert_eq!(
+            s.manifest_path(&r),
+            tmp.path().join("images/root/rl/py/3.12.json")
+        );
+        assert!(matches!(s.read_manifest(&r), Err(StoreError::NotFound(_))));
+        let m1 = ImageManifest {
+            layers: vec![digest(1)],
+            env: vec!["A=1".into()],
+            ..Default::default()
+        };
+        s.write_manifest(&r, &m1, false).unwrap();
+        let m2 = ImageManifest {
+            layers: vec![digest(1), digest(2)],
+            ..Default::default()
+        };
+        let e = s.write_manifest(&r, &m2, false).unwrap_err();
+        assert_eq!(e.to_failure().reason, crate::types::Reason::Conflict);
+        assert_eq!(s.read_manifest(&r).unwrap(), m1);
+        s.write_manifest(&r, &m2, true).unwrap();
+        assert_eq!(s.read_manifest(&r).unwrap(), m2);
+        assert_eq!(fs::read_dir(tmp.path().join("tmp")).unwrap().count(), 0);
+        assert_eq!(
+            s.read_manifest(&ImageRef::parse("root/rl/py:nope").unwrap())
+                .unwrap_err()
+                .to_failure()
+                .reason,
+            crate::types::Reason::NotFound
+        );
+    }
+}
