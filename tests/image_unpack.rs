@@ -80,6 +80,24 @@ fn device(name: &str, kind: u8, dev: (u32, u32)) -> E {
     }
 }
 
+/// A PAX header (`x` for the next entry, `g` global) holding `records`.
+fn pax(kind: u8, records: &[(&str, &str)]) -> E {
+    let mut data = Vec::new();
+    for (k, v) in records {
+        let body = format!(" {k}={v}\n");
+        // The length counts its own digits.
+        let mut n = body.len() + 1;
+        while format!("{n}{body}").len() != n {
+            n += 1;
+        }
+        data.extend_from_slice(format!("{n}{body}").as_bytes());
+    }
+    E {
+        data,
+        ..e("PaxHeaders/x", kind)
+    }
+}
+
 fn octal(field: &mut [u8], v: u64) {
     let s = format!("{:0w$o}\0", v, w = field.len() - 1);
     field.copy_from_slice(s.as_bytes());
@@ -180,6 +198,7 @@ impl World {
             bytes,
             &Expected::default(),
             "sha256:test",
+            &[],
             Limits::default(),
         )
         .map(|_| ())
@@ -234,7 +253,8 @@ fn malicious_tars_are_refused_naming_the_entry_and_change_nothing() {
     let abs = outside();
     let abs_rel = abs.trim_start_matches('/').to_string();
     let long_component = "x".repeat(256);
-    let long_name = format!("{}/f", ["d"; 2100].join("/"));
+    let long_name = format!("{}/f", ["dd"; 1400].join("/"));
+    let too_deep = format!("{}/f", ["d"; 256].join("/"));
     let cases: Vec<(&str, Vec<E>, &str, &str)> = vec![
         ("dot-dot", vec![file("../escape", "x")], "../escape", "'..'"),
         (
@@ -361,10 +381,41 @@ fn malicious_tars_are_refused_naming_the_entry_and_change_nothing() {
         (
             "a name too long",
             vec![file(&long_name, "x")],
-            "d/d/d",
+            "dd/dd",
             "longer than 4096",
         ),
         ("an empty name", vec![file("", "x")], "\"\"", "empty name"),
+        (
+            "a name too deep",
+            vec![file(&too_deep, "x")],
+            "d/d/d",
+            "levels deep",
+        ),
+        (
+            "a symlink target with a NUL",
+            vec![E {
+                link: [&b"a\0"[..], &[b'b'; 120][..]].concat(),
+                ..e("s", b'2')
+            }],
+            "\"s\"",
+            "without NUL",
+        ),
+        (
+            "a PAX sparse file",
+            vec![
+                pax(
+                    b'x',
+                    &[
+                        ("GNU.sparse.major", "1"),
+                        ("GNU.sparse.minor", "0"),
+                        ("GNU.sparse.name", "var/sparse"),
+                    ],
+                ),
+                file("var/GNUSparseFile.0/sparse", "1\n0\n4\nabcd"),
+            ],
+            "GNUSparseFile",
+            "sparse",
+        ),
         (
             "an unknown entry type",
             vec![e("odd", b'Z')],
@@ -432,6 +483,11 @@ fn good_layer() -> Vec<E> {
             mode: 0o700,
             ..dir("usr")
         },
+        // What Docker and containerd skip: a PAX global header, aufs's own metadata.
+        pax(b'g', &[("comment", "made by git archive")]),
+        dir(".wh..wh.plnk"),
+        file(".wh..wh.aufs", ""),
+        file("deep/.wh..wh.orph", ""),
     ]
 }
 
@@ -450,7 +506,7 @@ fn a_good_layer_is_stored_once_in_overlay_format() {
         blob: Some(Digest::of(&gz)),
         diff_id: Some(diff_id.clone()),
     };
-    let meta = import_layer(&w.store, &gz[..], &expected, "l1", Limits::default()).unwrap();
+    let meta = import_layer(&w.store, &gz[..], &expected, "l1", &[], Limits::default()).unwrap();
     assert_eq!(meta.diff_id.as_ref(), Some(&diff_id));
     assert_eq!(meta.opaque, vec!["srv".to_string()]);
     let root = w.store.layer_dir(&diff_id).join("rootfs");
@@ -476,6 +532,19 @@ fn a_good_layer_is_stored_once_in_overlay_format() {
         );
     }
     assert!(!root.join("srv/.wh..wh..opq").exists());
+    for skipped in [
+        ".wh..wh.plnk",
+        ".wh..wh.aufs",
+        ".wh.aufs",
+        "deep/.wh..wh.orph",
+        "deep/.wh.orph",
+        "PaxHeaders",
+    ] {
+        assert!(
+            std::fs::symlink_metadata(root.join(skipped)).is_err(),
+            "{skipped}"
+        );
+    }
     assert_eq!(md("etc/hostname").mtime(), 1_700_000_000);
     assert_eq!(md("etc").mtime(), 1_700_000_000);
     assert_eq!(
@@ -494,6 +563,7 @@ fn a_good_layer_is_stored_once_in_overlay_format() {
         &b"not even read"[..],
         &again,
         "l1",
+        &[],
         Limits::default(),
     )
     .unwrap();
@@ -503,6 +573,7 @@ fn a_good_layer_is_stored_once_in_overlay_format() {
         &zst[..],
         &Expected::default(),
         "l1",
+        &[],
         Limits::default(),
     )
     .unwrap();
@@ -540,7 +611,7 @@ fn a_layer_that_is_not_what_the_image_says_is_refused() {
             blob: Some(Digest::of(b"other")),
         },
     ] {
-        let f = import_layer(&w.store, &raw[..], &expected, "l9", Limits::default())
+        let f = import_layer(&w.store, &raw[..], &expected, "l9", &[], Limits::default())
             .unwrap_err()
             .to_failure();
         assert_eq!(f.reason, Reason::Invalid, "{f:?}");
@@ -556,6 +627,7 @@ fn a_layer_that_is_not_what_the_image_says_is_refused() {
         &raw[..],
         &Expected::default(),
         "l9",
+        &[],
         Limits { max_entries: 3 },
     )
     .unwrap_err()
@@ -658,4 +730,39 @@ proptest! {
             prop_assert_eq!(std::fs::read_dir(w.base.join("store/layers")).unwrap().count(), 0);
         }
     }
+}
+
+/// A full disk is the machine's failure (`internal`), not a bad tar, and leaves nothing.
+#[test]
+fn a_full_store_is_internal_not_invalid() {
+    if !root_or_skip() {
+        return;
+    }
+    let mnt = tempfile::tempdir().unwrap();
+    let st = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=256k", "tmpfs"])
+        .arg(mnt.path())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let store = Store::open(&mnt.path().join("store")).unwrap();
+    let big = "x".repeat(1 << 20);
+    let r = import_layer(
+        &store,
+        &tar(&[file("big", &big)])[..],
+        &Expected::default(),
+        "full",
+        &[],
+        Limits::default(),
+    );
+    let tmp_left = std::fs::read_dir(mnt.path().join("store/tmp"))
+        .unwrap()
+        .count();
+    let _ = std::process::Command::new("umount")
+        .arg(mnt.path())
+        .status();
+    let f = r.unwrap_err().to_failure();
+    assert_eq!(f.reason, Reason::Internal, "{f:?}");
+    assert!(f.message.contains("No space left"), "{}", f.message);
+    assert_eq!(tmp_left, 0);
 }

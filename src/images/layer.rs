@@ -7,7 +7,7 @@ use std::io::{self, BufRead, BufReader, Read};
 
 use super::digest::{Digest, DigestReader};
 use super::store::{LayerMeta, Store, StoreError};
-use super::unpack::{unpack_layer, Limits, UnpackError};
+use super::unpack::{expand_opaque, unpack_layer, Limits, UnpackError};
 use crate::types::Failure;
 
 /// Why a layer could not be imported.
@@ -102,13 +102,16 @@ impl<R: Read> Decoder<R> {
 }
 
 /// Imports the blob read from `blob` as layer `layer` (named in errors) and returns its
-/// meta. When `expected.diff_id` names a layer the store has, nothing is read. Errors:
-/// [`LayerError`]; nothing of a failed import stays in the store.
+/// meta. `lowers` are the `rootfs` directories of the layers below it in its image, against
+/// which its opaque directories are expanded before it is put in place (docs/images.md
+/// "Untrusted layers"). When `expected.diff_id` names a layer the store has, nothing is read.
+/// Errors: [`LayerError`]; nothing of a failed import stays in the store.
 pub fn import_layer<R: Read>(
     store: &Store,
     blob: R,
     expected: &Expected,
     layer: &str,
+    lowers: &[std::path::PathBuf],
     limits: Limits,
 ) -> Result<LayerMeta, LayerError> {
     if let Some(d) = &expected.diff_id {
@@ -164,10 +167,11 @@ pub fn import_layer<R: Read>(
             }
         }
     }
+    let whiteouts = expand_opaque(&staging.rootfs(), layer, &unpacked.opaque, lowers)?;
     let meta = LayerMeta {
         diff_id: Some(diff_id),
         blob: Some(blob_digest),
-        entries: unpacked.entries,
+        entries: unpacked.entries + whiteouts,
         file_bytes: unpacked.file_bytes,
         xattrs_dropped: unpacked.xattrs_dropped,
         opaque: unpacked.opaque,

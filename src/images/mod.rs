@@ -2,7 +2,9 @@
 //! and its atomic writes, and the unpacking of untrusted layer tars.
 
 pub mod digest;
+pub mod import;
 pub mod layer;
 pub mod name;
+pub mod oci;
 pub mod store;
 pub mod unpack;

@@ -14,7 +14,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
 use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
@@ -99,7 +99,13 @@ impl Default for Limits {
 
 const WHITEOUT: &[u8] = b".wh.";
 const OPAQUE: &[u8] = b".wh..wh..opq";
+/// The prefix of aufs's metadata names (the opaque marker aside).
+const AUFS_META: &[u8] = b".wh..wh.";
 const NAME_MAX: usize = 255;
+/// Directory levels a name may have: deeper trees cost a walk per level per entry, and need
+/// more descriptors to remove than a process may hold.
+const MAX_DEPTH: usize = 256;
+const COPY_BUF: usize = 128 << 10;
 const PATH_MAX: usize = 4096;
 
 /// Unpacks the uncompressed tar `tar` into `dir` (an existing, empty directory), as layer
@@ -111,16 +117,20 @@ pub fn unpack_layer<R: Read>(
     layer: &str,
     limits: Limits,
 ) -> Result<Unpacked, UnpackError> {
+    let root_err = |e: io::Error| UnpackError::Io {
+        layer: layer.into(),
+        entry: dir.display().to_string(),
+        source: e,
+    };
+    // The layer's root is 0755 whatever the importer's umask made it.
+    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .map_err(root_err)?;
     let root = rfs::open(
         dir,
         OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
         Mode::empty(),
     )
-    .map_err(|e| UnpackError::Io {
-        layer: layer.into(),
-        entry: dir.display().to_string(),
-        source: e.into(),
-    })?;
+    .map_err(|e| root_err(e.into()))?;
     let mut u = Unpacker {
         layer,
         root,
@@ -128,6 +138,7 @@ pub fn unpack_layer<R: Read>(
         implicit: HashSet::new(),
         dir_times: Vec::new(),
         parent: None,
+        buf: Vec::new(),
         out: Unpacked::default(),
     };
     let mut archive = tar::Archive::new(tar);
@@ -168,6 +179,8 @@ struct Unpacker<'a> {
     dir_times: Vec<(Vec<u8>, i64)>,
     /// The last parent directory opened, kept because entries come grouped by directory.
     parent: Option<(Vec<u8>, OwnedFd)>,
+    /// The copy buffer for file contents, reused.
+    buf: Vec<u8>,
     out: Unpacked,
 }
 
@@ -204,16 +217,27 @@ impl Unpacker<'_> {
     }
 
     fn entry<R: Read>(&mut self, e: &mut tar::Entry<'_, R>) -> Result<(), UnpackError> {
+        let kind = e.header().entry_type();
+        if kind == EntryType::XGlobalHeader {
+            // A PAX global header (`git archive` writes one): metadata for no file.
+            return Ok(());
+        }
         let raw = e.path_bytes().into_owned();
         let Some(path) = normalize(&raw).map_err(|why| self.refused(&raw, why))? else {
             // `./` itself: the layer's root, which is ours and keeps its own mode.
             return Ok(());
         };
-        let kind = e.header().entry_type();
         let meta = self.meta(e, &raw)?;
-        let xattrs = count_xattrs(e).map_err(|err| self.malformed(err))?;
-        self.out.xattrs_dropped += xattrs;
+        let pax = scan_pax(e).map_err(|err| self.malformed(err))?;
+        if pax.sparse {
+            return Err(self.refused(&raw, "a sparse file in PAX format, which is not supported"));
+        }
+        self.out.xattrs_dropped += pax.xattrs;
         let (parent, name) = split_last(&path);
+        if name != OPAQUE && name.starts_with(AUFS_META) {
+            // aufs's own metadata (`.wh..wh.plnk`, `.wh..wh.aufs`), which Docker skips too.
+            return Ok(());
+        }
         if name == OPAQUE {
             if !matches!(kind, EntryType::Regular | EntryType::Continuous) {
                 return Err(self.refused(&raw, "an opaque marker must be a regular file"));
@@ -255,8 +279,22 @@ impl Unpacker<'_> {
                 )
                 .map_err(|err| self.io(&raw, err))?;
                 let mut file = std::fs::File::from(fd);
-                let n = io::copy(e, &mut file).map_err(|err| self.malformed(err))?;
-                self.out.file_bytes += n;
+                // Read and write apart: a short tar is the tar's fault, a full disk is not.
+                let mut buf = std::mem::take(&mut self.buf);
+                buf.resize(COPY_BUF, 0);
+                let copied = loop {
+                    let n = match e.read(&mut buf) {
+                        Ok(0) => break Ok(()),
+                        Ok(n) => n,
+                        Err(err) => break Err(self.malformed(err)),
+                    };
+                    if let Err(err) = file.write_all(buf.get(..n).unwrap_or_default()) {
+                        break Err(self.io(&raw, err));
+                    }
+                    self.out.file_bytes += n as u64;
+                };
+                self.buf = buf;
+                copied?;
                 // Owner first: a chown clears the setuid and setgid bits a chmod set.
                 rfs::fchown(&file, Some(uid(meta.uid)), Some(gid(meta.gid)))
                     .map_err(|err| self.io(&raw, err))?;
@@ -268,8 +306,11 @@ impl Unpacker<'_> {
             }
             EntryType::Symlink => {
                 let target = link_name(e);
-                if target.is_empty() || target.len() > PATH_MAX {
-                    return Err(self.refused(&raw, "a symlink needs a target of 1 to 4096 bytes"));
+                if target.is_empty() || target.len() > PATH_MAX || target.contains(&0) {
+                    return Err(self.refused(
+                        &raw,
+                        "a symlink needs a target of 1 to 4096 bytes without NUL",
+                    ));
                 }
                 self.claim(&path, Seen::File, &raw)?;
                 let dirfd = self.open_parent(parent, &raw)?;
@@ -520,6 +561,16 @@ impl Unpacker<'_> {
                         Mode::from_bits_truncate(0o755),
                     )
                     .map_err(|err| self.io(raw, err))?;
+                    // 0755 whatever the importer's umask.
+                    rfs::chmodat(
+                        &cur,
+                        OsStr::from_bytes(comp),
+                        Mode::from_bits_truncate(0o755),
+                        AtFlags::empty(),
+                    )
+                    .map_err(|err| self.io(raw, err))?;
+                    // Made directories count as entries, so the limit bounds them too.
+                    self.out.entries += 1;
                     self.seen.insert(sofar.clone(), Seen::Dir);
                     self.implicit.insert(sofar.clone());
                     open(&cur).map_err(|err| self.io(raw, err))?
@@ -583,6 +634,7 @@ fn normalize(raw: &[u8]) -> Result<Option<Vec<u8>>, String> {
         return Err("a name with a NUL byte".into());
     }
     let mut out: Vec<u8> = Vec::with_capacity(raw.len());
+    let mut depth = 0;
     for comp in raw.split(|b| *b == b'/') {
         match comp {
             b"" | b"." => continue,
@@ -591,6 +643,10 @@ fn normalize(raw: &[u8]) -> Result<Option<Vec<u8>>, String> {
                 return Err(format!("a name component longer than {NAME_MAX} bytes"))
             }
             c => {
+                depth += 1;
+                if depth > MAX_DEPTH {
+                    return Err(format!("a name more than {MAX_DEPTH} levels deep"));
+                }
                 if !out.is_empty() {
                     out.push(b'/');
                 }
@@ -626,17 +682,31 @@ fn link_name<R: Read>(e: &tar::Entry<'_, R>) -> Vec<u8> {
         .unwrap_or_default()
 }
 
-fn count_xattrs<R: Read>(e: &mut tar::Entry<'_, R>) -> io::Result<u64> {
-    let Some(exts) = e.pax_extensions()? else {
-        return Ok(0);
+/// What an entry's PAX records say that matters here.
+struct Pax {
+    /// Extended attributes (not kept).
+    xattrs: u64,
+    /// A GNU sparse file in PAX form, which the tar reader would take for a plain file.
+    sparse: bool,
+}
+
+fn scan_pax<R: Read>(e: &mut tar::Entry<'_, R>) -> io::Result<Pax> {
+    let mut pax = Pax {
+        xattrs: 0,
+        sparse: false,
     };
-    let mut n = 0;
+    let Some(exts) = e.pax_extensions()? else {
+        return Ok(pax);
+    };
     for ext in exts {
-        if ext?.key_bytes().starts_with(b"SCHILY.xattr.") {
-            n += 1;
+        let key = ext?.key_bytes();
+        if key.starts_with(b"SCHILY.xattr.") {
+            pax.xattrs += 1;
+        } else if key.starts_with(b"GNU.sparse.") {
+            pax.sparse = true;
         }
     }
-    Ok(n)
+    Ok(pax)
 }
 
 fn uid(u: u32) -> rustix::fs::Uid {
@@ -656,4 +726,87 @@ fn times(mtime: i64) -> Timestamps {
         last_access: t,
         last_modification: t,
     }
+}
+
+/// Expands the opaque directories `opaque` (relative to `dir`, as [`Unpacked::opaque`] lists
+/// them) against the layers below, `lowers` (their `rootfs` directories, any order): for every
+/// name one of those directories holds in a lower layer and this layer's does not, a whiteout
+/// is written, which is what the opaque marker means to overlayfs. A lower path that is a
+/// symlink or not a directory is no merged directory and adds nothing. Returns the number of
+/// whiteouts written. Errors: `Io` (`internal`).
+pub fn expand_opaque(
+    dir: &Path,
+    layer: &str,
+    opaque: &[String],
+    lowers: &[std::path::PathBuf],
+) -> Result<u64, UnpackError> {
+    let io = |entry: &str, source: io::Error| UnpackError::Io {
+        layer: layer.into(),
+        entry: shown(entry),
+        source,
+    };
+    let mut written = 0;
+    for d in opaque {
+        let ours = open_dir_beneath(dir, d)
+            .map_err(|e| io(d, e))?
+            .ok_or_else(|| io(d, io::Error::from(io::ErrorKind::NotFound)))?;
+        let have = dir_names(&ours).map_err(|e| io(d, e))?;
+        let mut hidden = std::collections::BTreeSet::new();
+        for lower in lowers {
+            if let Some(fd) = open_dir_beneath(lower, d).map_err(|e| io(d, e))? {
+                hidden.extend(dir_names(&fd).map_err(|e| io(d, e))?);
+            }
+        }
+        for name in hidden.difference(&have) {
+            rfs::mknodat(
+                &ours,
+                OsStr::from_bytes(name),
+                FileType::CharacterDevice,
+                Mode::empty(),
+                rfs::makedev(0, 0),
+            )
+            .map_err(|e| io(d, e.into()))?;
+            written += 1;
+        }
+    }
+    Ok(written)
+}
+
+/// `rel` below `base` as a directory fd for reading, resolved without symlinks and never
+/// outside `base`; `None` where it is missing, a symlink or not a directory.
+fn open_dir_beneath(base: &Path, rel: &str) -> io::Result<Option<OwnedFd>> {
+    let root = rfs::open(
+        base,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    if rel.is_empty() {
+        return Ok(Some(root));
+    }
+    match rfs::openat2(
+        &root,
+        rel,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+        ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+    ) {
+        Ok(fd) => Ok(Some(fd)),
+        Err(rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR | rustix::io::Errno::LOOP) => {
+            Ok(None)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The names in a directory, without `.` and `..`.
+fn dir_names(fd: &OwnedFd) -> io::Result<std::collections::BTreeSet<Vec<u8>>> {
+    let mut out = std::collections::BTreeSet::new();
+    let mut dir = rfs::Dir::read_from(fd)?;
+    while let Some(entry) = dir.read() {
+        let name = entry?.file_name().to_bytes().to_vec();
+        if name != b"." && name != b".." {
+            out.insert(name);
+        }
+    }
+    Ok(out)
 }
