@@ -100,7 +100,7 @@ echo "$root" > "$work/cwd"
 env | grep -E '^(CI|RUST_LOG|RUST_BACKTRACE|PYTHONDONTWRITEBYTECODE|OPENDSEC_TEST_[A-Z_]*)=' > "$work/env" || true
 # Emulation is several times slower than the host: tests widen the time they give a command
 # to do something by this much (never what they assert of its outcome).
-grep -q '^OPENDSEC_TEST_TIME_SCALE=' "$work/env" || echo OPENDSEC_TEST_TIME_SCALE=4 >> "$work/env"
+grep -q '^OPENDSEC_TEST_TIME_SCALE=' "$work/env" || echo OPENDSEC_TEST_TIME_SCALE=8 >> "$work/env"
 
 accel=tcg,thread=multi
 log=$work/console.log

@@ -973,7 +973,7 @@ async fn a_fork_bomb_does_not_starve_the_agents_and_stop_wins() {
     let r = shell_in(&b, &h, "bomb", ":(){ :|:& };:", true).await;
     assert!(r.cmd_id > 0, "{r:?}");
     let current = pids.join("workload/pids.current");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let deadline = std::time::Instant::now() + scaled(30.0);
     while read_trim(&current).parse::<i64>().unwrap_or(0) < 440 {
         assert!(
             std::time::Instant::now() < deadline,
@@ -1003,7 +1003,7 @@ async fn a_fork_bomb_does_not_starve_the_agents_and_stop_wins() {
             "{session}: {r:?}"
         );
         assert!(
-            took < std::time::Duration::from_secs(8),
+            took < scaled(8.0),
             "{session} {cmd:?} took {took:?} during the bomb"
         );
     }
@@ -1028,7 +1028,7 @@ async fn a_fork_bomb_does_not_starve_the_agents_and_stop_wins() {
         .await
         .expect("close the bomb's session");
     }
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let deadline = std::time::Instant::now() + scaled(20.0);
     loop {
         let now: BTreeSet<PathBuf> = std::fs::read_dir(pids.join("workload"))
             .expect("workload dir")
@@ -1048,7 +1048,7 @@ async fn a_fork_bomb_does_not_starve_the_agents_and_stop_wins() {
     }
     // Another bomb for stop to race.
     let _ = shell_in(&b, &h, "bomb2", ":(){ :|:& };:", true).await;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let deadline = std::time::Instant::now() + scaled(30.0);
     while read_trim(&current).parse::<i64>().unwrap_or(0) < 400 {
         assert!(
             std::time::Instant::now() < deadline,
@@ -1059,11 +1059,7 @@ async fn a_fork_bomb_does_not_starve_the_agents_and_stop_wins() {
 
     let t = std::time::Instant::now();
     b.stop(&h).await.expect("stop wins against the bomb");
-    assert!(
-        t.elapsed() < std::time::Duration::from_secs(10),
-        "stop took {:?}",
-        t.elapsed()
-    );
+    assert!(t.elapsed() < scaled(10.0), "stop took {:?}", t.elapsed());
     assert_eq!(leftovers(state, edge, &id), Vec::<String>::new());
     b.release_node().await.expect("release");
 }
@@ -1326,6 +1322,11 @@ fn time_scale() -> f64 {
         .and_then(|v| v.parse::<f64>().ok())
         .filter(|s| *s >= 1.0)
         .unwrap_or(1.0)
+}
+
+/// `secs` seconds, widened by [`time_scale`].
+fn scaled(secs: f64) -> std::time::Duration {
+    std::time::Duration::from_secs_f64(secs * time_scale())
 }
 
 /// The session cgroup (below the sandbox's pids cgroup) that a command's

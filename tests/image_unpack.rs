@@ -766,3 +766,47 @@ fn a_full_store_is_internal_not_invalid() {
     assert!(f.message.contains("No space left"), "{}", f.message);
     assert_eq!(tmp_left, 0);
 }
+
+/// A source that breaks off midway (a registry's connection reset) is `unavailable`, not a
+/// bad layer, and leaves nothing.
+#[test]
+fn a_source_that_breaks_off_is_unavailable() {
+    if !root_or_skip() {
+        return;
+    }
+    struct Breaks(Vec<u8>, usize);
+    impl std::io::Read for Breaks {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            if self.1 >= 4096 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionReset,
+                    "connection reset by the registry",
+                ));
+            }
+            let n = buf.len().min(512).min(self.0.len() - self.1);
+            buf[..n].copy_from_slice(&self.0[self.1..self.1 + n]);
+            self.1 += n;
+            Ok(n)
+        }
+    }
+    let w = World::new();
+    let before = w.snapshot();
+    let raw = tar(&[file("big", &"x".repeat(64 << 10))]);
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::none());
+    gz.write_all(&raw).unwrap();
+    for blob in [raw.clone(), gz.finish().unwrap()] {
+        let f = import_layer(
+            &w.store,
+            Breaks(blob, 0),
+            &Expected::default(),
+            "net",
+            &[],
+            Limits::default(),
+        )
+        .unwrap_err()
+        .to_failure();
+        assert_eq!(f.reason, Reason::Unavailable, "{f:?}");
+        assert!(f.message.contains("connection reset"), "{}", f.message);
+        assert_eq!(w.snapshot(), before);
+    }
+}

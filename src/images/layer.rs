@@ -3,7 +3,9 @@
 //! diff_id) computed as it streams and checked against what the image claims; unpacked into
 //! a staging directory and put in place whole. A layer the store already holds is not read.
 
+use std::cell::RefCell;
 use std::io::{self, BufRead, BufReader, Read};
+use std::rc::Rc;
 
 use super::digest::{Digest, DigestReader};
 use super::store::{LayerMeta, Store, StoreError};
@@ -73,7 +75,24 @@ pub fn sniff(head: &[u8]) -> Compression {
     }
 }
 
-type Counted<R> = BufReader<DigestReader<R>>;
+/// The source's own read error, kept where it passes: a decoder or the tar reader above turns
+/// it into "not a valid tar", but a source that broke off is `unavailable`, not a bad layer.
+struct Tap<R> {
+    inner: R,
+    failed: Rc<RefCell<Option<(io::ErrorKind, String)>>>,
+}
+
+impl<R: Read> Read for Tap<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.inner.read(buf).inspect_err(|e| {
+            self.failed
+                .borrow_mut()
+                .get_or_insert((e.kind(), e.to_string()));
+        })
+    }
+}
+
+type Counted<R> = BufReader<DigestReader<Tap<R>>>;
 
 enum Decoder<R: Read> {
     Plain(Counted<R>),
@@ -127,7 +146,19 @@ pub fn import_layer<R: Read>(
         layer: layer.into(),
         source,
     };
-    let mut counted = BufReader::with_capacity(256 << 10, DigestReader::new(blob));
+    let failed = Rc::new(RefCell::new(None));
+    let tap = Tap {
+        inner: blob,
+        failed: failed.clone(),
+    };
+    // Whatever failed, a source that broke off says so first.
+    let source_failed = || {
+        failed.borrow().clone().map(|(kind, msg)| LayerError::Read {
+            layer: layer.into(),
+            source: io::Error::new(kind, msg),
+        })
+    };
+    let mut counted = BufReader::with_capacity(256 << 10, DigestReader::new(tap));
     let kind = sniff(counted.fill_buf().map_err(read_err)?);
     let decoder = match kind {
         Compression::None => Decoder::Plain(counted),
@@ -138,7 +169,10 @@ pub fn import_layer<R: Read>(
     };
     let staging = store.stage()?;
     let mut tar = DigestReader::new(decoder);
-    let unpacked = unpack_layer(&mut tar, &staging.rootfs(), layer, limits)?;
+    let unpacked = match unpack_layer(&mut tar, &staging.rootfs(), layer, limits) {
+        Ok(u) => u,
+        Err(e) => return Err(source_failed().unwrap_or(e.into())),
+    };
     let malformed = |source: io::Error| {
         LayerError::Unpack(UnpackError::Malformed {
             layer: layer.into(),
@@ -146,7 +180,9 @@ pub fn import_layer<R: Read>(
         })
     };
     // What follows the tar's end marker counts too: the digests are of whole streams.
-    let (diff_id, _, decoder) = tar.finish().map_err(malformed)?;
+    let (diff_id, _, decoder) = tar
+        .finish()
+        .map_err(|e| source_failed().unwrap_or_else(|| malformed(e)))?;
     let (blob_digest, _, _) = decoder
         .into_inner()
         .into_inner()
