@@ -462,6 +462,8 @@ fn malicious_tars_are_refused_naming_the_entry_and_change_nothing() {
 fn good_layer() -> Vec<E> {
     vec![
         dir("./"),
+        // umoci names the root `/`: the root itself, not an absolute name.
+        dir("/"),
         dir("./etc/"),
         E {
             mode: 0o4755,
@@ -591,6 +593,36 @@ fn a_good_layer_is_stored_once_in_overlay_format() {
         std::fs::read_dir(w.base.join("store/tmp")).unwrap().count(),
         0
     );
+}
+
+/// A metadata entry (GNU long name, PAX header) claiming gigabytes is refused at its header:
+/// the tar reader would otherwise hold all of it in memory. Here the claim is backed by real
+/// bytes, 64 MiB of them, as a compressed layer could carry at no cost.
+#[test]
+fn huge_metadata_entries_are_refused_before_they_are_read() {
+    if !root_or_skip() {
+        return;
+    }
+    for (kind, name) in [
+        (b'L', &b"././@LongLink"[..]),
+        (b'x', &b"PaxHeaders/big"[..]),
+    ] {
+        let size = 64u64 << 20;
+        let mut bytes = header(name, kind, size, b"", &e("x", kind)).to_vec();
+        bytes.resize(bytes.len() + size as usize, b'a');
+        bytes.extend_from_slice(&tar(&[file("f", "x")]));
+        let w = World::new();
+        let before = w.snapshot();
+        let f = w.import(&bytes).unwrap_err().to_failure();
+        assert_eq!(f.reason, Reason::Invalid, "{f:?}");
+        let shown = String::from_utf8_lossy(name);
+        assert!(
+            f.message.contains(&*shown) && f.message.contains("more than"),
+            "{}",
+            f.message
+        );
+        assert_eq!(w.snapshot(), before);
+    }
 }
 
 #[test]

@@ -141,7 +141,7 @@ pub fn unpack_layer<R: Read>(
         buf: Vec::new(),
         out: Unpacked::default(),
     };
-    let mut archive = tar::Archive::new(tar);
+    let mut archive = tar::Archive::new(super::metacap::MetaCap::new(tar));
     let entries = archive.entries().map_err(|e| u.malformed(e))?;
     for entry in entries {
         let mut entry = entry.map_err(|e| u.malformed(e))?;
@@ -618,7 +618,8 @@ impl Unpacker<'_> {
     }
 }
 
-/// A tar name as the components it means: `./a//b/` is `a/b`. `None` for the root itself.
+/// A tar name as the components it means: `./a//b/` is `a/b`. `None` for the root itself
+/// (`./`, `.`, `/`).
 /// Errors: why the name is refused.
 fn normalize(raw: &[u8]) -> Result<Option<Vec<u8>>, String> {
     if raw.is_empty() {
@@ -626,6 +627,11 @@ fn normalize(raw: &[u8]) -> Result<Option<Vec<u8>>, String> {
     }
     if raw.len() > PATH_MAX {
         return Err(format!("a name longer than {PATH_MAX} bytes"));
+    }
+    // `/` alone is the root too: umoci writes it so. It names nothing outside the layer, and
+    // the root keeps its own mode as it does for `./`.
+    if raw.split(|b| *b == b'/').all(|c| c.is_empty() || c == b".") {
+        return Ok(None);
     }
     if raw.first() == Some(&b'/') {
         return Err("an absolute name".into());
