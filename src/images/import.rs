@@ -75,6 +75,21 @@ pub fn import(
     if !opts.overwrite && store.manifest_path(target).exists() {
         return Err(StoreError::Exists(target.to_string()).into());
     }
+    let mut manifest = import_layers(store, src, opts, progress)?;
+    manifest.created = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    store.write_manifest(target, &manifest, opts.overwrite)?;
+    Ok(manifest)
+}
+
+/// Brings the layers of `src` into `store` (as [`import`] does) and returns the manifest the
+/// image would have, without writing it: `opendsec ctl image import` registers it through the
+/// API instead (docs/images.md "Import"). Errors: [`ImportError`].
+pub fn import_layers(
+    store: &Store,
+    src: &str,
+    opts: Options,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<ImageManifest, ImportError> {
     let (path, select) = split_source(src);
     let source = Source::open(Path::new(path))?;
     let image = source.resolve(select)?;
@@ -125,9 +140,7 @@ pub fn import(
         } else {
             format!("{path}#{}", image.name)
         },
-        created: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
         ..Default::default()
     };
-    store.write_manifest(target, &manifest, opts.overwrite)?;
     Ok(manifest)
 }

@@ -1,9 +1,13 @@
 //! The shared image store (docs/images.md): image names, content digests, the store's layout
 //! and its atomic writes, and the unpacking of untrusted layer tars.
 
+pub mod cache;
+pub mod compose;
+pub mod copy;
 pub mod digest;
 pub mod import;
 pub mod layer;
+pub mod metacap;
 pub mod name;
 pub mod oci;
 pub mod store;

@@ -65,6 +65,11 @@ pub struct ImageManifest {
     /// Where it came from (`docker.io/library/python:3.12`, a file), for people.
     pub source: String,
     pub created: String,
+    /// The principal that registered it.
+    pub created_by: String,
+    /// Made by `create_snapshot` (the files as they were; with `memory`, a microVM's too).
+    pub snapshot: bool,
+    pub memory: bool,
     /// Anything else worth keeping about it.
     pub labels: BTreeMap<String, String>,
 }
@@ -150,6 +155,14 @@ impl Store {
         Ok(s)
     }
 
+    /// The store at `root` as it is, making nothing: for readers (edges) that must start
+    /// while the store is unreachable, and find out when they use it.
+    pub fn at(root: &Path) -> Store {
+        Store {
+            root: root.to_path_buf(),
+        }
+    }
+
     /// The store's root.
     pub fn root(&self) -> &Path {
         &self.root
@@ -222,6 +235,24 @@ impl Store {
         }
     }
 
+    /// Stages a layer, lets `fill` write its files into the given `rootfs` directory, and
+    /// commits it as `diff_id` (the caller vouches for the digest: a layer made here, not
+    /// read from a tar). Errors: `Io`, from staging, `fill` or the commit.
+    pub fn put_layer(
+        &self,
+        diff_id: &Digest,
+        fill: impl FnOnce(&Path) -> io::Result<()>,
+    ) -> Result<(), StoreError> {
+        let staging = self.stage()?;
+        fill(&staging.rootfs()).map_err(|e| self.io(format!("writing layer {diff_id}"), e))?;
+        let meta = LayerMeta {
+            diff_id: Some(diff_id.clone()),
+            created: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            ..Default::default()
+        };
+        self.commit_layer(staging, &meta)
+    }
+
     /// `images/<project>/<name>/<tag>.json`.
     pub fn manifest_path(&self, image: &ImageRef) -> PathBuf {
         let mut p = self.root.join("images");
@@ -287,6 +318,91 @@ impl Store {
             path,
             source,
         })
+    }
+}
+
+impl Store {
+    /// Removes `image`'s manifest (its layers stay until garbage collection). Errors:
+    /// `NotFound`, `Io`.
+    pub fn delete_manifest(&self, image: &ImageRef) -> Result<(), StoreError> {
+        let path = self.manifest_path(image);
+        match fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(StoreError::NotFound(image.to_string()))
+            }
+            Err(e) => return Err(self.io(format!("removing {}", path.display()), e)),
+        }
+        if let Some(dir) = path.parent() {
+            sync_dir(dir).map_err(|e| self.io("syncing a manifest's directory", e))?;
+        }
+        Ok(())
+    }
+
+    /// The images of `project` and of its subprojects, sorted by name. A manifest that cannot
+    /// be read is skipped with a warning rather than hiding every other image; a name on disk
+    /// that is no valid image name (a file put there by hand) is skipped the same way.
+    /// Errors: `Io` for a directory that cannot be read.
+    pub fn list_manifests(
+        &self,
+        project: &str,
+    ) -> Result<Vec<(ImageRef, ImageManifest)>, StoreError> {
+        let mut base = self.root.join("images");
+        for seg in project.split('/') {
+            base.push(seg);
+        }
+        let mut out = Vec::new();
+        // (directory, its path below images/): a tag file's directory is the image's name,
+        // and the rest of its path is the project.
+        // Tag files right under the project's own directory belong to an image of its parent
+        // project named like it, so they are not this project's.
+        let mut stack = vec![(base, project.to_string(), true)];
+        while let Some((dir, rel, top)) = stack.pop() {
+            let rd = match fs::read_dir(&dir) {
+                Ok(rd) => rd,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(self.io(format!("listing {}", dir.display()), e)),
+            };
+            for ent in rd {
+                let ent = ent.map_err(|e| self.io(format!("listing {}", dir.display()), e))?;
+                let Ok(fname) = ent.file_name().into_string() else {
+                    continue;
+                };
+                let ft = ent
+                    .file_type()
+                    .map_err(|e| self.io(format!("listing {}", dir.display()), e))?;
+                if ft.is_dir() {
+                    stack.push((ent.path(), format!("{rel}/{fname}"), false));
+                    continue;
+                }
+                if top {
+                    continue;
+                }
+                let Some(tag) = fname.strip_suffix(".json") else {
+                    continue;
+                };
+                if !ft.is_file() {
+                    continue;
+                }
+                let Some((proj, name)) = rel.rsplit_once('/') else {
+                    continue;
+                };
+                let Ok(image) = ImageRef::parse(&format!("{proj}/{name}:{tag}")) else {
+                    tracing::warn!(path = %ent.path().display(), "not an image manifest's name; skipped");
+                    continue;
+                };
+                match self.read_manifest(&image) {
+                    Ok(m) => out.push((image, m)),
+                    // Deleted between listing and reading.
+                    Err(StoreError::NotFound(_)) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %crate::types::chain(&e), "image manifest skipped")
+                    }
+                }
+            }
+        }
+        out.sort_by_cached_key(|(r, _)| r.to_string());
+        Ok(out)
     }
 }
 
@@ -390,5 +506,46 @@ mod tests {
                 .reason,
             crate::types::Reason::NotFound
         );
+    }
+
+    #[test]
+    fn listing_covers_subprojects_and_not_the_parent_and_delete_removes_one() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = Store::open(tmp.path()).unwrap();
+        let names = [
+            "root/rl:1", // project root, name rl: not root/rl's
+            "root/rl/py:3.12",
+            "root/rl/py:3.13",
+            "root/rl/a/tool:v1",
+            "root/rlx/py:1", // a sibling, not a subproject
+        ];
+        for n in names {
+            let r = ImageRef::parse(n).unwrap();
+            s.write_manifest(&r, &ImageManifest::default(), false)
+                .unwrap();
+        }
+        // Put there by hand: not a valid tag, and not a manifest at all.
+        fs::write(tmp.path().join("images/root/rl/py/BAD TAG.json"), b"{}").unwrap();
+        fs::write(tmp.path().join("images/root/rl/py/notes.txt"), b"x").unwrap();
+        let listed = |p: &str| -> Vec<String> {
+            s.list_manifests(p)
+                .unwrap()
+                .into_iter()
+                .map(|(r, _)| r.to_string())
+                .collect()
+        };
+        assert_eq!(
+            listed("root/rl"),
+            ["root/rl/a/tool:v1", "root/rl/py:3.12", "root/rl/py:3.13"]
+        );
+        assert_eq!(listed("root").len(), 5);
+        assert!(listed("root/none").is_empty());
+        let r = ImageRef::parse("root/rl/py:3.12").unwrap();
+        s.delete_manifest(&r).unwrap();
+        assert_eq!(
+            s.delete_manifest(&r).unwrap_err().to_failure().reason,
+            crate::types::Reason::NotFound
+        );
+        assert_eq!(listed("root/rl"), ["root/rl/a/tool:v1", "root/rl/py:3.13"]);
     }
 }
