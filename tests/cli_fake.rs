@@ -411,6 +411,11 @@ dsec_impl!({
     resize_process_pty(ResizePtyRequest) -> Empty;
     list_processes(ListProcessesRequest) -> ListProcessesResponse;
     set_quota(SetQuotaRequest) -> Project;
+    register_image(RegisterImageRequest) -> ImageInfo;
+    list_images(ListImagesRequest) -> ListImagesResponse;
+    get_image(ImageRef) -> ImageInfo;
+    delete_image(ImageRef) -> Empty;
+    compose_image(ComposeImageRequest) -> ImageInfo;
 });
 
 /// A running fake: its address and state.

@@ -33,6 +33,7 @@ fn ctx(state: &Path, edge: &str) -> BackendContext {
             .map(Path::to_path_buf)
             .unwrap_or_default(),
         images: BTreeMap::from([("host".to_string(), vec![PathBuf::from("/")])]),
+        image_store: None,
     }
 }
 

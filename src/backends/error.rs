@@ -55,9 +55,12 @@ pub enum BackendError {
     /// The request cannot be served as asked (a bad path, a bad field).
     #[error("sandbox {sandbox_id}: {message}")]
     Invalid { sandbox_id: String, message: String },
-    /// The image is not on this node.
-    #[error("image {image:?} is not on this edge")]
+    /// The image is not on this node, and not in the image store.
+    #[error("image {image:?} is not on this edge or in the image store")]
     ImageNotFound { image: String },
+    /// The image store cannot be read now, or a layer cannot be copied to the node.
+    #[error("image {image}: {message}")]
+    ImageUnavailable { image: String, message: String },
     /// A file or device step failed.
     #[error("{step} {path}")]
     Io {
@@ -76,6 +79,7 @@ impl BackendError {
             | BackendError::Invalid { .. } => Reason::Invalid,
             BackendError::Lost { .. } | BackendError::ImageNotFound { .. } => Reason::NotFound,
             BackendError::Exhausted { .. } => Reason::NoCapacity,
+            BackendError::ImageUnavailable { .. } => Reason::Unavailable,
             BackendError::CleanupFailed { primary, .. } => primary.reason(),
             BackendError::Create { .. }
             | BackendError::Operation { .. }

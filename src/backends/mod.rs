@@ -97,6 +97,8 @@ pub struct BackendContext {
     pub agent_dir: PathBuf,
     /// Node-local images (`edges[].images`): name → lower directories, topmost first.
     pub images: std::collections::BTreeMap<String, Vec<PathBuf>>,
+    /// The shared image store's root (`image_store.root`), if the cluster has one.
+    pub image_store: Option<PathBuf>,
 }
 
 /// A sandbox backend (docs/architecture.md). One instance serves every sandbox

@@ -19,6 +19,7 @@ from opendsec._version import __version__
 from opendsec.errors import INTERNAL, INVALID, UNAVAILABLE, DSecError, bad_arguments_are_invalid, error_from_rpc
 from opendsec.models import (
     DSecRunArgs,
+    ImageInfo,
     Project,
     TaskActionResult,
     TokenInfo,
@@ -456,6 +457,59 @@ class DSecClient:
         """Revokes a token; it stops working on every apiserver within about a second."""
         req = opendsec_pb2.RevokeTokenRequest(principal=principal or "", token_id=token_id)
         await self._unary("RevokeToken", req, retry=False)
+
+    async def list_images(self, project: Optional[str] = None) -> list[ImageInfo]:
+        """The images of a project (default: the client's) and its subprojects, sorted by name.
+
+        Needs ``layer.use`` on the project. Raises ``DSecError`` (``forbidden``, ``invalid``).
+        """
+        req = opendsec_pb2.ListImagesRequest(project=self._project(project))
+        resp = await self._unary("ListImages", req, retry=True)
+        return [ImageInfo.from_pb(i) for i in resp.images]
+
+    async def get_image(self, name: str) -> ImageInfo:
+        """One image, ``project/name:tag``. Needs ``layer.use`` on its project.
+
+        Raises ``DSecError``: ``not_found``, ``forbidden``, ``invalid`` (a bad name, naming the part).
+        """
+        resp = await self._unary("GetImage", opendsec_pb2.ImageRef(name=name), retry=True)
+        return ImageInfo.from_pb(resp)
+
+    async def compose_image(
+        self,
+        name: str,
+        parts: Sequence[str],
+        env: Optional[dict[str, str]] = None,
+        workdir: str = "",
+        user: str = "",
+        overwrite: bool = False,
+    ) -> ImageInfo:
+        """Stacks ``parts`` (images, bottom first) into the new image ``name``, copying no data.
+
+        Later parts lie on top of earlier ones. Environment variables merge in order, ``env``
+        last; ``workdir`` and ``user`` default to the topmost part's that sets them. Needs
+        ``layer.publish`` on the new image's project and ``layer.use`` on each part's. Raises
+        ``DSecError``: ``conflict`` (the name exists, without ``overwrite``), ``not_found``
+        (a part), ``forbidden``, ``invalid``.
+        """
+        if isinstance(parts, str):
+            raise DSecError(INVALID, "parts must be a list of image names, not one string")
+        req = opendsec_pb2.ComposeImageRequest(
+            name=name,
+            parts=list(parts),
+            env={str(k): str(v) for k, v in (env or {}).items()},
+            workdir=workdir,
+            user=user,
+            overwrite=overwrite,
+        )
+        return ImageInfo.from_pb(await self._unary("ComposeImage", req, retry=False))
+
+    async def delete_image(self, name: str) -> None:
+        """Deletes an image's registration; ``opendsecctl image gc`` reclaims its layers.
+
+        Needs ``layer.publish`` on its project. Raises ``DSecError``: ``not_found``, ``forbidden``.
+        """
+        await self._unary("DeleteImage", opendsec_pb2.ImageRef(name=name), retry=False)
 
     async def get_usage(
         self, project: Optional[str] = None, start: str = "", end: str = "", daily: bool = True

@@ -19,6 +19,7 @@ __all__ = [
     "TokenInfo",
     "UsageRow",
     "UsageReport",
+    "ImageInfo",
 ]
 
 
@@ -52,8 +53,9 @@ class DSecRunArgs:
     #: Network rules, e.g. ``{"pypi": True}``; network policy is not built yet, so a
     #: non-empty value is ``invalid``.
     network_rules: dict[str, bool] = field(default_factory=dict)
-    #: The sandbox's default user, also the sessions' default user.
-    init_user: str = "root"
+    #: The sandbox's default user, also the sessions' default user; ``""``: the image's own
+    #: (a Dockerfile's ``USER``), else ``root``.
+    init_user: str = ""
     #: Task name, for task actions such as ``pause_task``.
     task_id: str = ""
     #: ``LS`` (latency-sensitive) or ``BE`` (best effort).
@@ -341,3 +343,48 @@ class UsageReport:
     def from_pb(cls, m: opendsec_pb2.UsageReport) -> "UsageReport":
         """Builds a report from the protobuf message."""
         return cls(rows=[UsageRow.from_pb(r) for r in m.rows])
+
+
+@dataclass
+class ImageInfo:
+    """A store image (``<project>/<name>:<tag>``): its layers and the defaults of its sandboxes."""
+
+    #: ``project/name:tag``.
+    name: str = ""
+    #: Layer digests (``sha256:<hex>``), bottom first.
+    layers: list[str] = field(default_factory=list)
+    #: ``KEY=value`` defaults, in order.
+    env: list[str] = field(default_factory=list)
+    #: Default working directory ("" = ``/``).
+    workdir: str = ""
+    #: Default user ("" = root).
+    user: str = ""
+    #: The image it was made from (``pack_diff``), if any.
+    parent: str = ""
+    #: Where it came from, for people.
+    source: str = ""
+    #: Registration time (unix seconds).
+    created_at: int = 0
+    #: The principal that registered it.
+    created_by: str = ""
+    #: Made by ``create_snapshot``.
+    snapshot: bool = False
+    #: A snapshot that includes a microVM's memory.
+    memory: bool = False
+
+    @classmethod
+    def from_pb(cls, m: opendsec_pb2.ImageInfo) -> "ImageInfo":
+        """Builds an ImageInfo from the protobuf message."""
+        return cls(
+            name=m.name,
+            layers=list(m.layers),
+            env=list(m.env),
+            workdir=m.workdir,
+            user=m.user,
+            parent=m.parent,
+            source=m.source,
+            created_at=m.created_at,
+            created_by=m.created_by,
+            snapshot=m.snapshot,
+            memory=m.memory,
+        )

@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from cluster_fixture import cluster  # noqa: E402,F401  (the session's cluster)
 from fake_server import FakeServer  # noqa: E402
 
 

@@ -270,6 +270,7 @@ def linux() -> Iterator[LinuxCluster]:
         "iam": {"addr": "127.0.0.1:0", "admin_token": f"dsk.admin.{secrets.token_hex(20)}"},
         "watcher": {"addr": "127.0.0.1:0", "probe_interval": 0.25, "reconcile_interval": 5.0},
         "apiserver": [{"addr": "127.0.0.1:0", "snapshot_refresh": 0.25}],
+        "image_store": {"root": str(base / "images")},
         "edges": [
             {
                 "id": edge_id,
@@ -1479,3 +1480,63 @@ async def test_apiserver_sigkill_during_stream(role_cluster):
     except BaseException:
         print(rc.logs())
         raise
+
+
+async def test_a_sandbox_from_a_store_image_has_its_files_and_defaults(linux, tmp_path):
+    """An image imported with ``opendsecctl image import`` (busybox, a deleted file, a replaced
+    directory; ``ENV``, ``WORKDIR`` and ``USER`` in its config) runs as a container: the files
+    as the layers say, the image's user, working directory and environment as the sessions'
+    defaults, and a creation's own ``init_user`` over the image's. Creating from an image one
+    may not use is ``forbidden``, from an unknown one ``not_found`` (docs/images.md)."""
+    from test_images import ctl, oci_layout
+
+    busybox = next(p for p in ("/bin/busybox", "/usr/bin/busybox") if os.path.isfile(p))
+    base = {"bin/busybox": Path(busybox).read_bytes()}
+    base.update({f"bin/{t}": "busybox" for t in ("sh", "cat", "ls", "id", "pwd", "echo")})
+    base.update(
+        {
+            "etc/passwd": b"root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000:app:/srv:/bin/sh\n",
+            "etc/group": b"root:x:0:\napp:x:1000:\n",
+            "etc/gone": b"deleted above\n",
+            "srv/old/x": b"replaced above\n",
+        }
+    )
+    top = {"etc/.wh.gone": b"", "srv/old/.wh..wh..opq": b"", "srv/old/new": b"new\n"}
+    oci_layout(tmp_path / "busy", [base, top], env=["PATH=/bin", "GREETING=hi"], workdir="/srv", user="app")
+    project = f"root/img-{secrets.token_hex(3)}"
+    image = f"{project}/busy:1"
+    env = dict(linux.env, OPENDSEC_IMAGE_STORE=str(linux.state_dir.parent / "images"))
+    async with linux.client() as c:
+        await c.create_project("root", project.split("/")[1])
+        r = ctl(env, "image", "import", str(tmp_path / "busy"), "-as", image, "-q")
+        assert r.returncode == 0, r.stderr
+        args = dict(backend="container", cpu_cores_limit=1, memory_limit_mb=256, disk_mb=64)
+        sb = await c.run_sandbox(DSecRunArgs(image=image, project=project, **args))
+        try:
+            r = await sb.run_shell("id -u; pwd; echo $GREETING; cat /etc/gone 2>/dev/null || echo gone; ls /srv/old")
+            assert (r.exit_code, r.stdout) == (0, "1000\n/srv\nhi\ngone\nnew\n"), r
+        finally:
+            await sb.stop()
+        sb = await c.run_sandbox(DSecRunArgs(image=image, project=project, init_user="root", **args))
+        try:
+            assert (await sb.run_shell("id -u")).stdout == "0\n"
+        finally:
+            await sb.stop()
+
+        with pytest.raises(DSecError) as ei:
+            await c.run_sandbox(DSecRunArgs(image=f"{project}/nope:1", project=project, **args))
+        assert ei.value.reason == opendsec.NOT_FOUND, ei.value
+        with pytest.raises(DSecError) as ei:
+            await c.run_sandbox(DSecRunArgs(image=f"{project}/Busy:1", project=project, **args))
+        assert ei.value.reason == opendsec.INVALID and "name" in ei.value.message, ei.value
+
+        # A principal of a sibling project with sandbox rights there, but no layer.use on the
+        # image's project.
+        other = f"other-{secrets.token_hex(3)}"
+        await c.create_project("root", other)
+        token = await c.create_principal(f"root/{other}", "runner")
+        await c.grant(f"root/{other}", "runner", ["sandbox.create"])
+        async with DSecClient(endpoint=linux.env["OPENDSEC_ADDR"], token=token, project=f"root/{other}", retry_timeout=10) as p:
+            with pytest.raises(DSecError) as ei:
+                await p.run_sandbox(DSecRunArgs(image=image, **args))
+            assert ei.value.reason == opendsec.FORBIDDEN and "layer.use" in ei.value.message, ei.value

@@ -20,6 +20,7 @@ use super::agent::{self, SetupExe};
 use super::cgroup::{CgroupError, Cgroups, DiskIo, Limits, SandboxCgroup};
 use super::disk::Disks;
 use super::diskpool::{DiskPool, PreparedDisk};
+use super::resolve::{Images, Resolved};
 use super::setup::{
     self, PreparedDiskRef, SetupResult, SetupSpec, AGENT_PATH, LISTEN_FD, RUN_DIR, WORKLOAD_FD,
 };
@@ -73,7 +74,7 @@ pub struct ContainerBackend {
     pids_max: i64,
     disk_io: Option<DiskIo>,
     core_sched: bool,
-    images: BTreeMap<String, Vec<PathBuf>>,
+    images: Images,
     dir: PathBuf,
     cgroups: Cgroups,
     disks: Disks,
@@ -138,6 +139,29 @@ fn cfg_err(backend: &str, message: impl std::fmt::Display) -> BackendError {
     }
 }
 
+/// The user a sandbox's processes run as: the creation's, else the image's, else root.
+fn init_user(asked: &str, image: &str) -> String {
+    [asked, image]
+        .into_iter()
+        .find(|u| !u.is_empty())
+        .unwrap_or("root")
+        .to_string()
+}
+
+/// Checks that the image of `lowers` (topmost first) knows `user`: its own /etc/passwd (the
+/// topmost layer that has one) must name it; numeric uids need no entry. Errors: why not,
+/// for `invalid`.
+fn check_user(lowers: &[PathBuf], user: &str, image: &str) -> Result<(), String> {
+    let root = lowers
+        .iter()
+        .find(|l| std::fs::symlink_metadata(l.join("etc/passwd")).is_ok_and(|m| m.is_file()))
+        .cloned()
+        .unwrap_or_else(|| PathBuf::from("/nonexistent"));
+    crate::guest::user::resolve(user, &root)
+        .map(|_| ())
+        .map_err(|e| format!("init_user {user:?}: {e} (image {image:?})"))
+}
+
 fn create_err(id: &str, message: impl std::fmt::Display) -> BackendError {
     BackendError::Create {
         sandbox_id: id.to_string(),
@@ -191,6 +215,14 @@ impl ContainerBackend {
             }
             images.insert(img.clone(), ls);
         }
+        let cache = cfg.layer_cache.unwrap_or(true).then(|| base.join("layers"));
+        let images = Images::new(
+            name,
+            &ctx.edge_id,
+            images,
+            ctx.image_store.as_deref(),
+            cache,
+        )?;
         Ok(ContainerBackend {
             name: name.to_string(),
             pids_max: if cfg.pids_max > 0 {
@@ -230,10 +262,11 @@ impl ContainerBackend {
     fn setup_spec(
         &self,
         req: &CreateRequest,
-        lowers: Vec<PathBuf>,
+        image: Resolved,
         cg: &SandboxCgroup,
         limits: &Limits,
     ) -> SetupSpec {
+        let lowers = image.lowers;
         let id = &req.sandbox_id;
         let host = id.rsplit('.').next().unwrap_or(id);
         let hostname: String = host
@@ -241,10 +274,6 @@ impl ContainerBackend {
             .filter(|c| c.is_ascii_alphanumeric() || *c == '-')
             .take(63)
             .collect();
-        let image = lowers
-            .first()
-            .map(|top| super::image::defaults(top))
-            .unwrap_or_default();
         let cgroup = cg.setup_steps(limits);
         let split = cgroup.workload.len();
         let fds = |from: usize| -> Vec<i32> {
@@ -295,7 +324,7 @@ impl ContainerBackend {
                 socket: String::new(),
                 run_dir: RUN_DIR.into(),
                 agent: AGENT_PATH.into(),
-                init_user: req.spec.init_user.clone(),
+                init_user: init_user(&req.spec.init_user, &image.user),
                 env: image.env,
                 workdir: image.workdir,
                 pid1: true,
@@ -380,6 +409,7 @@ impl ContainerBackend {
     /// `loop_device` (`major:minor`), when known, is the only loop device looked at.
     async fn destroy(&self, id: &str, loop_device: Option<String>) -> Result<(), BackendError> {
         self.channels().remove(id);
+        self.images.release(id).await;
         let steps = DestroySteps {
             cg: self.cgroups.open(id),
             disk: self.disks.path(id),
@@ -617,31 +647,27 @@ impl Backend for ContainerBackend {
         }
         // The image's own /etc/passwd (the topmost layer that has one) must know init_user;
         // numeric uids need no entry. A missing image is the creation's not_found.
-        if let Some(lowers) = self.images.get(&spec.image) {
-            let root = lowers
-                .iter()
-                .find(|l| {
-                    std::fs::symlink_metadata(l.join("etc/passwd")).is_ok_and(|m| m.is_file())
-                })
-                .cloned()
-                .unwrap_or_else(|| PathBuf::from("/nonexistent"));
-            crate::guest::user::resolve(&spec.init_user, &root).map_err(|e| {
-                bad(format!(
-                    "init_user {:?}: {e} (image {:?})",
-                    spec.init_user, spec.image
-                ))
-            })?;
+        if let Some(lowers) = self.images.local(&spec.image) {
+            check_user(lowers, &init_user(&spec.init_user, ""), &spec.image).map_err(bad)?;
         }
         Ok(())
     }
 
     async fn create(&self, req: &CreateRequest) -> Result<BackendState, BackendError> {
         let id = req.sandbox_id.as_str();
-        let lowers = self.images.get(&req.spec.image).cloned().ok_or_else(|| {
-            BackendError::ImageNotFound {
-                image: req.spec.image.clone(),
-            }
-        })?;
+        let image = self.images.resolve(id, &req.spec.image).await?;
+        if !image.layers.is_empty() {
+            // A store image's users are known only now (check_spec saw no layers).
+            check_user(
+                &image.lowers,
+                &init_user(&req.spec.init_user, &image.user),
+                &req.spec.image,
+            )
+            .map_err(|message| BackendError::Invalid {
+                sandbox_id: id.to_string(),
+                message,
+            })?;
+        }
         for p in req.spec.readonly_paths.iter().chain(&req.spec.masked_paths) {
             setup::check_sandbox_path(p).map_err(|message| BackendError::Invalid {
                 sandbox_id: id.to_string(),
@@ -659,7 +685,10 @@ impl Backend for ContainerBackend {
                 ),
             ));
         }
-        let result = self.create_inner(req, lowers, &dir, &sock).await;
+        let result = match self.images.mark_in_use(id, &image.layers).await {
+            Ok(()) => self.create_inner(req, image, &dir, &sock).await,
+            Err(e) => Err(e),
+        };
         match result {
             Ok(state) => Ok(state),
             Err(e) => match self.destroy(id, None).await {
@@ -749,6 +778,9 @@ impl Backend for ContainerBackend {
             );
         }
         let mut report = CleanupReport::default();
+        report
+            .removed
+            .extend(self.images.release_strays(keep).await);
         let mut failed = Vec::new();
         let mut ids: Vec<String> = ids.into_iter().filter(|id| !keep.contains(id)).collect();
         ids.sort();
@@ -806,7 +838,7 @@ impl ContainerBackend {
     async fn create_inner(
         &self,
         req: &CreateRequest,
-        lowers: Vec<PathBuf>,
+        image: Resolved,
         dir: &Path,
         sock: &Path,
     ) -> Result<BackendState, BackendError> {
@@ -847,7 +879,7 @@ impl ContainerBackend {
         .await
         .map_err(|e| create_err(id, e))?
         .map_err(|e| create_err(id, e))?;
-        let mut setup_spec = self.setup_spec(req, lowers, &cg, &limits);
+        let mut setup_spec = self.setup_spec(req, image, &cg, &limits);
         setup_spec.prepared_disk = prepared.as_ref().map(|p| PreparedDiskRef {
             edge_pid: std::process::id(),
             mount_fd: p.mount_fd(),

@@ -8,6 +8,7 @@ pub mod diskpool;
 pub mod image;
 pub mod init;
 pub mod policy;
+pub mod resolve;
 pub mod rootfs;
 pub mod setup;
 

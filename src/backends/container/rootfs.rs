@@ -145,14 +145,81 @@ pub fn overlay_on(
         upper.display(),
         work.display()
     );
-    m(
+    if opts.len() <= MAX_MOUNT_OPTIONS {
+        return m(
+            "mount overlay",
+            Some("overlay"),
+            root,
+            Some("overlay"),
+            MsFlags::MS_NODEV,
+            Some(&opts),
+        );
+    }
+    overlay_staged(disk, root, lowers, &upper, &work)
+}
+
+/// The kernel reads at most one page of mount options; a little less leaves room for what
+/// it adds.
+const MAX_MOUNT_OPTIONS: usize = 4000;
+
+/// Mounts an overlay whose lower paths do not fit in one page of options (an image of many
+/// layers): each lower gets a short symlink (`<disk>/../lowers/<i>`), and the mount names the
+/// links relative to that directory, which this process enters for the mount alone
+/// (overlayfs resolves lower paths, links included, when it mounts).
+fn overlay_staged(
+    disk: &Path,
+    root: &Path,
+    lowers: &[PathBuf],
+    upper: &Path,
+    work: &Path,
+) -> Result<(), RootfsError> {
+    let links = disk.parent().unwrap_or(disk).join("lowers");
+    let io = |what: &'static str, path: &Path| {
+        let path = path.display().to_string();
+        move |source| RootfsError::Io {
+            step: what,
+            path,
+            source,
+        }
+    };
+    if links.exists() {
+        std::fs::remove_dir_all(&links).map_err(io("clear lower links", &links))?;
+    }
+    mkdir(&links, 0o700)?;
+    let mut names = Vec::with_capacity(lowers.len());
+    for (i, l) in lowers.iter().enumerate() {
+        let name = i.to_string();
+        std::os::unix::fs::symlink(l, links.join(&name)).map_err(io("link lower", l))?;
+        names.push(name);
+    }
+    let opts = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        names.join(":"),
+        upper.display(),
+        work.display()
+    );
+    if opts.len() > MAX_MOUNT_OPTIONS {
+        return Err(RootfsError::Io {
+            step: "mount overlay",
+            path: root.display().to_string(),
+            source: std::io::Error::other(format!(
+                "{} lower layers do not fit in one overlay mount",
+                lowers.len()
+            )),
+        });
+    }
+    let back = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/"));
+    std::env::set_current_dir(&links).map_err(io("enter lower links", &links))?;
+    let mounted = m(
         "mount overlay",
         Some("overlay"),
         root,
         Some("overlay"),
         MsFlags::MS_NODEV,
         Some(&opts),
-    )
+    );
+    std::env::set_current_dir(&back).map_err(io("leave lower links", &back))?;
+    mounted
 }
 
 /// Hides `path` (absolute, inside the sandbox) of the topmost lower that has it, through the

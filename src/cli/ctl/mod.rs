@@ -17,6 +17,7 @@ mod argv;
 mod conn;
 mod cp;
 mod exec;
+mod image;
 mod output;
 mod principal;
 mod project;
@@ -118,6 +119,7 @@ enum Cmd {
     Token(token::TokenArgs),
     Whoami(token::WhoamiArgs),
     Usage(usage::UsageArgs),
+    Image(image::ImageArgs),
     Status(admin::StatusArgs),
     Edge(admin::EdgeArgs),
     Iam(admin::IamArgs),
@@ -222,6 +224,9 @@ fn run(args: &[String]) -> Result<(), CtlError> {
     if let Cmd::Exec(e) = &cmd {
         settings.deadline = e.deadline(&settings)?;
     }
+    if matches!(&cmd, Cmd::Image(i) if i.unbounded()) && !settings.deadline_given {
+        settings.deadline = None;
+    }
     let limit = settings.deadline;
     let ctx = Ctx {
         settings,
@@ -268,6 +273,7 @@ async fn dispatch(cmd: Cmd, ctx: &Ctx) -> Result<(), CtlError> {
         Cmd::Token(a) => a.run(ctx).await,
         Cmd::Whoami(a) => a.run(ctx).await,
         Cmd::Usage(a) => a.run(ctx).await,
+        Cmd::Image(a) => a.run(ctx).await,
         Cmd::Status(a) => a.run(ctx).await,
         Cmd::Edge(a) => a.run(ctx).await,
         Cmd::Iam(a) => a.run(ctx).await,

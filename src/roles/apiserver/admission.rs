@@ -183,7 +183,9 @@ pub fn normalize_spec(
             s.ttl_paused_s
         )));
     }
-    if s.init_user.is_empty() {
+    // A store image may name its own default user (a Dockerfile's USER), which the edge
+    // applies when the creation names none; every other image runs as root by default.
+    if s.init_user.is_empty() && !s.image.contains('/') {
         s.init_user = "root".into();
     }
     for (what, v) in [
@@ -197,7 +199,9 @@ pub fn normalize_spec(
             )));
         }
     }
-    check_init_user(&s.init_user)?;
+    if !s.init_user.is_empty() {
+        check_init_user(&s.init_user)?;
+    }
     if s.labels.len() > MAX_LABELS
         || s.labels
             .iter()
@@ -231,14 +235,10 @@ pub fn normalize_spec(
     for p in s.readonly_paths.iter().chain(s.masked_paths.iter()) {
         names::check_sandbox_path(p).map_err(Failure::invalid)?;
     }
-    if !s.image.is_empty() && s.image.contains('/') {
-        let proj = names::image_project(&s.image).unwrap_or_default();
-        names::check_project_path(proj).map_err(|_| {
-            Failure::invalid(format!(
-                "image {:?}: its project {proj:?} is not a valid project path",
-                s.image
-            ))
-        })?;
+    if s.image.contains('/') {
+        // One spelling per image (`:latest` filled in), so idempotency keys and placement
+        // see the same name.
+        s.image = crate::images::name::ImageRef::parse(&s.image)?.to_string();
     }
     Ok(s)
 }

@@ -9,6 +9,7 @@ mod auth;
 mod create;
 mod edges;
 mod forward;
+mod images;
 pub mod placement;
 mod service;
 
@@ -34,6 +35,8 @@ pub enum ApiserverError {
     Client(#[from] crate::rpc::client::ClientError),
     #[error("apiserver: audit log")]
     Audit(#[from] audit::AuditError),
+    #[error("apiserver: image store")]
+    Images(#[from] crate::images::store::StoreError),
 }
 
 /// Shared state of one apiserver.
@@ -53,6 +56,8 @@ pub(crate) struct Inner {
     pub audit_runtime: bool,
     /// Sandbox id → project, so operations need not ask the edge first. Projects never change.
     pub projects: Mutex<std::collections::HashMap<String, String>>,
+    /// The shared image store (`image_store.root`), when the cluster has one.
+    pub images: Option<Arc<crate::images::store::Store>>,
     /// Placement draws k candidates; `random` (k = 1) is the `bench -compare` baseline.
     pub k: usize,
 }
@@ -96,6 +101,12 @@ pub async fn start_with(
             entry.audit_keep(),
         )?)
     };
+    let images = if cfg.image_store.root.is_empty() {
+        None
+    } else {
+        let root = std::path::Path::new(&cfg.image_store.root);
+        Some(Arc::new(crate::images::store::Store::open(root)?))
+    };
     let adm = &cfg.admission;
     let params = placement::Params::from_config(&cfg.placement);
     let inner = Arc::new(Inner {
@@ -115,6 +126,7 @@ pub async fn start_with(
         audit,
         audit_runtime: entry.audit_runtime,
         projects: Mutex::new(std::collections::HashMap::new()),
+        images,
         cfg: cfg.clone(),
     });
 

@@ -632,6 +632,61 @@ impl pb::d_sec_server::DSec for Api {
         self.finish(call, Ok((*snap).clone())).map(Response::new)
     }
 
+    async fn register_image(
+        &self,
+        req: Request<pb::RegisterImageRequest>,
+    ) -> Result<Response<pb::ImageInfo>, Status> {
+        let (caller, mut call) = self.begin(&req, "RegisterImage", true).await?;
+        let msg = req.into_inner();
+        call.project = image_project(msg.image.as_ref().map_or("", |i| i.name.as_str()));
+        let r = self.inner.register_image(&caller, msg).await;
+        self.finish(call, r).map(Response::new)
+    }
+
+    async fn list_images(
+        &self,
+        req: Request<pb::ListImagesRequest>,
+    ) -> Result<Response<pb::ListImagesResponse>, Status> {
+        let (caller, mut call) = self.begin(&req, "ListImages", false).await?;
+        let msg = req.into_inner();
+        call.project = msg.project.clone();
+        let r = self.inner.list_images(&caller, msg).await;
+        self.finish(call, r).map(Response::new)
+    }
+
+    async fn get_image(
+        &self,
+        req: Request<pb::ImageRef>,
+    ) -> Result<Response<pb::ImageInfo>, Status> {
+        let (caller, mut call) = self.begin(&req, "GetImage", false).await?;
+        let msg = req.into_inner();
+        call.project = image_project(&msg.name);
+        let r = self.inner.get_image(&caller, msg).await;
+        self.finish(call, r).map(Response::new)
+    }
+
+    async fn delete_image(
+        &self,
+        req: Request<pb::ImageRef>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        let (caller, mut call) = self.begin(&req, "DeleteImage", true).await?;
+        let msg = req.into_inner();
+        call.project = image_project(&msg.name);
+        let r = self.inner.delete_image(&caller, msg).await;
+        self.finish(call, r).map(Response::new)
+    }
+
+    async fn compose_image(
+        &self,
+        req: Request<pb::ComposeImageRequest>,
+    ) -> Result<Response<pb::ImageInfo>, Status> {
+        let (caller, mut call) = self.begin(&req, "ComposeImage", true).await?;
+        let msg = req.into_inner();
+        call.project = image_project(&msg.name);
+        let r = self.inner.compose_image(&caller, msg).await;
+        self.finish(call, r).map(Response::new)
+    }
+
     async fn drain_edge(
         &self,
         req: Request<pb::DrainEdgeRequest>,
@@ -640,4 +695,12 @@ impl pb::d_sec_server::DSec for Api {
         let r = self.inner.drain(&caller, req.into_inner()).await;
         self.finish(call, r).map(Response::new)
     }
+}
+
+/// The project part of an image name, for the audit log and the span ("" when the name has
+/// none; the call itself reports the bad name).
+fn image_project(name: &str) -> String {
+    name.rsplit_once('/')
+        .map(|(p, _)| p.to_string())
+        .unwrap_or_default()
 }

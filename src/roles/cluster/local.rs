@@ -70,6 +70,9 @@ pub struct UpOptions {
     pub request_rate: f64,
     /// IAM state file (empty = memory).
     pub iam_state: String,
+    /// The shared image store (`image_store.root`); empty = `<state_dir>/images`, so the
+    /// embedded cluster always has one.
+    pub image_store: String,
 }
 
 impl Default for UpOptions {
@@ -90,6 +93,7 @@ impl Default for UpOptions {
             create_rate: 0.0,
             request_rate: 0.0,
             iam_state: String::new(),
+            image_store: String::new(),
         }
     }
 }
@@ -182,6 +186,14 @@ impl LocalCluster {
         let mut cfg = Config {
             service_token: secret(),
             ..Default::default()
+        };
+        cfg.image_store.root = if o.image_store.is_empty() {
+            std::path::Path::new(&o.state_dir)
+                .join("images")
+                .display()
+                .to_string()
+        } else {
+            o.image_store.clone()
         };
         let admin_token = format!("dsk.admin.{}", secret());
         cfg.iam.admin_token = admin_token.clone();

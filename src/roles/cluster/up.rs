@@ -29,7 +29,7 @@ struct UpFlags {
     /// the microvm backend's guest kernel (not built yet: refused)
     #[argh(option, default = "String::new()")]
     microvm_kernel: String,
-    /// shared image store directory (not built yet: refused)
+    /// shared image store directory (default: images under -state-dir)
     #[argh(option, default = "String::new()")]
     image_store: String,
     /// sandbox state directory (default /var/lib/opendsec)
@@ -103,9 +103,6 @@ fn check_flags(f: &UpFlags) -> Result<(), &'static str> {
     if !f.microvm_kernel.is_empty() {
         return Err("-microvm-kernel: the microvm backend is not built yet");
     }
-    if !f.image_store.is_empty() {
-        return Err("-image-store: the shared image store is not built yet");
-    }
     Ok(())
 }
 
@@ -130,6 +127,7 @@ async fn run(f: UpFlags) -> anyhow::Result<()> {
             audit_dir: f.audit_dir.clone(),
             addr: f.addr.clone(),
             iam_state: f.iam_state.clone(),
+            image_store: f.image_store.clone(),
             create_latency_ms: f.sim_latency_ms,
             ..Default::default()
         };
@@ -159,6 +157,12 @@ async fn run(f: UpFlags) -> anyhow::Result<()> {
     println!("export OPENDSEC_ADDR={}", cluster.api_addrs.join(","));
     println!("export OPENDSEC_TOKEN={}", cluster.admin_token);
     println!("export OPENDSEC_PROJECT=root");
+    if !cluster.cfg.image_store.root.is_empty() {
+        println!(
+            "export OPENDSEC_IMAGE_STORE={}",
+            cluster.cfg.image_store.root
+        );
+    }
     use std::io::Write;
     let _ = std::io::stdout().flush();
     eprintln!(

@@ -92,7 +92,7 @@ pub async fn start(
         .edge(&edge_id)
         .ok_or_else(|| EdgeError::UnknownEdge(edge_id.clone()))?;
     ec.validate()?;
-    let ctx = context(&ec, &edge_id);
+    let ctx = context(&cfg, &ec, &edge_id);
     let mut built = BTreeMap::new();
     for (name, bc) in ec.backends() {
         let b = backends::build(&name, &bc, &ctx).map_err(|source| EdgeError::Backend {
@@ -104,7 +104,7 @@ pub async fn start(
     start_with_backends(cfg, edge_id, built, listener, shutdown, ready).await
 }
 
-fn context(ec: &crate::config::EdgeConfig, edge_id: &str) -> BackendContext {
+fn context(cfg: &Config, ec: &crate::config::EdgeConfig, edge_id: &str) -> BackendContext {
     let agent_dir = if ec.agent_dir.is_empty() {
         std::env::current_exe()
             .ok()
@@ -122,6 +122,9 @@ fn context(ec: &crate::config::EdgeConfig, edge_id: &str) -> BackendContext {
             .iter()
             .map(|(k, v)| (k.clone(), v.iter().map(PathBuf::from).collect()))
             .collect(),
+        image_store: Some(&cfg.image_store.root)
+            .filter(|r| !r.is_empty())
+            .map(PathBuf::from),
     }
 }
 

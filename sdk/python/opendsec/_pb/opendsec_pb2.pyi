@@ -322,3 +322,80 @@ class IamRestoreRequest(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class ImageInfo(_message.Message):
+    __slots__ = ("name", "layers", "env", "workdir", "user", "parent", "source", "created_at", "created_by", "snapshot", "memory")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    WORKDIR_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    CREATED_BY_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    layers: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.RepeatedScalarFieldContainer[str]
+    workdir: str
+    user: str
+    parent: str
+    source: str
+    created_at: int
+    created_by: str
+    snapshot: bool
+    memory: bool
+    def __init__(self, name: _Optional[str] = ..., layers: _Optional[_Iterable[str]] = ..., env: _Optional[_Iterable[str]] = ..., workdir: _Optional[str] = ..., user: _Optional[str] = ..., parent: _Optional[str] = ..., source: _Optional[str] = ..., created_at: _Optional[int] = ..., created_by: _Optional[str] = ..., snapshot: bool = ..., memory: bool = ...) -> None: ...
+
+class RegisterImageRequest(_message.Message):
+    __slots__ = ("image", "overwrite", "dry_run")
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    image: ImageInfo
+    overwrite: bool
+    dry_run: bool
+    def __init__(self, image: _Optional[_Union[ImageInfo, _Mapping]] = ..., overwrite: bool = ..., dry_run: bool = ...) -> None: ...
+
+class ListImagesRequest(_message.Message):
+    __slots__ = ("project",)
+    PROJECT_FIELD_NUMBER: _ClassVar[int]
+    project: str
+    def __init__(self, project: _Optional[str] = ...) -> None: ...
+
+class ListImagesResponse(_message.Message):
+    __slots__ = ("images",)
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedCompositeFieldContainer[ImageInfo]
+    def __init__(self, images: _Optional[_Iterable[_Union[ImageInfo, _Mapping]]] = ...) -> None: ...
+
+class ImageRef(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ComposeImageRequest(_message.Message):
+    __slots__ = ("name", "parts", "env", "workdir", "user", "overwrite")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    WORKDIR_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    parts: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.ScalarMap[str, str]
+    workdir: str
+    user: str
+    overwrite: bool
+    def __init__(self, name: _Optional[str] = ..., parts: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., user: _Optional[str] = ..., overwrite: bool = ...) -> None: ...

@@ -256,6 +256,31 @@ class DSecStub(object):
                 request_serializer=opendsec_dot_v1_dot_opendsec__pb2.GetUsageRequest.SerializeToString,
                 response_deserializer=opendsec_dot_v1_dot_opendsec__pb2.UsageReport.FromString,
                 _registered_method=True)
+        self.RegisterImage = channel.unary_unary(
+                '/opendsec.v1.DSec/RegisterImage',
+                request_serializer=opendsec_dot_v1_dot_opendsec__pb2.RegisterImageRequest.SerializeToString,
+                response_deserializer=opendsec_dot_v1_dot_opendsec__pb2.ImageInfo.FromString,
+                _registered_method=True)
+        self.ListImages = channel.unary_unary(
+                '/opendsec.v1.DSec/ListImages',
+                request_serializer=opendsec_dot_v1_dot_opendsec__pb2.ListImagesRequest.SerializeToString,
+                response_deserializer=opendsec_dot_v1_dot_opendsec__pb2.ListImagesResponse.FromString,
+                _registered_method=True)
+        self.GetImage = channel.unary_unary(
+                '/opendsec.v1.DSec/GetImage',
+                request_serializer=opendsec_dot_v1_dot_opendsec__pb2.ImageRef.SerializeToString,
+                response_deserializer=opendsec_dot_v1_dot_opendsec__pb2.ImageInfo.FromString,
+                _registered_method=True)
+        self.DeleteImage = channel.unary_unary(
+                '/opendsec.v1.DSec/DeleteImage',
+                request_serializer=opendsec_dot_v1_dot_opendsec__pb2.ImageRef.SerializeToString,
+                response_deserializer=opendsec_dot_v1_dot_types__pb2.Empty.FromString,
+                _registered_method=True)
+        self.ComposeImage = channel.unary_unary(
+                '/opendsec.v1.DSec/ComposeImage',
+                request_serializer=opendsec_dot_v1_dot_opendsec__pb2.ComposeImageRequest.SerializeToString,
+                response_deserializer=opendsec_dot_v1_dot_opendsec__pb2.ImageInfo.FromString,
+                _registered_method=True)
         self.ClusterStatus = channel.unary_unary(
                 '/opendsec.v1.DSec/ClusterStatus',
                 request_serializer=opendsec_dot_v1_dot_types__pb2.Empty.SerializeToString,

@@ -1,0 +1,121 @@
+"""The session's simulated cluster (`opendsec cluster up -sim-edges 2`), shared by the cluster
+test modules through conftest.py.
+
+The fixture starts the binary (``<repo>/target/x86_64-unknown-linux-gnu/release/opendsec`` or
+``$OPENDSEC_BIN``) with a temporary state directory, reads the ``export OPENDSEC_...=`` lines it
+prints, and stops it (SIGTERM, then SIGKILL) at the end. Without the binary the tests are
+skipped, except under ``CI=true``, where they fail: CI never skips them silently.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shlex
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+DEFAULT_BIN = REPO / "target" / "x86_64-unknown-linux-gnu" / "release" / "opendsec"
+START_TIMEOUT_S = float(os.environ.get("OPENDSEC_CLUSTER_START_TIMEOUT", "90"))
+WANTED = ("OPENDSEC_ADDR", "OPENDSEC_TOKEN", "OPENDSEC_PROJECT", "OPENDSEC_IMAGE_STORE")
+
+
+def _parse_export(line: str) -> tuple[str, str] | None:
+    """``export NAME=value`` (value possibly shell-quoted) -> (NAME, value)."""
+    line = line.strip()
+    if not line.startswith("export "):
+        return None
+    name, sep, value = line[len("export "):].partition("=")
+    if not sep:
+        return None
+    try:
+        parts = shlex.split(value)
+    except ValueError:
+        parts = [value]
+    return name.strip(), (parts[0] if parts else "")
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[dict[str, str]]:
+    """A running cluster: the values of OPENDSEC_ADDR, OPENDSEC_TOKEN, OPENDSEC_PROJECT and
+    OPENDSEC_IMAGE_STORE (in the cluster's own temporary state directory)."""
+    binary = Path(os.environ.get("OPENDSEC_BIN") or DEFAULT_BIN)
+    if not binary.is_file():
+        msg = f"opendsec binary not found at {binary} (build it with cargo build --release, or set OPENDSEC_BIN)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg + "; under CI=true the cluster tests must run", pytrace=False)
+        pytest.skip(msg)
+
+    log = tempfile.NamedTemporaryFile(prefix="opendsec-cluster-", suffix=".log", delete=False)
+    state = tempfile.TemporaryDirectory(prefix="opendsec-cluster-state-")
+    proc = subprocess.Popen(
+        [str(binary), "cluster", "up", "-sim-edges", "2", "-addr", "127.0.0.1:0", "-state-dir", state.name],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
+    )
+    lines: queue.Queue = queue.Queue()
+    stdout_lines: list[str] = []
+
+    def pump() -> None:  # keeps reading so the pipe never fills up
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            stdout_lines.append(line)
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+
+    def stop() -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+    def diagnostics() -> str:
+        log.flush()
+        err = Path(log.name).read_text(errors="replace")[-4000:]
+        return f"stdout:\n{''.join(stdout_lines)[-2000:]}\nstderr ({log.name}):\n{err}"
+
+    env: dict[str, str] = {}
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        while not all(k in env for k in WANTED):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"cluster up printed no {WANTED} within {START_TIMEOUT_S:.0f} s")
+            try:
+                line = lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise RuntimeError(f"cluster up exited with {proc.wait()} before printing {WANTED}")
+            kv = _parse_export(line)
+            if kv and kv[0] in WANTED:
+                env[kv[0]] = kv[1]
+    except BaseException as e:
+        failure = f"{e}\n"
+        stop()
+    else:
+        failure = ""
+    if failure:
+        pytest.fail(failure + diagnostics(), pytrace=False)
+    try:
+        yield env
+    finally:
+        stop()
+        state.cleanup()

@@ -1,0 +1,312 @@
+//! Which lower directories a container stacks for its image, and the defaults its sessions
+//! start with (docs/images.md "How nodes use images"). A name without `/` is a node-local
+//! image (`edges[].images`); `project/name:tag` is read from the image store, its layers
+//! taken from the node's layer cache (copied there on first use) or from the store itself
+//! with `layer_cache: false`. While a sandbox runs, `inuse/<edge>/<sandbox>` in the store
+//! lists its layers, so `image gc` keeps them even when its image is deleted (a pack_diff or
+//! fork still needs them).
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::backends::BackendError;
+use crate::images::cache::{CacheError, Layers};
+use crate::images::digest::Digest;
+use crate::images::name::ImageRef;
+use crate::images::store::{Store, StoreError};
+
+/// What a creation stacks and starts with.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Resolved {
+    /// Lower directories, topmost first.
+    pub lowers: Vec<PathBuf>,
+    pub env: BTreeMap<String, String>,
+    /// "" when the image sets none.
+    pub workdir: String,
+    /// The image's default user ("" when it sets none): the sandbox's `init_user` when the
+    /// creation names none.
+    pub user: String,
+    /// The store layers, bottom first (empty for a node-local image).
+    pub layers: Vec<Digest>,
+}
+
+/// The images a container backend can start.
+pub struct Images {
+    local: BTreeMap<String, Vec<PathBuf>>,
+    layers: Option<Layers>,
+    edge_id: String,
+}
+
+impl Images {
+    /// `local`: node-local images (checked already); `store`: the image store's root, if the
+    /// cluster has one; `cache`: the node's layer cache directory (None: `layer_cache` off).
+    /// Errors: `Config` when the cache directory cannot be made.
+    pub fn new(
+        backend: &str,
+        edge_id: &str,
+        local: BTreeMap<String, Vec<PathBuf>>,
+        store: Option<&Path>,
+        cache: Option<PathBuf>,
+    ) -> Result<Images, BackendError> {
+        let layers = match store {
+            None => None,
+            Some(root) => Some(Layers::new(Arc::new(Store::at(root)), cache).map_err(|e| {
+                BackendError::Config {
+                    backend: backend.to_string(),
+                    message: crate::types::chain(&e),
+                }
+            })?),
+        };
+        Ok(Images {
+            local,
+            layers,
+            edge_id: edge_id.to_string(),
+        })
+    }
+
+    /// The lowers of a node-local image, if it is one.
+    pub fn local(&self, image: &str) -> Option<&Vec<PathBuf>> {
+        self.local.get(image)
+    }
+
+    /// Resolves `image` for a creation. Errors: `ImageNotFound` (`not_found`: no such local
+    /// image, no image store, or no such image in it), `Invalid` (a malformed store name),
+    /// `ImageUnavailable` (`unavailable`: the store cannot be read now, or a layer cannot be
+    /// copied to the node).
+    pub async fn resolve(&self, sandbox_id: &str, image: &str) -> Result<Resolved, BackendError> {
+        if let Some(lowers) = self.local.get(image) {
+            let d = lowers
+                .first()
+                .map(|top| super::image::defaults(top))
+                .unwrap_or_default();
+            return Ok(Resolved {
+                lowers: lowers.clone(),
+                env: d.env,
+                workdir: d.workdir,
+                ..Default::default()
+            });
+        }
+        let not_found = || BackendError::ImageNotFound {
+            image: image.to_string(),
+        };
+        let (Some(layers), true) = (&self.layers, image.contains('/')) else {
+            return Err(not_found());
+        };
+        let name = ImageRef::parse(image).map_err(|f| BackendError::Invalid {
+            sandbox_id: sandbox_id.to_string(),
+            message: f.message,
+        })?;
+        let store = layers.store().clone();
+        let unavailable = |message: String| BackendError::ImageUnavailable {
+            image: image.to_string(),
+            message,
+        };
+        let manifest = tokio::task::spawn_blocking(move || store.read_manifest(&name))
+            .await
+            .map_err(|e| unavailable(e.to_string()))?
+            .map_err(|e| match e {
+                StoreError::NotFound(_) => not_found(),
+                e => unavailable(crate::types::chain(&e)),
+            })?;
+        let mut lowers = Vec::with_capacity(manifest.layers.len());
+        for l in manifest.layers.iter().rev() {
+            lowers.push(layers.get(l).await.map_err(|e| match e {
+                CacheError::Missing(_) => unavailable(format!(
+                    "{} (the store is damaged: `opendsec ctl image store-check`)",
+                    crate::types::chain(&e)
+                )),
+                e => unavailable(crate::types::chain(&e)),
+            })?);
+        }
+        let env = manifest
+            .env
+            .iter()
+            .filter_map(|kv| kv.split_once('='))
+            .filter(|(k, _)| !k.is_empty())
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Ok(Resolved {
+            lowers,
+            env,
+            workdir: manifest.workdir,
+            user: manifest.user,
+            layers: manifest.layers,
+        })
+    }
+
+    fn inuse_dir(&self) -> Option<PathBuf> {
+        self.layers
+            .as_ref()
+            .map(|l| l.store().root().join("inuse").join(&self.edge_id))
+    }
+
+    /// Records that `sandbox_id` stacks `layers` (a no-op for node-local images). Errors:
+    /// `ImageUnavailable` when the store cannot be written.
+    pub async fn mark_in_use(
+        &self,
+        sandbox_id: &str,
+        layers: &[Digest],
+    ) -> Result<(), BackendError> {
+        let Some(dir) = self.inuse_dir().filter(|_| !layers.is_empty()) else {
+            return Ok(());
+        };
+        let body: String = layers.iter().map(|d| format!("{d}\n")).collect();
+        let id = sandbox_id.to_string();
+        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            std::fs::create_dir_all(&dir)?;
+            let tmp = dir.join(format!(".{id}.tmp"));
+            std::fs::write(&tmp, body)?;
+            std::fs::rename(&tmp, dir.join(&id))
+        })
+        .await
+        .map_err(|e| std::io::Error::other(e.to_string()))
+        .and_then(|r| r)
+        .map_err(|e| BackendError::ImageUnavailable {
+            image: format!("(in-use record of {sandbox_id})"),
+            message: e.to_string(),
+        })
+    }
+
+    /// Drops `sandbox_id`'s in-use record, if any. A store that cannot be written is logged:
+    /// a record left behind only keeps layers from `image gc` longer.
+    pub async fn release(&self, sandbox_id: &str) {
+        let Some(dir) = self.inuse_dir() else {
+            return;
+        };
+        let p = dir.join(sandbox_id);
+        let r = tokio::task::spawn_blocking(move || std::fs::remove_file(&p)).await;
+        match r {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Ok(Err(e)) => {
+                tracing::warn!(sandbox_id, error = %e, "removing the sandbox's in-use record")
+            }
+            Err(e) => {
+                tracing::warn!(sandbox_id, error = %e, "removing the sandbox's in-use record")
+            }
+        }
+    }
+
+    /// Drops the in-use records of this edge's sandboxes not in `keep` (after a crash).
+    /// Returns what went.
+    pub async fn release_strays(&self, keep: &HashSet<String>) -> Vec<String> {
+        let Some(dir) = self.inuse_dir() else {
+            return Vec::new();
+        };
+        let keep = keep.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut gone = Vec::new();
+            let Ok(rd) = std::fs::read_dir(&dir) else {
+                return gone;
+            };
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let id = name.trim_start_matches('.').trim_end_matches(".tmp");
+                if !keep.contains(id) && std::fs::remove_file(e.path()).is_ok() {
+                    gone.push(format!("in-use record {name}"));
+                }
+            }
+            gone
+        })
+        .await
+        .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::images::store::ImageManifest;
+
+    fn layer(store: &Store, file: &str, body: &[u8]) -> Digest {
+        let d = Digest::of(body);
+        store
+            .put_layer(&d, |r| std::fs::write(r.join(file), body))
+            .expect("layer");
+        d
+    }
+
+    #[tokio::test]
+    async fn a_store_image_resolves_to_cached_layers_topmost_first_with_its_defaults() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(&d.path().join("store")).expect("store");
+        let (a, b) = (layer(&store, "a", b"bottom"), layer(&store, "b", b"top"));
+        let name = ImageRef::parse("root/py:1").expect("name");
+        store
+            .write_manifest(
+                &name,
+                &ImageManifest {
+                    layers: vec![a.clone(), b.clone()],
+                    env: vec!["PATH=/opt/bin:/bin".into(), "EMPTY=".into(), "junk".into()],
+                    workdir: "/srv".into(),
+                    user: "1000:1000".into(),
+                    ..Default::default()
+                },
+                false,
+            )
+            .expect("manifest");
+        let cache = d.path().join("cache");
+        let images = Images::new(
+            "container",
+            "edge-1",
+            BTreeMap::new(),
+            Some(&d.path().join("store")),
+            Some(cache.clone()),
+        )
+        .expect("images");
+        let r = images
+            .resolve("edge-1.x", "root/py:1")
+            .await
+            .expect("resolve");
+        assert_eq!(
+            r.lowers,
+            vec![
+                cache.join(b.hex()).join("rootfs"),
+                cache.join(a.hex()).join("rootfs")
+            ]
+        );
+        assert_eq!(r.env.get("PATH").map(String::as_str), Some("/opt/bin:/bin"));
+        assert_eq!(r.env.get("EMPTY").map(String::as_str), Some(""));
+        assert_eq!(r.env.len(), 2);
+        assert_eq!((r.workdir.as_str(), r.user.as_str()), ("/srv", "1000:1000"));
+
+        // Unknown images, names that are no store name, and local names with no such image.
+        for bad in ["root/nope:1", "host", ""] {
+            assert!(
+                matches!(
+                    images.resolve("edge-1.x", bad).await,
+                    Err(BackendError::ImageNotFound { .. })
+                ),
+                "{bad}"
+            );
+        }
+        assert!(matches!(
+            images.resolve("edge-1.x", "root/Bad:1").await,
+            Err(BackendError::Invalid { .. })
+        ));
+
+        // In-use records: written, listed under the edge, released one by one and as strays.
+        images
+            .mark_in_use("edge-1.x", &r.layers)
+            .await
+            .expect("mark");
+        images
+            .mark_in_use("edge-1.y", &r.layers)
+            .await
+            .expect("mark");
+        let rec = d.path().join("store/inuse/edge-1");
+        assert_eq!(
+            std::fs::read_to_string(rec.join("edge-1.x")).expect("read"),
+            format!("{a}\n{b}\n")
+        );
+        images.release("edge-1.x").await;
+        assert!(!rec.join("edge-1.x").exists());
+        let keep: HashSet<String> = ["edge-1.z".to_string()].into();
+        assert_eq!(
+            images.release_strays(&keep).await,
+            vec!["in-use record edge-1.y".to_string()]
+        );
+        assert_eq!(std::fs::read_dir(&rec).expect("dir").count(), 0);
+    }
+}

@@ -1,0 +1,358 @@
+//! `image import|list|get|delete|compose` (docs/cli.md, docs/images.md).
+//!
+//! `image import` runs on a machine that mounts the image store: it asks the API whether the
+//! name may be registered (a dry run: permission, name taken), writes the layers into the store
+//! itself, then registers the image through the API.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use argh::FromArgs;
+
+use super::{output, CtlError, Ctx};
+use crate::images::import::{import_layers, Options, Progress};
+use crate::images::name::ImageRef;
+use crate::images::store::Store;
+use crate::pb;
+use crate::types::Failure;
+
+#[derive(FromArgs, Debug)]
+/// import, list, show, compose and delete images in the shared image store
+#[argh(subcommand, name = "image", help_triggers("-h", "--help", "help"))]
+pub struct ImageArgs {
+    #[argh(subcommand)]
+    pub cmd: ImageCmd,
+}
+
+#[derive(FromArgs, Debug)]
+#[argh(subcommand)]
+pub enum ImageCmd {
+    Import(ImportArgs),
+    List(ListArgs),
+    Get(GetArgs),
+    Delete(DeleteArgs),
+    Compose(ComposeArgs),
+}
+
+#[derive(FromArgs, Debug)]
+/// import an image into the store and register it (as root, on a machine that mounts the
+/// store); no time limit unless -deadline is given
+#[argh(
+    subcommand,
+    name = "import",
+    help_triggers("-h", "--help", "help"),
+    example = "{command_name} ./app.tar -as root/app:1 -store /mnt/opendsec-images\n{command_name} ./bundle.tar#app:1 -as root/app:1"
+)]
+pub struct ImportArgs {
+    /// the source: an OCI layout directory, an OCI archive or a docker save tar, starting
+    /// with / or .; PATH#name:tag picks one image of several
+    #[argh(positional)]
+    pub src: String,
+    /// the image's name, project/name:tag
+    #[argh(option, long = "as")]
+    pub target: String,
+    /// the image store's mount point (env OPENDSEC_IMAGE_STORE)
+    #[argh(option)]
+    pub store: Option<String>,
+    /// replace an image of the same name
+    #[argh(switch)]
+    pub overwrite: bool,
+    /// print no progress
+    #[argh(switch, short = 'q')]
+    pub quiet: bool,
+}
+
+#[derive(FromArgs, Debug)]
+/// list the images of a project (default -project) and its subprojects
+#[argh(subcommand, name = "list", help_triggers("-h", "--help", "help"))]
+pub struct ListArgs {
+    /// project path, e.g. root/rl
+    #[argh(positional)]
+    pub project: Option<String>,
+}
+
+#[derive(FromArgs, Debug)]
+/// show an image: its layers (bottom first) and defaults
+#[argh(subcommand, name = "get", help_triggers("-h", "--help", "help"))]
+pub struct GetArgs {
+    /// project/name:tag
+    #[argh(positional)]
+    pub name: String,
+}
+
+#[derive(FromArgs, Debug)]
+/// delete an image's registration (image gc reclaims its layers)
+#[argh(subcommand, name = "delete", help_triggers("-h", "--help", "help"))]
+pub struct DeleteArgs {
+    /// project/name:tag
+    #[argh(positional)]
+    pub name: String,
+}
+
+#[derive(FromArgs, Debug)]
+/// stack images bottom first into a new one, copying no data
+#[argh(
+    subcommand,
+    name = "compose",
+    help_triggers("-h", "--help", "help"),
+    example = "{command_name} root/rl/swe-4821:v1 root/rl/python:3.12 root/rl/django-ws:a1b2 root/tools/agent-kit:3"
+)]
+pub struct ComposeArgs {
+    /// the new image's name, then its parts bottom first
+    #[argh(positional)]
+    pub names: Vec<String>,
+    /// an environment variable KEY=value added after the parts' (repeatable)
+    #[argh(option)]
+    pub env: Vec<String>,
+    /// the working directory (default: the topmost part's)
+    #[argh(option)]
+    pub workdir: Option<String>,
+    /// the default user (default: the topmost part's)
+    #[argh(option)]
+    pub user: Option<String>,
+    /// replace an image of the same name
+    #[argh(switch)]
+    pub overwrite: bool,
+}
+
+impl ImageArgs {
+    /// Whether this command runs without the default time limit (an import can take long).
+    pub fn unbounded(&self) -> bool {
+        matches!(self.cmd, ImageCmd::Import(_))
+    }
+
+    /// Runs the subcommand and prints the image (or images, or `{}` after a delete) as JSON.
+    /// Errors: `invalid` for bad names, sources or values; the server's failure; the
+    /// store's (`internal`) and the layers' (`invalid`) for an import.
+    pub async fn run(self, ctx: &Ctx) -> Result<(), CtlError> {
+        match self.cmd {
+            ImageCmd::Import(a) => import(a, ctx, |k| std::env::var(k).ok()).await,
+            ImageCmd::List(a) => {
+                let conn = ctx.connect()?;
+                let req = pb::ListImagesRequest {
+                    project: a.project.unwrap_or_else(|| conn.project.clone()),
+                };
+                output::json(
+                    &conn
+                        .call(req, |mut c, r| async move { c.list_images(r).await })
+                        .await?,
+                )
+            }
+            ImageCmd::Get(a) => {
+                ImageRef::parse(&a.name)?;
+                let conn = ctx.connect()?;
+                let req = pb::ImageRef { name: a.name };
+                output::json(
+                    &conn
+                        .call(req, |mut c, r| async move { c.get_image(r).await })
+                        .await?,
+                )
+            }
+            ImageCmd::Delete(a) => {
+                ImageRef::parse(&a.name)?;
+                let conn = ctx.connect()?;
+                let req = pb::ImageRef { name: a.name };
+                output::json(
+                    &conn
+                        .call(req, |mut c, r| async move { c.delete_image(r).await })
+                        .await?,
+                )
+            }
+            ImageCmd::Compose(a) => {
+                let req = compose_request(a)?;
+                let conn = ctx.connect()?;
+                output::json(
+                    &conn
+                        .call(req, |mut c, r| async move { c.compose_image(r).await })
+                        .await?,
+                )
+            }
+        }
+    }
+}
+
+fn compose_request(a: ComposeArgs) -> Result<pb::ComposeImageRequest, CtlError> {
+    let Some((name, parts)) = a.names.split_first() else {
+        return Err(CtlError::usage(
+            "image compose needs the new image's name and at least one part",
+        ));
+    };
+    if parts.is_empty() {
+        return Err(CtlError::usage("image compose needs at least one part"));
+    }
+    ImageRef::parse(name)?;
+    for p in parts {
+        ImageRef::parse(p)?;
+    }
+    let mut env = HashMap::new();
+    for kv in &a.env {
+        let Some((k, v)) = kv.split_once('=') else {
+            return Err(CtlError::usage(format!("-env {kv:?}: expected KEY=value")));
+        };
+        crate::images::compose::check_env(k, v)?;
+        env.insert(k.to_string(), v.to_string());
+    }
+    Ok(pb::ComposeImageRequest {
+        name: name.clone(),
+        parts: parts.to_vec(),
+        env,
+        workdir: a.workdir.unwrap_or_default(),
+        user: a.user.unwrap_or_default(),
+        overwrite: a.overwrite,
+    })
+}
+
+/// The store directory: `-store`, else `OPENDSEC_IMAGE_STORE`. Errors: a usage error.
+fn store_dir(
+    flag: Option<String>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<PathBuf, CtlError> {
+    flag.or_else(|| env("OPENDSEC_IMAGE_STORE"))
+        .filter(|s| !s.is_empty())
+        .map(PathBuf::from)
+        .ok_or_else(|| {
+            CtlError::usage("image import needs -store DIR (or OPENDSEC_IMAGE_STORE): the image store's mount point")
+        })
+}
+
+/// One progress line (stderr), as an import reports each layer.
+fn progress_line(p: &Progress, since: Instant) -> String {
+    match p {
+        Progress::Cached {
+            index,
+            count,
+            diff_id,
+        } => format!(
+            "layer {index}/{count} {}: already in the store",
+            short(diff_id)
+        ),
+        Progress::Imported {
+            index,
+            count,
+            diff_id,
+            file_bytes,
+        } => {
+            let secs = since.elapsed().as_secs_f64();
+            format!(
+                "layer {index}/{count} {}: imported, {:.1} MB in {secs:.1} s",
+                short(diff_id),
+                *file_bytes as f64 / 1e6
+            )
+        }
+    }
+}
+
+fn short(diff_id: &str) -> &str {
+    diff_id.get(..19).unwrap_or(diff_id)
+}
+
+async fn import(
+    a: ImportArgs,
+    ctx: &Ctx,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<(), CtlError> {
+    let target = ImageRef::parse(&a.target)?;
+    let dir = store_dir(a.store, &env)?;
+    // A path that exists here is a file source, as is anything spelt as a path; the rest
+    // would be a registry reference (`python:3.12`, `host:5000/team/app:1`).
+    let path_part = a.src.split_once('#').map_or(a.src.as_str(), |(p, _)| p);
+    let local = a.src.starts_with('/')
+        || a.src.starts_with('.')
+        || std::path::Path::new(path_part).exists();
+    if !local {
+        return Err(Failure::invalid(format!(
+            "source {:?}: importing from a registry is not built yet; name a local file or directory (no such path here)",
+            a.src
+        ))
+        .into());
+    }
+    let conn = ctx.connect()?;
+    // Ask first, so a name that is taken or not ours fails before any layer is written.
+    let probe = pb::RegisterImageRequest {
+        image: Some(pb::ImageInfo {
+            name: target.to_string(),
+            ..Default::default()
+        }),
+        overwrite: a.overwrite,
+        dry_run: true,
+    };
+    conn.call(probe, |mut c, r| async move { c.register_image(r).await })
+        .await?;
+    let store = Store::open(&dir).map_err(|e| e.to_failure())?;
+    let (src, quiet, overwrite) = (a.src, a.quiet, a.overwrite);
+    let manifest = tokio::task::spawn_blocking(move || {
+        let mut since = Instant::now();
+        let opts = Options {
+            overwrite,
+            ..Default::default()
+        };
+        import_layers(&store, &src, opts, &mut |p| {
+            if !quiet {
+                eprintln!("{}", progress_line(&p, since));
+            }
+            since = Instant::now();
+        })
+        .map_err(|e| e.to_failure())
+    })
+    .await
+    .map_err(|e| Failure::internal(format!("the import task: {e}")))??;
+    let req = pb::RegisterImageRequest {
+        image: Some(pb::ImageInfo {
+            name: target.to_string(),
+            layers: manifest.layers.iter().map(|d| d.to_string()).collect(),
+            env: manifest.env,
+            workdir: manifest.workdir,
+            user: manifest.user,
+            source: manifest.source,
+            ..Default::default()
+        }),
+        overwrite,
+        dry_run: false,
+    };
+    output::json(
+        &conn
+            .call(req, |mut c, r| async move { c.register_image(r).await })
+            .await?,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compose_takes_the_name_then_the_parts_and_checks_env() {
+        let a = |names: &[&str], env: &[&str]| ComposeArgs {
+            names: names.iter().map(|s| s.to_string()).collect(),
+            env: env.iter().map(|s| s.to_string()).collect(),
+            workdir: None,
+            user: None,
+            overwrite: false,
+        };
+        let r = compose_request(a(&["root/n:1", "root/a:1", "root/b:2"], &["A=1=2"])).unwrap();
+        assert_eq!(r.name, "root/n:1");
+        assert_eq!(r.parts, ["root/a:1", "root/b:2"]);
+        assert_eq!(r.env.get("A").map(String::as_str), Some("1=2"));
+        assert!(compose_request(a(&["root/n:1"], &[]))
+            .unwrap_err()
+            .is_usage());
+        assert!(compose_request(a(&["root/n:1", "root/a"], &["noequals"]))
+            .unwrap_err()
+            .is_usage());
+        let e = compose_request(a(&["root/N:1", "root/a"], &[])).unwrap_err();
+        assert!(!e.is_usage() && e.message().contains("name"), "{e}");
+    }
+
+    #[test]
+    fn the_store_comes_from_the_flag_or_the_environment() {
+        let none = |_: &str| None;
+        let env = |k: &str| (k == "OPENDSEC_IMAGE_STORE").then(|| "/mnt/s".to_string());
+        assert!(store_dir(None, &none).unwrap_err().is_usage());
+        assert_eq!(store_dir(None, &env).unwrap(), PathBuf::from("/mnt/s"));
+        assert_eq!(
+            store_dir(Some("/x".into()), &env).unwrap(),
+            PathBuf::from("/x")
+        );
+    }
+}

@@ -1,0 +1,251 @@
+//! The image calls (docs/images.md): register, list, get, delete and compose images in the
+//! shared store, which every apiserver mounts at `image_store.root`. Permissions follow the
+//! image's project: `layer.use` to view and list, `layer.publish` to change.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use super::auth::Caller;
+use super::Inner;
+use crate::images::compose::{check_env, check_user, check_workdir, compose};
+use crate::images::digest::Digest;
+use crate::images::name::ImageRef;
+use crate::images::store::{ImageManifest, Store};
+use crate::pb;
+use crate::types::names::{check_project_path, shown};
+use crate::types::Failure;
+
+const USE: &str = "layer.use";
+const PUBLISH: &str = "layer.publish";
+
+/// The manifest as the API shows it, named `image`.
+pub(crate) fn info(image: &ImageRef, m: &ImageManifest) -> pb::ImageInfo {
+    pb::ImageInfo {
+        name: image.to_string(),
+        layers: m.layers.iter().map(|d| d.to_string()).collect(),
+        env: m.env.clone(),
+        workdir: m.workdir.clone(),
+        user: m.user.clone(),
+        parent: m.parent.clone(),
+        source: m.source.clone(),
+        created_at: chrono::DateTime::parse_from_rfc3339(&m.created)
+            .map(|t| t.timestamp())
+            .unwrap_or(0),
+        created_by: m.created_by.clone(),
+        snapshot: m.snapshot,
+        memory: m.memory,
+    }
+}
+
+fn now_rfc3339() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+}
+
+/// Runs a blocking store operation off the async threads.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, Failure> + Send + 'static,
+) -> Result<T, Failure> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Failure::internal(format!("image store task: {e}")))?
+}
+
+impl Inner {
+    fn store(&self) -> Result<Arc<Store>, Failure> {
+        self.images.clone().ok_or_else(|| {
+            Failure::invalid(
+                "this cluster has no image store (image_store.root in the config; `cluster up -image-store DIR`)",
+            )
+        })
+    }
+
+    /// `RegisterImage`: records an image whose layers are already in the store (written by
+    /// `opendsec ctl image import`). Errors: `invalid` (bad name, a layer not in the store, a
+    /// bad env, workdir, user or parent), `forbidden` (no `layer.publish`), `conflict` (the
+    /// name exists and `overwrite` is off). With `dry_run` the same checks, and nothing
+    /// written.
+    pub(crate) async fn register_image(
+        &self,
+        caller: &Caller,
+        req: pb::RegisterImageRequest,
+    ) -> Result<pb::ImageInfo, Failure> {
+        let img = req
+            .image
+            .ok_or_else(|| Failure::invalid("RegisterImage needs an image"))?;
+        let name = ImageRef::parse(&img.name)?;
+        self.auth.authorize(caller, &name.project, PUBLISH).await?;
+        if img.snapshot || img.memory {
+            return Err(Failure::invalid(
+                "snapshots are made with create_snapshot, not registered",
+            ));
+        }
+        if img.layers.is_empty() && !req.dry_run {
+            return Err(Failure::invalid(format!(
+                "image {name} has no layers; an image needs at least one"
+            )));
+        }
+        if img.layers.len() > crate::images::compose::MAX_LAYERS {
+            return Err(Failure::invalid(format!(
+                "image {name} has {} layers; at most {} can be stacked",
+                img.layers.len(),
+                crate::images::compose::MAX_LAYERS
+            )));
+        }
+        let layers = img
+            .layers
+            .iter()
+            .map(|l| {
+                Digest::parse(l).map_err(|e| Failure::invalid(format!("layer {}: {e}", shown(l))))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        for kv in &img.env {
+            let (k, v) = kv.split_once('=').unwrap_or((kv.as_str(), ""));
+            check_env(k, v)?;
+        }
+        check_workdir(&img.workdir)?;
+        check_user(&img.user)?;
+        if !img.parent.is_empty() {
+            ImageRef::parse(&img.parent)?;
+        }
+        if img.source.len() > 4096 {
+            return Err(Failure::invalid("source longer than 4096 bytes"));
+        }
+        let store = self.store()?;
+        let m = ImageManifest {
+            layers,
+            env: img.env,
+            workdir: img.workdir,
+            user: img.user,
+            parent: img.parent,
+            source: img.source,
+            created: now_rfc3339(),
+            created_by: caller.principal.clone(),
+            ..Default::default()
+        };
+        blocking(move || {
+            if let Some(missing) = m.layers.iter().find(|d| !store.has_layer(d)) {
+                return Err(Failure::invalid(format!(
+                    "layer {missing} of image {name} is not in the image store (`opendsec ctl image import` writes the layers before it registers)"
+                )));
+            }
+            if req.dry_run {
+                if !req.overwrite && store.manifest_path(&name).exists() {
+                    return Err(crate::images::store::StoreError::Exists(name.to_string())
+                        .to_failure());
+                }
+                return Ok(info(&name, &m));
+            }
+            store
+                .write_manifest(&name, &m, req.overwrite)
+                .map_err(|e| e.to_failure())?;
+            tracing::info!(image = %name, layers = m.layers.len(), "image registered");
+            Ok(info(&name, &m))
+        })
+        .await
+    }
+
+    /// `GetImage`. Errors: `invalid` (bad name), `forbidden` (no `layer.use`), `not_found`.
+    pub(crate) async fn get_image(
+        &self,
+        caller: &Caller,
+        req: pb::ImageRef,
+    ) -> Result<pb::ImageInfo, Failure> {
+        let name = ImageRef::parse(&req.name)?;
+        self.auth.authorize(caller, &name.project, USE).await?;
+        let store = self.store()?;
+        blocking(move || {
+            let m = store.read_manifest(&name).map_err(|e| e.to_failure())?;
+            Ok(info(&name, &m))
+        })
+        .await
+    }
+
+    /// `ListImages`: the images of a project ("" = root) and its subprojects, sorted by name.
+    /// Errors: `invalid` (bad project path), `forbidden` (no `layer.use` there).
+    pub(crate) async fn list_images(
+        &self,
+        caller: &Caller,
+        req: pb::ListImagesRequest,
+    ) -> Result<pb::ListImagesResponse, Failure> {
+        let project = if req.project.is_empty() {
+            "root".to_string()
+        } else {
+            req.project
+        };
+        check_project_path(&project)?;
+        self.auth.authorize(caller, &project, USE).await?;
+        let store = self.store()?;
+        blocking(move || {
+            let all = store.list_manifests(&project).map_err(|e| e.to_failure())?;
+            Ok(pb::ListImagesResponse {
+                images: all.iter().map(|(r, m)| info(r, m)).collect(),
+            })
+        })
+        .await
+    }
+
+    /// `DeleteImage`: removes the registration; `image gc` reclaims the layers. Errors:
+    /// `invalid`, `forbidden` (no `layer.publish`), `not_found`.
+    pub(crate) async fn delete_image(
+        &self,
+        caller: &Caller,
+        req: pb::ImageRef,
+    ) -> Result<pb::Empty, Failure> {
+        let name = ImageRef::parse(&req.name)?;
+        self.auth.authorize(caller, &name.project, PUBLISH).await?;
+        let store = self.store()?;
+        blocking(move || {
+            store.delete_manifest(&name).map_err(|e| e.to_failure())?;
+            tracing::info!(image = %name, "image deleted");
+            Ok(pb::Empty {})
+        })
+        .await
+    }
+
+    /// `ComposeImage`: stacks `parts` bottom first into `name` without copying data.
+    /// Errors: `invalid` (names, env, workdir, user, limits), `forbidden` (`layer.publish` on
+    /// the new image's project, `layer.use` on each part's), `not_found` (a part),
+    /// `conflict` (the name exists and `overwrite` is off).
+    pub(crate) async fn compose_image(
+        &self,
+        caller: &Caller,
+        req: pb::ComposeImageRequest,
+    ) -> Result<pb::ImageInfo, Failure> {
+        let name = ImageRef::parse(&req.name)?;
+        if req.parts.len() > crate::images::compose::MAX_PARTS {
+            return Err(Failure::invalid(format!(
+                "compose takes at most {} parts, not {}",
+                crate::images::compose::MAX_PARTS,
+                req.parts.len()
+            )));
+        }
+        let parts = req
+            .parts
+            .iter()
+            .map(|p| ImageRef::parse(p))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.auth.authorize(caller, &name.project, PUBLISH).await?;
+        for p in &parts {
+            self.auth.authorize(caller, &p.project, USE).await?;
+        }
+        let store = self.store()?;
+        let env: BTreeMap<String, String> = req.env.into_iter().collect();
+        let principal = caller.principal.clone();
+        blocking(move || {
+            let mut read = Vec::with_capacity(parts.len());
+            for p in parts {
+                let m = store.read_manifest(&p).map_err(|e| e.to_failure())?;
+                read.push((p, m));
+            }
+            let mut m = compose(&read, &env, &req.workdir, &req.user)?;
+            m.created = now_rfc3339();
+            m.created_by = principal;
+            store
+                .write_manifest(&name, &m, req.overwrite)
+                .map_err(|e| e.to_failure())?;
+            tracing::info!(image = %name, layers = m.layers.len(), "image composed");
+            Ok(info(&name, &m))
+        })
+        .await
+    }
+}
