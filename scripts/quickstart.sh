@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # Builds OpenDsec, starts a single-node cluster with real Linux containers in the background,
-# and runs the SDK quickstart against it: a container sandbox from the development image
-# `host` runs python3 -c 'print(6*7)' and this prints 42. Stops the cluster at the end.
-# Needs root (namespaces, cgroups, loop devices), as the edge of a real cluster does.
+# imports a base image into its image store, and runs the SDK quickstart against it: a
+# container sandbox from that image runs python3 -c 'print(6*7)' and this prints 42. Stops the
+# cluster at the end. Needs root (namespaces, cgroups, loop devices), as the edge of a real
+# cluster does.
+#
+# The image: by default a minimal Debian with python3 built from the host's own package
+# sources (scripts/build-base-image.sh, about a minute the first time; kept in
+# target/quickstart-image for the next run). OPENDSEC_IMAGE=SRC imports SRC instead (an OCI
+# layout or archive, a docker save tar, FILE#name:tag); OPENDSEC_IMAGE=host uses the
+# development image `host` (the host's own /) and imports nothing. Progress goes to stderr;
+# stdout is the sandbox's output alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" != 0 ]; then
@@ -17,6 +25,15 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q --disable-pip-version-check ./sdk/python
 
+SRC=${OPENDSEC_IMAGE:-}
+if [ -z "$SRC" ]; then
+  LAYOUT=target/quickstart-image
+  if [ ! -f "$LAYOUT/index.json" ]; then
+    bash scripts/build-base-image.sh "$LAYOUT"
+  fi
+  SRC="$LAYOUT#python3"
+fi
+
 STATE=$(mktemp -d)
 # In the state directory, which no sandbox sees (the token is the cluster's admin's).
 OUT=$STATE/cluster.env
@@ -30,4 +47,10 @@ for _ in $(seq 1 300); do
 done
 # shellcheck disable=SC1090
 . "$OUT"
+if [ "$SRC" = host ]; then
+  export OPENDSEC_IMAGE=host
+else
+  "$BIN" ctl image import "$SRC" -as root/quickstart:1 -overwrite >/dev/null
+  export OPENDSEC_IMAGE=root/quickstart:1
+fi
 .venv/bin/python sdk/python/examples/quickstart.py
