@@ -5,6 +5,7 @@ pub mod cache;
 pub mod compose;
 pub mod copy;
 pub mod digest;
+pub mod gc;
 pub mod import;
 pub mod layer;
 pub mod metacap;

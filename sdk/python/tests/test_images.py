@@ -241,3 +241,18 @@ async def test_import_compose_list_get_delete_and_permissions(cluster, tmp_path)
         assert ei.value.reason == opendsec.NOT_FOUND
         assert (store / "layers" / t.layers[0].split(":")[1]).is_dir()
         assert [i.name for i in await c.list_images(project)] == [base, tools]
+
+        # GC: the layers of a deleted image go, those of registered images stay; a dry run
+        # only says so.
+        await c.delete_image(tools)
+        gone = t.layers[0].split(":")[1]
+        r = ctl(cluster, "image", "gc", "-grace", "0s", "-dry-run")
+        assert r.returncode == 0 and f"would remove layer {gone}" in r.stdout, r.stdout + r.stderr
+        assert (store / "layers" / gone).is_dir()
+        r = ctl(cluster, "image", "gc", "-grace", "0s")
+        assert r.returncode == 0 and f"removed layer {gone}" in r.stdout, r.stdout + r.stderr
+        assert not (store / "layers" / gone).exists()
+        for layer in got.layers:
+            assert (store / "layers" / layer.split(":")[1] / "rootfs").is_dir()
+        r = ctl(cluster, "image", "gc", "-grace", "soon")
+        assert r.returncode != 0 and "grace" in r.stderr, r.stderr

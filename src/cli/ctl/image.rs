@@ -33,6 +33,23 @@ pub enum ImageCmd {
     Get(GetArgs),
     Delete(DeleteArgs),
     Compose(ComposeArgs),
+    Gc(GcArgs),
+}
+
+#[derive(FromArgs, Debug)]
+/// remove the layers no image and no running sandbox refers to, and interrupted writes,
+/// sparing anything younger than -grace (works on the store only, as root)
+#[argh(subcommand, name = "gc", help_triggers("-h", "--help", "help"))]
+pub struct GcArgs {
+    /// the image store's mount point (env OPENDSEC_IMAGE_STORE)
+    #[argh(option)]
+    pub store: Option<String>,
+    /// keep what changed more recently than this (default 24h)
+    #[argh(option, default = "String::from(\"24h\")")]
+    pub grace: String,
+    /// list what would go, remove nothing
+    #[argh(switch)]
+    pub dry_run: bool,
 }
 
 #[derive(FromArgs, Debug)]
@@ -117,9 +134,10 @@ pub struct ComposeArgs {
 }
 
 impl ImageArgs {
-    /// Whether this command runs without the default time limit (an import can take long).
+    /// Whether this command runs without the default time limit (an import or a
+    /// collection can take long).
     pub fn unbounded(&self) -> bool {
-        matches!(self.cmd, ImageCmd::Import(_))
+        matches!(self.cmd, ImageCmd::Import(_) | ImageCmd::Gc(_))
     }
 
     /// Runs the subcommand and prints the image (or images, or `{}` after a delete) as JSON.
@@ -159,6 +177,7 @@ impl ImageArgs {
                         .await?,
                 )
             }
+            ImageCmd::Gc(a) => gc(a, |k| std::env::var(k).ok()).await,
             ImageCmd::Compose(a) => {
                 let req = compose_request(a)?;
                 let conn = ctx.connect()?;
@@ -203,6 +222,40 @@ fn compose_request(a: ComposeArgs) -> Result<pb::ComposeImageRequest, CtlError> 
     })
 }
 
+/// `image gc`: prints a line per thing removed (`removed layer <hex> (12.3 MB)`, or `would
+/// remove` with -dry-run) and a summary. Errors: `invalid` (a bad -grace), `internal` (the
+/// store cannot be read or a removal failed; a manifest that cannot be read stops it before
+/// anything is removed).
+async fn gc(a: GcArgs, env: impl Fn(&str) -> Option<String>) -> Result<(), CtlError> {
+    let dir = store_dir(a.store, &env)?;
+    let opts = crate::images::gc::GcOptions {
+        grace: super::values::duration("grace", &a.grace)?,
+        dry_run: a.dry_run,
+    };
+    let report = tokio::task::spawn_blocking(move || {
+        let store = crate::images::store::Store::at(&dir);
+        crate::images::gc::collect(&store, &opts)
+    })
+    .await
+    .map_err(|e| Failure::internal(format!("image gc: {e}")))?
+    .map_err(|e| Failure::internal(crate::types::chain(&e)))?;
+    let verb = if a.dry_run { "would remove" } else { "removed" };
+    let mut total = 0u64;
+    for r in &report.removed {
+        total += r.bytes;
+        println!("{verb} {} ({:.1} MB)", r.what, r.bytes as f64 / 1e6);
+    }
+    println!(
+        "{verb} {} item(s), {:.1} MB; kept {} layer(s) in use and {} item(s) younger than {}",
+        report.removed.len(),
+        total as f64 / 1e6,
+        report.kept_referenced,
+        report.kept_young,
+        a.grace
+    );
+    Ok(())
+}
+
 /// The store directory: `-store`, else `OPENDSEC_IMAGE_STORE`. Errors: a usage error.
 fn store_dir(
     flag: Option<String>,
@@ -212,7 +265,7 @@ fn store_dir(
         .filter(|s| !s.is_empty())
         .map(PathBuf::from)
         .ok_or_else(|| {
-            CtlError::usage("image import needs -store DIR (or OPENDSEC_IMAGE_STORE): the image store's mount point")
+            CtlError::usage("this image command needs -store DIR (or OPENDSEC_IMAGE_STORE): the image store's mount point")
         })
 }
 

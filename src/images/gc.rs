@@ -1,0 +1,352 @@
+//! Garbage collection of the image store (docs/images.md "Deletion and cleanup"): removes the
+//! layers that no manifest and no running sandbox (`inuse/`) refers to, and what interrupted
+//! writes left in `tmp/`, sparing anything younger than the grace period, so an import in
+//! progress (its layers are in place before its manifest) keeps what it wrote. A layer goes by
+//! one rename into `tmp/` first, so `layers/` never holds a half-removed layer.
+//!
+//! Every manifest must be readable: a store with one that is not is not collected at all,
+//! since the layers that manifest names cannot be told apart from garbage.
+
+use std::collections::HashSet;
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use super::digest::Digest;
+use super::store::{ImageManifest, Store};
+
+/// How a collection runs.
+#[derive(Debug, Clone, Copy)]
+pub struct GcOptions {
+    /// Anything modified more recently than this stays.
+    pub grace: Duration,
+    /// Report what would go, remove nothing.
+    pub dry_run: bool,
+}
+
+/// One thing removed (or, in a dry run, that would be).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Removed {
+    /// `layer <hex>` or `tmp/<name>`.
+    pub what: String,
+    /// Bytes of its regular files.
+    pub bytes: u64,
+}
+
+/// What a collection did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GcReport {
+    pub removed: Vec<Removed>,
+    /// Layers kept because something refers to them.
+    pub kept_referenced: usize,
+    /// Unreferenced layers and leftovers kept because they are younger than the grace.
+    pub kept_young: usize,
+}
+
+/// Why a collection could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum GcError {
+    #[error("image store {root}: {what}")]
+    Io {
+        root: PathBuf,
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+    /// A manifest or in-use record that cannot be read: nothing was removed.
+    #[error("image store {root}: {path} cannot be read ({why}); nothing was removed")]
+    Unreadable {
+        root: PathBuf,
+        path: PathBuf,
+        why: String,
+    },
+}
+
+/// Collects `store`. Errors: `Unreadable` (nothing removed), `Io` (a directory that cannot be
+/// listed, a removal that failed: what was removed before it stays removed).
+pub fn collect(store: &Store, o: &GcOptions) -> Result<GcReport, GcError> {
+    let root = store.root().to_path_buf();
+    let io_err = |what: String| {
+        let root = root.clone();
+        move |source| GcError::Io { root, what, source }
+    };
+    let referenced = referenced(store)?;
+    let now = SystemTime::now();
+    let young = |p: &Path| -> bool {
+        let newest = newest_mtime(p);
+        now.duration_since(newest).unwrap_or_default() < o.grace
+    };
+    let mut report = GcReport::default();
+    let layers = root.join("layers");
+    let mut names: Vec<String> = list(&layers).map_err(io_err("listing layers/".into()))?;
+    names.sort();
+    for hex in names {
+        let dir = layers.join(&hex);
+        if Digest::parse(&format!("sha256:{hex}")).is_err() {
+            tracing::warn!(path = %dir.display(), "not a layer's name; left alone");
+            continue;
+        }
+        if referenced.contains(&hex) {
+            report.kept_referenced += 1;
+            continue;
+        }
+        if young(&dir) {
+            report.kept_young += 1;
+            continue;
+        }
+        let bytes = tree_bytes(&dir);
+        if !o.dry_run {
+            let grave = root
+                .join("tmp")
+                .join(format!("gc-{hex}-{:016x}", rand::random::<u64>()));
+            fs::rename(&dir, &grave).map_err(io_err(format!("moving layer {hex} out")))?;
+            fs::remove_dir_all(&grave).map_err(io_err(format!("removing layer {hex}")))?;
+        }
+        report.removed.push(Removed {
+            what: format!("layer {hex}"),
+            bytes,
+        });
+    }
+    let tmp = root.join("tmp");
+    let mut names = list(&tmp).map_err(io_err("listing tmp/".into()))?;
+    names.sort();
+    for name in names {
+        let p = tmp.join(&name);
+        // Our own graves go whatever their age: they were removed above in this run or
+        // were left by a collection that stopped half way.
+        if !name.starts_with("gc-") && young(&p) {
+            report.kept_young += 1;
+            continue;
+        }
+        let bytes = tree_bytes(&p);
+        if !o.dry_run {
+            let r = if p.is_dir() && !p.is_symlink() {
+                fs::remove_dir_all(&p)
+            } else {
+                fs::remove_file(&p)
+            };
+            match r {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(io_err(format!("removing tmp/{name}"))(e)),
+            }
+        }
+        report.removed.push(Removed {
+            what: format!("tmp/{name}"),
+            bytes,
+        });
+    }
+    Ok(report)
+}
+
+/// The layers (as hex) that some manifest or in-use record names.
+fn referenced(store: &Store) -> Result<HashSet<String>, GcError> {
+    let root = store.root().to_path_buf();
+    let mut out = HashSet::new();
+    let unreadable = |path: &Path, why: String| GcError::Unreadable {
+        root: root.clone(),
+        path: path.to_path_buf(),
+        why,
+    };
+    let mut files = Vec::new();
+    walk_files(&root.join("images"), &mut files)
+        .map_err(|e| unreadable(&root.join("images"), e.to_string()))?;
+    for f in files
+        .iter()
+        .filter(|f| f.extension().is_some_and(|e| e == "json"))
+    {
+        let text = fs::read_to_string(f).map_err(|e| unreadable(f, e.to_string()))?;
+        let m: ImageManifest =
+            serde_json::from_str(&text).map_err(|e| unreadable(f, e.to_string()))?;
+        out.extend(m.layers.iter().map(|d| d.hex().to_string()));
+    }
+    let mut records = Vec::new();
+    walk_files(&root.join("inuse"), &mut records)
+        .map_err(|e| unreadable(&root.join("inuse"), e.to_string()))?;
+    for f in &records {
+        let text = match fs::read_to_string(f) {
+            Ok(t) => t,
+            // Released while we looked: it no longer holds anything.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(unreadable(f, e.to_string())),
+        };
+        for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
+            let d = Digest::parse(line).map_err(|e| unreadable(f, e.to_string()))?;
+            out.insert(d.hex().to_string());
+        }
+    }
+    Ok(out)
+}
+
+fn list(dir: &Path) -> io::Result<Vec<String>> {
+    match fs::read_dir(dir) {
+        Ok(rd) => Ok(rd
+            .flatten()
+            .filter_map(|e| e.file_name().into_string().ok())
+            .collect()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(e),
+    }
+}
+
+fn walk_files(dir: &Path, out: &mut Vec<PathBuf>) -> io::Result<()> {
+    let rd = match fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for e in rd {
+        let e = e?;
+        let ft = e.file_type()?;
+        if ft.is_dir() {
+            walk_files(&e.path(), out)?;
+        } else if ft.is_file() {
+            out.push(e.path());
+        }
+    }
+    Ok(())
+}
+
+/// The newest modification time of `p` and of what lies directly in it (a layer's
+/// `meta.json` is written last, when it is committed).
+fn newest_mtime(p: &Path) -> SystemTime {
+    let of = |p: &Path| {
+        fs::symlink_metadata(p)
+            .and_then(|m| m.modified())
+            .unwrap_or(SystemTime::UNIX_EPOCH)
+    };
+    let mut newest = of(p);
+    if let Ok(rd) = fs::read_dir(p) {
+        for e in rd.flatten() {
+            newest = newest.max(of(&e.path()));
+        }
+    }
+    newest
+}
+
+fn tree_bytes(p: &Path) -> u64 {
+    let Ok(m) = fs::symlink_metadata(p) else {
+        return 0;
+    };
+    if m.is_file() {
+        return m.len();
+    }
+    if !m.is_dir() {
+        return 0;
+    }
+    fs::read_dir(p)
+        .map(|rd| rd.flatten().map(|e| tree_bytes(&e.path())).sum())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::images::name::ImageRef;
+
+    fn age(p: &Path, secs: u64) {
+        let t = SystemTime::now() - Duration::from_secs(secs);
+        let f = fs::File::open(p).expect("open");
+        f.set_modified(t).expect("set mtime");
+        if p.is_dir() {
+            for e in fs::read_dir(p).expect("dir").flatten() {
+                fs::File::open(e.path())
+                    .and_then(|f| f.set_modified(t))
+                    .expect("mtime");
+            }
+        }
+    }
+
+    #[test]
+    fn unreferenced_old_layers_and_leftovers_go_referenced_young_and_in_use_ones_stay() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(d.path()).expect("store");
+        let layer = |body: &[u8]| {
+            let dg = Digest::of(body);
+            store
+                .put_layer(&dg, |r| fs::write(r.join("f"), body))
+                .expect("layer");
+            dg
+        };
+        let (kept, in_use, old, young) = (
+            layer(b"kept"),
+            layer(b"inuse"),
+            layer(b"old"),
+            layer(b"young"),
+        );
+        store
+            .write_manifest(
+                &ImageRef::parse("root/a:1").expect("name"),
+                &ImageManifest {
+                    layers: vec![kept.clone()],
+                    ..Default::default()
+                },
+                false,
+            )
+            .expect("manifest");
+        fs::create_dir_all(d.path().join("inuse/edge-1")).expect("inuse");
+        fs::write(
+            d.path().join("inuse/edge-1/edge-1.x"),
+            format!("{in_use}\n"),
+        )
+        .expect("record");
+        fs::create_dir_all(d.path().join("tmp/layer-1-dead/rootfs")).expect("leftover");
+        fs::create_dir_all(d.path().join("tmp/layer-2-busy/rootfs")).expect("in progress");
+        fs::create_dir_all(d.path().join("layers/not-a-digest")).expect("stranger");
+        for l in [&kept, &in_use, &old] {
+            age(&store.layer_dir(l), 2 * 86400);
+        }
+        age(&d.path().join("tmp/layer-1-dead"), 2 * 86400);
+        age(&d.path().join("layers/not-a-digest"), 2 * 86400);
+
+        let o = GcOptions {
+            grace: Duration::from_secs(86400),
+            dry_run: true,
+        };
+        let dry = collect(&store, &o).expect("dry run");
+        let what: Vec<&str> = dry.removed.iter().map(|r| r.what.as_str()).collect();
+        assert_eq!(
+            what,
+            [format!("layer {}", old.hex()).as_str(), "tmp/layer-1-dead"]
+        );
+        let meta = fs::metadata(store.layer_dir(&old).join("meta.json"))
+            .expect("meta")
+            .len();
+        assert_eq!(dry.removed[0].bytes, 3 + meta, "the file and meta.json");
+        assert!(store.has_layer(&old), "a dry run removes nothing");
+
+        let real = collect(
+            &store,
+            &GcOptions {
+                dry_run: false,
+                ..o
+            },
+        )
+        .expect("gc");
+        assert_eq!(real.removed, dry.removed);
+        assert_eq!((real.kept_referenced, real.kept_young), (2, 2));
+        assert!(!store.has_layer(&old));
+        for l in [&kept, &in_use, &young] {
+            assert!(store.has_layer(l));
+        }
+        assert!(d.path().join("tmp/layer-2-busy").exists());
+        assert!(d.path().join("layers/not-a-digest").exists());
+        let left: Vec<String> = list(&d.path().join("tmp")).expect("tmp");
+        assert_eq!(left, ["layer-2-busy"], "no grave left behind");
+
+        // One unreadable manifest: nothing goes.
+        fs::write(d.path().join("images/root/a/2.json"), b"{broken").expect("broken");
+        age(&store.layer_dir(&young), 2 * 86400);
+        let e = collect(
+            &store,
+            &GcOptions {
+                dry_run: false,
+                ..o
+            },
+        )
+        .expect_err("unreadable");
+        assert!(matches!(e, GcError::Unreadable { .. }), "{e}");
+        assert!(store.has_layer(&young));
+    }
+}
