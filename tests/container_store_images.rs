@@ -186,6 +186,10 @@ async fn a_sixty_layer_store_image_runs_from_the_cache_and_outlives_the_store() 
     };
     let (out, err) = shell(&b, &h, CHECK).await;
     assert_eq!(out, EXPECTED, "stderr: {err}");
+    // The record keeps the layers, so a restarted edge keeps their cached copies too.
+    let recorded: opendsec::backends::container::ContainerState =
+        serde_json::from_value(st.clone()).expect("state");
+    assert_eq!(recorded.layers.len(), LAYERS);
     // Every layer copied once into the node's cache, nothing left half-copied.
     let cache = state.join(edge).join("layers");
     for d in &manifest.layers {

@@ -38,6 +38,9 @@ pub struct Layers {
     /// Per-layer locks of copies in progress, so concurrent creations copy a layer once.
     copying: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     seq: AtomicU64,
+    /// Held while a use finds and touches a cached copy, and while a reclaim checks and
+    /// moves one away: a copy just found is never reclaimed under its user.
+    reclaiming: Mutex<()>,
 }
 
 impl Layers {
@@ -62,6 +65,7 @@ impl Layers {
             cache,
             copying: Mutex::new(HashMap::new()),
             seq: AtomicU64::new(0),
+            reclaiming: Mutex::new(()),
         })
     }
 
@@ -87,7 +91,7 @@ impl Layers {
             return Ok(d.join("rootfs"));
         };
         let at = dir.join(layer.hex());
-        if at.is_dir() {
+        if self.found(&at) {
             return Ok(at.join("rootfs"));
         }
         let lock = {
@@ -111,6 +115,7 @@ impl Layers {
                     what: format!("copying layer {layer}"),
                     source: std::io::Error::other(e.to_string()),
                 })??;
+            self.found(&at);
             tracing::info!(
                 layer = %layer,
                 entries = copied.entries,
@@ -129,6 +134,74 @@ impl Layers {
             }
         }
         Ok(at.join("rootfs"))
+    }
+}
+
+impl Layers {
+    fn hold_reclaim(&self) -> std::sync::MutexGuard<'_, ()> {
+        match self.reclaiming.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    /// Whether the cached copy `at` is there; if so its time of last use becomes now.
+    fn found(&self, at: &Path) -> bool {
+        let _g = self.hold_reclaim();
+        match std::fs::File::open(at) {
+            Ok(f) if at.is_dir() => {
+                if let Err(e) = f.set_modified(std::time::SystemTime::now()) {
+                    tracing::debug!(path = %at.display(), error = %e, "marking a cached layer used");
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Removes the cached copies not used for `idle` whose digests (hex) are not in `keep`
+    /// (the layers of this node's sandboxes), and returns what went. A copy is moved into
+    /// `tmp/` and removed from there. Nothing to do without a cache. Failures are logged:
+    /// what could not go stays for the next round.
+    pub fn reclaim(
+        &self,
+        idle: std::time::Duration,
+        keep: &std::collections::HashSet<String>,
+    ) -> Vec<String> {
+        let Some(dir) = &self.cache else {
+            return Vec::new();
+        };
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            return Vec::new();
+        };
+        let now = std::time::SystemTime::now();
+        let mut gone = Vec::new();
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name == "tmp" || keep.contains(&name) {
+                continue;
+            }
+            let grave = dir.join("tmp").join(format!(
+                "reclaim-{name}-{}",
+                self.seq.fetch_add(1, Ordering::Relaxed)
+            ));
+            {
+                let _g = self.hold_reclaim();
+                let used = e.metadata().and_then(|m| m.modified()).unwrap_or(now);
+                if now.duration_since(used).unwrap_or_default() < idle {
+                    continue;
+                }
+                if let Err(err) = std::fs::rename(e.path(), &grave) {
+                    tracing::warn!(layer = %name, error = %err, "reclaiming a cached layer");
+                    continue;
+                }
+            }
+            if let Err(err) = std::fs::remove_dir_all(&grave) {
+                tracing::warn!(path = %grave.display(), error = %err, "removing a reclaimed layer");
+            }
+            gone.push(name);
+        }
+        gone
     }
 }
 
@@ -230,6 +303,39 @@ mod tests {
             layers.get(&other).await,
             Err(CacheError::Io { .. } | CacheError::Missing(_))
         ));
+    }
+
+    #[tokio::test]
+    async fn unused_copies_are_reclaimed_and_those_in_use_or_used_lately_stay() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(Store::open(&d.path().join("store")).expect("store"));
+        let (a, b) = (stored(&store, b"a"), stored(&store, b"b"));
+        let cache = d.path().join("cache");
+        let layers = Layers::new(store, Some(cache.clone())).expect("new");
+        layers.get(&a).await.expect("a");
+        layers.get(&b).await.expect("b");
+        let hour = std::time::Duration::from_secs(3600);
+        // Both just used: nothing goes.
+        assert!(layers.reclaim(hour, &Default::default()).is_empty());
+        // Idle long enough: the one not kept goes, whole, and nothing is left in tmp.
+        let keep: std::collections::HashSet<String> = [a.hex().to_string()].into();
+        assert_eq!(
+            layers.reclaim(std::time::Duration::ZERO, &keep),
+            vec![b.hex().to_string()]
+        );
+        assert!(cache.join(a.hex()).join("rootfs/etc/os-release").is_file());
+        assert!(!cache.join(b.hex()).exists());
+        assert_eq!(
+            std::fs::read_dir(cache.join("tmp")).expect("tmp").count(),
+            0
+        );
+        // Used again, it is copied again.
+        assert!(layers
+            .get(&b)
+            .await
+            .expect("b again")
+            .join("etc/os-release")
+            .is_file());
     }
 
     #[tokio::test]

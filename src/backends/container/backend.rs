@@ -66,6 +66,8 @@ pub struct ContainerState {
     pub socket: PathBuf,
     /// The writable layer's loop device, `major:minor`.
     pub loop_device: String,
+    /// The store layers (hex) it stacks, kept in the node's cache while it runs.
+    pub layers: Vec<String>,
 }
 
 /// The container backend; see the module doc.
@@ -685,6 +687,7 @@ impl Backend for ContainerBackend {
                 ),
             ));
         }
+        self.images.maybe_reclaim();
         let result = match self.images.mark_in_use(id, &image.layers).await {
             Ok(()) => self.create_inner(req, image, &dir, &sock).await,
             Err(e) => Err(e),
@@ -760,6 +763,7 @@ impl Backend for ContainerBackend {
                 message: "aether is gone".into(),
             });
         }
+        self.images.hold(sandbox.sandbox_id, &st.layers);
         Ok(Adopted {
             state: sandbox.state.clone(),
             paused: cg.frozen(),
@@ -879,6 +883,7 @@ impl ContainerBackend {
         .await
         .map_err(|e| create_err(id, e))?
         .map_err(|e| create_err(id, e))?;
+        let layers = image.layers.clone();
         let mut setup_spec = self.setup_spec(req, image, &cg, &limits);
         setup_spec.prepared_disk = prepared.as_ref().map(|p| PreparedDiskRef {
             edge_pid: std::process::id(),
@@ -907,6 +912,7 @@ impl ContainerBackend {
                 .ok_or_else(|| create_err(id, "aether exited at start"))?,
             socket: sock.to_path_buf(),
             loop_device: res.loop_device,
+            layers: layers.iter().map(|d| d.hex().to_string()).collect(),
         };
         let ch = crate::rpc::uds::uds_channel(sock.to_path_buf());
         let mut client = pb::runtime_client::RuntimeClient::new(ch.clone());

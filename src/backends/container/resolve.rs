@@ -6,9 +6,10 @@
 //! lists its layers, so `image gc` keeps them even when its image is deleted (a pack_diff or
 //! fork still needs them).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::backends::BackendError;
 use crate::images::cache::{CacheError, Layers};
@@ -31,11 +32,19 @@ pub struct Resolved {
     pub layers: Vec<Digest>,
 }
 
+/// How long a cached layer copy no sandbox of the node uses stays (docs/images.md).
+pub const CACHE_IDLE: Duration = Duration::from_secs(6 * 3600);
+/// How often creations look for copies to reclaim.
+const RECLAIM_EVERY: Duration = Duration::from_secs(600);
+
 /// The images a container backend can start.
 pub struct Images {
     local: BTreeMap<String, Vec<PathBuf>>,
-    layers: Option<Layers>,
+    layers: Option<Arc<Layers>>,
     edge_id: String,
+    /// The store layers (hex) each of this backend's sandboxes stacks: never reclaimed.
+    using: Mutex<HashMap<String, Vec<String>>>,
+    last_reclaim: Mutex<Option<Instant>>,
 }
 
 impl Images {
@@ -51,17 +60,21 @@ impl Images {
     ) -> Result<Images, BackendError> {
         let layers = match store {
             None => None,
-            Some(root) => Some(Layers::new(Arc::new(Store::at(root)), cache).map_err(|e| {
-                BackendError::Config {
-                    backend: backend.to_string(),
-                    message: crate::types::chain(&e),
-                }
-            })?),
+            Some(root) => Some(Arc::new(
+                Layers::new(Arc::new(Store::at(root)), cache).map_err(|e| {
+                    BackendError::Config {
+                        backend: backend.to_string(),
+                        message: crate::types::chain(&e),
+                    }
+                })?,
+            )),
         };
         Ok(Images {
             local,
             layers,
             edge_id: edge_id.to_string(),
+            using: Mutex::new(HashMap::new()),
+            last_reclaim: Mutex::new(None),
         })
     }
 
@@ -135,6 +148,49 @@ impl Images {
         })
     }
 
+    fn using(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<String>>> {
+        match self.using.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    /// Notes that `sandbox_id` stacks the layers `hexes` (a sandbox taken over after a
+    /// restart), so their cached copies stay.
+    pub fn hold(&self, sandbox_id: &str, hexes: &[String]) {
+        if !hexes.is_empty() {
+            self.using().insert(sandbox_id.to_string(), hexes.to_vec());
+        }
+    }
+
+    /// At most every ten minutes, removes in the background the cached copies that no
+    /// sandbox of this backend stacks and none used for [`CACHE_IDLE`].
+    pub fn maybe_reclaim(&self) {
+        let Some(layers) = self.layers.clone() else {
+            return;
+        };
+        {
+            let mut last = match self.last_reclaim.lock() {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+            if last.is_some_and(|t| t.elapsed() < RECLAIM_EVERY) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        let keep: HashSet<String> = self.using().values().flatten().cloned().collect();
+        tokio::task::spawn_blocking(move || {
+            let gone = layers.reclaim(CACHE_IDLE, &keep);
+            if !gone.is_empty() {
+                tracing::info!(
+                    layers = gone.len(),
+                    "reclaimed cached layer copies no sandbox used for 6 h"
+                );
+            }
+        });
+    }
+
     fn inuse_dir(&self) -> Option<PathBuf> {
         self.layers
             .as_ref()
@@ -151,6 +207,8 @@ impl Images {
         let Some(dir) = self.inuse_dir().filter(|_| !layers.is_empty()) else {
             return Ok(());
         };
+        let hexes: Vec<String> = layers.iter().map(|d| d.hex().to_string()).collect();
+        self.hold(sandbox_id, &hexes);
         let body: String = layers.iter().map(|d| format!("{d}\n")).collect();
         let id = sandbox_id.to_string();
         tokio::task::spawn_blocking(move || -> std::io::Result<()> {
@@ -171,6 +229,7 @@ impl Images {
     /// Drops `sandbox_id`'s in-use record, if any. A store that cannot be written is logged:
     /// a record left behind only keeps layers from `image gc` longer.
     pub async fn release(&self, sandbox_id: &str) {
+        self.using().remove(sandbox_id);
         let Some(dir) = self.inuse_dir() else {
             return;
         };
