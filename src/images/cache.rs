@@ -1,6 +1,7 @@
 //! The node's layer cache (docs/images.md "How nodes use images"): each layer a container
 //! stacks is copied whole from the image store to `<dir>/<hex>/rootfs` the first time it is
-//! used, and later containers stack the copy, so running containers never read the store and
+//! used (hardlinked where the store is on the node's own file system), and later containers
+//! stack the copy, so running containers never read the store and
 //! do not notice when it (often NFS) goes away. Layers are immutable, so a copy is keyed by
 //! the layer's digest and never refreshed. A copy is made in `<dir>/tmp/` and renamed into
 //! place whole; one copy per layer at a time in this process, and a copy finished first by
@@ -119,6 +120,7 @@ impl Layers {
             tracing::info!(
                 layer = %layer,
                 entries = copied.entries,
+                linked = copied.linked,
                 bytes = copied.file_bytes,
                 ms = started.elapsed().as_millis() as u64,
                 "layer copied to the node's cache"
@@ -225,8 +227,10 @@ fn copy_in(
     };
     discard((|| {
         std::fs::create_dir(tmp).map_err(io(format!("making {}", tmp.display())))?;
+        // Links where the store shares the cache's file system (no bytes copied, and the
+        // copy still outlives the store's own removal of the layer); a copy elsewhere (NFS).
         let copied =
-            super::copy::copy_tree(&store.layer_dir(layer).join("rootfs"), &tmp.join("rootfs"))
+            super::copy::link_tree(&store.layer_dir(layer).join("rootfs"), &tmp.join("rootfs"))
                 .map_err(io(format!("copying layer {layer}")))?;
         // Whole on disk before it is in place: after a power cut a layer is there or not.
         let fd = std::fs::File::open(tmp).map_err(io(format!("opening {}", tmp.display())))?;

@@ -21,14 +21,31 @@ const MAX_DEPTH: usize = 2048;
 /// What a copy wrote.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Copied {
+    /// Entries made in the copy, linked ones included.
     pub entries: u64,
+    /// Bytes of regular files copied (linked files copy none).
     pub file_bytes: u64,
+    /// Entries that are hardlinks to the source's own inode ([`link_tree`]).
+    pub linked: u64,
 }
 
 /// Copies the directory `src` to `dst`, which must not exist (its parent must). Errors: the
 /// first failure, with the path it hit; `dst` may then hold part of the copy, which the
 /// caller removes.
 pub fn copy_tree(src: &Path, dst: &Path) -> io::Result<Copied> {
+    walk(src, dst, false)
+}
+
+/// Like [`copy_tree`], but every entry that is not a directory becomes a hardlink to the
+/// source's inode when both trees are on one file system: no data is copied, and the copy
+/// still outlives the source's removal. Only for trees nobody writes (stored layers are
+/// immutable, and overlay never writes a lower layer). Entries that cannot be linked
+/// (another file system, the link-count limit) are copied instead.
+pub fn link_tree(src: &Path, dst: &Path) -> io::Result<Copied> {
+    walk(src, dst, true)
+}
+
+fn walk(src: &Path, dst: &Path, link: bool) -> io::Result<Copied> {
     let at = |p: &Path, e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", p.display()));
     let src_fd = rfs::open(src, dir_flags(), Mode::empty()).map_err(|e| at(src, e.into()))?;
     let st = rfs::fstat(&src_fd).map_err(|e| at(src, e.into()))?;
@@ -37,6 +54,7 @@ pub fn copy_tree(src: &Path, dst: &Path) -> io::Result<Copied> {
     let mut c = Copier {
         root: dst_fd.try_clone()?,
         links: HashMap::new(),
+        link,
         out: Copied::default(),
     };
     c.dir(&src_fd, &dst_fd, &mut PathBuf::new(), 0)
@@ -54,6 +72,8 @@ struct Copier {
     root: OwnedFd,
     /// (device, inode) of a file with more than one link → its path in the copy.
     links: HashMap<(u64, u64), PathBuf>,
+    /// Link entries to the source's inodes ([`link_tree`]); cleared on the first `EXDEV`.
+    link: bool,
     out: Copied,
 }
 
@@ -101,6 +121,18 @@ impl Copier {
             rfs::statat(src, name, AtFlags::SYMLINK_NOFOLLOW).map_err(|e| fail(rel, e.into()))?;
         let kind = FileType::from_raw_mode(st.st_mode);
         let key = (st.st_dev, st.st_ino);
+        if self.link && kind != FileType::Directory {
+            match rfs::linkat(src, name, dst, name, AtFlags::empty()) {
+                Ok(()) => {
+                    self.out.entries += 1;
+                    self.out.linked += 1;
+                    return Ok(());
+                }
+                Err(rustix::io::Errno::XDEV) => self.link = false,
+                Err(rustix::io::Errno::MLINK | rustix::io::Errno::PERM) => {}
+                Err(e) => return Err(fail(rel, e.into())),
+            }
+        }
         if kind != FileType::Directory && st.st_nlink > 1 {
             if let Some(first) = self.links.get(&key) {
                 rfs::linkat(&self.root, first.as_path(), dst, name, AtFlags::empty())
@@ -297,5 +329,43 @@ mod tests {
         // The destination must be new: a second copy onto it fails and changes nothing.
         assert!(copy_tree(&src, &dst).is_err());
         assert_eq!(m("suid").nlink(), 2);
+    }
+
+    #[test]
+    fn a_linked_tree_shares_inodes_keeps_directories_its_own_and_outlives_the_source() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let src = d.path().join("src");
+        std::fs::create_dir_all(src.join("usr/bin")).expect("mkdir");
+        std::fs::write(src.join("usr/bin/tool"), b"tool\n").expect("write");
+        std::fs::hard_link(src.join("usr/bin/tool"), src.join("usr/bin/alias")).expect("link");
+        std::os::unix::fs::symlink("tool", src.join("usr/bin/sym")).expect("symlink");
+        std::fs::set_permissions(src.join("usr/bin"), std::fs::Permissions::from_mode(0o751))
+            .expect("chmod dir");
+
+        let dst = d.path().join("dst");
+        let got = link_tree(&src, &dst).expect("link");
+        assert_eq!(
+            (got.entries, got.linked, got.file_bytes),
+            (5, 3, 0),
+            "{got:?}"
+        );
+        let m = |p: &Path| std::fs::symlink_metadata(p).expect("stat");
+        assert_eq!(
+            m(&dst.join("usr/bin/tool")).ino(),
+            m(&src.join("usr/bin/tool")).ino()
+        );
+        assert_eq!(
+            m(&dst.join("usr/bin/alias")).ino(),
+            m(&dst.join("usr/bin/tool")).ino()
+        );
+        assert_ne!(m(&dst.join("usr/bin")).ino(), m(&src.join("usr/bin")).ino());
+        assert_eq!(m(&dst.join("usr/bin")).mode() & 0o7777, 0o751);
+        assert!(m(&dst.join("usr/bin/sym")).file_type().is_symlink());
+
+        std::fs::remove_dir_all(&src).expect("remove the source");
+        assert_eq!(
+            std::fs::read(dst.join("usr/bin/sym")).expect("read"),
+            b"tool\n"
+        );
     }
 }
