@@ -1,0 +1,185 @@
+"""Images: import into the store, and containers from a composed store image against the
+development image ``host``, measured in one run on the same machine.
+
+    sudo .venv/bin/python bench/images.py [-n 30] [-imports 3] [-json]
+
+Needs root, umoci, the base image layout that scripts/build-base-image.sh makes
+(target/quickstart-image, tag ``python3``), and a running ``cluster up -runtime linux`` reached
+through OPENDSEC_ADDR / OPENDSEC_TOKEN / OPENDSEC_PROJECT / OPENDSEC_IMAGE_STORE, whose edge
+state directory is OPENDSEC_BENCH_STATE (bench/images.sh starts one).
+
+What it measures:
+  1. import of the base image (one layer of ~160 MB unpacked) into the store, IMPORTS times,
+     its layer removed from the store before each: ``opendsec ctl image import``, against the
+     peer ``umoci unpack`` of the same layout into a fresh directory, interleaved.
+  2. create → first output (``run_sandbox`` + ``run_shell("echo hi")``), N times interleaved:
+     from a composed image of 3 parts and 11 layers (the base, and two images of 5 small layers
+     each) with a warm layer cache, against the image ``host``. Then the first use on a cold
+     cache: the composed image's cached copies removed before each of a few creations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = os.environ.get("OPENDSEC_BIN", str(ROOT / "target/x86_64-unknown-linux-gnu/release/opendsec"))
+LAYOUT = ROOT / "target" / "quickstart-image"
+
+from opendsec import DSecClient, DSecRunArgs  # noqa: E402
+
+
+def ctl(*args: str) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run([BIN, "ctl", *args], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise SystemExit(f"opendsec ctl {' '.join(args)}: {r.stderr}")
+    return r
+
+
+def pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+
+
+def summary(xs: list[float]) -> dict[str, float]:
+    return {"n": len(xs), "p50": statistics.median(xs), "p99": pct(xs, 99), "min": min(xs)}
+
+
+def small_layout(path: Path, tag: str, n: int) -> None:
+    """An OCI layout of ``n`` small layers (a file each)."""
+    blobs = path / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+    (path / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}')
+
+    def blob(data: bytes) -> str:
+        d = hashlib.sha256(data).hexdigest()
+        (blobs / d).write_bytes(data)
+        return f"sha256:{d}"
+
+    descs, diff_ids = [], []
+    for i in range(n):
+        out = io.BytesIO()
+        with tarfile.open(fileobj=out, mode="w") as t:
+            data = f"{tag} {i}\n".encode()
+            info = tarfile.TarInfo(f"opt/{tag}/{i}")
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+        raw = out.getvalue()
+        diff_ids.append("sha256:" + hashlib.sha256(raw).hexdigest())
+        gz = gzip.compress(raw, mtime=0)
+        descs.append({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": blob(gz), "size": len(gz)})
+    config = json.dumps(
+        {"architecture": "amd64", "os": "linux", "config": {"Env": [f"PART_{tag.upper()}=1"]},
+         "rootfs": {"type": "layers", "diff_ids": diff_ids}}
+    ).encode()
+    manifest = json.dumps(
+        {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+         "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": blob(config), "size": len(config)},
+         "layers": descs}
+    ).encode()
+    (path / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": blob(manifest), "size": len(manifest),
+         "annotations": {"org.opencontainers.image.ref.name": tag}}]}))
+
+
+def imports(store: Path, rounds: int) -> dict[str, Any]:
+    ours, peer = [], []
+    for _ in range(rounds):
+        got = json.loads(ctl("image", "get", "root/bench/base:1").stdout)
+        for layer in got["layers"]:
+            shutil.rmtree(store / "layers" / layer.split(":")[1], ignore_errors=True)
+        t = time.perf_counter()
+        ctl("image", "import", f"{LAYOUT}#python3", "-as", "root/bench/base:1", "-overwrite", "-q")
+        ours.append(time.perf_counter() - t)
+        with tempfile.TemporaryDirectory(dir=store.parent) as d:
+            t = time.perf_counter()
+            subprocess.run(["umoci", "unpack", "--image", f"{LAYOUT}:python3", f"{d}/bundle"], check=True,
+                           capture_output=True)
+            peer.append(time.perf_counter() - t)
+    return {"ours_s": summary(ours), "umoci_unpack_s": summary(peer)}
+
+
+async def first_output(c: DSecClient, image: str) -> float:
+    t = time.perf_counter()
+    sb = await c.run_sandbox(DSecRunArgs(backend="container", image=image, cpu_cores_limit=1, memory_limit_mb=256, disk_mb=64))
+    try:
+        r = await sb.run_shell("echo hi")
+        took = time.perf_counter() - t
+        assert r.stdout == "hi\n", r
+        return took
+    finally:
+        await sb.stop()
+
+
+async def creations(n: int, state: Path, store: Path, composed: str) -> dict[str, Any]:
+    async with DSecClient(retry_timeout=30) as c:
+        await first_output(c, composed)  # warms the cache
+        ours, host = [], []
+        for _ in range(n):
+            ours.append(await first_output(c, composed))
+            host.append(await first_output(c, "host"))
+        got = json.loads(ctl("image", "get", composed).stdout)
+        cold = []
+        for _ in range(max(3, n // 10)):
+            for layer in got["layers"]:
+                # The node's cached copies only: the store may live under the state directory too.
+                for d in state.rglob(f"layers/{layer.split(':')[1]}"):
+                    if not d.is_relative_to(store):
+                        shutil.rmtree(d)
+            cold.append(await first_output(c, composed))
+    s_ours, s_host = summary([x * 1000 for x in ours]), summary([x * 1000 for x in host])
+    return {
+        "composed_ms": s_ours,
+        "host_ms": s_host,
+        "p50_ratio": s_ours["p50"] / s_host["p50"],
+        "cold_cache_ms": summary([x * 1000 for x in cold]),
+        "layers": len(got["layers"]),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-n", type=int, default=30)
+    ap.add_argument("-imports", type=int, default=3)
+    ap.add_argument("-json", action="store_true")
+    a = ap.parse_args()
+    store = Path(os.environ["OPENDSEC_IMAGE_STORE"])
+    state = Path(os.environ["OPENDSEC_BENCH_STATE"])
+    with tempfile.TemporaryDirectory() as d:
+        small_layout(Path(d) / "a", "a", 5)
+        small_layout(Path(d) / "b", "b", 5)
+        subprocess.run([BIN, "ctl", "project", "create", "root", "bench"], capture_output=True)
+        ctl("image", "import", f"{LAYOUT}#python3", "-as", "root/bench/base:1", "-overwrite", "-q")
+        ctl("image", "import", f"{d}/a#a", "-as", "root/bench/a:1", "-overwrite", "-q")
+        ctl("image", "import", f"{d}/b#b", "-as", "root/bench/b:1", "-overwrite", "-q")
+    ctl("image", "compose", "root/bench/combo:1", "root/bench/base:1", "root/bench/a:1", "root/bench/b:1", "-overwrite")
+    out = {"import": imports(store, a.imports), "create": asyncio.run(creations(a.n, state, store, "root/bench/combo:1"))}
+    if a.json:
+        print(json.dumps(out, indent=2))
+        return
+    i, c = out["import"], out["create"]
+    print(f"import of the base image: ours p50 {i['ours_s']['p50']:.2f} s (min {i['ours_s']['min']:.2f}), "
+          f"umoci unpack p50 {i['umoci_unpack_s']['p50']:.2f} s (min {i['umoci_unpack_s']['min']:.2f}), n={a.imports}")
+    print(f"create -> first output, composed image of {c['layers']} layers: p50 {c['composed_ms']['p50']:.1f} ms, "
+          f"p99 {c['composed_ms']['p99']:.1f} ms; host: p50 {c['host_ms']['p50']:.1f} ms, p99 {c['host_ms']['p99']:.1f} ms; "
+          f"ratio of p50s {c['p50_ratio']:.3f} (n={a.n})")
+    print(f"first use on a cold layer cache: p50 {c['cold_cache_ms']['p50']:.1f} ms (n={c['cold_cache_ms']['n']})")
+
+
+if __name__ == "__main__":
+    main()
