@@ -12,7 +12,9 @@
     clippy::indexing_slicing
 )]
 
-use std::io::Write;
+mod common;
+use common::layers::{gzip, layer};
+
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
@@ -25,35 +27,6 @@ use serde_json::json;
 
 fn root_or_skip() -> bool {
     opendsec::sys::root_or_skip("the image import tests")
-}
-
-/// A tar of (name, contents) regular files and (name/) directories, made with the tar crate.
-fn layer(files: &[(&str, &str)]) -> Vec<u8> {
-    let mut b = tar::Builder::new(Vec::new());
-    for (name, data) in files {
-        let mut h = tar::Header::new_gnu();
-        h.set_uid(0);
-        h.set_gid(0);
-        h.set_mtime(1_700_000_000);
-        if let Some(dir) = name.strip_suffix('/') {
-            h.set_entry_type(tar::EntryType::Directory);
-            h.set_mode(0o755);
-            h.set_size(0);
-            b.append_data(&mut h, dir, &[][..]).unwrap();
-        } else {
-            h.set_entry_type(tar::EntryType::Regular);
-            h.set_mode(0o644);
-            h.set_size(data.len() as u64);
-            b.append_data(&mut h, name, data.as_bytes()).unwrap();
-        }
-    }
-    b.into_inner().unwrap()
-}
-
-fn gzip(raw: &[u8]) -> Vec<u8> {
-    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
-    gz.write_all(raw).unwrap();
-    gz.finish().unwrap()
 }
 
 /// The three layers of the test image: a base, one that deletes a file and makes `srv`
@@ -227,7 +200,7 @@ impl World {
         } else {
             format!("{}#{sel}", src.display())
         };
-        let mut seen = Vec::new();
+        let seen = std::cell::RefCell::new(Vec::new());
         let r = import(
             &self.store,
             &src,
@@ -236,9 +209,36 @@ impl World {
                 overwrite,
                 ..Default::default()
             },
-            &mut |p| seen.push(p),
+            &|p| seen.borrow_mut().push(p),
         );
-        r.map(|_| seen).map_err(|e| e.to_failure())
+        let seen = seen.into_inner();
+        // Every layer read is announced with its blob's size and read to its end.
+        let mut want: Option<(usize, u64)> = None;
+        for p in &seen {
+            match p {
+                Progress::Started {
+                    index,
+                    size: Some(s),
+                    ..
+                } => want = Some((*index, *s)),
+                Progress::Imported { index, .. } => {
+                    if let Some((i, s)) = want.take() {
+                        assert_eq!(i, *index, "{seen:?}");
+                        let last = seen.iter().rev().find_map(|q| match q {
+                            Progress::Read { index: j, bytes } if *j == i => Some(*bytes),
+                            _ => None,
+                        });
+                        assert_eq!(last, Some(s), "{seen:?}");
+                    }
+                }
+                _ => {}
+            }
+        }
+        let done = seen
+            .into_iter()
+            .filter(|p| matches!(p, Progress::Cached { .. } | Progress::Imported { .. }))
+            .collect();
+        r.map(|_| done).map_err(|e| e.to_failure())
     }
     fn layer_count(&self) -> usize {
         std::fs::read_dir(self.path("store/layers"))

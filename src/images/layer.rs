@@ -43,6 +43,11 @@ impl LayerError {
             LayerError::Unpack(e) => e.to_failure(),
             LayerError::Store(e) => e.to_failure(),
             LayerError::Mismatch { .. } => Failure::invalid(crate::types::chain(self)),
+            // A source that found its own bytes wrong (a registry's digest check) sent a bad
+            // layer; any other read failure is the source going away.
+            LayerError::Read { source, .. } if source.kind() == io::ErrorKind::InvalidData => {
+                Failure::invalid(crate::types::chain(self))
+            }
             LayerError::Read { .. } => Failure::unavailable(crate::types::chain(self)),
         }
     }

@@ -1,6 +1,7 @@
 //! The shared image store (docs/images.md): image names, content digests, the store's layout
 //! and its atomic writes, and the unpacking of untrusted layer tars.
 
+pub mod auth;
 pub mod cache;
 pub mod compose;
 pub mod copy;
@@ -11,5 +12,6 @@ pub mod layer;
 pub mod metacap;
 pub mod name;
 pub mod oci;
+pub mod registry;
 pub mod store;
 pub mod unpack;

@@ -147,6 +147,18 @@ impl Source {
         }
     }
 
+    /// The size in bytes of `member`, where it can be told without reading it.
+    pub fn member_size(&self, member: &str) -> Option<u64> {
+        let member = clean(member);
+        if member.split('/').any(|c| c == "..") {
+            return None;
+        }
+        match &self.kind {
+            Kind::Dir(d) => std::fs::metadata(d.join(&member)).ok().map(|m| m.len()),
+            Kind::Tar(_, m) => m.get(&member).map(|(_, size)| *size),
+        }
+    }
+
     /// Opens one member for reading. Errors: `Bad` when the source has no such member.
     pub fn open_member(&self, member: &str) -> Result<Box<dyn Read + Send>, SourceError> {
         let member = clean(member);
@@ -331,38 +343,7 @@ impl Source {
         blobs: Vec<Option<Digest>>,
     ) -> Result<Resolved, SourceError> {
         let body = self.json(member, digest)?;
-        let config = ImageConfiguration::from_reader(&body[..])
-            .map_err(|e| self.bad(format!("image config {}: {e}", shown(member))))?;
-        let diff_ids = config
-            .rootfs()
-            .diff_ids()
-            .iter()
-            .map(|d| self.digest(d))
-            .collect::<Result<Vec<_>, _>>()?;
-        if diff_ids.len() != members.len() {
-            return Err(self.bad(format!(
-                "the image has {} layers but its config lists {} diff_ids",
-                members.len(),
-                diff_ids.len()
-            )));
-        }
-        let c = config.config().clone().unwrap_or_default();
-        Ok(Resolved {
-            layers: members
-                .into_iter()
-                .zip(blobs)
-                .zip(diff_ids)
-                .map(|((member, blob), diff_id)| LayerRef {
-                    member,
-                    blob,
-                    diff_id,
-                })
-                .collect(),
-            env: c.env().clone().unwrap_or_default(),
-            workdir: c.working_dir().clone().unwrap_or_default(),
-            user: c.user().clone().unwrap_or_default(),
-            name: String::new(),
-        })
+        from_config(&body, &shown(member), members, blobs, &|why| self.bad(why))
     }
 
     fn resolve_docker(&self, select: &str) -> Result<Resolved, SourceError> {
@@ -401,6 +382,50 @@ impl Source {
         r.name = tags(e).first().cloned().unwrap_or_default();
         Ok(r)
     }
+}
+
+/// The image `config` (JSON) describes, with `members` and `blobs` its layers bottom first
+/// as the manifest lists them. Errors: `bad(why)` when the config does not parse, names a bad
+/// diff_id, or lists another number of layers.
+pub(super) fn from_config(
+    config: &[u8],
+    what: &str,
+    members: Vec<String>,
+    blobs: Vec<Option<Digest>>,
+    bad: &dyn Fn(String) -> SourceError,
+) -> Result<Resolved, SourceError> {
+    let config = ImageConfiguration::from_reader(config)
+        .map_err(|e| bad(format!("image config {what}: {e}")))?;
+    let diff_ids = config
+        .rootfs()
+        .diff_ids()
+        .iter()
+        .map(|d| Digest::parse(d).map_err(|e| bad(e.to_string())))
+        .collect::<Result<Vec<_>, _>>()?;
+    if diff_ids.len() != members.len() {
+        return Err(bad(format!(
+            "the image has {} layers but its config lists {} diff_ids",
+            members.len(),
+            diff_ids.len()
+        )));
+    }
+    let c = config.config().clone().unwrap_or_default();
+    Ok(Resolved {
+        layers: members
+            .into_iter()
+            .zip(blobs)
+            .zip(diff_ids)
+            .map(|((member, blob), diff_id)| LayerRef {
+                member,
+                blob,
+                diff_id,
+            })
+            .collect(),
+        env: c.env().clone().unwrap_or_default(),
+        workdir: c.working_dir().clone().unwrap_or_default(),
+        user: c.user().clone().unwrap_or_default(),
+        name: String::new(),
+    })
 }
 
 /// Whether the source's name `have` (`python:3.12`, `docker.io/library/python:3.12`, a bare

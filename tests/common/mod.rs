@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+pub mod layers;
+
 /// The executable under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_opendsec");
 

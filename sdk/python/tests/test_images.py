@@ -8,13 +8,18 @@ fails the tests, elsewhere it skips them.
 
 from __future__ import annotations
 
+import base64
 import gzip
 import hashlib
 import io
 import json
 import os
+import shutil
+import socket
 import subprocess
 import tarfile
+import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -112,16 +117,35 @@ def oci_layout(
     (path / "index.json").write_text(json.dumps(index))
 
 
-def ctl(cluster: dict[str, str], *args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
+def ctl(
+    cluster: dict[str, str],
+    *args: str,
+    token: str | None = None,
+    extra_env: dict[str, str] | None = None,
+    stdin: str | None = None,
+) -> subprocess.CompletedProcess[str]:
     binary = Path(os.environ.get("OPENDSEC_BIN") or DEFAULT_BIN)
     env = dict(os.environ)
+    # No saved logins of the machine's own: each test names its credentials files.
+    env.pop("DOCKER_CONFIG", None)
+    env.pop("REGISTRY_AUTH_FILE", None)
+    env["HOME"] = "/nonexistent"
     env.update(
         OPENDSEC_ADDR=cluster["OPENDSEC_ADDR"],
         OPENDSEC_TOKEN=token or cluster["OPENDSEC_TOKEN"],
         OPENDSEC_PROJECT="root",
         OPENDSEC_IMAGE_STORE=cluster["OPENDSEC_IMAGE_STORE"],
     )
-    return subprocess.run([str(binary), "ctl", *args], env=env, capture_output=True, text=True, timeout=120)
+    env.update(extra_env or {})
+    return subprocess.run(
+        [str(binary), "ctl", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        input=stdin,
+        stdin=None if stdin is not None else subprocess.DEVNULL,
+    )
 
 
 async def test_import_compose_list_get_delete_and_permissions(cluster, tmp_path):
@@ -152,8 +176,8 @@ async def test_import_compose_list_get_delete_and_permissions(cluster, tmp_path)
         assert "already in the store" in r.stderr, "identical layers are stored once"
         r = ctl(cluster, "image", "import", f"{tmp_path / 'tools'}#1", "-as", tools, "-q")
         assert (r.returncode, r.stderr) == (0, ""), r.stderr
-        # A name that is not a local path is no registry import (yet), and writes nothing.
-        r = ctl(cluster, "image", "import", "python:3.12", "-as", f"{project}/py:1")
+        # A missing local path is invalid and never looked up in a registry.
+        r = ctl(cluster, "image", "import", "./no-such-image.tar", "-as", f"{project}/py:1")
         assert r.returncode == 1 and "error: invalid:" in r.stderr, r.stderr
 
         got = await c.get_image(base)
@@ -256,3 +280,133 @@ async def test_import_compose_list_get_delete_and_permissions(cluster, tmp_path)
             assert (store / "layers" / layer.split(":")[1] / "rootfs").is_dir()
         r = ctl(cluster, "image", "gc", "-grace", "soon")
         assert r.returncode != 0 and "grace" in r.stderr, r.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def registry(tmp_path):
+    """A real OCI registry (Debian's docker-registry) on 127.0.0.1 with HTTP Basic auth
+    (user ``ci``, password ``pw``), over plain HTTP. Yields its address."""
+    exe = shutil.which("docker-registry")
+    if exe is None or shutil.which("skopeo") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("docker-registry and skopeo are needed (.ci/run installs them)", pytrace=False)
+        pytest.skip("docker-registry or skopeo missing")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import crypt  # bcrypt through libxcrypt: the registry's htpasswd takes only bcrypt
+
+        hashed = crypt.crypt("pw", crypt.mksalt(crypt.METHOD_BLOWFISH))
+    (tmp_path / "htpasswd").write_text(f"ci:{hashed}\n")
+    port = _free_port()
+    (tmp_path / "registry.yml").write_text(
+        "version: 0.1\n"
+        "log: {level: error}\n"
+        f"storage: {{filesystem: {{rootdirectory: {tmp_path / 'registry-data'}}}}}\n"
+        f"http: {{addr: 127.0.0.1:{port}}}\n"
+        f"auth: {{htpasswd: {{realm: test, path: {tmp_path / 'htpasswd'}}}}}\n"
+    )
+    proc = subprocess.Popen([exe, "serve", str(tmp_path / "registry.yml")], stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "registry.log", "w"))
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError((tmp_path / "registry.log").read_text()) from None
+                time.sleep(0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _push(layout: Path, dest: str) -> None:
+    """Pushes tag 1 of an OCI layout to the test registry with skopeo."""
+    push = subprocess.run(
+        ["skopeo", "--insecure-policy", "copy", "-q", f"oci:{layout}:1", f"docker://{dest}",
+         "--dest-tls-verify=false", "--dest-creds", "ci:pw"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert push.returncode == 0, push.stderr
+
+
+async def test_import_from_a_registry_with_basic_auth_from_flags_or_saved_logins(cluster, registry, tmp_path):
+    _need_root()
+    top = uniq("reg")
+    project = f"root/{top}"
+    oci_layout(
+        tmp_path / "app",
+        [{"etc/os": b"registry base\n"}, {"opt/app/run": b"#!/bin/sh\necho app\n"}],
+        env=["PATH=/usr/bin:/bin", "FROM=registry"],
+        workdir="/opt/app",
+    )
+    _push(tmp_path / "app", f"{registry}/team/app:1")
+    ref = f"{registry}/team/app:1"
+    async with admin(cluster) as c:
+        await c.create_project("root", top)
+
+        # No credentials: the registry refuses, and nothing is registered.
+        r = ctl(cluster, "image", "import", ref, "-as", f"{project}/app:1", "-plain-http")
+        assert r.returncode == 1 and r.stderr.startswith("error: unauthenticated:"), r.stderr
+        with pytest.raises(DSecError) as ei:
+            await c.get_image(f"{project}/app:1")
+        assert ei.value.reason == opendsec.NOT_FOUND
+
+        # -username with the password on stdin.
+        r = ctl(cluster, "image", "import", ref, "-as", f"{project}/app:1", "-plain-http",
+                "-username", "ci", "-password-stdin", stdin="pw\n")
+        assert r.returncode == 0, r.stderr
+        got = json.loads(r.stdout)
+        assert got["env"] == ["PATH=/usr/bin:/bin", "FROM=registry"] and got["workdir"] == "/opt/app"
+        assert len(got["layers"]) == 2 and got["source"] == ref, got
+        assert "layer 1/2" in r.stderr and "layer 2/2" in r.stderr, r.stderr
+        # A wrong password is refused the same way.
+        r = ctl(cluster, "image", "import", ref, "-as", f"{project}/app:9", "-plain-http",
+                "-username", "ci", "-password-stdin", stdin="nope\n")
+        assert r.returncode == 1 and r.stderr.startswith("error: unauthenticated:"), r.stderr
+
+        # docker login's saved credentials, through DOCKER_CONFIG; the layers are in the store
+        # already, so nothing is read again.
+        cfg = tmp_path / "docker"
+        cfg.mkdir()
+        (cfg / "config.json").write_text(json.dumps(
+            {"auths": {registry: {"auth": base64.b64encode(b"ci:pw").decode()}}}))
+        r = ctl(cluster, "image", "import", ref, "-as", f"{project}/app:2", "-plain-http",
+                extra_env={"DOCKER_CONFIG": str(cfg)})
+        assert r.returncode == 0, r.stderr
+        assert f"using the credentials for {registry}" in r.stderr, r.stderr
+        assert r.stderr.count("already in the store") == 2, r.stderr
+        assert json.loads(r.stdout)["layers"] == got["layers"]
+        # -registry-auth FILE wins over DOCKER_CONFIG; -q prints nothing on stderr.
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({"auths": {registry: {"auth": base64.b64encode(b"ci:wrong").decode()}}}))
+        r = ctl(cluster, "image", "import", ref, "-as", f"{project}/app:3", "-plain-http", "-q",
+                "-registry-auth", str(bad), extra_env={"DOCKER_CONFIG": str(cfg)})
+        assert r.returncode == 1 and r.stderr.startswith("error: unauthenticated:"), r.stderr
+        r = ctl(cluster, "image", "import", ref, "-as", f"{project}/app:3", "-plain-http", "-q",
+                extra_env={"DOCKER_CONFIG": str(cfg)})
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+
+        # A tag the registry lacks is not_found; bad flag combinations are usage errors that
+        # change nothing; registry flags on a local path are refused.
+        r = ctl(cluster, "image", "import", f"{registry}/team/app:nope", "-as", f"{project}/app:4",
+                "-plain-http", extra_env={"DOCKER_CONFIG": str(cfg)})
+        assert r.returncode == 1 and "\nerror: not_found:" in r.stderr, r.stderr
+        r = ctl(cluster, "image", "import", ref, "-as", f"{project}/app:4", "-username", "ci")
+        assert r.returncode == 2 and "-password-stdin" in r.stderr, r.stderr
+        r = ctl(cluster, "image", "import", str(tmp_path / "app"), "-as", f"{project}/app:4", "-plain-http")
+        assert r.returncode == 2 and "registry" in r.stderr, r.stderr
+        r = ctl(cluster, "image", "import", "Not A Reference", "-as", f"{project}/app:4")
+        assert r.returncode == 1 and r.stderr.startswith("error: invalid:"), r.stderr
+        assert [i.name for i in await c.list_images(project)] == [f"{project}/app:1", f"{project}/app:2",
+                                                                 f"{project}/app:3"]
+

@@ -6,13 +6,14 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::time::Instant;
 
 use argh::FromArgs;
 
 use super::{output, CtlError, Ctx};
-use crate::images::import::{import_layers, Options, Progress};
+use crate::images::auth::{self, Credentials};
+use crate::images::import::{import_layers, import_resolved, Options};
 use crate::images::name::ImageRef;
+use crate::images::registry::{Registry, RegistryOptions};
 use crate::images::store::Store;
 use crate::pb;
 use crate::types::Failure;
@@ -59,11 +60,12 @@ pub struct GcArgs {
     subcommand,
     name = "import",
     help_triggers("-h", "--help", "help"),
-    example = "{command_name} ./app.tar -as root/app:1 -store /mnt/opendsec-images\n{command_name} ./bundle.tar#app:1 -as root/app:1"
+    example = "{command_name} python:3.12 -as root/py:3.12 -store /mnt/opendsec-images\n{command_name} 10.0.0.5:5000/base:1 -as root/base:1 -plain-http\necho \"$TOKEN\" | {command_name} harbor.example.com/team/app:1.0 -as root/app:1.0 -username 'robot$ci' -password-stdin\n{command_name} ./app.tar -as root/app:1\n{command_name} ./bundle.tar#app:1 -as root/app:1"
 )]
 pub struct ImportArgs {
-    /// the source: an OCI layout directory, an OCI archive or a docker save tar, starting
-    /// with / or .; PATH#name:tag picks one image of several
+    /// the source: a registry image (python:3.12, host:5000/team/app:1), or a local OCI
+    /// layout directory, OCI archive or docker save tar, starting with / or . (PATH#name:tag
+    /// picks one image of several)
     #[argh(positional)]
     pub src: String,
     /// the image's name, project/name:tag
@@ -78,6 +80,19 @@ pub struct ImportArgs {
     /// print no progress
     #[argh(switch, short = 'q')]
     pub quiet: bool,
+    /// the registry user (with -password-stdin)
+    #[argh(option)]
+    pub username: Option<String>,
+    /// read the registry password or access token from stdin
+    #[argh(switch)]
+    pub password_stdin: bool,
+    /// a docker-format credentials file to use before $REGISTRY_AUTH_FILE, $DOCKER_CONFIG
+    /// and ~/.docker/config.json
+    #[argh(option)]
+    pub registry_auth: Option<String>,
+    /// talk to the registry over plain HTTP (a registry without TLS)
+    #[argh(switch)]
+    pub plain_http: bool,
 }
 
 #[derive(FromArgs, Debug)]
@@ -269,35 +284,54 @@ fn store_dir(
         })
 }
 
-/// One progress line (stderr), as an import reports each layer.
-fn progress_line(p: &Progress, since: Instant) -> String {
-    match p {
-        Progress::Cached {
-            index,
-            count,
-            diff_id,
-        } => format!(
-            "layer {index}/{count} {}: already in the store",
-            short(diff_id)
-        ),
-        Progress::Imported {
-            index,
-            count,
-            diff_id,
-            file_bytes,
-        } => {
-            let secs = since.elapsed().as_secs_f64();
-            format!(
-                "layer {index}/{count} {}: imported, {:.1} MB in {secs:.1} s",
-                short(diff_id),
-                *file_bytes as f64 / 1e6
-            )
-        }
-    }
+/// Whether `src` names a local file or directory: local paths start with `/` or `.`;
+/// everything else is a registry reference, never looked up on disk (docs/cli.md).
+fn is_local(src: &str) -> bool {
+    src.starts_with('/') || src.starts_with('.')
 }
 
-fn short(diff_id: &str) -> &str {
-    diff_id.get(..19).unwrap_or(diff_id)
+/// The registry credentials: `-username` with `-password-stdin` (read from `stdin`), else what
+/// the credentials files hold for the registry, else none. Errors: a usage error for one
+/// flag without the other, `invalid` for a broken credentials file.
+fn credentials(
+    a: &ImportArgs,
+    registry: &str,
+    repository: &str,
+    stdin: &mut dyn std::io::Read,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Credentials, CtlError> {
+    match (&a.username, a.password_stdin) {
+        (Some(u), true) => {
+            let mut p = String::new();
+            stdin
+                .read_to_string(&mut p)
+                .map_err(|e| CtlError::usage(format!("-password-stdin: reading stdin: {e}")))?;
+            let p = p.trim_end_matches(['\n', '\r']).to_string();
+            if p.is_empty() {
+                return Err(CtlError::usage("-password-stdin: stdin held no password"));
+            }
+            Ok(Credentials::Basic {
+                username: u.clone(),
+                password: p,
+            })
+        }
+        (Some(_), false) => Err(CtlError::usage(
+            "-username needs -password-stdin (passwords are never taken on the command line)",
+        )),
+        (None, true) => Err(CtlError::usage("-password-stdin needs -username")),
+        (None, false) => {
+            let files = auth::default_files(a.registry_auth.as_deref(), env);
+            match auth::lookup(&files, registry, repository).map_err(|e| e.to_failure())? {
+                Some((c, file)) => {
+                    if !a.quiet {
+                        eprintln!("using the credentials for {registry} in {}", file.display());
+                    }
+                    Ok(c)
+                }
+                None => Ok(Credentials::Anonymous),
+            }
+        }
+    }
 }
 
 async fn import(
@@ -306,20 +340,40 @@ async fn import(
     env: impl Fn(&str) -> Option<String>,
 ) -> Result<(), CtlError> {
     let target = ImageRef::parse(&a.target)?;
-    let dir = store_dir(a.store, &env)?;
-    // A path that exists here is a file source, as is anything spelt as a path; the rest
-    // would be a registry reference (`python:3.12`, `host:5000/team/app:1`).
-    let path_part = a.src.split_once('#').map_or(a.src.as_str(), |(p, _)| p);
-    let local = a.src.starts_with('/')
-        || a.src.starts_with('.')
-        || std::path::Path::new(path_part).exists();
-    if !local {
-        return Err(Failure::invalid(format!(
-            "source {:?}: importing from a registry is not built yet; name a local file or directory (no such path here)",
-            a.src
-        ))
-        .into());
+    let dir = store_dir(a.store.clone(), &env)?;
+    let local = is_local(&a.src);
+    if local {
+        for (set, flag) in [
+            (a.plain_http, "-plain-http"),
+            (a.username.is_some(), "-username"),
+            (a.password_stdin, "-password-stdin"),
+            (a.registry_auth.is_some(), "-registry-auth"),
+        ] {
+            if set {
+                return Err(CtlError::usage(format!(
+                    "{flag} is for registry sources; {:?} is a local path",
+                    a.src
+                )));
+            }
+        }
     }
+    // Credentials before anything else: a bad flag or file changes nothing.
+    let registry_opts = if local {
+        None
+    } else {
+        let r = crate::images::registry::parse_reference(&a.src).map_err(|e| e.to_failure())?;
+        let credentials = credentials(
+            &a,
+            r.registry(),
+            r.repository(),
+            &mut std::io::stdin(),
+            &env,
+        )?;
+        Some(RegistryOptions {
+            plain_http: a.plain_http,
+            credentials,
+        })
+    };
     let conn = ctx.connect()?;
     // Ask first, so a name that is taken or not ours fails before any layer is written.
     let probe = pb::RegisterImageRequest {
@@ -334,22 +388,34 @@ async fn import(
         .await?;
     let store = Store::open(&dir).map_err(|e| e.to_failure())?;
     let (src, quiet, overwrite) = (a.src, a.quiet, a.overwrite);
-    let manifest = tokio::task::spawn_blocking(move || {
-        let mut since = Instant::now();
-        let opts = Options {
-            overwrite,
-            ..Default::default()
-        };
-        import_layers(&store, &src, opts, &mut |p| {
-            if !quiet {
-                eprintln!("{}", progress_line(&p, since));
-            }
-            since = Instant::now();
+    let opts = Options {
+        overwrite,
+        ..Default::default()
+    };
+    let manifest = match registry_opts {
+        None => tokio::task::spawn_blocking(move || {
+            let display = super::progress::Display::new(quiet);
+            import_layers(&store, &src, opts, &|p| display.show(p)).map_err(|e| e.to_failure())
         })
-        .map_err(|e| e.to_failure())
-    })
-    .await
-    .map_err(|e| Failure::internal(format!("the import task: {e}")))??;
+        .await
+        .map_err(|e| Failure::internal(format!("the import task: {e}")))??,
+        Some(ro) => {
+            let (registry, image) = Registry::resolve(&src, &ro)
+                .await
+                .map_err(|e| e.to_failure())?;
+            if !quiet {
+                eprintln!("{}: {} layer(s)", registry.reference(), image.layers.len());
+            }
+            tokio::task::spawn_blocking(move || {
+                let display = super::progress::Display::new(quiet);
+                let name = registry.reference();
+                import_resolved(&store, &registry, image, name, opts, &|p| display.show(p))
+                    .map_err(|e| e.to_failure())
+            })
+            .await
+            .map_err(|e| Failure::internal(format!("the import task: {e}")))??
+        }
+    };
     let req = pb::RegisterImageRequest {
         image: Some(pb::ImageInfo {
             name: target.to_string(),

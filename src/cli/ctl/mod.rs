@@ -20,6 +20,7 @@ mod exec;
 mod image;
 mod output;
 mod principal;
+mod progress;
 mod project;
 mod sandbox;
 mod task;
