@@ -1488,7 +1488,7 @@ async def test_a_sandbox_from_a_store_image_has_its_files_and_defaults(linux, tm
     as the layers say, the image's user, working directory and environment as the sessions'
     defaults, and a creation's own ``init_user`` over the image's. Creating from an image one
     may not use is ``forbidden``, from an unknown one ``not_found`` (docs/images.md)."""
-    from test_images import ctl, oci_layout
+    from test_images import ctl, local_registry, oci_layout, push
 
     busybox = next(p for p in ("/bin/busybox", "/usr/bin/busybox") if os.path.isfile(p))
     base = {"bin/busybox": Path(busybox).read_bytes()}
@@ -1520,6 +1520,20 @@ async def test_a_sandbox_from_a_store_image_has_its_files_and_defaults(linux, tm
         sb = await c.run_sandbox(DSecRunArgs(image=image, project=project, init_user="root", **args))
         try:
             assert (await sb.run_shell("id -u")).stdout == "0\n"
+        finally:
+            await sb.stop()
+
+        # The same image through a registry (anonymous, plain HTTP): the same files, the
+        # whiteout and the opaque directory included, and the same defaults.
+        with local_registry(tmp_path, auth=False, tls=False) as reg:
+            push(tmp_path / "busy", f"{reg['addr']}/rl/busy:1")
+            r = ctl(env, "image", "import", f"{reg['addr']}/rl/busy:1", "-as", f"{project}/from-registry:1",
+                    "-plain-http", "-q")
+            assert r.returncode == 0, r.stderr
+        sb = await c.run_sandbox(DSecRunArgs(image=f"{project}/from-registry:1", project=project, **args))
+        try:
+            r = await sb.run_shell("id -u; pwd; echo $GREETING; cat /etc/gone 2>/dev/null || echo gone; ls /srv/old")
+            assert (r.exit_code, r.stdout) == (0, "1000\n/srv\nhi\ngone\nnew\n"), r
         finally:
             await sb.stop()
 

@@ -9,17 +9,20 @@ fails the tests, elsewhere it skips them.
 from __future__ import annotations
 
 import base64
+import contextlib
 import gzip
 import hashlib
 import io
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
 import tarfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -288,31 +291,53 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture
-def registry(tmp_path):
-    """A real OCI registry (Debian's docker-registry) on 127.0.0.1 with HTTP Basic auth
-    (user ``ci``, password ``pw``), over plain HTTP. Yields its address."""
+@contextlib.contextmanager
+def local_registry(tmp_path: Path, *, auth: bool, tls: bool) -> Iterator[dict[str, str]]:
+    """A real OCI registry (Debian's docker-registry) on 127.0.0.1, on a free port; with
+    ``auth``, HTTP Basic (user ``ci``, password ``pw``) from an htpasswd file; with ``tls``,
+    HTTPS with a certificate from a CA made here. Yields ``addr`` and, with TLS, ``ca`` (the
+    CA's PEM file, for ``SSL_CERT_FILE``)."""
     exe = shutil.which("docker-registry")
     if exe is None or shutil.which("skopeo") is None:
         if os.environ.get("CI") == "true":
             pytest.fail("docker-registry and skopeo are needed (.ci/run installs them)", pytrace=False)
         pytest.skip("docker-registry or skopeo missing")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        import crypt  # bcrypt through libxcrypt: the registry's htpasswd takes only bcrypt
-
-        hashed = crypt.crypt("pw", crypt.mksalt(crypt.METHOD_BLOWFISH))
-    (tmp_path / "htpasswd").write_text(f"ci:{hashed}\n")
+    d = tmp_path / f"registry-{secrets.token_hex(3)}"
+    d.mkdir()
     port = _free_port()
-    (tmp_path / "registry.yml").write_text(
-        "version: 0.1\n"
-        "log: {level: error}\n"
-        f"storage: {{filesystem: {{rootdirectory: {tmp_path / 'registry-data'}}}}}\n"
-        f"http: {{addr: 127.0.0.1:{port}}}\n"
-        f"auth: {{htpasswd: {{realm: test, path: {tmp_path / 'htpasswd'}}}}}\n"
-    )
-    proc = subprocess.Popen([exe, "serve", str(tmp_path / "registry.yml")], stdout=subprocess.DEVNULL,
-                            stderr=open(tmp_path / "registry.log", "w"))
+    conf = [
+        "version: 0.1",
+        "log: {level: error}",
+        f"storage: {{filesystem: {{rootdirectory: {d / 'data'}}}}}",
+    ]
+    out = {"addr": f"127.0.0.1:{port}"}
+    if auth:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import crypt  # bcrypt through libxcrypt: the registry's htpasswd takes only bcrypt
+
+            hashed = crypt.crypt("pw", crypt.mksalt(crypt.METHOD_BLOWFISH))
+        (d / "htpasswd").write_text(f"ci:{hashed}\n")
+        conf.append(f"auth: {{htpasswd: {{realm: test, path: {d / 'htpasswd'}}}}}")
+    if tls:
+        (d / "ext").write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n")
+        for cmd in (
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+             "-days", "1", "-subj", "/CN=opendsec test CA"],
+            ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out", "srv.csr",
+             "-subj", "/CN=127.0.0.1"],
+            ["openssl", "x509", "-req", "-in", "srv.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+             "-out", "srv.pem", "-days", "1", "-extfile", "ext"],
+        ):
+            r = subprocess.run(cmd, cwd=d, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+        conf.append(f"http: {{addr: 127.0.0.1:{port}, tls: {{certificate: {d / 'srv.pem'}, key: {d / 'srv.key'}}}}}")
+        out["ca"] = str(d / "ca.pem")
+    else:
+        conf.append(f"http: {{addr: 127.0.0.1:{port}}}")
+    (d / "registry.yml").write_text("\n".join(conf) + "\n")
+    log = open(d / "registry.log", "w")
+    proc = subprocess.Popen([exe, "serve", str(d / "registry.yml")], stdout=subprocess.DEVNULL, stderr=log)
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -321,26 +346,32 @@ def registry(tmp_path):
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError((tmp_path / "registry.log").read_text()) from None
+                    raise AssertionError((d / "registry.log").read_text()) from None
                 time.sleep(0.1)
-        yield f"127.0.0.1:{port}"
+        yield out
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+        log.close()
 
 
-def _push(layout: Path, dest: str) -> None:
-    """Pushes tag 1 of an OCI layout to the test registry with skopeo."""
+def push(layout: Path, dest: str, creds: str | None = None) -> None:
+    """Pushes tag 1 of an OCI layout to a test registry with skopeo."""
     push = subprocess.run(
         ["skopeo", "--insecure-policy", "copy", "-q", f"oci:{layout}:1", f"docker://{dest}",
-         "--dest-tls-verify=false", "--dest-creds", "ci:pw"],
+         "--dest-tls-verify=false", *(["--dest-creds", creds] if creds else [])],
         capture_output=True, text=True, timeout=120,
     )
     assert push.returncode == 0, push.stderr
 
 
-async def test_import_from_a_registry_with_basic_auth_from_flags_or_saved_logins(cluster, registry, tmp_path):
+async def test_import_from_a_registry_with_basic_auth_over_tls_from_flags_or_saved_logins(cluster, tmp_path):
     _need_root()
+    with local_registry(tmp_path, auth=True, tls=True) as reg:
+        await _registry_import(cluster, tmp_path, reg["addr"], {"SSL_CERT_FILE": reg["ca"]})
+
+
+async def _registry_import(cluster: dict[str, str], tmp_path: Path, registry: str, tls: dict[str, str]) -> None:
     top = uniq("reg")
     project = f"root/{top}"
     oci_layout(
@@ -349,20 +380,31 @@ async def test_import_from_a_registry_with_basic_auth_from_flags_or_saved_logins
         env=["PATH=/usr/bin:/bin", "FROM=registry"],
         workdir="/opt/app",
     )
-    _push(tmp_path / "app", f"{registry}/team/app:1")
+    push(tmp_path / "app", f"{registry}/team/app:1", "ci:pw")
     ref = f"{registry}/team/app:1"
+
+    def imp(
+        *args: str, extra_env: dict[str, str] | None = None, stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        return ctl(cluster, "image", "import", *args, extra_env={**tls, **(extra_env or {})}, stdin=stdin)
+
     async with admin(cluster) as c:
         await c.create_project("root", top)
 
+        # A certificate from a CA the machine does not trust fails TLS: unavailable.
+        r = ctl(cluster, "image", "import", ref, "-as", f"{project}/app:1", "-username", "ci", "-password-stdin",
+                stdin="pw\n")
+        assert r.returncode == 1 and r.stderr.startswith("error: unavailable:"), r.stderr
+
         # No credentials: the registry refuses, and nothing is registered.
-        r = ctl(cluster, "image", "import", ref, "-as", f"{project}/app:1", "-plain-http")
+        r = imp(ref, "-as", f"{project}/app:1")
         assert r.returncode == 1 and r.stderr.startswith("error: unauthenticated:"), r.stderr
         with pytest.raises(DSecError) as ei:
             await c.get_image(f"{project}/app:1")
         assert ei.value.reason == opendsec.NOT_FOUND
 
         # -username with the password on stdin.
-        r = ctl(cluster, "image", "import", ref, "-as", f"{project}/app:1", "-plain-http",
+        r = imp(ref, "-as", f"{project}/app:1",
                 "-username", "ci", "-password-stdin", stdin="pw\n")
         assert r.returncode == 0, r.stderr
         got = json.loads(r.stdout)
@@ -370,7 +412,7 @@ async def test_import_from_a_registry_with_basic_auth_from_flags_or_saved_logins
         assert len(got["layers"]) == 2 and got["source"] == ref, got
         assert "layer 1/2" in r.stderr and "layer 2/2" in r.stderr, r.stderr
         # A wrong password is refused the same way.
-        r = ctl(cluster, "image", "import", ref, "-as", f"{project}/app:9", "-plain-http",
+        r = imp(ref, "-as", f"{project}/app:9",
                 "-username", "ci", "-password-stdin", stdin="nope\n")
         assert r.returncode == 1 and r.stderr.startswith("error: unauthenticated:"), r.stderr
 
@@ -380,7 +422,7 @@ async def test_import_from_a_registry_with_basic_auth_from_flags_or_saved_logins
         cfg.mkdir()
         (cfg / "config.json").write_text(json.dumps(
             {"auths": {registry: {"auth": base64.b64encode(b"ci:pw").decode()}}}))
-        r = ctl(cluster, "image", "import", ref, "-as", f"{project}/app:2", "-plain-http",
+        r = imp(ref, "-as", f"{project}/app:2",
                 extra_env={"DOCKER_CONFIG": str(cfg)})
         assert r.returncode == 0, r.stderr
         assert f"using the credentials for {registry}" in r.stderr, r.stderr
@@ -389,23 +431,23 @@ async def test_import_from_a_registry_with_basic_auth_from_flags_or_saved_logins
         # -registry-auth FILE wins over DOCKER_CONFIG; -q prints nothing on stderr.
         bad = tmp_path / "bad.json"
         bad.write_text(json.dumps({"auths": {registry: {"auth": base64.b64encode(b"ci:wrong").decode()}}}))
-        r = ctl(cluster, "image", "import", ref, "-as", f"{project}/app:3", "-plain-http", "-q",
+        r = imp(ref, "-as", f"{project}/app:3", "-q",
                 "-registry-auth", str(bad), extra_env={"DOCKER_CONFIG": str(cfg)})
         assert r.returncode == 1 and r.stderr.startswith("error: unauthenticated:"), r.stderr
-        r = ctl(cluster, "image", "import", ref, "-as", f"{project}/app:3", "-plain-http", "-q",
+        r = imp(ref, "-as", f"{project}/app:3", "-q",
                 extra_env={"DOCKER_CONFIG": str(cfg)})
         assert r.returncode == 0 and r.stderr == "", r.stderr
 
         # A tag the registry lacks is not_found; bad flag combinations are usage errors that
         # change nothing; registry flags on a local path are refused.
-        r = ctl(cluster, "image", "import", f"{registry}/team/app:nope", "-as", f"{project}/app:4",
-                "-plain-http", extra_env={"DOCKER_CONFIG": str(cfg)})
+        r = imp(f"{registry}/team/app:nope", "-as", f"{project}/app:4",
+                extra_env={"DOCKER_CONFIG": str(cfg)})
         assert r.returncode == 1 and "\nerror: not_found:" in r.stderr, r.stderr
-        r = ctl(cluster, "image", "import", ref, "-as", f"{project}/app:4", "-username", "ci")
+        r = imp(ref, "-as", f"{project}/app:4", "-username", "ci")
         assert r.returncode == 2 and "-password-stdin" in r.stderr, r.stderr
-        r = ctl(cluster, "image", "import", str(tmp_path / "app"), "-as", f"{project}/app:4", "-plain-http")
+        r = imp(str(tmp_path / "app"), "-as", f"{project}/app:4", "-plain-http")
         assert r.returncode == 2 and "registry" in r.stderr, r.stderr
-        r = ctl(cluster, "image", "import", "Not A Reference", "-as", f"{project}/app:4")
+        r = imp("Not A Reference", "-as", f"{project}/app:4")
         assert r.returncode == 1 and r.stderr.startswith("error: invalid:"), r.stderr
         assert [i.name for i in await c.list_images(project)] == [f"{project}/app:1", f"{project}/app:2",
                                                                  f"{project}/app:3"]
