@@ -3,6 +3,7 @@
 
 pub mod auth;
 pub mod cache;
+pub mod check;
 pub mod compose;
 pub mod copy;
 pub mod digest;

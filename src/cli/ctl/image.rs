@@ -35,6 +35,21 @@ pub enum ImageCmd {
     Delete(DeleteArgs),
     Compose(ComposeArgs),
     Gc(GcArgs),
+    StoreCheck(StoreCheckArgs),
+}
+
+#[derive(FromArgs, Debug)]
+/// check whether a file system (a newly mounted NAS, say) can hold the image store: prints
+/// ok, FAIL or warn per item and exits 1 when a required item fails (as root; no cluster)
+#[argh(
+    subcommand,
+    name = "store-check",
+    help_triggers("-h", "--help", "help")
+)]
+pub struct StoreCheckArgs {
+    /// the image store's mount point (env OPENDSEC_IMAGE_STORE)
+    #[argh(option)]
+    pub store: Option<String>,
 }
 
 #[derive(FromArgs, Debug)]
@@ -152,7 +167,10 @@ impl ImageArgs {
     /// Whether this command runs without the default time limit (an import or a
     /// collection can take long).
     pub fn unbounded(&self) -> bool {
-        matches!(self.cmd, ImageCmd::Import(_) | ImageCmd::Gc(_))
+        matches!(
+            self.cmd,
+            ImageCmd::Import(_) | ImageCmd::Gc(_) | ImageCmd::StoreCheck(_)
+        )
     }
 
     /// Runs the subcommand and prints the image (or images, or `{}` after a delete) as JSON.
@@ -193,6 +211,7 @@ impl ImageArgs {
                 )
             }
             ImageCmd::Gc(a) => gc(a, |k| std::env::var(k).ok()).await,
+            ImageCmd::StoreCheck(a) => store_check(a, |k| std::env::var(k).ok()).await,
             ImageCmd::Compose(a) => {
                 let req = compose_request(a)?;
                 let conn = ctx.connect()?;
@@ -269,6 +288,29 @@ async fn gc(a: GcArgs, env: impl Fn(&str) -> Option<String>) -> Result<(), CtlEr
         a.grace
     );
     Ok(())
+}
+
+/// `image store-check`: a line per item, then the verdict. Errors: `internal` when the
+/// scratch directory cannot be made; a failed required item exits 1 (after the lines).
+async fn store_check(
+    a: StoreCheckArgs,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<(), CtlError> {
+    let dir = store_dir(a.store, &env)?;
+    let d = dir.clone();
+    let items = tokio::task::spawn_blocking(move || crate::images::check::store_check(&d))
+        .await
+        .map_err(|e| Failure::internal(format!("image store-check: {e}")))?
+        .map_err(|e| Failure::internal(format!("{}: {e}", dir.display())))?;
+    let (lines, ok) = crate::images::check::report(&dir, &items);
+    for l in &lines {
+        println!("{l}");
+    }
+    if ok {
+        Ok(())
+    } else {
+        Err(CtlError::Exit(1))
+    }
 }
 
 /// The store directory: `-store`, else `OPENDSEC_IMAGE_STORE`. Errors: a usage error.
