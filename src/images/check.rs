@@ -276,7 +276,7 @@ fn overlay_here(d: &Path) -> Result<(), String> {
     fs::write(bottom.join("etc/kept"), b"k").map_err(e("write"))?;
     rustix::fs::mknodat(
         rustix::fs::CWD,
-        &top.join("etc/gone"),
+        top.join("etc/gone"),
         FileType::CharacterDevice,
         Mode::empty(),
         0,
