@@ -7,7 +7,8 @@
 #
 # The image: by default a minimal Debian with python3 built from the host's own package
 # sources (scripts/build-base-image.sh, about a minute the first time; kept in
-# target/quickstart-image for the next run). OPENDSEC_IMAGE=SRC imports SRC instead (an OCI
+# target/quickstart-image for the next run). OPENDSEC_IMAGE=SRC imports SRC instead: a
+# registry image (python:3.12, host:5000/app:1) or a local path starting with / or . (an OCI
 # layout or archive, a docker save tar, FILE#name:tag); OPENDSEC_IMAGE=host uses the
 # development image `host` (the host's own /) and imports nothing. Progress goes to stderr;
 # stdout is the sandbox's output alone.
@@ -27,7 +28,8 @@ fi
 
 SRC=${OPENDSEC_IMAGE:-}
 if [ -z "$SRC" ]; then
-  LAYOUT=target/quickstart-image
+  # ./ : a local source must start with / or . (anything else is a registry reference).
+  LAYOUT=./target/quickstart-image
   if [ ! -f "$LAYOUT/index.json" ]; then
     bash scripts/build-base-image.sh "$LAYOUT"
   fi

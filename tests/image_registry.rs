@@ -26,8 +26,9 @@ use axum::routing::get;
 use axum::Router;
 use base64::Engine;
 use opendsec::images::auth::Credentials;
-use opendsec::images::import::{import_resolved, Options, Progress};
-use opendsec::images::registry::{Registry, RegistryOptions};
+use opendsec::images::import::{import, import_resolved, Options, Progress};
+use opendsec::images::name::ImageRef;
+use opendsec::images::registry::{save, Registry, RegistryOptions};
 use opendsec::images::store::Store;
 use opendsec::types::Reason;
 use serde_json::json;
@@ -401,6 +402,46 @@ async fn a_registry_image_is_pulled_with_a_bearer_token_and_redirects_carry_no_c
         .map(|e| e.unwrap().file_name())
         .collect();
     assert_eq!(before.len(), after.len());
+
+    // image save: an OCI archive of the amd64 image that imports to the same image; a blob
+    // that is not its digest leaves no archive behind.
+    let rt = tokio::runtime::Handle::current();
+    let out = dir.path().join("saved.tar");
+    let (reference, o, at) = (
+        format!("{addr}/team/app:1"),
+        opts(USER, PASSWORD),
+        out.clone(),
+    );
+    let saved = tokio::task::spawn_blocking(move || save(&rt, &reference, &o, &at, &|_| {}))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(saved.layers, 2);
+    assert_eq!(saved.bytes, std::fs::metadata(&out).unwrap().len());
+    let other = tempfile::tempdir().unwrap();
+    let store2 = Store::open(other.path()).unwrap();
+    let m2 = import(
+        &store2,
+        &format!("{}#1", out.display()),
+        &ImageRef::parse("root/saved:1").unwrap(),
+        Options::default(),
+        &|_| {},
+    )
+    .unwrap();
+    assert_eq!((m2.layers, m2.env), (m.layers.clone(), m.env.clone()));
+    let rt = tokio::runtime::Handle::current();
+    let bad_out = dir.path().join("bad.tar");
+    let (reference, o, at) = (
+        format!("{addr}/team/bad:1"),
+        opts(USER, PASSWORD),
+        bad_out.clone(),
+    );
+    let e = tokio::task::spawn_blocking(move || save(&rt, &reference, &o, &at, &|_| {}))
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.to_failure().reason, Reason::Invalid, "{e}");
+    assert!(!bad_out.exists() && !dir.path().join("bad.tar.partial").exists());
 
     // HTTPS against a plain-HTTP registry, and a registry that is not there.
     let tls = RegistryOptions {

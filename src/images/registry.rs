@@ -94,32 +94,8 @@ impl Registry {
         reference: &str,
         opts: &RegistryOptions,
     ) -> Result<(Registry, Resolved), RegistryError> {
-        let parsed = parse_reference(reference)?;
+        let (client, parsed, auth) = connect(reference, opts)?;
         let shown = parsed.whole();
-        // reqwest is built without a TLS provider of its own; ring is the one we ship.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let config = ClientConfig {
-            protocol: if opts.plain_http {
-                ClientProtocol::Http
-            } else {
-                ClientProtocol::Https
-            },
-            platform_resolver: Some(Box::new(linux_amd64_resolver)),
-            connect_timeout: Some(std::time::Duration::from_secs(30)),
-            read_timeout: Some(std::time::Duration::from_secs(120)),
-            user_agent: concat!("opendsec/", env!("CARGO_PKG_VERSION")),
-            ..Default::default()
-        };
-        let client = Client::try_from(config).map_err(|e| RegistryError::Unreachable {
-            reference: shown.clone(),
-            why: format!("making the HTTP client: {e}"),
-        })?;
-        let auth = match &opts.credentials {
-            Credentials::Anonymous => RegistryAuth::Anonymous,
-            Credentials::Basic { username, password } => {
-                RegistryAuth::Basic(username.clone(), password.clone())
-            }
-        };
         let (manifest, _digest, config) = client
             .pull_manifest_and_config(&parsed, &auth)
             .await
@@ -132,7 +108,7 @@ impl Registry {
             .into()
         };
         let want = Digest::parse(&manifest.config.digest).map_err(|e| bad(e.to_string()))?;
-        let got = format!("sha256:{}", hex::encode(Sha256::digest(config.as_bytes())));
+        let got = sha256(config.as_bytes());
         if want.to_string() != got {
             return Err(bad(format!(
                 "its config is {got}, the manifest says {want}"
@@ -201,26 +177,280 @@ impl Registry {
         let size = stream
             .content_length
             .or(u64::try_from(desc.size).ok().filter(|s| *s > 0));
-        // oci-client checks the blob's digest too and fails the stream's end when it is
-        // wrong: that is a bad layer (`invalid`), not a registry gone away.
-        let bytes = stream.stream.map_err(|e| {
-            if e.get_ref()
-                .is_some_and(|i| i.is::<oci_client::errors::DigestError>())
-            {
-                std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())
-            } else {
-                e
-            }
-        });
-        let reader = tokio_util::io::StreamReader::new(bytes);
-        Ok((
-            Box::new(tokio_util::io::SyncIoBridge::new_with_handle(
-                reader,
-                self.rt.clone(),
-            )),
-            size,
-        ))
+        Ok((Box::new(blob_reader(stream, &self.rt)), size))
     }
+}
+
+/// An HTTP client for `reference`'s registry, the parsed reference and the credentials.
+fn connect(
+    reference: &str,
+    opts: &RegistryOptions,
+) -> Result<(Client, Reference, RegistryAuth), RegistryError> {
+    let parsed = parse_reference(reference)?;
+    // reqwest is built without a TLS provider of its own; ring is the one we ship.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let config = ClientConfig {
+        protocol: if opts.plain_http {
+            ClientProtocol::Http
+        } else {
+            ClientProtocol::Https
+        },
+        platform_resolver: Some(Box::new(linux_amd64_resolver)),
+        connect_timeout: Some(std::time::Duration::from_secs(30)),
+        read_timeout: Some(std::time::Duration::from_secs(120)),
+        user_agent: concat!("opendsec/", env!("CARGO_PKG_VERSION")),
+        ..Default::default()
+    };
+    let client = Client::try_from(config).map_err(|e| RegistryError::Unreachable {
+        reference: parsed.whole(),
+        why: format!("making the HTTP client: {e}"),
+    })?;
+    let auth = match &opts.credentials {
+        Credentials::Anonymous => RegistryAuth::Anonymous,
+        Credentials::Basic { username, password } => {
+            RegistryAuth::Basic(username.clone(), password.clone())
+        }
+    };
+    Ok((client, parsed, auth))
+}
+
+/// What [`save`] wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Saved {
+    /// The reference as resolved, and the digest of the linux/amd64 manifest saved.
+    pub reference: String,
+    pub manifest: String,
+    pub layers: usize,
+    /// Bytes of the archive.
+    pub bytes: u64,
+}
+
+const MANIFEST_TYPES: &[&str] = &[
+    oci_client::manifest::OCI_IMAGE_MEDIA_TYPE,
+    oci_client::manifest::IMAGE_MANIFEST_MEDIA_TYPE,
+    oci_client::manifest::OCI_IMAGE_INDEX_MEDIA_TYPE,
+    oci_client::manifest::IMAGE_MANIFEST_LIST_MEDIA_TYPE,
+];
+
+/// Saves `reference` (its linux/amd64 image) as an OCI archive at `out`: `oci-layout`,
+/// `index.json` naming it (`org.opencontainers.image.ref.name` = its tag,
+/// `io.containerd.image.name` = the whole reference) and every blob under `blobs/sha256/`,
+/// each checked against its digest as it is written. Written to `out.partial` and renamed
+/// into place, so `out` is whole or absent. `progress(bytes)` is told the bytes of blobs
+/// written so far. Runs on a blocking thread (it waits on `rt`). Errors: [`RegistryError`];
+/// `Source` for a local write failure.
+pub fn save(
+    rt: &tokio::runtime::Handle,
+    reference: &str,
+    opts: &RegistryOptions,
+    out: &std::path::Path,
+    progress: &dyn Fn(u64),
+) -> Result<Saved, RegistryError> {
+    let (client, parsed, auth) = connect(reference, opts)?;
+    let shown = parsed.whole();
+    let bad = |why: String| -> RegistryError {
+        SourceError::Bad {
+            source_name: shown.clone(),
+            why,
+        }
+        .into()
+    };
+    let (mut body, _) = rt
+        .block_on(client.pull_manifest_raw(&parsed, &auth, MANIFEST_TYPES))
+        .map_err(|e| classify(&shown, e))?;
+    // The digest is of the bytes as served; a reference by digest must name those.
+    let mut digest = sha256(&body);
+    if let Some(want) = parsed.digest() {
+        if want != digest {
+            return Err(bad(format!("its manifest is {digest}, not {want}")));
+        }
+    }
+    let mut value: serde_json::Value =
+        serde_json::from_slice(&body).map_err(|e| bad(format!("its manifest: {e}")))?;
+    if let Some(list) = value.get("manifests").and_then(|m| m.as_array()) {
+        let pick = list
+            .iter()
+            .find(|m| {
+                let p = m.get("platform");
+                let field = |k: &str| p.and_then(|p| p.get(k)).and_then(|v| v.as_str());
+                field("os") == Some("linux") && field("architecture") == Some("amd64")
+            })
+            .and_then(|m| m.get("digest")?.as_str())
+            .ok_or_else(|| bad("its index has no linux/amd64 image".into()))?
+            .to_string();
+        let by_digest = parse_reference(&format!(
+            "{}/{}@{pick}",
+            parsed.registry(),
+            parsed.repository()
+        ))?;
+        (body, _) = rt
+            .block_on(client.pull_manifest_raw(&by_digest, &auth, MANIFEST_TYPES))
+            .map_err(|e| classify(&shown, e))?;
+        if sha256(&body) != pick {
+            return Err(bad(format!("manifest {pick} is {}", sha256(&body))));
+        }
+        digest = pick;
+        value =
+            serde_json::from_slice(&body).map_err(|e| bad(format!("manifest {digest}: {e}")))?;
+    }
+    let media_type = value
+        .get("mediaType")
+        .and_then(|v| v.as_str())
+        .unwrap_or(oci_client::manifest::OCI_IMAGE_MEDIA_TYPE)
+        .to_string();
+    let mut blobs: Vec<OciDescriptor> = Vec::new();
+    let config = value
+        .get("config")
+        .ok_or_else(|| bad("its manifest names no config".into()))?;
+    for d in std::iter::once(config).chain(
+        value
+            .get("layers")
+            .and_then(|l| l.as_array())
+            .map(|a| a.as_slice())
+            .unwrap_or(&[]),
+    ) {
+        let desc: OciDescriptor = serde_json::from_value(d.clone())
+            .map_err(|e| bad(format!("a descriptor of its manifest: {e}")))?;
+        Digest::parse(&desc.digest).map_err(|e| bad(e.to_string()))?;
+        if desc.size < 0 {
+            return Err(bad(format!("blob {} has a negative size", desc.digest)));
+        }
+        blobs.push(desc);
+    }
+    let write_err = |what: &str, e: std::io::Error| -> RegistryError {
+        SourceError::Io {
+            source_name: out.display().to_string(),
+            what: what.to_string(),
+            source: e,
+        }
+        .into()
+    };
+    let mut partial = out.as_os_str().to_os_string();
+    partial.push(".partial");
+    let partial = std::path::PathBuf::from(partial);
+    let file = std::fs::File::create(&partial).map_err(|e| write_err("creating it", e))?;
+    let written = (|| -> Result<u64, RegistryError> {
+        let mut tar = tar::Builder::new(std::io::BufWriter::new(file));
+        let put = |tar: &mut tar::Builder<_>, name: &str, data: &[u8]| {
+            let mut h = tar::Header::new_ustar();
+            h.set_size(data.len() as u64);
+            h.set_mode(0o644);
+            h.set_mtime(0);
+            tar.append_data(&mut h, name, data)
+                .map_err(|e| write_err(name, e))
+        };
+        put(&mut tar, "oci-layout", br#"{"imageLayoutVersion":"1.0.0"}"#)?;
+        put(
+            &mut tar,
+            &format!("blobs/sha256/{}", hex_of(&digest)),
+            &body,
+        )?;
+        let mut done = 0u64;
+        for desc in &blobs {
+            let stream = rt
+                .block_on(client.pull_blob_stream(&parsed, desc))
+                .map_err(|e| classify(&shown, e))?;
+            let reader = blob_reader(stream, rt);
+            let size = desc.size as u64;
+            let mut hashed = super::digest::DigestReader::new(reader.take(size));
+            let mut h = tar::Header::new_ustar();
+            h.set_size(size);
+            h.set_mode(0o644);
+            h.set_mtime(0);
+            let name = format!("blobs/sha256/{}", hex_of(&desc.digest));
+            tar.append_data(&mut h, &name, &mut hashed).map_err(|e| {
+                let why = format!("blob {}: {e}", desc.digest);
+                if e.kind() == std::io::ErrorKind::InvalidData {
+                    bad(why)
+                } else {
+                    RegistryError::Unreachable {
+                        reference: shown.clone(),
+                        why,
+                    }
+                }
+            })?;
+            let (got, n, _) = hashed.finish().map_err(|e| write_err(&name, e))?;
+            if got.to_string() != desc.digest || n != size {
+                return Err(bad(format!(
+                    "blob {} is {got} ({n} bytes, the manifest says {size})",
+                    desc.digest
+                )));
+            }
+            done += size;
+            progress(done);
+        }
+        let (name, tag) = match (parsed.tag(), parsed.digest()) {
+            (Some(t), _) => (shown.clone(), t.to_string()),
+            (None, _) => (shown.clone(), String::new()),
+        };
+        let mut annotations = serde_json::Map::new();
+        annotations.insert("io.containerd.image.name".into(), name.into());
+        if !tag.is_empty() {
+            annotations.insert("org.opencontainers.image.ref.name".into(), tag.into());
+        }
+        let index = serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": oci_client::manifest::OCI_IMAGE_INDEX_MEDIA_TYPE,
+            "manifests": [{
+                "mediaType": media_type,
+                "digest": digest,
+                "size": body.len(),
+                "annotations": annotations,
+                "platform": {"architecture": "amd64", "os": "linux"},
+            }],
+        });
+        put(&mut tar, "index.json", index.to_string().as_bytes())?;
+        let w = tar.into_inner().map_err(|e| write_err("finishing it", e))?;
+        let f = w
+            .into_inner()
+            .map_err(|e| write_err("flushing it", e.into_error()))?;
+        f.sync_all().map_err(|e| write_err("syncing it", e))?;
+        Ok(f.metadata().map(|m| m.len()).unwrap_or(0))
+    })();
+    let bytes = match written {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = std::fs::remove_file(&partial);
+            return Err(e);
+        }
+    };
+    std::fs::rename(&partial, out).map_err(|e| write_err("moving it into place", e))?;
+    Ok(Saved {
+        reference: shown,
+        manifest: digest,
+        layers: blobs.len().saturating_sub(1),
+        bytes,
+    })
+}
+
+/// A blocking reader of a blob stream. oci-client checks the blob's digest too and fails the
+/// stream's end when it is wrong: that is a bad blob (`InvalidData`, which the importer
+/// reports as `invalid`), not a registry gone away.
+fn blob_reader(
+    stream: oci_client::client::SizedStream,
+    rt: &tokio::runtime::Handle,
+) -> impl Read + Send {
+    let bytes = stream.stream.map_err(|e| {
+        if e.get_ref()
+            .is_some_and(|i| i.is::<oci_client::errors::DigestError>())
+        {
+            std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())
+        } else {
+            e
+        }
+    });
+    tokio_util::io::SyncIoBridge::new_with_handle(
+        tokio_util::io::StreamReader::new(bytes),
+        rt.clone(),
+    )
+}
+
+fn sha256(b: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(b)))
+}
+
+fn hex_of(digest: &str) -> &str {
+    digest.strip_prefix("sha256:").unwrap_or(digest)
 }
 
 /// Sorts oci-client's errors into what the caller can act on.
@@ -261,6 +491,12 @@ fn classify(reference: &str, e: OciDistributionError) -> RegistryError {
         }
         OciDistributionError::ServerError { code, .. } if *code == 401 || *code == 403 => {
             RegistryError::Denied { reference, why }
+        }
+        OciDistributionError::RequestError(_) if why.contains("InvalidContentType") => {
+            RegistryError::Unreachable {
+                reference,
+                why: format!("{why} (the registry does not speak TLS: -plain-http?)"),
+            }
         }
         OciDistributionError::RequestError(_)
         | OciDistributionError::IoError(_)

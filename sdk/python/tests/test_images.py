@@ -283,6 +283,8 @@ async def test_import_compose_list_get_delete_and_permissions(cluster, tmp_path)
             assert (store / "layers" / layer.split(":")[1] / "rootfs").is_dir()
         r = ctl(cluster, "image", "gc", "-grace", "soon")
         assert r.returncode != 0 and "grace" in r.stderr, r.stderr
+        r = ctl(cluster, "image", "gc", "-store", str(tmp_path / "no-store"), "-dry-run")
+        assert r.returncode == 1 and "not an image store" in r.stderr, r.stderr
 
 
 def _free_port() -> int:
@@ -449,6 +451,25 @@ async def _registry_import(cluster: dict[str, str], tmp_path: Path, registry: st
         assert r.returncode == 2 and "registry" in r.stderr, r.stderr
         r = imp("Not A Reference", "-as", f"{project}/app:4")
         assert r.returncode == 1 and r.stderr.startswith("error: invalid:"), r.stderr
-        assert [i.name for i in await c.list_images(project)] == [f"{project}/app:1", f"{project}/app:2",
-                                                                 f"{project}/app:3"]
+        # A name that is also a path here is refused before any lookup; a -registry-auth
+        # file that is not there is invalid.
+        r = imp("tests", "-as", f"{project}/app:4")
+        assert r.returncode == 2 and "./tests" in r.stderr, r.stderr
+        r = imp(ref, "-as", f"{project}/app:4", "-registry-auth", str(tmp_path / "none.json"))
+        assert r.returncode == 1 and r.stderr.startswith("error: invalid:") and "none.json" in r.stderr, r.stderr
+
+        # image save: an OCI archive with no cluster, which imports to the same layers.
+        saved = tmp_path / "saved.tar"
+        r = ctl(cluster, "image", "save", ref, "-out", str(saved), "-username", "ci", "-password-stdin",
+                stdin="pw\n", extra_env=tls)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["layers"] == 2 and out["bytes"] == saved.stat().st_size, out
+        r = imp(f"{saved}#1", "-as", f"{project}/app:4", "-q")
+        assert r.returncode == 0 and json.loads(r.stdout)["layers"] == got["layers"], r.stderr
+        r = ctl(cluster, "image", "save", f"{registry}/team/app:nope", "-out", str(tmp_path / "nope.tar"),
+                "-username", "ci", "-password-stdin", stdin="pw\n", extra_env=tls)
+        assert r.returncode == 1 and "error: not_found:" in r.stderr, r.stderr
+        assert not (tmp_path / "nope.tar").exists() and not (tmp_path / "nope.tar.partial").exists()
+        assert [i.name for i in await c.list_images(project)] == [f"{project}/app:{n}" for n in (1, 2, 3, 4)]
 

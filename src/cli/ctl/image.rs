@@ -36,6 +36,41 @@ pub enum ImageCmd {
     Compose(ComposeArgs),
     Gc(GcArgs),
     StoreCheck(StoreCheckArgs),
+    Save(SaveArgs),
+}
+
+#[derive(FromArgs, Debug)]
+/// save a registry image (its linux/amd64 image) as an OCI archive, for machines without
+/// access to the registry to `image import ./FILE`; needs no cluster
+#[argh(
+    subcommand,
+    name = "save",
+    help_triggers("-h", "--help", "help"),
+    example = "{command_name} python:3.12 -out python-3.12.tar"
+)]
+pub struct SaveArgs {
+    /// the registry image, e.g. python:3.12 or host:5000/team/app:1
+    #[argh(positional)]
+    pub src: String,
+    /// the archive to write (replaced if it exists)
+    #[argh(option)]
+    pub out: String,
+    /// the registry user (with -password-stdin)
+    #[argh(option)]
+    pub username: Option<String>,
+    /// read the registry password or access token from stdin
+    #[argh(switch)]
+    pub password_stdin: bool,
+    /// a docker-format credentials file to use before $REGISTRY_AUTH_FILE, $DOCKER_CONFIG
+    /// and ~/.docker/config.json
+    #[argh(option)]
+    pub registry_auth: Option<String>,
+    /// talk to the registry over plain HTTP (a registry without TLS)
+    #[argh(switch)]
+    pub plain_http: bool,
+    /// print no progress
+    #[argh(switch, short = 'q')]
+    pub quiet: bool,
 }
 
 #[derive(FromArgs, Debug)]
@@ -169,7 +204,7 @@ impl ImageArgs {
     pub fn unbounded(&self) -> bool {
         matches!(
             self.cmd,
-            ImageCmd::Import(_) | ImageCmd::Gc(_) | ImageCmd::StoreCheck(_)
+            ImageCmd::Import(_) | ImageCmd::Gc(_) | ImageCmd::StoreCheck(_) | ImageCmd::Save(_)
         )
     }
 
@@ -212,6 +247,7 @@ impl ImageArgs {
             }
             ImageCmd::Gc(a) => gc(a, |k| std::env::var(k).ok()).await,
             ImageCmd::StoreCheck(a) => store_check(a, |k| std::env::var(k).ok()).await,
+            ImageCmd::Save(a) => save(a, |k| std::env::var(k).ok()).await,
             ImageCmd::Compose(a) => {
                 let req = compose_request(a)?;
                 let conn = ctx.connect()?;
@@ -262,6 +298,13 @@ fn compose_request(a: ComposeArgs) -> Result<pb::ComposeImageRequest, CtlError> 
 /// anything is removed).
 async fn gc(a: GcArgs, env: impl Fn(&str) -> Option<String>) -> Result<(), CtlError> {
     let dir = store_dir(a.store, &env)?;
+    if !dir.join("layers").is_dir() && !dir.join("images").is_dir() {
+        return Err(Failure::invalid(format!(
+            "{} is not an image store (it has no layers/ or images/)",
+            dir.display()
+        ))
+        .into());
+    }
     let opts = crate::images::gc::GcOptions {
         grace: super::values::duration("grace", &a.grace)?,
         dry_run: a.dry_run,
@@ -288,6 +331,51 @@ async fn gc(a: GcArgs, env: impl Fn(&str) -> Option<String>) -> Result<(), CtlEr
         a.grace
     );
     Ok(())
+}
+
+/// `image save`: writes the archive, then prints `{"reference", "manifest", "layers",
+/// "bytes", "out"}`. Errors: as `image import` from a registry (`invalid`, `unauthenticated`,
+/// `not_found`, `unavailable`); nothing is left at `-out` when it fails.
+async fn save(a: SaveArgs, env: impl Fn(&str) -> Option<String>) -> Result<(), CtlError> {
+    if is_local(&a.src) {
+        return Err(CtlError::usage(format!(
+            "image save takes a registry image, not the local path {:?}",
+            a.src
+        )));
+    }
+    let opts = registry_options(
+        &a.src,
+        &RegistryFlags {
+            username: &a.username,
+            password_stdin: a.password_stdin,
+            registry_auth: a.registry_auth.as_deref(),
+            plain_http: a.plain_http,
+            quiet: a.quiet,
+        },
+        &env,
+    )?;
+    let (src, out, quiet) = (a.src, PathBuf::from(&a.out), a.quiet);
+    let rt = tokio::runtime::Handle::current();
+    let o = out.clone();
+    let saved = tokio::task::spawn_blocking(move || {
+        let last = std::cell::Cell::new(std::time::Instant::now());
+        crate::images::registry::save(&rt, &src, &opts, &o, &|bytes| {
+            if !quiet && last.get().elapsed().as_secs() >= 1 {
+                eprintln!("{:.1} MB written", bytes as f64 / 1e6);
+                last.set(std::time::Instant::now());
+            }
+        })
+    })
+    .await
+    .map_err(|e| Failure::internal(format!("image save: {e}")))?
+    .map_err(|e| e.to_failure())?;
+    output::json(&serde_json::json!({
+        "reference": saved.reference,
+        "manifest": saved.manifest,
+        "layers": saved.layers,
+        "bytes": saved.bytes,
+        "out": out.display().to_string(),
+    }))
 }
 
 /// `image store-check`: a line per item, then the verdict. Errors: `internal` when the
@@ -332,11 +420,56 @@ fn is_local(src: &str) -> bool {
     src.starts_with('/') || src.starts_with('.')
 }
 
+/// Refuses a registry reference that is also a path here (`myimage.tar`, `layout#1`): the
+/// caller almost surely meant the file, and it must not become a registry lookup (a
+/// network call) by accident. Errors: a usage error saying to write `./`.
+fn not_a_path_here(src: &str) -> Result<(), CtlError> {
+    let path = src.split_once('#').map_or(src, |(p, _)| p);
+    if std::path::Path::new(path).exists() {
+        return Err(CtlError::usage(format!(
+            "{src:?} is a path here: write ./{src} to use it (a source not starting with / or . is a registry image)"
+        )));
+    }
+    Ok(())
+}
+
+/// The registry flags `image import` and `image save` share.
+struct RegistryFlags<'a> {
+    username: &'a Option<String>,
+    password_stdin: bool,
+    registry_auth: Option<&'a str>,
+    plain_http: bool,
+    quiet: bool,
+}
+
+/// How to reach the registry `src` names, from the flags: refuses a name that is a path here,
+/// parses the reference, finds the credentials. Errors: as [`credentials`], and `invalid` for a
+/// reference that does not parse.
+fn registry_options(
+    src: &str,
+    flags: &RegistryFlags<'_>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<RegistryOptions, CtlError> {
+    not_a_path_here(src)?;
+    let r = crate::images::registry::parse_reference(src).map_err(|e| e.to_failure())?;
+    let credentials = credentials(
+        flags,
+        r.registry(),
+        r.repository(),
+        &mut std::io::stdin(),
+        env,
+    )?;
+    Ok(RegistryOptions {
+        plain_http: flags.plain_http,
+        credentials,
+    })
+}
+
 /// The registry credentials: `-username` with `-password-stdin` (read from `stdin`), else what
 /// the credentials files hold for the registry, else none. Errors: a usage error for one
 /// flag without the other, `invalid` for a broken credentials file.
 fn credentials(
-    a: &ImportArgs,
+    a: &RegistryFlags<'_>,
     registry: &str,
     repository: &str,
     stdin: &mut dyn std::io::Read,
@@ -362,7 +495,15 @@ fn credentials(
         )),
         (None, true) => Err(CtlError::usage("-password-stdin needs -username")),
         (None, false) => {
-            let files = auth::default_files(a.registry_auth.as_deref(), env);
+            // A file named on the command line must be there; the environment's are optional.
+            if let Some(f) = a.registry_auth {
+                if !std::path::Path::new(f).is_file() {
+                    return Err(
+                        Failure::invalid(format!("-registry-auth {f:?}: no such file")).into(),
+                    );
+                }
+            }
+            let files = auth::default_files(a.registry_auth, env);
             match auth::lookup(&files, registry, repository).map_err(|e| e.to_failure())? {
                 Some((c, file)) => {
                     if !a.quiet {
@@ -403,18 +544,17 @@ async fn import(
     let registry_opts = if local {
         None
     } else {
-        let r = crate::images::registry::parse_reference(&a.src).map_err(|e| e.to_failure())?;
-        let credentials = credentials(
-            &a,
-            r.registry(),
-            r.repository(),
-            &mut std::io::stdin(),
+        Some(registry_options(
+            &a.src,
+            &RegistryFlags {
+                username: &a.username,
+                password_stdin: a.password_stdin,
+                registry_auth: a.registry_auth.as_deref(),
+                plain_http: a.plain_http,
+                quiet: a.quiet,
+            },
             &env,
-        )?;
-        Some(RegistryOptions {
-            plain_http: a.plain_http,
-            credentials,
-        })
+        )?)
     };
     let conn = ctx.connect()?;
     // Ask first, so a name that is taken or not ours fails before any layer is written.
