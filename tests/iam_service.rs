@@ -532,11 +532,34 @@ async fn internal_calls_need_the_service_token() {
     );
     let req = pb::AuthorizeRequest {
         principal: "admin".into(),
-        project: "root/x".into(),
+        project: "root".into(),
         permission: "fleet.operate".into(),
     };
     assert!(
         c.authorize(internal(req, SVC))
+            .await
+            .unwrap()
+            .into_inner()
+            .allowed
+    );
+    // A project that does not exist: not_found for a caller the permission would cover, a
+    // plain refusal for one it would not (nothing leaks).
+    let req = pb::AuthorizeRequest {
+        principal: "admin".into(),
+        project: "root/x".into(),
+        permission: "layer.publish".into(),
+    };
+    assert_eq!(
+        reason(c.authorize(internal(req, SVC)).await),
+        Reason::NotFound
+    );
+    let req = pb::AuthorizeRequest {
+        principal: "nobody".into(),
+        project: "root/x".into(),
+        permission: "layer.publish".into(),
+    };
+    assert!(
+        !c.authorize(internal(req, SVC))
             .await
             .unwrap()
             .into_inner()

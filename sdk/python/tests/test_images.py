@@ -179,6 +179,16 @@ async def test_import_compose_list_get_delete_and_permissions(cluster, tmp_path)
         assert "already in the store" in r.stderr, "identical layers are stored once"
         r = ctl(cluster, "image", "import", f"{tmp_path / 'tools'}#1", "-as", tools, "-q")
         assert (r.returncode, r.stderr) == (0, ""), r.stderr
+        # Images live in projects that exist: importing into, composing into or listing a
+        # missing one is not_found, and writes nothing.
+        r = ctl(cluster, "image", "import", str(tmp_path / "base"), "-as", f"{project}/ghost/x:1", "-q")
+        assert r.returncode == 1 and r.stderr.startswith("error: not_found:") and "ghost" in r.stderr, r.stderr
+        r = ctl(cluster, "image", "compose", f"{project}/ghost/c:1", base)
+        assert r.returncode == 1 and r.stderr.startswith("error: not_found:"), r.stderr
+        with pytest.raises(DSecError) as ei:
+            await c.list_images(f"{project}/ghost")
+        assert ei.value.reason == opendsec.NOT_FOUND
+        assert not (Path(cluster["OPENDSEC_IMAGE_STORE"]) / "images" / "root" / top / "ghost").exists()
         # A missing local path is invalid and never looked up in a registry.
         r = ctl(cluster, "image", "import", "./no-such-image.tar", "-as", f"{project}/py:1")
         assert r.returncode == 1 and "error: invalid:" in r.stderr, r.stderr

@@ -53,6 +53,11 @@ impl IamService {
         let st = self.store().read();
         let allowed = st.principals.contains_key(&r.principal)
             && st.holds(&r.principal, &r.project, &r.permission);
+        // Only a caller the permission covers learns that the project is missing (others are
+        // refused as for any project), so nothing about other projects leaks.
+        if allowed {
+            st.project(&r.project)?;
+        }
         Ok(pb::AuthorizeResponse {
             allowed,
             epoch: st.epoch,
