@@ -9,6 +9,8 @@ through OPENDSEC_ADDR / OPENDSEC_TOKEN / OPENDSEC_PROJECT / OPENDSEC_IMAGE_STORE
 state directory is OPENDSEC_BENCH_STATE (bench/images.sh starts one).
 
 What it measures:
+  0. (see 1.) the same import from a local docker-registry against ``skopeo copy`` to a layout
+     followed by ``umoci unpack`` (the issue's peer pipeline).
   1. import of the base image (one layer of ~160 MB unpacked) into the store, IMPORTS times,
      its layer removed from the store before each: ``opendsec ctl image import``, against the
      peer ``umoci unpack`` of the same layout into a fresh directory, interleaved.
@@ -114,6 +116,53 @@ def imports(store: Path, rounds: int) -> dict[str, Any]:
     return {"ours_s": summary(ours), "umoci_unpack_s": summary(peer)}
 
 
+def registry_imports(store: Path, rounds: int) -> dict[str, Any]:
+    """Import of the base image from a local docker-registry (plain HTTP, no auth), against the
+    peer pipeline ``skopeo copy`` to an OCI layout then ``umoci unpack``, alternated."""
+    import socket
+
+    with tempfile.TemporaryDirectory(dir=store.parent) as d:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        conf = Path(d) / "registry.yml"
+        conf.write_text(f"version: 0.1\nlog: {{level: error}}\nstorage: {{filesystem: {{rootdirectory: {d}/data}}}}\n"
+                        f"http: {{addr: 127.0.0.1:{port}}}\n")
+        reg = subprocess.Popen(["docker-registry", "serve", str(conf)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+        try:
+            for _ in range(100):
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            ref = f"127.0.0.1:{port}/bench/base:1"
+            subprocess.run(["skopeo", "--insecure-policy", "copy", "-q", f"oci:{LAYOUT}:python3", f"docker://{ref}",
+                            "--dest-tls-verify=false"], check=True, capture_output=True)
+            ours, peer = [], []
+            for i in range(rounds):
+                got = json.loads(ctl("image", "get", "root/bench/base:1").stdout)
+                for layer in got["layers"]:
+                    shutil.rmtree(store / "layers" / layer.split(":")[1], ignore_errors=True)
+                t = time.perf_counter()
+                ctl("image", "import", ref, "-as", "root/bench/base:1", "-overwrite", "-q", "-plain-http")
+                ours.append(time.perf_counter() - t)
+                out = Path(d) / f"peer{i}"
+                out.mkdir()
+                t = time.perf_counter()
+                subprocess.run(["skopeo", "--insecure-policy", "copy", "-q", f"docker://{ref}", f"oci:{out}/layout:1",
+                                "--src-tls-verify=false"], check=True, capture_output=True)
+                subprocess.run(["umoci", "unpack", "--image", f"{out}/layout:1", f"{out}/bundle"], check=True,
+                               capture_output=True)
+                peer.append(time.perf_counter() - t)
+                shutil.rmtree(out)
+        finally:
+            reg.terminate()
+            reg.wait(timeout=10)
+    return {"ours_s": summary(ours), "skopeo_umoci_s": summary(peer)}
+
+
 async def first_output(c: DSecClient, image: str) -> float:
     t = time.perf_counter()
     sb = await c.run_sandbox(DSecRunArgs(backend="container", image=image, cpu_cores_limit=1, memory_limit_mb=256, disk_mb=64))
@@ -168,13 +217,16 @@ def main() -> None:
         ctl("image", "import", f"{d}/a#a", "-as", "root/bench/a:1", "-overwrite", "-q")
         ctl("image", "import", f"{d}/b#b", "-as", "root/bench/b:1", "-overwrite", "-q")
     ctl("image", "compose", "root/bench/combo:1", "root/bench/base:1", "root/bench/a:1", "root/bench/b:1", "-overwrite")
-    out = {"import": imports(store, a.imports), "create": asyncio.run(creations(a.n, state, store, "root/bench/combo:1"))}
+    out = {"import": imports(store, a.imports), "registry_import": registry_imports(store, a.imports), "create": asyncio.run(creations(a.n, state, store, "root/bench/combo:1"))}
     if a.json:
         print(json.dumps(out, indent=2))
         return
-    i, c = out["import"], out["create"]
+    i, c, r = out["import"], out["create"], out["registry_import"]
     print(f"import of the base image: ours p50 {i['ours_s']['p50']:.2f} s (min {i['ours_s']['min']:.2f}), "
           f"umoci unpack p50 {i['umoci_unpack_s']['p50']:.2f} s (min {i['umoci_unpack_s']['min']:.2f}), n={a.imports}")
+    print(f"import from a local registry: ours p50 {r['ours_s']['p50']:.2f} s (min {r['ours_s']['min']:.2f}), "
+          f"skopeo copy + umoci unpack p50 {r['skopeo_umoci_s']['p50']:.2f} s "
+          f"(min {r['skopeo_umoci_s']['min']:.2f}), n={a.imports}")
     print(f"create -> first output, composed image of {c['layers']} layers: p50 {c['composed_ms']['p50']:.1f} ms, "
           f"p99 {c['composed_ms']['p99']:.1f} ms; host: p50 {c['host_ms']['p50']:.1f} ms, p99 {c['host_ms']['p99']:.1f} ms; "
           f"ratio of p50s {c['p50_ratio']:.3f} (n={a.n})")
