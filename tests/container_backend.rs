@@ -1431,8 +1431,11 @@ async fn a_timeout_stops_the_whole_command_fork_storms_included() {
             0,
         ),
         (python_storm, 2.0, 300),
-        // The bomb goes to the background at once; the command goes on in the foreground.
-        (":(){ :|:& };:; sleep 100", 3.0, 300),
+        // The bomb goes to the background at once; the command waits in the foreground. Its
+        // `sleep` is forked first and `wait` forks nothing: a shell whose fork fails at the
+        // pids limit retries for 15 s and then SIGTERMs its own group, ending the command
+        // (exit 143) before a slow machine's timeout.
+        ("sleep 100 & s=$!; :(){ :|:& };:; wait $s", 3.0, 300),
         // The orphan of a subshell that left its group and its tree: found by its cgroup only.
         (
             "(setsid bash -c 'sleep 103' </dev/null >/dev/null 2>&1 &); sleep 104",
