@@ -68,16 +68,31 @@ pub trait Snapshotter: Send + Sync {
     ) -> Result<(BackendState, SnapshotInfo), BackendError>;
 }
 
-/// Builds an image layer from a sandbox's changes (`pack_diff`, containers).
+/// The layer a pack added to the store, and the image it makes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PackedLayer {
+    /// The sandbox's image layers, bottom first, then the new one: the new image's layers.
+    pub layers: Vec<crate::images::digest::Digest>,
+    /// The new layer's diff_id.
+    pub diff_id: crate::images::digest::Digest,
+    /// What it holds (see [`crate::images::pack::Packed`]).
+    pub packed: crate::images::pack::Packed,
+}
+
+/// Builds an image layer from a sandbox's writable layer (`pack_diff` and container
+/// snapshots, docs/images.md "Images from sandboxes").
 #[async_trait]
 pub trait Packer: Send + Sync {
-    /// Writes the sandbox's file-system changes, minus build residue, as a layer in `dir`.
-    /// Returns the layer's size in bytes.
-    async fn pack_diff(
+    /// Writes the sandbox's file-system changes into the image store as one new layer,
+    /// leaving out what `scrub` matches; the sandbox is frozen for the copy and thawed
+    /// after (a paused one stays paused). Errors: `Invalid` (a sandbox of a node-local
+    /// image, a device node in its files), `ImageUnavailable` (no store, the store cannot
+    /// be written), `Step` (freezing or reading its disk failed).
+    async fn pack(
         &self,
         sandbox: &Handle<'_>,
-        dir: &std::path::Path,
-    ) -> Result<u64, BackendError>;
+        scrub: &crate::images::pack::Scrub,
+    ) -> Result<PackedLayer, BackendError>;
 }
 
 /// The backend's sandboxes need sandbox networking (a netns with a veth pair).

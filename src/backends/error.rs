@@ -61,6 +61,13 @@ pub enum BackendError {
     /// The image store cannot be read now, or a layer cannot be copied to the node.
     #[error("image {image}: {message}")]
     ImageUnavailable { image: String, message: String },
+    /// Packing the sandbox's files into a layer failed; the reason is the pack's.
+    #[error("sandbox {sandbox_id}: packing its files")]
+    Pack {
+        sandbox_id: String,
+        #[source]
+        source: crate::images::pack::PackError,
+    },
     /// A file or device step failed.
     #[error("{step} {path}")]
     Io {
@@ -81,6 +88,7 @@ impl BackendError {
             BackendError::Exhausted { .. } => Reason::NoCapacity,
             BackendError::ImageUnavailable { .. } => Reason::Unavailable,
             BackendError::CleanupFailed { primary, .. } => primary.reason(),
+            BackendError::Pack { source, .. } => source.to_failure().reason,
             BackendError::Create { .. }
             | BackendError::Operation { .. }
             | BackendError::Step { .. }

@@ -25,8 +25,8 @@ use async_trait::async_trait;
 use crate::pb;
 
 pub use caps::{
-    ImageLister, Loss, LossReporter, Networked, Packer, Runtime, SnapshotInfo, SnapshotTarget,
-    Snapshotter, Versioned,
+    ImageLister, Loss, LossReporter, Networked, PackedLayer, Packer, Runtime, SnapshotInfo,
+    SnapshotTarget, Snapshotter, Versioned,
 };
 pub use error::BackendError;
 pub use factory::build;

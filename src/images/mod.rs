@@ -13,6 +13,7 @@ pub mod layer;
 pub mod metacap;
 pub mod name;
 pub mod oci;
+pub mod pack;
 pub mod registry;
 pub mod store;
 pub mod unpack;

@@ -805,7 +805,7 @@ fn open_dir_beneath(base: &Path, rel: &str) -> io::Result<Option<OwnedFd>> {
 }
 
 /// The names in a directory, without `.` and `..`.
-fn dir_names(fd: &OwnedFd) -> io::Result<std::collections::BTreeSet<Vec<u8>>> {
+pub(crate) fn dir_names(fd: &OwnedFd) -> io::Result<std::collections::BTreeSet<Vec<u8>>> {
     let mut out = std::collections::BTreeSet::new();
     let mut dir = rfs::Dir::read_from(fd)?;
     while let Some(entry) = dir.read() {

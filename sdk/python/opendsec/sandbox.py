@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, AsyncIterator, Optional, Union
+from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence, Union
 
 import grpc
 import grpc.aio
@@ -10,7 +10,7 @@ import grpc.aio
 from opendsec import _args
 from opendsec._pb import opendsec_pb2, runtime_pb2, types_pb2
 from opendsec.errors import INVALID, UNAVAILABLE, DSecError, bad_arguments_are_invalid, error_from_rpc
-from opendsec.models import FileInfo, HttpResult, ShellResult
+from opendsec.models import FileInfo, HttpResult, ImageInfo, ShellResult
 
 if TYPE_CHECKING:
     from opendsec.client import DSecClient
@@ -105,6 +105,39 @@ class Sandbox:
         req = opendsec_pb2.SetSandboxTimeoutRequest(id=self.id, timeout_s=int(timeout))
         self.info = await self._client._unary("SetSandboxTimeout", req, retry=True)
         return self
+
+    # ---------------------------------------------------------------- images
+
+    async def pack_diff(self, image: str, scrub: Sequence[str] = (), overwrite: bool = False) -> ImageInfo:
+        """Saves the sandbox's file changes against its image as the new image ``image``.
+
+        The new image is the sandbox's image with one layer more, and records it as ``parent``.
+        The sandbox is frozen while its files are copied and runs on after. Build residue is
+        left out: ``/tmp/*``, ``/var/tmp/*``, ``/root/.cache`` and shell and Python history,
+        then ``scrub`` (globs relative to ``/``; ``*`` stops at ``/``). Container sandboxes of
+        store images only. Needs ``sandbox.operate`` on the sandbox's project and
+        ``layer.publish`` on the image's. Not retried. Raises ``DSecError``: ``conflict`` (the
+        name exists, without ``overwrite``; a sandbox neither running nor paused),
+        ``invalid`` (a bad name or glob, a node-local image, a device node in its files),
+        ``forbidden``, ``not_found``, ``unavailable`` (the image store).
+        """
+        if isinstance(scrub, str):
+            raise DSecError(INVALID, "scrub must be a list of globs, not one string")
+        req = opendsec_pb2.PackDiffRequest(
+            id=self.id, image=_args.text("image", image), scrub=[str(g) for g in scrub], overwrite=overwrite
+        )
+        return ImageInfo.from_pb(await self._client._unary("PackDiff", req, retry=False))
+
+    async def create_snapshot(self, image: str, memory: bool = False, overwrite: bool = False) -> ImageInfo:
+        """Saves the sandbox's files as they are (nothing scrubbed) as the new image ``image``.
+
+        ``memory=True`` keeps memory too, which only microVMs have: on a container it is
+        ``invalid``. Permissions and errors as :meth:`pack_diff`. Not retried.
+        """
+        req = opendsec_pb2.CreateSnapshotRequest(
+            id=self.id, image=_args.text("image", image), memory=bool(memory), overwrite=overwrite
+        )
+        return ImageInfo.from_pb(await self._client._unary("CreateSnapshot", req, retry=False))
 
     # ---------------------------------------------------------------- commands
 

@@ -1355,9 +1355,11 @@ def role_cluster() -> Iterator:
     binary = require_root_and_binary()
     made: list[tuple[RoleCluster, Path, str]] = []
 
-    def start(apiservers: int = 1) -> RoleCluster:
+    def start(apiservers: int = 1, image_store: bool = False) -> RoleCluster:
         base = Path(tempfile.mkdtemp(prefix="odr-", dir="/tmp"))  # short: aether's socket is under it
         rc = RoleCluster(binary, base, apiservers=apiservers)
+        if image_store:
+            rc.config["image_store"] = {"root": str(base / "images")}
         edge_id = f"e2e-r{secrets.token_hex(3)}"
         edge = rc.config["edges"][0]
         edge["id"] = edge_id
@@ -1554,3 +1556,249 @@ async def test_a_sandbox_from_a_store_image_has_its_files_and_defaults(linux, tm
             with pytest.raises(DSecError) as ei:
                 await p.run_sandbox(DSecRunArgs(image=image, **args))
             assert ei.value.reason == opendsec.FORBIDDEN and "layer.use" in ei.value.message, ei.value
+
+
+def _busybox_image(tmp_path: Path, name: str) -> Path:
+    """An OCI layout of busybox with a few files to change, delete and scrub."""
+    from test_images import oci_layout
+
+    busybox = next(p for p in ("/bin/busybox", "/usr/bin/busybox") if os.path.isfile(p))
+    base: dict[str, bytes | str] = {"bin/busybox": Path(busybox).read_bytes()}
+    tools = ("sh", "cat", "ls", "echo", "rm", "mkdir", "ln", "mkfifo", "readlink", "stat", "dd", "truncate", "mknod")
+    base.update({f"bin/{t}": "busybox" for t in tools})
+    base.update(
+        {
+            "etc/passwd": b"root:x:0:0:root:/root:/bin/sh\n",
+            "srv/keep": b"base\n",
+            "srv/gone": b"deleted by the sandbox\n",
+            "srv/dir/old": b"replaced by the sandbox\n",
+            "tmp/base-file": b"in the image\n",
+            "root/.bash_history": b"history in the image\n",
+        }
+    )
+    oci_layout(tmp_path / name, [base], env=["PATH=/bin", "GREETING=hi"], workdir="/srv")
+    return tmp_path / name
+
+
+async def test_pack_diff_and_snapshots_make_images_from_a_running_sandbox(linux, tmp_path):
+    """``pack_diff`` saves a container's changes against its store image as a new image of one
+    layer more (changed, deleted and replaced files, links and fifos; /tmp, caches, shell
+    history and the caller's globs left out, a scrubbed file of the image deleted in the new
+    one), recording its parent and keeping its defaults; the source runs on. A snapshot keeps
+    everything; ``memory=True`` on a container, a node-local image, a sparse file beyond the
+    disk and bad globs are ``invalid``; a taken name ``conflict``; without
+    ``layer.publish`` ``forbidden`` (docs/images.md "Images from sandboxes")."""
+    from test_images import ctl
+
+    project = f"root/pack-{secrets.token_hex(3)}"
+    base = f"{project}/base:1"
+    env = dict(linux.env, OPENDSEC_IMAGE_STORE=str(linux.state_dir.parent / "images"))
+    args = dict(backend="container", cpu_cores_limit=1, memory_limit_mb=256, disk_mb=64, project=project)
+    async with linux.client() as c:
+        await c.create_project("root", project.split("/")[1])
+        r = ctl(env, "image", "import", str(_busybox_image(tmp_path, "busy")), "-as", base, "-q")
+        assert r.returncode == 0, r.stderr
+        parent = await c.get_image(base)
+        sb = await c.run_sandbox(DSecRunArgs(image=base, **args))
+        try:
+            r = await sb.run_shell(
+                "set -e; echo changed > /srv/keep; rm /srv/gone; rm -r /srv/dir; mkdir /srv/dir;"
+                " echo new > /srv/dir/new; echo t > /tmp/t; mkdir -p /root/.cache /srv/repo/.git;"
+                " echo c > /root/.cache/c; echo more >> /root/.bash_history; echo g > /srv/repo/.git/HEAD;"
+                " echo code > /srv/repo/main.py; ln -s /etc/passwd /srv/link; ln /srv/keep /srv/hard;"
+                " mkfifo /srv/fifo; dd if=/dev/zero of=/srv/blob bs=1024 count=2048 2>/dev/null"
+            )
+            assert r.exit_code == 0, r
+            img = await sb.pack_diff(f"{project}/packed:1", scrub=["srv/repo/.git"])
+            assert img.name == f"{project}/packed:1" and img.parent == base and not img.snapshot
+            assert img.layers[:-1] == parent.layers and len(img.layers) == len(parent.layers) + 1
+            assert (img.env, img.workdir) == (parent.env, "/srv")
+            assert img.created_by == await c.whoami() and img.source.startswith("pack_diff of sandbox")
+            assert (await c.get_image(img.name)).layers == img.layers
+            layer = Path(env["OPENDSEC_IMAGE_STORE"]) / "layers" / img.layers[-1].split(":")[1] / "rootfs"
+            assert (layer / "srv/keep").read_bytes() == b"changed\n"
+            # The source runs on, its files untouched, and it was thawed.
+            r = await sb.run_shell("cat /srv/keep /tmp/t /root/.cache/c")
+            assert (r.exit_code, r.stdout) == (0, "changed\nt\nc\n"), r
+            await sb.refresh()
+            assert sb.state == "RUNNING"
+
+            # A paused sandbox is packed too, and stays paused.
+            await sb.pause()
+            snap = await sb.create_snapshot(f"{project}/snap:1")
+            assert snap.snapshot and snap.parent == base and snap.layers[:-1] == parent.layers
+            await sb.refresh()
+            assert sb.state == "PAUSED"
+            await sb.resume()
+
+            # The same files again make the same layer: stored once.
+            again = await sb.pack_diff(f"{project}/packed:2", scrub=["srv/repo/.git"])
+            assert again.layers == img.layers
+
+            for call, reason in (
+                (sb.pack_diff(f"{project}/packed:1"), opendsec.CONFLICT),
+                (sb.create_snapshot(f"{project}/m:1", memory=True), opendsec.INVALID),
+                (sb.pack_diff(f"{project}/x:1", scrub=["../etc"]), opendsec.INVALID),
+                (sb.pack_diff(f"{project}/Bad:1"), opendsec.INVALID),
+                (sb.pack_diff(f"{project}/ghost/x:1"), opendsec.NOT_FOUND),
+            ):
+                with pytest.raises(DSecError) as ei:
+                    await call
+                assert ei.value.reason == reason, ei.value
+            assert (await sb.pack_diff(f"{project}/packed:1", overwrite=True)).parent == base
+
+            # Without layer.publish: forbidden, and nothing registered.
+            token = await c.create_principal(project, "operator")
+            await c.grant(project, "operator", ["sandbox.operate", "layer.use"])
+            async with DSecClient(endpoint=linux.env["OPENDSEC_ADDR"], token=token, project=project, retry_timeout=10) as p:
+                other = await p.get_sandbox(sb.id)
+                with pytest.raises(DSecError) as ei:
+                    await other.pack_diff(f"{project}/mine:1")
+                assert ei.value.reason == opendsec.FORBIDDEN and "layer.publish" in ei.value.message, ei.value
+            with pytest.raises(DSecError) as ei:
+                await c.get_image(f"{project}/mine:1")
+            assert ei.value.reason == opendsec.NOT_FOUND
+
+            # The CLI: pack with -scrub lists, snapshot -memory refused.
+            r = ctl(env, "image", "pack", sb.id, f"{project}/cli:1", "-scrub", "srv/repo/.git,srv/fifo", "-scrub", "srv/blob")
+            assert r.returncode == 0, r.stderr
+            out = json.loads(r.stdout)
+            assert out["parent"] == base and out["layers"][:-1] == parent.layers
+            r = ctl(env, "image", "snapshot", sb.id, f"{project}/cli-snap:1", "-memory")
+            assert r.returncode == 1 and r.stderr.startswith("error: invalid:") and "memory" in r.stderr, r.stderr
+            r = ctl(env, "image", "snapshot", sb.id, f"{project}/cli-snap:1")
+            assert r.returncode == 0 and json.loads(r.stdout)["snapshot"] is True, r.stderr
+
+            # The sandbox's root cannot make a device node for a pack to copy (no CAP_MKNOD;
+            # a pack would refuse one, naming it).
+            r = await sb.run_shell("mknod /srv/null c 1 3")
+            assert r.exit_code == 1 and "not permitted" in r.stderr, r
+
+            # What a pack must never take: a sparse file beyond the disk (64 MB).
+            r = await sb.run_shell("truncate -s 1G /srv/sparse")
+            assert r.exit_code == 0, r
+            with pytest.raises(DSecError) as ei:
+                await sb.pack_diff(f"{project}/sparse:1")
+            assert ei.value.reason == opendsec.INVALID and "srv/sparse" in ei.value.message, ei.value
+            await sb.run_shell("rm /srv/sparse")
+        finally:
+            await sb.stop()
+
+        # Sandboxes of the new images: the changes, without the residue.
+        check = (
+            "cat /srv/keep; cat /srv/gone 2>/dev/null || echo no-gone; ls /srv/dir; ls -A /tmp;"
+            " ls /root/.cache 2>/dev/null || echo no-cache; cat /root/.bash_history 2>/dev/null || echo no-history;"
+            " ls -A /srv/repo; readlink /srv/link; [ /srv/hard -ef /srv/keep ] && echo linked; [ -p /srv/fifo ] && echo fifo;"
+            " stat -c %s /srv/blob; echo $GREETING; pwd"
+        )
+        sb2 = await c.run_sandbox(DSecRunArgs(image=f"{project}/packed:2", **args))
+        try:
+            r = await sb2.run_shell(check)
+            assert r.exit_code == 0, r
+            assert r.stdout == (
+                "changed\nno-gone\nnew\nbase-file\nno-cache\nno-history\nmain.py\n/etc/passwd\nlinked\nfifo\n2097152\nhi\n/srv\n"
+            ), r
+        finally:
+            await sb2.stop()
+        sb3 = await c.run_sandbox(DSecRunArgs(image=f"{project}/snap:1", **args))
+        try:
+            r = await sb3.run_shell("cat /tmp/t /root/.cache/c /srv/repo/.git/HEAD; tail -n1 /root/.bash_history")
+            assert (r.exit_code, r.stdout) == (0, "t\nc\ng\nmore\n"), r
+        finally:
+            await sb3.stop()
+
+        # A sandbox of a node-local image has no store layers to stack a new one on.
+        host = await c.run_sandbox(container(project=project))
+        try:
+            with pytest.raises(DSecError) as ei:
+                await host.pack_diff(f"{project}/from-host:1")
+            assert ei.value.reason == opendsec.INVALID and "node-local" in ei.value.message, ei.value
+        finally:
+            await host.stop()
+
+
+async def test_edge_and_importer_sigkill_mid_write_leave_nothing_half_written(role_cluster, tmp_path):
+    """Restart drill (docs/images.md "Images from sandboxes"): an importer killed while it
+    writes a layer, and an edge killed while it packs a sandbox's files, leave only what
+    ``image gc`` removes in ``tmp/`` and never a half-written layer or manifest; the sandbox,
+    which the pack held frozen, runs again after the edge's restart, and packs then."""
+    from test_images import ctl, oci_layout
+
+    rc = role_cluster(image_store=True)
+    store = rc.dir / "images"
+    env = {"OPENDSEC_ADDR": rc.endpoint, "OPENDSEC_TOKEN": rc.admin_token, "OPENDSEC_IMAGE_STORE": str(store)}
+    binary = Path(os.environ.get("OPENDSEC_BIN") or DEFAULT_BIN)
+
+    def half_written() -> list[str]:
+        bad = [f"layers/{d.name}" for d in (store / "layers").iterdir() if not (d / "meta.json").is_file()]
+        bad += [str(m.relative_to(store)) for m in (store / "images").rglob("*") if m.is_file() and not m.name.endswith(".json")]
+        return bad
+
+    async def until_staging(within: float = 30.0) -> None:
+        end = time.monotonic() + within
+        while not any((store / "tmp").iterdir()):
+            assert time.monotonic() < end, "no layer was being written"
+            await asyncio.sleep(0.01)
+
+    try:
+        async with role_client(rc) as c:
+            await container_edge_up(c)
+            project = f"root/drill-{secrets.token_hex(3)}"
+            await c.create_project("root", project.split("/")[1])
+            image = f"{project}/busy:1"
+            r = ctl(env, "image", "import", str(_busybox_image(tmp_path, "busy")), "-as", image, "-q")
+            assert r.returncode == 0, r.stderr
+
+            # The importer, killed mid-layer (a 256 MB layer of random data).
+            big = tmp_path / "big"
+            big.mkdir()
+            oci_layout(big / "layout", [{"srv/big": os.urandom(256 << 20)}], env=[])
+            imp = subprocess.Popen(
+                [str(binary), "ctl", "image", "import", str(big / "layout"), "-as", f"{project}/big:1", "-q"],
+                env=dict(os.environ, **env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            try:
+                await until_staging()
+            finally:
+                imp.kill()
+                imp.wait(timeout=15)
+
+            # The edge, killed mid-pack of a sandbox that wrote 256 MB.
+            args = dict(backend="container", cpu_cores_limit=1, memory_limit_mb=256, disk_mb=512, project=project)
+            sb = await c.run_sandbox(DSecRunArgs(image=image, **args))
+            try:
+                r = await sb.run_shell("dd if=/dev/urandom of=/srv/data bs=1M count=256 2>/dev/null; echo ok", timeout=120)
+                assert r.stdout == "ok\n", r
+                pack = asyncio.ensure_future(sb.pack_diff(f"{project}/packed:1"))
+                await until_staging()
+                rc.kill("edge")
+                with pytest.raises(DSecError) as ei:
+                    await pack
+                assert ei.value.reason in (opendsec.UNAVAILABLE, opendsec.INTERNAL), ei.value
+                await asyncio.to_thread(rc.restart, "edge")
+                await container_edge_up(c)
+                # Thawed at adoption: it runs, and is RUNNING, not PAUSED.
+                r = await sh(sb, "stat -c %s /srv/data")
+                assert (r.exit_code, r.stdout) == (0, "268435456\n"), r
+                assert (await sb.refresh()).state == "RUNNING"
+
+                assert any((store / "tmp").iterdir()), "the interrupted writes are left for gc"
+                assert half_written() == []
+                with pytest.raises(DSecError) as ei:
+                    await c.get_image(f"{project}/packed:1")
+                assert ei.value.reason == opendsec.NOT_FOUND
+                with pytest.raises(DSecError) as ei:
+                    await c.get_image(f"{project}/big:1")
+                assert ei.value.reason == opendsec.NOT_FOUND
+                r = ctl(env, "image", "gc", "-grace", "0s")
+                assert r.returncode == 0 and "removed tmp/" in r.stdout, r.stdout + r.stderr
+                assert list((store / "tmp").iterdir()) == [] and half_written() == []
+
+                img = await sb.pack_diff(f"{project}/packed:1")
+                assert len(img.layers) == 2
+            finally:
+                await sb.stop()
+        rc.check_alive()
+    except BaseException:
+        print(rc.logs())
+        raise

@@ -26,7 +26,7 @@ use super::setup::{
 };
 use crate::backends::{
     Adopted, Backend, BackendContext, BackendError, BackendState, CleanupReport, CreateRequest,
-    Handle, Health, Recorded, Runtime,
+    Handle, Health, Packer, Recorded, Runtime,
 };
 use crate::config::BackendConfig;
 use crate::guest::config::AetherConfig;
@@ -764,6 +764,14 @@ impl Backend for ContainerBackend {
             });
         }
         self.images.hold(sandbox.sandbox_id, &st.layers);
+        let marker = self.sandbox_dir(sandbox.sandbox_id).join(pack::PACKING);
+        if marker.exists() {
+            // The edge died while a pack held the sandbox frozen: it was not paused.
+            if let Err(e) = cg.thaw() {
+                tracing::warn!(sandbox_id = %sandbox.sandbox_id, error = %crate::types::chain(&e), "thawing a sandbox left frozen by a pack");
+            }
+            let _ = std::fs::remove_file(&marker);
+        }
         Ok(Adopted {
             state: sandbox.state.clone(),
             paused: cg.frozen(),
@@ -834,6 +842,10 @@ impl Backend for ContainerBackend {
     }
 
     fn runtime(&self) -> Option<&dyn Runtime> {
+        Some(self)
+    }
+
+    fn packer(&self) -> Option<&dyn Packer> {
         Some(self)
     }
 }
@@ -956,6 +968,8 @@ impl Runtime for ContainerBackend {
         Ok(ch)
     }
 }
+
+mod pack;
 
 #[cfg(test)]
 mod tests {

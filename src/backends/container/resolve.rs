@@ -78,6 +78,11 @@ impl Images {
         })
     }
 
+    /// The image store, if the cluster has one.
+    pub fn store(&self) -> Option<Arc<Store>> {
+        self.layers.as_ref().map(|l| l.store().clone())
+    }
+
     /// The lowers of a node-local image, if it is one.
     pub fn local(&self, image: &str) -> Option<&Vec<PathBuf>> {
         self.local.get(image)

@@ -1,4 +1,5 @@
-//! `image import|list|get|delete|compose` (docs/cli.md, docs/images.md).
+//! `image import|list|get|delete|compose|pack|snapshot|gc|store-check|save` (docs/cli.md,
+//! docs/images.md).
 //!
 //! `image import` runs on a machine that mounts the image store: it asks the API whether the
 //! name may be registered (a dry run: permission, name taken), writes the layers into the store
@@ -34,6 +35,8 @@ pub enum ImageCmd {
     Get(GetArgs),
     Delete(DeleteArgs),
     Compose(ComposeArgs),
+    Pack(PackArgs),
+    Snapshot(SnapshotArgs),
     Gc(GcArgs),
     StoreCheck(StoreCheckArgs),
     Save(SaveArgs),
@@ -198,13 +201,65 @@ pub struct ComposeArgs {
     pub overwrite: bool,
 }
 
+#[derive(FromArgs, Debug)]
+/// save a container sandbox's file changes against its image as a new image (pack_diff);
+/// /tmp, /var/tmp, caches and shell history are left out
+#[argh(
+    subcommand,
+    name = "pack",
+    help_triggers("-h", "--help", "help"),
+    example = "{command_name} $ID root/rl/repo-env:v1 -scrub srv/repo/.git"
+)]
+pub struct PackArgs {
+    /// the sandbox
+    #[argh(positional)]
+    pub id: String,
+    /// the new image, project/name:tag
+    #[argh(positional)]
+    pub name: String,
+    /// more paths to leave out, globs relative to / separated by commas (* stops at /)
+    #[argh(option)]
+    pub scrub: Vec<String>,
+    /// replace an image of the same name
+    #[argh(switch)]
+    pub overwrite: bool,
+}
+
+#[derive(FromArgs, Debug)]
+/// save a sandbox's files as they are as a new image (a snapshot)
+#[argh(
+    subcommand,
+    name = "snapshot",
+    help_triggers("-h", "--help", "help"),
+    example = "{command_name} $ID root/rl/step-40:v1"
+)]
+pub struct SnapshotArgs {
+    /// the sandbox
+    #[argh(positional)]
+    pub id: String,
+    /// the new image, project/name:tag
+    #[argh(positional)]
+    pub name: String,
+    /// keep memory too (microVMs only)
+    #[argh(switch)]
+    pub memory: bool,
+    /// replace an image of the same name
+    #[argh(switch)]
+    pub overwrite: bool,
+}
+
 impl ImageArgs {
     /// Whether this command runs without the default time limit (an import or a
     /// collection can take long).
     pub fn unbounded(&self) -> bool {
         matches!(
             self.cmd,
-            ImageCmd::Import(_) | ImageCmd::Gc(_) | ImageCmd::StoreCheck(_) | ImageCmd::Save(_)
+            ImageCmd::Import(_)
+                | ImageCmd::Gc(_)
+                | ImageCmd::StoreCheck(_)
+                | ImageCmd::Save(_)
+                | ImageCmd::Pack(_)
+                | ImageCmd::Snapshot(_)
         )
     }
 
@@ -248,6 +303,37 @@ impl ImageArgs {
             ImageCmd::Gc(a) => gc(a, |k| std::env::var(k).ok()).await,
             ImageCmd::StoreCheck(a) => store_check(a, |k| std::env::var(k).ok()).await,
             ImageCmd::Save(a) => save(a, |k| std::env::var(k).ok()).await,
+            ImageCmd::Pack(a) => {
+                ImageRef::parse(&a.name)?;
+                let req = pb::PackDiffRequest {
+                    id: a.id,
+                    image: a.name,
+                    scrub: split_list(&a.scrub),
+                    overwrite: a.overwrite,
+                };
+                crate::images::pack::Scrub::new(true, &req.scrub)?;
+                let conn = ctx.connect()?;
+                output::json(
+                    &conn
+                        .call(req, |mut c, r| async move { c.pack_diff(r).await })
+                        .await?,
+                )
+            }
+            ImageCmd::Snapshot(a) => {
+                ImageRef::parse(&a.name)?;
+                let req = pb::CreateSnapshotRequest {
+                    id: a.id,
+                    image: a.name,
+                    memory: a.memory,
+                    overwrite: a.overwrite,
+                };
+                let conn = ctx.connect()?;
+                output::json(
+                    &conn
+                        .call(req, |mut c, r| async move { c.create_snapshot(r).await })
+                        .await?,
+                )
+            }
             ImageCmd::Compose(a) => {
                 let req = compose_request(a)?;
                 let conn = ctx.connect()?;
@@ -259,6 +345,15 @@ impl ImageArgs {
             }
         }
     }
+}
+
+/// `-scrub a,b -scrub c` → `[a, b, c]` (empty items dropped).
+fn split_list(v: &[String]) -> Vec<String> {
+    v.iter()
+        .flat_map(|s| s.split(','))
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect()
 }
 
 fn compose_request(a: ComposeArgs) -> Result<pb::ComposeImageRequest, CtlError> {

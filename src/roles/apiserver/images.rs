@@ -12,6 +12,7 @@ use crate::images::digest::Digest;
 use crate::images::name::ImageRef;
 use crate::images::store::{ImageManifest, Store};
 use crate::pb;
+use crate::rpc::failure_from_status;
 use crate::types::names::{check_project_path, shown};
 use crate::types::Failure;
 
@@ -244,6 +245,109 @@ impl Inner {
                 .write_manifest(&name, &m, req.overwrite)
                 .map_err(|e| e.to_failure())?;
             tracing::info!(image = %name, layers = m.layers.len(), "image composed");
+            Ok(info(&name, &m))
+        })
+        .await
+    }
+}
+
+/// What [`Inner::from_sandbox`] makes: a `pack_diff` (scrubbed) or a snapshot (as it is).
+pub(crate) struct FromSandbox {
+    pub id: String,
+    pub image: String,
+    /// `Some(globs)` for a pack_diff (the defaults, then these); `None` for a snapshot.
+    pub scrub: Option<Vec<String>>,
+    pub overwrite: bool,
+}
+
+impl Inner {
+    /// `PackDiff` and `CreateSnapshot` (docs/images.md "Images from sandboxes"): the
+    /// sandbox's edge packs its writable layer into the store, then the image is written
+    /// here with the sandbox's image as `parent` and its env, workdir and user. Errors:
+    /// `invalid` (names, scrub globs, a node-local image, a backend that cannot pack, too
+    /// many layers), `forbidden` (no `sandbox.operate` on the sandbox's project, no
+    /// `layer.publish` on the image's), `not_found`, `conflict` (the name exists and
+    /// `overwrite` is off; a sandbox neither running nor paused), `unavailable` (the store).
+    pub(crate) async fn from_sandbox(
+        &self,
+        caller: &Caller,
+        req: FromSandbox,
+    ) -> Result<pb::ImageInfo, Failure> {
+        let name = ImageRef::parse(&req.image)?;
+        if let Some(globs) = &req.scrub {
+            // Checked here too, so a bad glob costs no trip to the edge.
+            crate::images::pack::Scrub::new(true, globs)?;
+        }
+        let store = self.store()?;
+        let addr = self.authorize_sandbox(caller, &req.id).await?;
+        self.auth.authorize(caller, &name.project, PUBLISH).await?;
+        if !req.overwrite {
+            let (s, n) = (store.clone(), name.clone());
+            blocking(move || {
+                if s.manifest_path(&n).exists() {
+                    return Err(
+                        crate::images::store::StoreError::Exists(n.to_string()).to_failure()
+                    );
+                }
+                Ok(())
+            })
+            .await?;
+        }
+        let snapshot = req.scrub.is_none();
+        let packed = self
+            .edges
+            .edge(&addr)?
+            .pack_sandbox(self.edges.req(pb::EdgePackRequest {
+                id: req.id.clone(),
+                scrub: req.scrub.unwrap_or_default(),
+                default_scrub: !snapshot,
+            }))
+            .await
+            .map_err(|s| failure_from_status(&s))?
+            .into_inner();
+        let layers = packed
+            .layers
+            .iter()
+            .map(|l| {
+                Digest::parse(l).map_err(|e| {
+                    Failure::internal(format!("the edge answered layer {}: {e}", shown(l)))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if layers.len() > crate::images::compose::MAX_LAYERS {
+            return Err(Failure::invalid(format!(
+                "the new image would have {} layers; at most {} can be stacked (compose fewer parts)",
+                layers.len(),
+                crate::images::compose::MAX_LAYERS
+            )));
+        }
+        let principal = caller.principal.clone();
+        let id = req.id;
+        blocking(move || {
+            // The parent's defaults; a parent deleted since the sandbox started has none.
+            let parent = ImageRef::parse(&packed.image)
+                .ok()
+                .and_then(|p| store.read_manifest(&p).ok())
+                .unwrap_or_default();
+            let m = ImageManifest {
+                layers,
+                env: parent.env,
+                workdir: parent.workdir,
+                user: parent.user,
+                parent: packed.image.clone(),
+                source: format!(
+                    "{} of sandbox {id}",
+                    if snapshot { "snapshot" } else { "pack_diff" }
+                ),
+                created: now_rfc3339(),
+                created_by: principal,
+                snapshot,
+                ..Default::default()
+            };
+            store
+                .write_manifest(&name, &m, req.overwrite)
+                .map_err(|e| e.to_failure())?;
+            tracing::info!(image = %name, sandbox_id = %id, layers = m.layers.len(), file_bytes = packed.file_bytes, scrubbed = packed.scrubbed, snapshot, "image made from a sandbox");
             Ok(info(&name, &m))
         })
         .await

@@ -687,6 +687,59 @@ impl pb::d_sec_server::DSec for Api {
         self.finish(call, r).map(Response::new)
     }
 
+    async fn pack_diff(
+        &self,
+        req: Request<pb::PackDiffRequest>,
+    ) -> Result<Response<pb::ImageInfo>, Status> {
+        let (caller, mut call) = self.begin(&req, "PackDiff", true).await?;
+        let msg = req.into_inner();
+        call.project = image_project(&msg.image);
+        call.sandbox_id = msg.id.clone();
+        let r = self
+            .inner
+            .from_sandbox(
+                &caller,
+                super::images::FromSandbox {
+                    id: msg.id,
+                    image: msg.image,
+                    scrub: Some(msg.scrub),
+                    overwrite: msg.overwrite,
+                },
+            )
+            .await;
+        self.finish(call, r).map(Response::new)
+    }
+
+    async fn create_snapshot(
+        &self,
+        req: Request<pb::CreateSnapshotRequest>,
+    ) -> Result<Response<pb::ImageInfo>, Status> {
+        let (caller, mut call) = self.begin(&req, "CreateSnapshot", true).await?;
+        let msg = req.into_inner();
+        call.project = image_project(&msg.image);
+        call.sandbox_id = msg.id.clone();
+        let r = if msg.memory {
+            // Only microVMs have memory to keep; no backend here has it yet.
+            Err(Failure::invalid(format!(
+                "sandbox {}: memory=True needs a microVM; a container's snapshot keeps its files only",
+                msg.id
+            )))
+        } else {
+            self.inner
+                .from_sandbox(
+                    &caller,
+                    super::images::FromSandbox {
+                        id: msg.id,
+                        image: msg.image,
+                        scrub: None,
+                        overwrite: msg.overwrite,
+                    },
+                )
+                .await
+        };
+        self.finish(call, r).map(Response::new)
+    }
+
     async fn drain_edge(
         &self,
         req: Request<pb::DrainEdgeRequest>,

@@ -18,6 +18,7 @@ mod machine;
 mod metrics;
 mod node;
 mod ops;
+mod pack;
 mod record;
 mod recover;
 mod runtime;

@@ -198,6 +198,24 @@ impl pb::edge_server::Edge for EdgeService {
         )
     }
 
+    async fn pack_sandbox(
+        &self,
+        req: Request<pb::EdgePackRequest>,
+    ) -> Result<Response<pb::EdgePackResponse>, Status> {
+        check_service_token(&req, &self.core.service_token)?;
+        let r = req.into_inner();
+        let span = self.span("PackSandbox", &r.id);
+        let core = self.core.clone();
+        // Detached: a pack cut off mid-copy would leave the sandbox frozen.
+        answer(
+            detached(
+                &self.work,
+                async move { core.pack(r).await }.instrument(span),
+            )
+            .await,
+        )
+    }
+
     async fn drain(
         &self,
         req: Request<pb::DrainEdgeRequest>,

@@ -399,3 +399,27 @@ class ComposeImageRequest(_message.Message):
     user: str
     overwrite: bool
     def __init__(self, name: _Optional[str] = ..., parts: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., user: _Optional[str] = ..., overwrite: bool = ...) -> None: ...
+
+class PackDiffRequest(_message.Message):
+    __slots__ = ("id", "image", "scrub", "overwrite")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    SCRUB_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    image: str
+    scrub: _containers.RepeatedScalarFieldContainer[str]
+    overwrite: bool
+    def __init__(self, id: _Optional[str] = ..., image: _Optional[str] = ..., scrub: _Optional[_Iterable[str]] = ..., overwrite: bool = ...) -> None: ...
+
+class CreateSnapshotRequest(_message.Message):
+    __slots__ = ("id", "image", "memory", "overwrite")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    image: str
+    memory: bool
+    overwrite: bool
+    def __init__(self, id: _Optional[str] = ..., image: _Optional[str] = ..., memory: bool = ..., overwrite: bool = ...) -> None: ...

@@ -281,6 +281,16 @@ class DSecStub(object):
                 request_serializer=opendsec_dot_v1_dot_opendsec__pb2.ComposeImageRequest.SerializeToString,
                 response_deserializer=opendsec_dot_v1_dot_opendsec__pb2.ImageInfo.FromString,
                 _registered_method=True)
+        self.PackDiff = channel.unary_unary(
+                '/opendsec.v1.DSec/PackDiff',
+                request_serializer=opendsec_dot_v1_dot_opendsec__pb2.PackDiffRequest.SerializeToString,
+                response_deserializer=opendsec_dot_v1_dot_opendsec__pb2.ImageInfo.FromString,
+                _registered_method=True)
+        self.CreateSnapshot = channel.unary_unary(
+                '/opendsec.v1.DSec/CreateSnapshot',
+                request_serializer=opendsec_dot_v1_dot_opendsec__pb2.CreateSnapshotRequest.SerializeToString,
+                response_deserializer=opendsec_dot_v1_dot_opendsec__pb2.ImageInfo.FromString,
+                _registered_method=True)
         self.ClusterStatus = channel.unary_unary(
                 '/opendsec.v1.DSec/ClusterStatus',
                 request_serializer=opendsec_dot_v1_dot_types__pb2.Empty.SerializeToString,

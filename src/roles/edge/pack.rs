@@ -1,0 +1,68 @@
+//! `PackSandbox`: a sandbox's writable layer becomes one new layer of the image store, for
+//! `pack_diff` and container snapshots (docs/images.md "Images from sandboxes"). It runs
+//! under the sandbox's operation lock, so no stop, pause or resume runs during the copy.
+
+use std::time::Instant;
+
+use super::metrics;
+use super::node::{as_handle, handle, Core};
+use crate::images::pack::Scrub;
+use crate::pb::{self, SandboxState};
+use crate::types::Failure;
+
+impl Core {
+    /// Packs sandbox `req.id` (running or paused). Errors: `invalid` (bad scrub globs, a
+    /// backend that cannot pack, a node-local image, a device node in its files),
+    /// `not_found`, `conflict` (a sandbox in another state), `unavailable` (no image store),
+    /// `internal` (freezing or reading its disk failed).
+    pub async fn pack(&self, req: pb::EdgePackRequest) -> Result<pb::EdgePackResponse, Failure> {
+        let scrub = if req.default_scrub || !req.scrub.is_empty() {
+            Scrub::new(req.default_scrub, &req.scrub)?
+        } else {
+            Scrub::none()
+        };
+        let entry = self.entry(&req.id)?;
+        let _g = entry.op.lock().await;
+        let rec = entry.snapshot();
+        let id = rec.id().to_string();
+        if !matches!(rec.state(), SandboxState::Running | SandboxState::Paused) {
+            return Err(Failure::conflict(format!(
+                "sandbox {id}: cannot pack a sandbox that is {}",
+                rec.state().as_str_name()
+            )));
+        }
+        let Some(backend) = self.backend_of(&rec).cloned() else {
+            return Err(Failure::internal(format!(
+                "sandbox {id}: backend {:?} is not configured on this edge",
+                rec.backend()
+            )));
+        };
+        let Some(packer) = backend.packer() else {
+            return Err(Failure::invalid(format!(
+                "sandbox {id}: the {} backend cannot save a sandbox's files as an image",
+                backend.name()
+            )));
+        };
+        let parts = handle(&rec);
+        let t = Instant::now();
+        let r = packer.pack(&as_handle(&id, &parts), &scrub).await;
+        let reason = r
+            .as_ref()
+            .err()
+            .map(|e| e.reason().as_str())
+            .unwrap_or("ok");
+        metrics::op_seconds(backend.name(), "pack", reason, t.elapsed().as_secs_f64());
+        let p = r.map_err(|e| {
+            tracing::warn!(error = %crate::types::chain(&e), "pack failed");
+            e.to_failure()
+        })?;
+        tracing::info!(diff_id = %p.diff_id, entries = p.packed.entries, bytes = p.packed.file_bytes, scrubbed = p.packed.scrubbed, secs = t.elapsed().as_secs_f64(), "sandbox packed");
+        Ok(pb::EdgePackResponse {
+            image: rec.spec().image,
+            layers: p.layers.iter().map(|d| d.to_string()).collect(),
+            entries: p.packed.entries,
+            file_bytes: p.packed.file_bytes,
+            scrubbed: p.packed.scrubbed,
+        })
+    }
+}
