@@ -39,6 +39,7 @@ struct Fake {
     calls: AtomicUsize,
     files: Mutex<HashMap<String, (Vec<u8>, u32)>>,
     last_create: Mutex<Option<pb::CreateSandboxRequest>>,
+    last_fork: Mutex<Option<pb::ForkSandboxRequest>>,
     last_project: Mutex<Option<pb::CreateProjectRequest>>,
     last_shell: Mutex<Option<pb::RunShellRequest>>,
     restored: Mutex<Option<Vec<u8>>>,
@@ -130,6 +131,7 @@ macro_rules! dsec_impl {
 
 dsec_impl!({
     type CreateSandboxesStream = Boxed<pb::CreateSandboxesItem>;
+    type ForkSandboxStream = Boxed<pb::CreateSandboxesItem>;
     type StreamShellStream = Boxed<pb::ShellChunk>;
     type StreamOutputStream = Boxed<pb::ShellChunk>;
     type StartProcessStream = Boxed<pb::ProcessEvent>;
@@ -156,6 +158,18 @@ dsec_impl!({
                     _ => pb::CreateSandboxesItem { index: i, sandbox: Some(Fake::sandbox(&format!("edge-1.b{i}"), None)), error: None },
                 })
             })
+            .collect();
+        Ok(Response::new(boxed(items)))
+    }
+
+    /// Every copy is made, in reverse order.
+    async fn fork_sandbox(&self, r: Request<pb::ForkSandboxRequest>) -> Result<Response<Self::ForkSandboxStream>, Status> {
+        self.auth(&r)?;
+        let req = r.into_inner();
+        *self.last_fork.lock().unwrap() = Some(req.clone());
+        let items = (0..req.count)
+            .rev()
+            .map(|i| Ok(pb::CreateSandboxesItem { index: i, sandbox: Some(Fake::sandbox(&format!("edge-1.f{i}"), None)), error: None }))
             .collect();
         Ok(Response::new(boxed(items)))
     }
@@ -416,6 +430,8 @@ dsec_impl!({
     get_image(ImageRef) -> ImageInfo;
     delete_image(ImageRef) -> Empty;
     compose_image(ComposeImageRequest) -> ImageInfo;
+    pack_diff(PackDiffRequest) -> ImageInfo;
+    create_snapshot(CreateSnapshotRequest) -> ImageInfo;
 });
 
 /// A running fake: its address and state.
@@ -631,6 +647,18 @@ async fn create_checks_input_before_calling() {
             "error: invalid: -count",
         ),
         (
+            &["sandbox", "fork", "edge-1.a", "-count", "0"],
+            "error: invalid: -count",
+        ),
+        (
+            &["sandbox", "fork", "edge-1.a", "-count", "257"],
+            "error: invalid: -count",
+        ),
+        (
+            &["sandbox", "fork", "edge-1.a", "-label", "novalue"],
+            "error: invalid: -label",
+        ),
+        (
             &["project", "create", "root", "team-a", "-quota", "disk_gb=5"],
             "error: invalid: -quota: unknown key \"disk_gb\"",
         ),
@@ -673,6 +701,53 @@ async fn create_checks_input_before_calling() {
         r.out().contains("-ttl-idle") && !r.out().contains("--ttl-idle"),
         "{}",
         r.out()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fork_prints_copies_in_index_order_and_sends_the_copies_settings() {
+    let s = start().await;
+    let r = ctl(
+        &s.addr,
+        &[
+            "sandbox",
+            "fork",
+            "edge-1.a",
+            "-count",
+            "3",
+            "-task",
+            "t2",
+            "-ttl-idle",
+            "30",
+            "-ttl-max",
+            "600",
+            "-label",
+            "a=b",
+            "-label",
+            "c=",
+        ],
+    )
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let out = r.out();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        &lines[..3],
+        &["0\tedge-1.f0", "1\tedge-1.f1", "2\tedge-1.f2"]
+    );
+    assert!(lines[3].starts_with("created 3/3 in "), "{out}");
+    let sent = s.fake.last_fork.lock().unwrap().clone().unwrap();
+    assert_eq!(
+        (sent.id.as_str(), sent.count, sent.task_id.as_str()),
+        ("edge-1.a", 3, "t2")
+    );
+    assert_eq!((sent.ttl_running_stop, sent.ttl_max), (30, 600));
+    assert_eq!(sent.labels.get("a").map(String::as_str), Some("b"));
+    assert_eq!(sent.labels.get("c").map(String::as_str), Some(""));
+    assert!(
+        sent.idempotency_key.starts_with("ctl-"),
+        "{}",
+        sent.idempotency_key
     );
 }
 

@@ -206,6 +206,7 @@ async fn specs_that_cannot_start_are_invalid_and_leave_nothing() {
         let started = Instant::now();
         let r = c
             .create_sandboxes(req(pb::EdgeCreateRequest {
+                fork: None,
                 spec: Some(s),
                 items: vec![
                     item(&edge_id, suffix),
@@ -304,6 +305,7 @@ async fn specs_that_cannot_start_are_invalid_and_leave_nothing() {
         f(&mut s);
         let r = c
             .create_sandboxes(req(pb::EdgeCreateRequest {
+                fork: None,
                 spec: Some(s),
                 items: vec![item(&edge_id, suffix)],
             }))

@@ -134,6 +134,7 @@ async fn the_host_image_hides_the_state_directory() {
     let spec = spec();
     let st = b
         .create(&CreateRequest {
+            fork: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: spec.clone(),
@@ -200,6 +201,7 @@ async fn lifecycle_adoption_and_nothing_left() {
     let spec = spec();
     let st = b
         .create(&CreateRequest {
+            fork: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: spec.clone(),
@@ -264,6 +266,7 @@ async fn bad_requests_leave_nothing_and_cleanup_removes_strays() {
     let id = format!("{edge}.badimage");
     let e = b
         .create(&CreateRequest {
+            fork: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: s,
@@ -275,6 +278,7 @@ async fn bad_requests_leave_nothing_and_cleanup_removes_strays() {
     s.masked_paths = vec!["/etc/../root".into()];
     let e = b
         .create(&CreateRequest {
+            fork: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: s,
@@ -288,6 +292,7 @@ async fn bad_requests_leave_nothing_and_cleanup_removes_strays() {
     let stray = format!("{edge}.stray");
     let spec = spec();
     b.create(&CreateRequest {
+        fork: None,
         sandbox_id: stray.clone(),
         project: "root".into(),
         spec: spec.clone(),
@@ -301,6 +306,7 @@ async fn bad_requests_leave_nothing_and_cleanup_removes_strays() {
     let theirs = format!("{edge}.theirs");
     let st = other
         .create(&CreateRequest {
+            fork: None,
             sandbox_id: theirs.clone(),
             project: "root".into(),
             spec: spec.clone(),
@@ -367,6 +373,7 @@ async fn a_bundles_config_gives_env_and_working_directory() {
     spec.image = "bundled".into();
     let st = b
         .create(&CreateRequest {
+            fork: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: spec.clone(),
@@ -412,6 +419,7 @@ async fn device_nodes_in_an_image_open_nothing() {
     spec.image = "withdev".into();
     let st = b
         .create(&CreateRequest {
+            fork: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: spec.clone(),
@@ -452,6 +460,7 @@ impl Sb {
         let id = format!("{edge}.t");
         let st = b
             .create(&CreateRequest {
+                fork: None,
                 sandbox_id: id.clone(),
                 project: "root".into(),
                 spec: spec.clone(),
@@ -911,6 +920,7 @@ async fn pids_512_sandbox(
     spec.cpu_cores_limit = cpu;
     let st = b
         .create(&CreateRequest {
+            fork: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: spec.clone(),
@@ -1087,6 +1097,7 @@ async fn a_failed_creation_leaves_nothing_on_the_node() {
     s.image = "gone".into();
     let e = b
         .create(&CreateRequest {
+            fork: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: s,
@@ -1103,6 +1114,7 @@ async fn a_failed_creation_leaves_nothing_on_the_node() {
     std::fs::create_dir_all(blocker.join("x")).expect("blocker");
     let e = b
         .create(&CreateRequest {
+            fork: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: spec(),
@@ -1593,6 +1605,7 @@ async fn prepared_disks_are_taken_and_none_outlives_the_backend() {
     let id = "cb-pd.a".to_string();
     let st = b
         .create(&CreateRequest {
+            fork: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: s.clone(),

@@ -173,6 +173,7 @@ async fn a_sixty_layer_store_image_runs_from_the_cache_and_outlives_the_store() 
     let (id, sp) = (format!("{edge}.a"), spec("root/t/busy:1"));
     let st = b
         .create(&CreateRequest {
+            fork: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: sp.clone(),
@@ -209,6 +210,7 @@ async fn a_sixty_layer_store_image_runs_from_the_cache_and_outlives_the_store() 
     sp_root.init_user = "root".into();
     let st_root = b
         .create(&CreateRequest {
+            fork: None,
             sandbox_id: id_root.clone(),
             project: "root".into(),
             spec: sp_root.clone(),
@@ -230,6 +232,7 @@ async fn a_sixty_layer_store_image_runs_from_the_cache_and_outlives_the_store() 
     assert_eq!(shell(&b, &h, CHECK).await.0, EXPECTED);
     let e = b
         .create(&CreateRequest {
+            fork: None,
             sandbox_id: format!("{edge}.b"),
             project: "root".into(),
             spec: spec("root/t/busy:1"),
@@ -251,6 +254,7 @@ async fn a_sixty_layer_store_image_runs_from_the_cache_and_outlives_the_store() 
         let bad = format!("{edge}.bad");
         let e = b
             .create(&CreateRequest {
+                fork: None,
                 sandbox_id: bad.clone(),
                 project: "root".into(),
                 spec: spec(img),

@@ -284,6 +284,7 @@ async fn runtime_calls_resume_forward_and_hold_off_idle() {
     };
     let out = c
         .create_sandboxes(req(pb::EdgeCreateRequest {
+            fork: None,
             spec: Some(spec),
             items: vec![item],
         }))

@@ -114,6 +114,7 @@ async fn create(
 ) -> Vec<Result<pb::Sandbox, Failure>> {
     let r = c
         .create_sandboxes(req(pb::EdgeCreateRequest {
+            fork: None,
             spec: Some(spec),
             items,
         }))
@@ -360,6 +361,7 @@ async fn lifecycle_retry_drain_and_restart() {
     // Bad input.
     let unknown = c
         .create_sandboxes(req(pb::EdgeCreateRequest {
+            fork: None,
             spec: Some(pb::SandboxSpec {
                 backend: "microvm".into(),
                 ..Default::default()

@@ -45,6 +45,49 @@ pub struct CreateRequest {
     /// The spec with resources filled in: `cpu_cores_limit` > 0, `memory_limit_mb` > 0 and
     /// `disk_mb` > 0 (the backend's `default_disk_mb` when the request set none).
     pub spec: pb::SandboxSpec,
+    /// Set for a fork's copy: the files it starts from instead of `spec.image`'s manifest.
+    pub fork: Option<ForkFiles>,
+}
+
+/// What a fork's copies stack (docs/images.md "Fork"): the source's store layers and its
+/// packed writable layer, with the defaults of the source's image.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ForkFiles {
+    /// Bottom first, all in the image store.
+    pub layers: Vec<crate::images::digest::Digest>,
+    /// `KEY=value`, in order.
+    pub env: Vec<String>,
+    pub workdir: String,
+    pub user: String,
+}
+
+impl ForkFiles {
+    /// From the wire. Errors: `invalid` naming a layer that is no digest.
+    pub fn from_pb(f: &pb::ForkFiles) -> Result<ForkFiles, crate::types::Failure> {
+        let layers = f
+            .layers
+            .iter()
+            .map(|l| {
+                crate::images::digest::Digest::parse(l).map_err(|e| {
+                    crate::types::Failure::invalid(format!(
+                        "fork layer {}: {e}",
+                        crate::types::names::shown(l)
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if layers.is_empty() {
+            return Err(crate::types::Failure::invalid(
+                "a fork's files need at least one layer",
+            ));
+        }
+        Ok(ForkFiles {
+            layers,
+            env: f.env.clone(),
+            workdir: f.workdir.clone(),
+            user: f.user.clone(),
+        })
+    }
 }
 
 /// One recorded sandbox as the edge hands it to the backend.

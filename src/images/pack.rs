@@ -203,7 +203,7 @@ fn read_err(entry: &[u8], source: io::Error) -> PackError {
 
 fn opaque(dir: &OwnedFd) -> bool {
     let mut v = [0u8; 4];
-    matches!(rfs::fgetxattr(dir, OPAQUE_XATTR, &mut v), Ok(n) if &v[..n] == b"y")
+    matches!(rfs::fgetxattr(dir, OPAQUE_XATTR, &mut v), Ok(n) if v.get(..n) == Some(&b"y"[..]))
 }
 
 struct Walker<'a, W: Write> {
@@ -441,7 +441,9 @@ impl<R: Read> Read for Exactly<R> {
                 let n = buf
                     .len()
                     .min(usize::try_from(self.left).unwrap_or(usize::MAX));
-                buf[..n].fill(0);
+                if let Some(tail) = buf.get_mut(..n) {
+                    tail.fill(0);
+                }
                 n
             }
             n => n,

@@ -279,6 +279,15 @@ class DSecClient:
             count=count,
             idempotency_key=_key(idempotency_key),
         )
+        return await self._stream_batch("CreateSandboxes", req, count, timeout)
+
+    async def _stream_batch(
+        self, method: str, req: Any, count: int, timeout: Optional[float]
+    ) -> list[Union[Sandbox, DSecError]]:
+        """Runs a streamed creation (``CreateSandboxes``, ``ForkSandbox``) of ``count`` items
+        to the end: after a broken stream it asks again with the same request (and so the
+        same idempotency key), keeping the items it has. Raises the last error when no item
+        arrived at all; otherwise the missing items carry it."""
         results: list[Union[Sandbox, DSecError, None]] = [None] * count
         got = 0
         r = await self._retrier(True, timeout)
@@ -290,7 +299,7 @@ class DSecClient:
                 final = e
             if final is None:
                 ep = r.pool.pick()
-                call = ep.stub.CreateSandboxes(req, timeout=remaining, metadata=self._metadata)
+                call = getattr(ep.stub, method)(req, timeout=remaining, metadata=self._metadata)
                 try:
                     async for item in call:
                         r.progress()
@@ -302,7 +311,7 @@ class DSecClient:
                         else:
                             results[i] = DSecError(item.error.reason or INTERNAL, item.error.message)
                         got += 1
-                    err = DSecError(UNAVAILABLE, f"the batch stream ended with {got} of {count} results")
+                    err = DSecError(UNAVAILABLE, f"the {method} stream ended with {got} of {count} results")
                 except grpc.aio.AioRpcError as e:
                     err = error_from_rpc(e)
                 finally:

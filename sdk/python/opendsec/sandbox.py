@@ -139,6 +139,50 @@ class Sandbox:
         )
         return ImageInfo.from_pb(await self._client._unary("CreateSnapshot", req, retry=False))
 
+    async def fork(
+        self,
+        count: int = 1,
+        ttl_running_stop: int = 0,
+        ttl_max: int = 0,
+        labels: Optional[dict[str, str]] = None,
+        task_id: str = "",
+        timeout: Optional[float] = 600,
+        idempotency_key: Optional[str] = None,
+    ) -> list[Union["Sandbox", DSecError]]:
+        """Copies this running (or paused) sandbox into ``count`` (1 to 256) running sandboxes.
+
+        The source is frozen only while its writable layer is copied, then carries on with its
+        id and timeouts unchanged. The copies inherit its spec and files (a container copies
+        files only, no memory); ``labels`` are added to theirs, ``task_id`` replaces the task
+        ("" keeps the source's), ``ttl_running_stop`` and ``ttl_max`` are their timeouts in
+        seconds (0 for the cluster default). Each copy is a creation in the source's project:
+        it needs ``sandbox.create`` there and ``layer.use`` on the image's project, and counts
+        against quota on its own. Forking itself needs ``sandbox.operate`` on the source.
+
+        Returns a list in index order: a :class:`Sandbox` per copy made, a :class:`DSecError`
+        per copy that failed (``no_capacity``, a quota, ...). The call carries an idempotency
+        key (random unless given), so a retry after a lost connection makes only the copies
+        still missing. Raises ``DSecError`` for the whole call: ``invalid`` (count, timeouts,
+        a node-local image, a backend that cannot copy), ``forbidden``, ``not_found``,
+        ``conflict`` (a source neither running nor paused), ``unavailable``.
+        """
+        from opendsec.client import _key
+
+        if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 256:
+            raise DSecError(INVALID, f"count must be within 1..256, got {count!r}")
+        req = opendsec_pb2.ForkSandboxRequest(
+            id=self.id,
+            count=count,
+            labels={
+                _args.text("label key", k, empty=False): _args.text("label value", v) for k, v in (labels or {}).items()
+            },
+            task_id=_args.text("task_id", task_id),
+            ttl_running_stop=_args.integer("ttl_running_stop", ttl_running_stop),
+            ttl_max=_args.integer("ttl_max", ttl_max),
+            idempotency_key=_key(idempotency_key),
+        )
+        return await self._client._stream_batch("ForkSandbox", req, count, timeout)
+
     # ---------------------------------------------------------------- commands
 
     def _shell_request(

@@ -1717,6 +1717,141 @@ async def test_pack_diff_and_snapshots_make_images_from_a_running_sandbox(linux,
             await host.stop()
 
 
+async def test_fork_copies_a_container_with_its_files_into_independent_sandboxes(linux, tmp_path):
+    """``fork(count=N)`` makes N running copies of a container with the source's files (as the
+    moment of the fork, nothing scrubbed) and its image's defaults; copies are independent of
+    each other and of the source, which runs on with its id; labels are added, ``task_id``
+    replaces the task; each copy is charged to quota (a fork past it fails per copy with
+    ``quota_exceeded``); a retry with the same key makes nothing new; copies fork again; a
+    node-local image is ``invalid``, a stopped source ``conflict``, count outside 1..256
+    ``invalid``, no ``sandbox.operate`` ``forbidden``; the snapshot is registered as no image
+    and ``image gc`` reclaims it once the copies are gone (docs/images.md "Fork")."""
+    from test_images import ctl
+
+    project = f"root/fork-{secrets.token_hex(3)}"
+    base = f"{project}/base:1"
+    store = linux.state_dir.parent / "images"
+    env = dict(linux.env, OPENDSEC_IMAGE_STORE=str(store))
+    args = dict(backend="container", cpu_cores_limit=0.25, memory_limit_mb=128, disk_mb=64, project=project)
+    async with linux.client() as c:
+        await c.create_project("root", project.split("/")[1], quota={"sandboxes": 6})
+        r = ctl(env, "image", "import", str(_busybox_image(tmp_path, "busy")), "-as", base, "-q")
+        assert r.returncode == 0, r.stderr
+        sb = await c.run_sandbox(DSecRunArgs(image=base, labels={"run": "r1"}, task_id="t0", **args))
+        made: list[opendsec.Sandbox] = [sb]
+        try:
+            r = await sb.run_shell("echo state > /srv/state; echo t > /tmp/t; rm /srv/gone")
+            assert r.exit_code == 0, r
+            forks = await sb.fork(count=3, labels={"branch": "b"}, task_id="t1", ttl_max=600, idempotency_key="k1")
+            assert all(isinstance(f, opendsec.Sandbox) for f in forks), forks
+            copies = [f for f in forks if isinstance(f, opendsec.Sandbox)]
+            made += copies
+            assert len({f.id for f in copies} | {sb.id}) == 4
+            for f in copies:
+                assert f.state == "RUNNING" and f.info.project == project
+                assert f.info.spec.image == base and f.info.spec.task_id == "t1"
+                assert dict(f.info.spec.labels) == {"run": "r1", "branch": "b"}
+                assert f.info.spec.ttl_max == 600
+                r = await f.run_shell("cat /srv/state /tmp/t /srv/keep; cat /srv/gone 2>/dev/null || echo gone; echo $GREETING; pwd")
+                assert (r.exit_code, r.stdout) == (0, "state\nt\nbase\ngone\nhi\n/srv\n"), r
+            # The copies stack the source's layers and one more, its snapshot, which the in-use
+            # records keep from `image gc` while they run.
+            inuse = (store / "inuse" / copies[0].edge_id / copies[0].id).read_text().split()
+            assert inuse[:-1] == (await c.get_image(base)).layers, inuse
+            fork_layer = inuse[-1].split(":")[1]
+            r = ctl(env, "image", "gc", "-store", str(store), "-grace", "0s")
+            assert r.returncode == 0 and (store / "layers" / fork_layer).is_dir(), r.stderr
+            # The source runs on, with its id and task; it and the copies change apart.
+            await sb.refresh()
+            assert sb.state == "RUNNING" and sb.info.spec.task_id == "t0"
+            await copies[0].run_shell("echo mine > /srv/state")
+            await sb.run_shell("echo later > /srv/later")
+            for f, want in ((copies[1], "state\n"), (sb, "state\n")):
+                r = await f.run_shell("cat /srv/state")
+                assert r.stdout == want, (f, r)
+            r = await copies[2].run_shell("cat /srv/later 2>/dev/null || echo none")
+            assert r.stdout == "none\n", r
+
+            # The same key again: the same copies, nothing new created.
+            again = await sb.fork(count=3, labels={"branch": "b"}, task_id="t1", ttl_max=600, idempotency_key="k1")
+            assert [f.id for f in again if isinstance(f, opendsec.Sandbox)] == [f.id for f in copies]
+
+            # A copy forks again: its own change comes along. Quota 6: 4 used, 1 room left
+            # after this one, so of the next fork's 2 copies one is made, one refused.
+            grand = await copies[0].fork()
+            assert isinstance(grand[0], opendsec.Sandbox), grand
+            made.append(grand[0])
+            r = await grand[0].run_shell("cat /srv/state")
+            assert r.stdout == "mine\n", r
+            mixed = await sb.fork(count=2)
+            made += [f for f in mixed if isinstance(f, opendsec.Sandbox)]
+            assert sorted(type(f).__name__ for f in mixed) == ["DSecError", "Sandbox"], mixed
+            refused = next(f for f in mixed if isinstance(f, DSecError))
+            assert refused.reason == opendsec.QUOTA_EXCEEDED, refused
+
+            # The snapshot is no image.
+            assert [i.name for i in await c.list_images(project)] == [base]
+
+            # The CLI: one line per copy and the summary (quota full: the copy fails, exit 1).
+            r = ctl(env, "sandbox", "fork", sb.id, "-count", "1", "-label", "via=cli")
+            assert r.returncode == 1 and r.stdout.startswith("0\terror\tquota_exceeded"), (r.stdout, r.stderr)
+            await made.pop().stop()
+            r = ctl(env, "sandbox", "fork", sb.id, "-count", "1", "-label", "via=cli")
+            assert r.returncode == 0, (r.stdout, r.stderr)
+            first = r.stdout.splitlines()[0].split("\t")
+            assert first[0] == "0" and first[1].startswith(sb.id.split(".")[0] + "."), r.stdout
+            cli_copy = await c.get_sandbox(first[1])
+            made.append(cli_copy)
+            assert cli_copy.info.spec.labels["via"] == "cli"
+            for bad in (["-count", "0"], ["-count", "257"], ["-label", "novalue"]):
+                r = ctl(env, "sandbox", "fork", sb.id, *bad)
+                assert r.returncode == 2 and "error" in r.stderr, (bad, r.stderr)
+
+            for call, reason in (
+                (sb.fork(count=0), opendsec.INVALID),
+                (sb.fork(count=257), opendsec.INVALID),
+                (sb.fork(labels={"n": 1}), opendsec.INVALID),  # type: ignore[dict-item]
+                (sb.fork(ttl_max="60"), opendsec.INVALID),  # type: ignore[arg-type]
+                (sb.fork(ttl_max=-1), opendsec.INVALID),
+            ):
+                with pytest.raises(DSecError) as ei:
+                    await call
+                assert ei.value.reason == reason, ei.value
+
+            # Without sandbox.operate on the source: forbidden, nothing made.
+            token = await c.create_principal(project, "maker")
+            await c.grant(project, "maker", ["sandbox.create", "layer.use"])
+            async with DSecClient(endpoint=linux.env["OPENDSEC_ADDR"], token=token, project=project, retry_timeout=10) as p:
+                with pytest.raises(DSecError) as ei:
+                    await opendsec.Sandbox(p, sb.info).fork()
+                assert ei.value.reason == opendsec.FORBIDDEN and "sandbox.operate" in ei.value.message, ei.value
+        finally:
+            for f in made:
+                await f.stop()
+
+        # A stopped source: conflict.
+        with pytest.raises(DSecError) as ei:
+            await sb.fork()
+        assert ei.value.reason == opendsec.CONFLICT and "STOPPED" in ei.value.message, ei.value
+
+        # A sandbox of a node-local image: invalid.
+        host = await c.run_sandbox(container(project=project))
+        try:
+            with pytest.raises(DSecError) as ei:
+                await host.fork()
+            assert ei.value.reason == opendsec.INVALID and "node-local" in ei.value.message, ei.value
+        finally:
+            await host.stop()
+
+        # With every copy gone, the snapshot's layer is garbage.
+        layers_before = set(os.listdir(store / "layers"))
+        r = ctl(env, "image", "gc", "-store", str(store), "-grace", "0s")
+        assert r.returncode == 0, r.stderr
+        kept = set(os.listdir(store / "layers"))
+        base_layers = {d.split(":")[1] for d in (await c.get_image(base)).layers}
+        assert base_layers <= kept and fork_layer in layers_before and fork_layer not in kept, (layers_before, kept)
+
+
 async def test_edge_and_importer_sigkill_mid_write_leave_nothing_half_written(role_cluster, tmp_path):
     """Restart drill (docs/images.md "Images from sandboxes"): an importer killed while it
     writes a layer, and an edge killed while it packs a sandbox's files, leave only what

@@ -657,7 +657,10 @@ impl Backend for ContainerBackend {
 
     async fn create(&self, req: &CreateRequest) -> Result<BackendState, BackendError> {
         let id = req.sandbox_id.as_str();
-        let image = self.images.resolve(id, &req.spec.image).await?;
+        let image = match &req.fork {
+            Some(files) => self.images.resolve_fork(&req.spec.image, files).await?,
+            None => self.images.resolve(id, &req.spec.image).await?,
+        };
         if !image.layers.is_empty() {
             // A store image's users are known only now (check_spec saw no layers).
             check_user(

@@ -127,8 +127,60 @@ impl Images {
                 StoreError::NotFound(_) => not_found(),
                 e => unavailable(crate::types::chain(&e)),
             })?;
-        let mut lowers = Vec::with_capacity(manifest.layers.len());
-        for l in manifest.layers.iter().rev() {
+        self.stack(
+            image,
+            manifest.layers,
+            &manifest.env,
+            manifest.workdir,
+            manifest.user,
+        )
+        .await
+    }
+
+    /// Resolves a fork copy's files (docs/images.md "Fork"): `files.layers` from the store,
+    /// whatever `image`'s manifest says now (it may be gone), with the source's defaults.
+    /// Errors: `ImageNotFound` (no image store), `ImageUnavailable` (a layer cannot be
+    /// copied to the node).
+    pub async fn resolve_fork(
+        &self,
+        image: &str,
+        files: &crate::backends::ForkFiles,
+    ) -> Result<Resolved, BackendError> {
+        if self.layers.is_none() {
+            return Err(BackendError::ImageNotFound {
+                image: image.to_string(),
+            });
+        }
+        self.stack(
+            image,
+            files.layers.clone(),
+            &files.env,
+            files.workdir.clone(),
+            files.user.clone(),
+        )
+        .await
+    }
+
+    /// The cached copies of `layers` (bottom first), topmost first, with the defaults.
+    async fn stack(
+        &self,
+        image: &str,
+        layers_bottom_first: Vec<Digest>,
+        env: &[String],
+        workdir: String,
+        user: String,
+    ) -> Result<Resolved, BackendError> {
+        let unavailable = |message: String| BackendError::ImageUnavailable {
+            image: image.to_string(),
+            message,
+        };
+        let Some(layers) = &self.layers else {
+            return Err(BackendError::ImageNotFound {
+                image: image.to_string(),
+            });
+        };
+        let mut lowers = Vec::with_capacity(layers_bottom_first.len());
+        for l in layers_bottom_first.iter().rev() {
             lowers.push(layers.get(l).await.map_err(|e| match e {
                 CacheError::Missing(_) => unavailable(format!(
                     "{} (the store is damaged: `opendsec ctl image store-check`)",
@@ -137,8 +189,7 @@ impl Images {
                 e => unavailable(crate::types::chain(&e)),
             })?);
         }
-        let env = manifest
-            .env
+        let env = env
             .iter()
             .filter_map(|kv| kv.split_once('='))
             .filter(|(k, _)| !k.is_empty())
@@ -147,9 +198,9 @@ impl Images {
         Ok(Resolved {
             lowers,
             env,
-            workdir: manifest.workdir,
-            user: manifest.user,
-            layers: manifest.layers,
+            workdir,
+            user,
+            layers: layers_bottom_first,
         })
     }
 

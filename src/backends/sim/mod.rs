@@ -166,6 +166,7 @@ mod tests {
             sandbox_id: "e1.a".into(),
             project: "root".into(),
             spec: pb::SandboxSpec::default(),
+            fork: None,
         }
     }
 

@@ -1,4 +1,4 @@
-//! `sandbox create|get|stop|pause|resume|touch|list|timeout` (docs/cli.md).
+//! `sandbox create|get|stop|pause|resume|touch|list|timeout|fork` (docs/cli.md).
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -37,6 +37,7 @@ pub enum SandboxCmd {
     Touch(TouchArgs),
     List(ListArgs),
     Timeout(TimeoutArgs),
+    Fork(ForkArgs),
 }
 
 #[derive(FromArgs, Debug)]
@@ -159,6 +160,74 @@ pub struct TimeoutArgs {
     pub seconds: String,
 }
 
+#[derive(FromArgs, Debug)]
+/// copy a running sandbox into -count sandboxes with its files (docs/images.md "Fork"); one
+/// line per copy in index order ("<index> <id>" or "<index> error <reason>: <message>", tab
+/// separated) and a summary, as for create -count; exit code 1 if any copy failed
+#[argh(
+    subcommand,
+    name = "fork",
+    help_triggers("-h", "--help", "help"),
+    example = "{command_name} $ID -count 8 -task search-17"
+)]
+pub struct ForkArgs {
+    /// sandbox id
+    #[argh(positional)]
+    pub id: String,
+    /// copies, 1 to 256 (default 1)
+    #[argh(option)]
+    pub count: Option<String>,
+    /// the copies' task (default the source's)
+    #[argh(option)]
+    pub task: Option<String>,
+    /// the copies' idle timeout in seconds; 0 for the cluster default (default 0)
+    #[argh(option)]
+    pub ttl_idle: Option<String>,
+    /// the copies' lifetime in seconds; 0 for the cluster default (default 0)
+    #[argh(option)]
+    pub ttl_max: Option<String>,
+    /// a label added to the copies', KEY=VALUE; repeatable
+    #[argh(option)]
+    pub label: Vec<String>,
+}
+
+impl ForkArgs {
+    /// The request these options ask for. Errors: `invalid` naming the option.
+    fn request(&self) -> Result<pb::ForkSandboxRequest, CtlError> {
+        values::sandbox_id(&self.id)?;
+        if let Some(t) = &self.task {
+            values::plain("task", t)?;
+        }
+        let int = |name: &str, v: &Option<String>, default: i64, max: i64| {
+            v.as_deref()
+                .map(|s| values::int(name, s, if name == "count" { 1 } else { 0 }, max))
+                .transpose()
+                .map(|x| x.unwrap_or(default))
+        };
+        let mut labels = std::collections::HashMap::new();
+        for l in &self.label {
+            match l.split_once('=') {
+                Some((k, v)) if !k.is_empty() => {
+                    labels.insert(k.to_string(), v.to_string());
+                }
+                _ => return Err(CtlError::usage(format!("-label {l:?}: expected KEY=VALUE"))),
+            }
+        }
+        Ok(pb::ForkSandboxRequest {
+            id: self.id.clone(),
+            count: int("count", &self.count, 1, MAX_FORK)? as u32,
+            labels,
+            task_id: self.task.clone().unwrap_or_default(),
+            ttl_running_stop: int("ttl-idle", &self.ttl_idle, 0, i64::MAX)?,
+            ttl_max: int("ttl-max", &self.ttl_max, 0, i64::MAX)?,
+            idempotency_key: idempotency_key(),
+        })
+    }
+}
+
+/// Most copies one fork makes (docs/python-sdk.md `fork`).
+const MAX_FORK: i64 = 256;
+
 impl SandboxArgs {
     /// Runs the subcommand; prints the sandbox (or list) as JSON.
     /// Errors: invalid input before any call; the server's failure otherwise.
@@ -206,6 +275,17 @@ impl SandboxArgs {
                     )
                     .await?;
                 output::json(&sb)
+            }
+            SandboxCmd::Fork(a) => {
+                let req = a.request()?;
+                let conn = ctx.connect()?;
+                stream_batch(req.count, || {
+                    conn.call(
+                        req.clone(),
+                        |mut c, r| async move { c.fork_sandbox(r).await },
+                    )
+                })
+                .await
             }
         }
     }
@@ -393,20 +473,30 @@ impl Batch {
     }
 }
 
-/// `CreateSandboxes`: streams items, prints them in index order, then the summary. A stream
-/// that breaks with `unavailable` is started again with the same idempotency key.
+/// `CreateSandboxes`: see [`stream_batch`].
 async fn create_batch(conn: &Conn, req: pb::CreateSandboxesRequest) -> Result<(), CtlError> {
+    stream_batch(req.count, || {
+        conn.call(req.clone(), |mut c, r| async move {
+            c.create_sandboxes(r).await
+        })
+    })
+    .await
+}
+
+/// A streamed creation (`CreateSandboxes`, `ForkSandbox`) of `count` items, each call
+/// started by `start`: prints the items in index order, then the summary. A stream that
+/// breaks with `unavailable` is started again (the same request, so the same idempotency
+/// key: only what is still missing gets created).
+async fn stream_batch<F, Fut>(count: u32, start: F) -> Result<(), CtlError>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<tonic::Streaming<pb::CreateSandboxesItem>, Failure>>,
+{
     let started = Instant::now();
-    let count = req.count;
     let mut batch = Batch::new(count);
     let mut resumes = 0;
     loop {
-        let broke = match conn
-            .call(req.clone(), |mut c, r| async move {
-                c.create_sandboxes(r).await
-            })
-            .await
-        {
+        let broke = match start().await {
             // The request itself failed before any item: the whole command fails.
             Err(f) if batch.received() == 0 => return Err(f.into()),
             Err(f) => Some(f),

@@ -53,7 +53,7 @@ fn fixture() -> Fixture {
     mknod_whiteout(&upper.join("etc/gone"));
     fs::write(upper.join("srv/old/y"), b"y").expect("write");
     rfs::setxattr(
-        &upper.join("srv/old"),
+        upper.join("srv/old"),
         OPAQUE_XATTR,
         b"y",
         rfs::XattrFlags::empty(),
@@ -161,7 +161,7 @@ fn a_snapshot_keeps_everything() {
         &f.store,
         open_dir(&f.upper),
         &Scrub::none(),
-        &[f.lower.clone()],
+        std::slice::from_ref(&f.lower),
         u64::MAX,
         "snapshot",
     )
@@ -189,7 +189,7 @@ fn a_device_node_is_refused_naming_it_and_leaves_no_layer() {
     let f = fixture();
     rfs::mknodat(
         rfs::CWD,
-        &f.upper.join("etc/disk"),
+        f.upper.join("etc/disk"),
         FileType::BlockDevice,
         Mode::from_raw_mode(0o600),
         rfs::makedev(7, 0),

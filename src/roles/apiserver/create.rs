@@ -64,6 +64,15 @@ pub(crate) struct Job<'a> {
     pub caller: &'a Caller,
     pub project: &'a str,
     pub spec: &'a pb::SandboxSpec,
+    /// A fork's copies: the files they start from, and the source's edge, preferred.
+    pub fork: Option<&'a Fork>,
+}
+
+/// What makes a batch a fork (docs/images.md "Fork").
+#[derive(Debug, Clone)]
+pub(crate) struct Fork {
+    pub files: pb::ForkFiles,
+    pub source_edge: String,
 }
 
 struct Live {
@@ -257,6 +266,7 @@ impl Inner {
             backend: &job.spec.backend,
             local_image,
             res,
+            prefer: job.fork.map(|f| f.source_edge.as_str()),
         };
         let snap = self.current_snapshot().await?;
         let mut done = Vec::with_capacity(items.len());
@@ -310,6 +320,7 @@ impl Inner {
                                 .create_sandboxes(self.edges.req(pb::EdgeCreateRequest {
                                     spec: Some(job.spec.clone()),
                                     items,
+                                    fork: job.fork.map(|f| f.files.clone()),
                                 }))
                                 .await
                                 .map(|r| r.into_inner())
@@ -463,6 +474,7 @@ pub(crate) async fn run_batch(
     caller: Caller,
     project: String,
     spec: pb::SandboxSpec,
+    fork: Option<Fork>,
     items: Vec<Item>,
     tx: tokio::sync::mpsc::Sender<Result<pb::CreateSandboxesItem, tonic::Status>>,
 ) {
@@ -472,6 +484,7 @@ pub(crate) async fn run_batch(
     let caller = &caller;
     let project = project.as_str();
     let spec = &spec;
+    let fork = fork.as_ref();
     let inner = &inner;
     let tx = &tx;
     let mut fatal: Option<Failure> = None;
@@ -500,6 +513,7 @@ pub(crate) async fn run_batch(
             caller,
             project,
             spec,
+            fork,
         };
         let indices: Vec<u32> = chunk.iter().map(|i| i.index).collect();
         match inner.create_items(&job, chunk).await {

@@ -251,7 +251,7 @@ impl Inner {
     }
 }
 
-/// What [`Inner::from_sandbox`] makes: a `pack_diff` (scrubbed) or a snapshot (as it is).
+/// What [`Inner::image_from_sandbox`] makes: a `pack_diff` (scrubbed) or a snapshot (as it is).
 pub(crate) struct FromSandbox {
     pub id: String,
     pub image: String,
@@ -268,7 +268,7 @@ impl Inner {
     /// many layers), `forbidden` (no `sandbox.operate` on the sandbox's project, no
     /// `layer.publish` on the image's), `not_found`, `conflict` (the name exists and
     /// `overwrite` is off; a sandbox neither running nor paused), `unavailable` (the store).
-    pub(crate) async fn from_sandbox(
+    pub(crate) async fn image_from_sandbox(
         &self,
         caller: &Caller,
         req: FromSandbox,

@@ -8,6 +8,7 @@ mod audit;
 mod auth;
 mod create;
 mod edges;
+mod fork;
 mod forward;
 mod images;
 pub mod placement;

@@ -23,6 +23,9 @@ pub struct Request<'a> {
     /// Edge-local image name (no `/`), checked against `EdgeState.images`; None = any edge.
     pub local_image: Option<&'a str>,
     pub res: Res,
+    /// An edge to take whenever it fits and is not penalized (a fork's source node, whose
+    /// layer cache already holds the copies' files: 22-components "Locality").
+    pub prefer: Option<&'a str>,
 }
 
 /// One recent placement: when, what, and once the edge has answered, the edge state that
@@ -321,6 +324,14 @@ pub fn choose<R: Rng>(
             ),
         ));
     }
+    if let Some(p) = req.prefer {
+        if let Some((e, _)) = fit
+            .iter()
+            .find(|(e, _)| e.id == p && !overlay.penalized(&e.id))
+        {
+            return Ok(e.id.clone());
+        }
+    }
     let fresh: Vec<&(&pb::EdgeState, Extra)> = fit
         .iter()
         .filter(|(e, _)| !overlay.penalized(&e.id))
@@ -399,7 +410,38 @@ mod tests {
                 sandboxes: 1,
                 ..Default::default()
             },
+            prefer: None,
         }
+    }
+
+    #[test]
+    fn a_preferred_edge_is_taken_while_it_fits_and_skipped_once_full_or_penalized() {
+        let snap = pb::Snapshot {
+            edges: vec![edge("a", 10.0, 8.0), edge("b", 10.0, 1.0)],
+            ..Default::default()
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let r = Request {
+            prefer: Some("a"),
+            ..req(1.0)
+        };
+        // The more loaded edge, because it is preferred.
+        assert_eq!(
+            choose(&snap, &Overlay::default(), &r, 2, 0.2, &[], &mut rng).unwrap(),
+            "a"
+        );
+        // It cannot take 3 cores: the least loaded one instead.
+        let big = Request {
+            prefer: Some("a"),
+            ..req(3.0)
+        };
+        assert_eq!(
+            choose(&snap, &Overlay::default(), &big, 2, 0.2, &[], &mut rng).unwrap(),
+            "b"
+        );
+        let mut ov = Overlay::default();
+        ov.penalize("a", Duration::from_secs(60));
+        assert_eq!(choose(&snap, &ov, &r, 2, 0.2, &[], &mut rng).unwrap(), "b");
     }
 
     #[test]

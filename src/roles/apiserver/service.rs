@@ -199,6 +199,7 @@ impl Api {
             caller,
             project: &project,
             spec: &spec,
+            fork: None,
         };
         let r = match self.inner.create_items(&job, items).await {
             Err(f) => Err(f),
@@ -375,6 +376,7 @@ impl pb::d_sec_server::DSec for Api {
             caller,
             project,
             spec,
+            None,
             items,
             tx,
         ));
@@ -697,7 +699,7 @@ impl pb::d_sec_server::DSec for Api {
         call.sandbox_id = msg.id.clone();
         let r = self
             .inner
-            .from_sandbox(
+            .image_from_sandbox(
                 &caller,
                 super::images::FromSandbox {
                     id: msg.id,
@@ -726,7 +728,7 @@ impl pb::d_sec_server::DSec for Api {
             )))
         } else {
             self.inner
-                .from_sandbox(
+                .image_from_sandbox(
                     &caller,
                     super::images::FromSandbox {
                         id: msg.id,
@@ -738,6 +740,35 @@ impl pb::d_sec_server::DSec for Api {
                 .await
         };
         self.finish(call, r).map(Response::new)
+    }
+
+    type ForkSandboxStream = BoxStream<pb::CreateSandboxesItem>;
+
+    async fn fork_sandbox(
+        &self,
+        req: Request<pb::ForkSandboxRequest>,
+    ) -> Result<Response<Self::ForkSandboxStream>, Status> {
+        let (caller, mut call) = self.begin(&req, "ForkSandbox", true).await?;
+        let msg = req.into_inner();
+        call.sandbox_id = msg.id.clone();
+        call.count = Some(msg.count);
+        let started = Instant::now();
+        let prep = self.inner.prepare_fork(&caller, &msg).await;
+        if let Ok(p) = &prep {
+            call.project = p.project.clone();
+        }
+        let prepared = self.finish(call, prep)?;
+        let (tx, rx) = tokio::sync::mpsc::channel(256);
+        tokio::spawn(super::fork::run(
+            self.inner.clone(),
+            caller,
+            prepared,
+            started,
+            tx,
+        ));
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 
     async fn drain_edge(

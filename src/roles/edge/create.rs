@@ -79,11 +79,27 @@ impl Core {
 
     /// Creates the batch's sandboxes; one result per item, in order. Errors for the whole
     /// call: `invalid` spec.
+    #[cfg(test)]
     pub async fn create_batch(
         self: &Arc<Self>,
         spec: Option<pb::SandboxSpec>,
         items: Vec<pb::EdgeCreateItem>,
     ) -> Result<Vec<pb::EdgeCreateResult>, Failure> {
+        self.create_batch_from(spec, items, None).await
+    }
+
+    /// [`Core::create_batch`], with a fork's copies starting from `fork`'s files
+    /// (docs/images.md "Fork"). Errors for the whole call: `invalid` spec or fork files.
+    pub async fn create_batch_from(
+        self: &Arc<Self>,
+        spec: Option<pb::SandboxSpec>,
+        items: Vec<pb::EdgeCreateItem>,
+        fork: Option<pb::ForkFiles>,
+    ) -> Result<Vec<pb::EdgeCreateResult>, Failure> {
+        let fork = fork
+            .as_ref()
+            .map(crate::backends::ForkFiles::from_pb)
+            .transpose()?;
         let digest = spec
             .as_ref()
             .map(crate::types::spec_digest::spec_digest)
@@ -250,11 +266,13 @@ impl Core {
         let made = futures::future::join_all(new.iter().map(|(_, e)| {
             let rec = e.snapshot();
             let b = backend.clone();
+            let fork = fork.clone();
             async move {
                 let req = CreateRequest {
                     sandbox_id: rec.id().to_string(),
                     project: rec.sandbox.project.clone(),
                     spec: rec.spec(),
+                    fork,
                 };
                 let t = Instant::now();
                 let r = b.create(&req).await;

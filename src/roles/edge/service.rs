@@ -106,7 +106,8 @@ impl pb::edge_server::Edge for EdgeService {
         answer(
             detached(
                 &self.work,
-                async move { core.create_batch(r.spec, r.items).await }.instrument(span),
+                async move { core.create_batch_from(r.spec, r.items, r.fork).await }
+                    .instrument(span),
             )
             .await
             .map(|results| pb::EdgeCreateResponse {

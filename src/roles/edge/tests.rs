@@ -721,6 +721,7 @@ async fn status_answers_while_creations_keep_every_worker_busy() {
         calls.push(tokio::spawn(async move {
             svc.create_sandboxes(tonic::Request::new(pb::EdgeCreateRequest {
                 spec: Some(spec()),
+                fork: None,
                 items: vec![item(&format!("b{i}"))],
             }))
             .await
@@ -783,6 +784,7 @@ async fn a_caller_that_goes_away_does_not_leave_a_creation_halfway() {
     let svc = service(&c);
     let call = svc.create_sandboxes(tonic::Request::new(pb::EdgeCreateRequest {
         spec: Some(spec()),
+        fork: None,
         items: vec![item("a")],
     }));
     // The apiserver goes away while the backend is still creating: its call is dropped.
@@ -810,6 +812,7 @@ async fn a_caller_that_goes_away_does_not_leave_a_creation_halfway() {
     // The retry finds it RUNNING and creates nothing more.
     let again = svc.create_sandboxes(tonic::Request::new(pb::EdgeCreateRequest {
         spec: Some(spec()),
+        fork: None,
         items: vec![item("a")],
     }));
     let out = tokio::time::timeout(Duration::from_secs(5), again)

@@ -412,6 +412,31 @@ class PackDiffRequest(_message.Message):
     overwrite: bool
     def __init__(self, id: _Optional[str] = ..., image: _Optional[str] = ..., scrub: _Optional[_Iterable[str]] = ..., overwrite: bool = ...) -> None: ...
 
+class ForkSandboxRequest(_message.Message):
+    __slots__ = ("id", "count", "labels", "task_id", "ttl_running_stop", "ttl_max", "idempotency_key")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_RUNNING_STOP_FIELD_NUMBER: _ClassVar[int]
+    TTL_MAX_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    count: int
+    labels: _containers.ScalarMap[str, str]
+    task_id: str
+    ttl_running_stop: int
+    ttl_max: int
+    idempotency_key: str
+    def __init__(self, id: _Optional[str] = ..., count: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., task_id: _Optional[str] = ..., ttl_running_stop: _Optional[int] = ..., ttl_max: _Optional[int] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+
 class CreateSnapshotRequest(_message.Message):
     __slots__ = ("id", "image", "memory", "overwrite")
     ID_FIELD_NUMBER: _ClassVar[int]

@@ -291,6 +291,11 @@ class DSecStub(object):
                 request_serializer=opendsec_dot_v1_dot_opendsec__pb2.CreateSnapshotRequest.SerializeToString,
                 response_deserializer=opendsec_dot_v1_dot_opendsec__pb2.ImageInfo.FromString,
                 _registered_method=True)
+        self.ForkSandbox = channel.unary_stream(
+                '/opendsec.v1.DSec/ForkSandbox',
+                request_serializer=opendsec_dot_v1_dot_opendsec__pb2.ForkSandboxRequest.SerializeToString,
+                response_deserializer=opendsec_dot_v1_dot_opendsec__pb2.CreateSandboxesItem.FromString,
+                _registered_method=True)
         self.ClusterStatus = channel.unary_unary(
                 '/opendsec.v1.DSec/ClusterStatus',
                 request_serializer=opendsec_dot_v1_dot_types__pb2.Empty.SerializeToString,
