@@ -18,6 +18,12 @@ What it measures:
      from a composed image of 3 parts and 11 layers (the base, and two images of 5 small layers
      each) with a warm layer cache, against the image ``host``. Then the first use on a cold
      cache: the composed image's cached copies removed before each of a few creations.
+  3. pack_diff of a sandbox that installed 100 MB (2,000 files of 50 KiB of random bytes under
+     /opt/pkg; one small file changed before each round, so every round writes a new layer):
+     the time and the layer's space in the store, PACKS times, against the peer ``tar`` of
+     the same tree into a fresh directory (``tar -c | tar -x`` then ``sync -f``), alternated.
+  4. fork(count=8) of a container of the base image, time until all 8 answer a command,
+     N/3 times, against ``run_sandboxes`` of 8 from the same image to the same point.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = os.environ.get("OPENDSEC_BIN", str(ROOT / "target/x86_64-unknown-linux-gnu/release/opendsec"))
 LAYOUT = ROOT / "target" / "quickstart-image"
 
-from opendsec import DSecClient, DSecRunArgs  # noqa: E402
+from opendsec import DSecClient, DSecError, DSecRunArgs  # noqa: E402
 
 
 def ctl(*args: str) -> subprocess.CompletedProcess[str]:
@@ -201,10 +207,86 @@ async def creations(n: int, state: Path, store: Path, composed: str) -> dict[str
     }
 
 
+INSTALL = "mkdir -p /opt/pkg && for i in $(seq 1 2000); do head -c 51200 /dev/urandom > /opt/pkg/f$i; done"
+
+
+def tree_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+async def packs(store: Path, rounds: int) -> dict[str, Any]:
+    """pack_diff of a sandbox that installed 100 MB, against tar of the same tree."""
+    async with DSecClient(retry_timeout=30) as c:
+        sb = await c.run_sandbox(
+            DSecRunArgs(backend="container", image="root/bench/base:1", cpu_cores_limit=1, memory_limit_mb=512, disk_mb=1024)
+        )
+        ours: list[float] = []
+        peer: list[float] = []
+        space: list[int] = []
+        try:
+            r = await sb.run_shell(INSTALL, timeout=600)
+            assert r.exit_code == 0, r
+            with tempfile.TemporaryDirectory(dir=store.parent) as d:
+                src = Path(d) / "src"
+                subprocess.run(["sh", "-c", INSTALL.replace("/opt/pkg", f"{src}/opt/pkg")], check=True)
+                for i in range(rounds):
+                    await sb.run_shell(f"echo {i} > /opt/stamp")
+                    t = time.perf_counter()
+                    img = await sb.pack_diff(f"root/bench/packed:{i}")
+                    ours.append(time.perf_counter() - t)
+                    layer = store / "layers" / img.layers[-1].split(":")[1]
+                    space.append(tree_bytes(layer))
+                    ctl("image", "delete", img.name)
+                    shutil.rmtree(layer)
+                    out = Path(d) / f"peer{i}"
+                    out.mkdir()
+                    t = time.perf_counter()
+                    subprocess.run(f"tar -C {src} -cf - . | tar -C {out} -xf - && sync -f {out}", shell=True, check=True)
+                    peer.append(time.perf_counter() - t)
+                    shutil.rmtree(out)
+        finally:
+            await sb.stop()
+    return {"ours_s": summary(ours), "tar_s": summary(peer), "layer_mb": statistics.median(space) / 1e6}
+
+
+async def forks(rounds: int) -> dict[str, Any]:
+    """fork(count=8) until all 8 answer a command, against run_sandboxes(8) to the same point."""
+    args = DSecRunArgs(backend="container", image="root/bench/base:1", cpu_cores_limit=0.1, memory_limit_mb=128, disk_mb=256)
+    async with DSecClient(retry_timeout=30) as c:
+        sb = await c.run_sandbox(args)
+        ours: list[float] = []
+        peer: list[float] = []
+        try:
+            await sb.run_shell("mkdir -p /srv/work && head -c 10485760 /dev/urandom > /srv/work/state")
+
+            for _ in range(rounds):
+                t = time.perf_counter()
+                made = await sb.fork(count=8)
+                live = [m for m in made if not isinstance(m, DSecError)]
+                assert len(live) == 8, made
+                rs = await asyncio.gather(*(m.run_shell("true") for m in live))
+                ours.append(time.perf_counter() - t)
+                assert all(r.exit_code == 0 for r in rs), rs
+                await asyncio.gather(*(m.stop() for m in live))
+                t = time.perf_counter()
+                made = await c.run_sandboxes(args, 8)
+                live = [m for m in made if not isinstance(m, DSecError)]
+                assert len(live) == 8, made
+                rs = await asyncio.gather(*(m.run_shell("true") for m in live))
+                peer.append(time.perf_counter() - t)
+                await asyncio.gather(*(m.stop() for m in live))
+        finally:
+            await sb.stop()
+    return {"fork8_ms": summary([x * 1000 for x in ours]), "create8_ms": summary([x * 1000 for x in peer])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=30)
     ap.add_argument("-imports", type=int, default=3)
+    ap.add_argument("-packs", type=int, default=5)
+    ap.add_argument("-only", choices=["all", "pack", "fork"], default="all",
+                    help="pack or fork: only items 3 or 4 (the base image is imported either way)")
     ap.add_argument("-json", action="store_true")
     a = ap.parse_args()
     store = Path(os.environ["OPENDSEC_IMAGE_STORE"])
@@ -217,9 +299,29 @@ def main() -> None:
         ctl("image", "import", f"{d}/a#a", "-as", "root/bench/a:1", "-overwrite", "-q")
         ctl("image", "import", f"{d}/b#b", "-as", "root/bench/b:1", "-overwrite", "-q")
     ctl("image", "compose", "root/bench/combo:1", "root/bench/base:1", "root/bench/a:1", "root/bench/b:1", "-overwrite")
-    out = {"import": imports(store, a.imports), "registry_import": registry_imports(store, a.imports), "create": asyncio.run(creations(a.n, state, store, "root/bench/combo:1"))}
+    out: dict[str, Any] = {}
+    if a.only in ("all", "pack"):
+        out["pack"] = asyncio.run(packs(store, a.packs))
+    if a.only in ("all", "fork"):
+        out["fork"] = asyncio.run(forks(max(3, a.n // 3)))
+    if a.only == "all":
+        out["import"] = imports(store, a.imports)
+        out["registry_import"] = registry_imports(store, a.imports)
+        out["create"] = asyncio.run(creations(a.n, state, store, "root/bench/combo:1"))
     if a.json:
         print(json.dumps(out, indent=2))
+        return
+    if "pack" in out:
+        p = out["pack"]
+        print(f"pack_diff of 100 MB installed: p50 {p['ours_s']['p50']:.2f} s, p99 {p['ours_s']['p99']:.2f} s, "
+              f"layer {p['layer_mb']:.1f} MB in the store; tar of the same tree p50 {p['tar_s']['p50']:.2f} s, "
+              f"p99 {p['tar_s']['p99']:.2f} s (n={p['ours_s']['n']})")
+    if "fork" in out:
+        f = out["fork"]
+        print(f"fork(count=8) until all answer: p50 {f['fork8_ms']['p50']:.0f} ms, p99 {f['fork8_ms']['p99']:.0f} ms; "
+              f"run_sandboxes(8) p50 {f['create8_ms']['p50']:.0f} ms, p99 {f['create8_ms']['p99']:.0f} ms "
+              f"(n={f['fork8_ms']['n']})")
+    if a.only != "all":
         return
     i, c, r = out["import"], out["create"], out["registry_import"]
     print(f"import of the base image: ours p50 {i['ours_s']['p50']:.2f} s (min {i['ours_s']['min']:.2f}), "

@@ -7,6 +7,7 @@
 #
 #   bench/images.sh                  # -n 30 -imports 3, table
 #   bench/images.sh -n 10 -json
+#   bench/images.sh -only pack -packs 5   # pack_diff of 100 MB only (or -only fork)
 #
 # docs/benchmarks.md records a run.
 set -euo pipefail
