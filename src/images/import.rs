@@ -136,6 +136,13 @@ pub fn import_layers(
     progress: &dyn Fn(Progress),
 ) -> Result<ImageManifest, ImportError> {
     let (path, select) = split_source(src);
+    if select.is_empty() && src.ends_with('#') {
+        return Err(SourceError::Bad {
+            source_name: src.to_string(),
+            why: "nothing after `#`: name the image as FILE#name:tag, or leave out the `#`".into(),
+        }
+        .into());
+    }
     let source = Source::open(Path::new(path))?;
     let image = source.resolve(select)?;
     let name = if image.name.is_empty() {

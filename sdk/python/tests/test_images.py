@@ -192,6 +192,9 @@ async def test_import_compose_list_get_delete_and_permissions(cluster, tmp_path)
         # A missing local path is invalid and never looked up in a registry.
         r = ctl(cluster, "image", "import", "./no-such-image.tar", "-as", f"{project}/py:1")
         assert r.returncode == 1 and "error: invalid:" in r.stderr, r.stderr
+        # A `#` with no image name after it is a mistake, not "the only image there".
+        r = ctl(cluster, "image", "import", f"{tmp_path / 'tools'}#", "-as", f"{project}/hash:1", "-q")
+        assert r.returncode == 1 and "error: invalid:" in r.stderr and "nothing after `#`" in r.stderr, r.stderr
 
         got = await c.get_image(base)
         me = await c.whoami()
