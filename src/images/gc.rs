@@ -137,7 +137,33 @@ pub fn collect(store: &Store, o: &GcOptions) -> Result<GcReport, GcError> {
             bytes,
         });
     }
+    if !o.dry_run {
+        prune_empty(&root.join("images"), &young);
+    }
     Ok(report)
+}
+
+/// Removes the directories under `dir` that hold nothing (an image whose last tag was
+/// deleted, a project whose last image was), deepest first, sparing those changed within the
+/// grace. rmdir(2) refuses a directory that is not empty, so a manifest written meanwhile
+/// stays, and its writer makes the directory again if it went first
+/// ([`Store::write_manifest`]). Returns how many went; a directory that cannot go is left.
+fn prune_empty(dir: &Path, young: &dyn Fn(&Path) -> bool) -> usize {
+    let mut gone = 0;
+    let Ok(rd) = fs::read_dir(dir) else {
+        return 0;
+    };
+    for e in rd.flatten() {
+        if !e.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let sub = e.path();
+        gone += prune_empty(&sub, young);
+        if !young(&sub) && fs::remove_dir(&sub).is_ok() {
+            gone += 1;
+        }
+    }
+    gone
 }
 
 /// The layers (as hex) that some manifest or in-use record names.
@@ -348,5 +374,70 @@ mod tests {
         .expect_err("unreadable");
         assert!(matches!(e, GcError::Unreadable { .. }), "{e}");
         assert!(store.has_layer(&young));
+    }
+
+    #[test]
+    fn empty_image_directories_go_after_the_grace_and_a_new_manifest_makes_them_again() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(d.path()).expect("store");
+        let layer = Digest::of(b"l");
+        store
+            .put_layer(&layer, |r| fs::write(r.join("f"), b"l"))
+            .expect("layer");
+        let m = ImageManifest {
+            layers: vec![layer.clone()],
+            ..Default::default()
+        };
+        let (gone, kept) = (
+            ImageRef::parse("root/team/gone:1").expect("name"),
+            ImageRef::parse("root/team/kept:1").expect("name"),
+        );
+        store.write_manifest(&gone, &m, false).expect("manifest");
+        store.write_manifest(&kept, &m, false).expect("manifest");
+        store.delete_manifest(&gone).expect("delete");
+        let images = d.path().join("images");
+        let o = |grace| GcOptions {
+            grace: Duration::from_secs(grace),
+            dry_run: false,
+        };
+        collect(&store, &o(86400)).expect("gc");
+        assert!(images.join("root/team/gone").is_dir(), "young: kept");
+        collect(&store, &o(0)).expect("gc");
+        assert!(!images.join("root/team/gone").exists());
+        assert!(
+            images.join("root/team/kept/1.json").is_file(),
+            "not empty: kept"
+        );
+        store.delete_manifest(&kept).expect("delete");
+        collect(&store, &o(0)).expect("gc");
+        assert!(
+            !images.join("root").exists() && images.is_dir(),
+            "images/ itself stays"
+        );
+        // The next image of the project makes its directories again.
+        store.write_manifest(&kept, &m, false).expect("manifest");
+        assert_eq!(store.read_manifest(&kept).expect("read").layers, m.layers);
+    }
+
+    #[test]
+    fn a_layer_found_stored_by_a_writer_is_young_again() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(d.path()).expect("store");
+        let layer = Digest::of(b"old");
+        store
+            .put_layer(&layer, |r| fs::write(r.join("f"), b"old"))
+            .expect("layer");
+        age(&store.layer_dir(&layer), 2 * 86400);
+        assert!(store.reuse_layer(&layer));
+        assert!(!store.reuse_layer(&Digest::of(b"absent")));
+        let r = collect(
+            &store,
+            &GcOptions {
+                grace: Duration::from_secs(3600),
+                dry_run: false,
+            },
+        )
+        .expect("gc");
+        assert!(r.removed.is_empty() && store.has_layer(&layer), "{r:?}");
     }
 }

@@ -172,7 +172,7 @@ pub fn import_resolved(
             diff_id: Some(l.diff_id.clone()),
         };
         let (index, diff_id) = (i + 1, l.diff_id.to_string());
-        let meta = if store.has_layer(&l.diff_id) {
+        let meta = if store.reuse_layer(&l.diff_id) {
             None
         } else {
             let (blob, size) = blobs.open_blob(l)?;

@@ -139,7 +139,7 @@ pub fn import_layer<R: Read>(
     limits: Limits,
 ) -> Result<LayerMeta, LayerError> {
     if let Some(d) = &expected.diff_id {
-        if store.has_layer(d) {
+        if store.reuse_layer(d) {
             return Ok(LayerMeta {
                 diff_id: Some(d.clone()),
                 blob: expected.blob.clone(),

@@ -19,6 +19,7 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
+use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 
@@ -186,6 +187,22 @@ impl Store {
         self.layer_dir(diff_id).join("meta.json").is_file()
     }
 
+    /// [`Store::has_layer`] for a writer about to name the layer in a new manifest (an import
+    /// or pack that finds it stored already): also marks it as just used, so that a garbage
+    /// collection running meanwhile counts it inside its grace period instead of removing
+    /// it before the manifest that will name it exists (docs/images.md "Deletion and garbage
+    /// collection"). A mark that cannot be set is logged; the layer is still reported.
+    pub fn reuse_layer(&self, diff_id: &Digest) -> bool {
+        let meta = self.layer_dir(diff_id).join("meta.json");
+        if !meta.is_file() {
+            return false;
+        }
+        if let Err(e) = fs::File::open(&meta).and_then(|f| f.set_modified(SystemTime::now())) {
+            tracing::warn!(layer = %diff_id, error = %e, "marking a stored layer as used");
+        }
+        true
+    }
+
     /// A fresh, empty layer directory under `tmp/`.
     pub fn stage(&self) -> Result<Staging, StoreError> {
         let name = format!(
@@ -227,7 +244,7 @@ impl Store {
             // ENOTEMPTY/EEXIST: the layer is there already; `staging` is dropped (removed).
             Err(e)
                 if matches!(e.raw_os_error(), Some(libc::ENOTEMPTY) | Some(libc::EEXIST))
-                    && self.has_layer(diff_id) =>
+                    && self.reuse_layer(diff_id) =>
             {
                 Ok(())
             }
@@ -274,31 +291,43 @@ impl Store {
     ) -> Result<(), StoreError> {
         let path = self.manifest_path(image);
         let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
-        fs::create_dir_all(&dir).map_err(|e| self.io(format!("making {}", dir.display()), e))?;
         let body =
             serde_json::to_vec_pretty(m).map_err(|e| self.io("encoding a manifest", e.into()))?;
-        let tmp = self.root.join("tmp").join(format!(
-            "manifest-{}-{:016x}.json",
-            std::process::id(),
-            rand::random::<u64>()
-        ));
-        write_synced(&tmp, &body).map_err(|e| self.io("writing a manifest", e))?;
-        let placed = if overwrite {
-            fs::rename(&tmp, &path)
-        } else {
-            // link(2) fails with EEXIST if the name is taken, atomically: no check-then-write.
-            let r = fs::hard_link(&tmp, &path);
-            let _ = fs::remove_file(&tmp);
-            r
-        };
-        match placed {
-            Ok(()) => sync_dir(&dir).map_err(|e| self.io("syncing a manifest's directory", e)),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                Err(StoreError::Exists(image.to_string()))
-            }
-            Err(e) => {
+        // A garbage collection may remove the image's directory once it is empty, or the
+        // temporary file under `tmp/` when told `-grace 0s`: whatever went is made again.
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            fs::create_dir_all(&dir)
+                .map_err(|e| self.io(format!("making {}", dir.display()), e))?;
+            let tmp = self.root.join("tmp").join(format!(
+                "manifest-{}-{:016x}.json",
+                std::process::id(),
+                rand::random::<u64>()
+            ));
+            write_synced(&tmp, &body).map_err(|e| self.io("writing a manifest", e))?;
+            let placed = if overwrite {
+                fs::rename(&tmp, &path)
+            } else {
+                // link(2) fails with EEXIST if the name is taken, atomically: no check-then-write.
+                let r = fs::hard_link(&tmp, &path);
                 let _ = fs::remove_file(&tmp);
-                Err(self.io(format!("placing manifest {}", path.display()), e))
+                r
+            };
+            match placed {
+                Ok(()) => {
+                    return sync_dir(&dir).map_err(|e| self.io("syncing a manifest's directory", e))
+                }
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                    return Err(StoreError::Exists(image.to_string()))
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound && attempt < 3 => {
+                    let _ = fs::remove_file(&tmp);
+                }
+                Err(e) => {
+                    let _ = fs::remove_file(&tmp);
+                    return Err(self.io(format!("placing manifest {}", path.display()), e));
+                }
             }
         }
     }

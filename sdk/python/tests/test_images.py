@@ -299,6 +299,22 @@ async def test_import_compose_list_get_delete_and_permissions(cluster, tmp_path)
         r = ctl(cluster, "image", "gc", "-store", str(tmp_path / "no-store"), "-dry-run")
         assert r.returncode == 1 and "not an image store" in r.stderr, r.stderr
 
+        # A project that still has images is not deleted (they would outlive it, out of
+        # reach); once they are gone it is, and gc takes its empty directories.
+        sub = f"{project}/sub"
+        await c.create_project(project, "sub")
+        await c.compose_image(f"{sub}/left:1", [base])
+        with pytest.raises(DSecError) as ei:
+            await c.delete_project(sub)
+        assert ei.value.reason == opendsec.CONFLICT and f"{sub}/left:1" in ei.value.message, ei.value
+        assert (await c.get_image(f"{sub}/left:1")).layers == got.layers
+        await c.delete_image(f"{sub}/left:1")
+        await c.delete_project(sub)
+        r = ctl(cluster, "image", "gc", "-grace", "0s")
+        assert r.returncode == 0, r.stderr
+        assert not (store / "images" / "root" / top / "sub").exists()
+        assert (store / "images" / "root" / top / "base" / "1.json").is_file()
+
 
 def _free_port() -> int:
     with socket.socket() as s:

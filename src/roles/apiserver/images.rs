@@ -251,6 +251,47 @@ impl Inner {
     }
 }
 
+impl Inner {
+    /// Before `DeleteProject`: a project whose own images are still in the store is not
+    /// deleted, or they would outlive it with nobody able to see or remove them through the
+    /// API. Errors: `forbidden` (no `project.admin` on the parent, as IAM would answer),
+    /// `conflict` naming an image, `unavailable` (the store). Nothing to check without a
+    /// store, for root, or for a bad path (IAM answers those).
+    pub(crate) async fn check_project_has_no_images(
+        &self,
+        caller: &Caller,
+        project: &str,
+    ) -> Result<(), Failure> {
+        let (Some(store), Some(parent)) = (
+            self.images.clone(),
+            crate::types::names::project_parent(project),
+        ) else {
+            return Ok(());
+        };
+        if check_project_path(project).is_err() {
+            return Ok(());
+        }
+        self.auth.authorize(caller, parent, "project.admin").await?;
+        let p = project.to_string();
+        let own = blocking(move || {
+            let all = store.list_manifests(&p).map_err(|e| e.to_failure())?;
+            Ok(all
+                .into_iter()
+                .filter(|(r, _)| r.project == p)
+                .map(|(r, _)| r.to_string())
+                .collect::<Vec<_>>())
+        })
+        .await?;
+        match own.first() {
+            None => Ok(()),
+            Some(first) => Err(Failure::conflict(format!(
+                "project {project} still has {} image(s), e.g. {first}: delete them first (`opendsec ctl image delete`)",
+                own.len()
+            ))),
+        }
+    }
+}
+
 /// What [`Inner::image_from_sandbox`] makes: a `pack_diff` (scrubbed) or a snapshot (as it is).
 pub(crate) struct FromSandbox {
     pub id: String,

@@ -24,7 +24,7 @@ pub struct Request<'a> {
     pub local_image: Option<&'a str>,
     pub res: Res,
     /// An edge to take whenever it fits and is not penalized (a fork's source node, whose
-    /// layer cache already holds the copies' files: 22-components "Locality").
+    /// layer cache already holds the copies' files: docs/images.md "Fork").
     pub prefer: Option<&'a str>,
 }
 

@@ -571,13 +571,35 @@ impl pb::d_sec_server::DSec for Api {
     );
     iam_call!(get_project, get_project, pb::ProjectRef, pb::Project, false);
     iam_call!(set_quota, set_quota, pb::SetQuotaRequest, pb::Project, true);
-    iam_call!(
-        delete_project,
-        delete_project,
-        pb::ProjectRef,
-        pb::Empty,
-        true
-    );
+    async fn delete_project(
+        &self,
+        req: Request<pb::ProjectRef>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        let (caller, mut call) = self.begin(&req, "DeleteProject", true).await?;
+        let msg = req.into_inner();
+        call.project = msg.project.clone();
+        let r = match self
+            .inner
+            .check_project_has_no_images(&caller, &msg.project)
+            .await
+        {
+            Err(f) => Err(f),
+            Ok(()) => self
+                .inner
+                .iam
+                .clone()
+                .delete_project(client::on_behalf(
+                    msg,
+                    &self.inner.cfg.service_token,
+                    &caller.token,
+                    &caller.client_addr,
+                ))
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|s| failure_from_status(&s)),
+        };
+        self.finish(call, r).map(Response::new)
+    }
     iam_call!(
         create_principal,
         create_principal,
