@@ -88,4 +88,17 @@ def env(v: Optional[object]) -> dict[str, str]:
     return out
 
 
+def labels(v: Optional[object]) -> dict[str, str]:
+    """A sandbox's labels: ``str`` names (not empty) to ``str`` values; errors name the label."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise TypeError(f"labels must be a dict, not {type(v).__name__}")
+    out: dict[str, str] = {}
+    for k, val in v.items():
+        key = text("label name", k, empty=False)
+        out[key] = text(f"labels[{key!r}]", val)
+    return out
+
+
 Bytes = Union[bytes, bytearray, memoryview, str]

@@ -90,7 +90,7 @@ class DSecRunArgs:
             init_user=_args.text("init_user", self.init_user),
             task_id=_args.text("task_id", self.task_id),
             qos=_args.text("qos", self.qos),
-            labels={_args.text("label name", k): _args.text("label value", v) for k, v in (self.labels or {}).items()},
+            labels=_args.labels(self.labels),
             readonly_paths=[_args.text("readonly path", p) for p in (self.readonly_paths or [])],
             masked_paths=[_args.text("masked path", p) for p in (self.masked_paths or [])],
         )

@@ -173,9 +173,7 @@ class Sandbox:
         req = opendsec_pb2.ForkSandboxRequest(
             id=self.id,
             count=count,
-            labels={
-                _args.text("label key", k, empty=False): _args.text("label value", v) for k, v in (labels or {}).items()
-            },
+            labels=_args.labels(labels),
             task_id=_args.text("task_id", task_id),
             ttl_running_stop=_args.integer("ttl_running_stop", ttl_running_stop),
             ttl_max=_args.integer("ttl_max", ttl_max),

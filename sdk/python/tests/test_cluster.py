@@ -134,16 +134,32 @@ async def test_iam_flow(cluster):
             async with DSecClient(endpoint=cluster["OPENDSEC_ADDR"], token=token, project=child.path, retry_timeout=10) as p:
                 assert await p.whoami() == principal
 
-                # No grant yet: forbidden.
+                # No grant yet: forbidden, to create and to operate an admin's sandbox.
                 with pytest.raises(DSecError) as ei:
                     await p.run_sandbox(DSecRunArgs(backend="sim"))
+                assert ei.value.reason == opendsec.FORBIDDEN
+                theirs = await c.run_sandbox(DSecRunArgs(backend="sim", project=proj.path, cpu_cores_limit=0.5))
+                started.append(theirs)
+                with pytest.raises(DSecError) as ei:
+                    await p.get_sandbox(theirs.id)
                 assert ei.value.reason == opendsec.FORBIDDEN
 
                 got = await c.grant(proj.path, principal, ["sandbox.create", "sandbox.operate"])
                 assert set(got.policies.get(principal, [])) >= {"sandbox.create", "sandbox.operate"}
+                # The refusal is not remembered past about a second (it was 30 s once).
+                end = time.monotonic() + 10
+                while True:
+                    try:
+                        assert (await p.get_sandbox(theirs.id)).id == theirs.id
+                        break
+                    except DSecError as e:
+                        assert e.reason == opendsec.FORBIDDEN
+                        assert time.monotonic() < end, "a granted permission still refused after 10 s"
+                        await asyncio.sleep(0.1)
 
-                # Two sandboxes in the parent project itself, one in the child: the parent is full.
-                started += [await c.run_sandbox(DSecRunArgs(backend="sim", project=proj.path, cpu_cores_limit=0.5)) for _ in range(2)]
+                # Two sandboxes in the parent project itself (`theirs` is one), one in the child:
+                # the parent is full.
+                started.append(await c.run_sandbox(DSecRunArgs(backend="sim", project=proj.path, cpu_cores_limit=0.5)))
                 started.append(await p.run_sandbox(DSecRunArgs(backend="sim", cpu_cores_limit=0.5)))
                 with pytest.raises(DSecError) as ei:
                     await p.run_sandbox(DSecRunArgs(backend="sim", cpu_cores_limit=0.5))

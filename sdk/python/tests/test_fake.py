@@ -669,6 +669,10 @@ async def test_arguments_python_would_convert_are_invalid_and_nothing_is_sent(fa
             "disk_mb as float": lambda: c.run_sandbox(DSecRunArgs(backend="sim", disk_mb=1.5)),
             "ttl as bool": lambda: c.run_sandbox(DSecRunArgs(backend="sim", ttl_max=True)),
             "label value as int": lambda: c.run_sandbox(DSecRunArgs(backend="sim", labels={"step": 3})),
+            "labels as list": lambda: c.run_sandbox(DSecRunArgs(backend="sim", labels=["a"])),  # type: ignore[arg-type]
+            "empty label name": lambda: c.run_sandbox(DSecRunArgs(backend="sim", labels={"": "x"})),
+            "fork labels as list": lambda: sb.fork(labels=["a"]),  # type: ignore[arg-type]
+            "fork label value as int": lambda: sb.fork(labels={"n": 1}),  # type: ignore[dict-item]
             "timeout as str": lambda: sb.run_shell("true", timeout="5"),
             "empty session": lambda: sb.run_shell("true", session=""),
             "NUL in cmd": lambda: sb.run_shell("echo a\0; rm -rf /x"),

@@ -202,13 +202,20 @@ pub fn normalize_spec(
     if !s.init_user.is_empty() {
         check_init_user(&s.init_user)?;
     }
-    if s.labels.len() > MAX_LABELS
-        || s.labels
-            .iter()
-            .any(|(k, v)| k.is_empty() || k.len() > 128 || v.len() > MAX_TEXT)
+    if s.labels.len() > MAX_LABELS {
+        return Err(Failure::invalid(format!(
+            "labels: {} given, at most {MAX_LABELS}",
+            s.labels.len()
+        )));
+    }
+    if let Some((k, _)) = s
+        .labels
+        .iter()
+        .filter(|(k, v)| k.is_empty() || k.len() > 128 || v.len() > MAX_TEXT)
+        .min_by(|a, b| a.0.cmp(b.0))
     {
         return Err(Failure::invalid(format!(
-            "labels: at most {MAX_LABELS}, keys 1..128 and values up to {MAX_TEXT} characters"
+            "label {k:?}: keys are 1..128 characters and values up to {MAX_TEXT}"
         )));
     }
     if s.network_rules.len() > 1024
@@ -361,6 +368,27 @@ mod tests {
                 Box::new(|s| s.init_user = "0:4294967295".into()),
             ),
             ("init_user", Box::new(|s| s.init_user = "root\n".into())),
+            (
+                "\"step\"",
+                Box::new(|s| {
+                    s.labels.insert("ok".into(), "1".into());
+                    s.labels.insert("step".into(), "x".repeat(MAX_TEXT + 1));
+                }),
+            ),
+            (
+                "\"\"",
+                Box::new(|s| {
+                    s.labels.insert(String::new(), "1".into());
+                }),
+            ),
+            (
+                "labels: 65 given",
+                Box::new(|s| {
+                    for i in 0..=MAX_LABELS {
+                        s.labels.insert(format!("k{i}"), "v".into());
+                    }
+                }),
+            ),
         ];
         for (i, (field, f)) in cases.iter().enumerate() {
             let mut s = spec();

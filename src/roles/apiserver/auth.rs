@@ -1,6 +1,9 @@
 //! The apiserver's authentication and authorization caches (docs/architecture.md): results are
 //! kept 30 s (never past the token's own expiry), and dropped whenever IAM's security epoch
 //! moves, which a background task checks every second — so a revocation bites within ~1 s.
+//! A refusal is kept only 1 s: a grant does not move the epoch (it would empty every
+//! apiserver's caches for a change that takes nothing away), so this is what makes a grant
+//! take effect within about a second as well.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -17,6 +20,8 @@ use crate::shutdown::Shutdown;
 use crate::types::{now_s, Failure};
 
 const TTL: Duration = Duration::from_secs(30);
+/// How long a refused permission is remembered (see the module comment).
+const DENY_TTL: Duration = Duration::from_secs(1);
 
 /// An authenticated caller.
 #[derive(Debug, Clone)]
@@ -161,7 +166,7 @@ impl AuthCache {
             perm.to_string(),
         );
         if let Some((ok, at)) = self.authz.read().unwrap_or_else(|p| p.into_inner()).get(&k) {
-            if at.elapsed() < TTL {
+            if at.elapsed() < if *ok { TTL } else { DENY_TTL } {
                 return if *ok {
                     Ok(())
                 } else {
