@@ -28,6 +28,10 @@ fi
 # (docs/testing.md "cgroup v2 in a guest"). About 6 minutes under emulation.
 bash scripts/test-v2.sh
 
+# The image store's tests again with the store on NFS 4.2, which production uses and our
+# machines' kernel lacks (docs/testing.md "The image store on NFS"). Also in a guest.
+bash scripts/test-nfs.sh
+
 # The README's first command, end to end: it must print exactly 42.
 out=$(bash scripts/quickstart.sh)
 if [ "$out" != "42" ]; then

@@ -9,7 +9,10 @@
 # tree; /tmp, /run and /var/tmp are the guest's own tmpfs. Nothing leaves the machine: the guest
 # has no network device.
 #
-#   scripts/v2-guest.sh [-mem MB] [-cpus N] [-timeout S] -- COMMAND [ARGS...]
+#   scripts/v2-guest.sh [-mem MB] [-cpus N] [-timeout S] [-modules "M ..."] -- COMMAND [ARGS...]
+#
+# -modules loads more of the kernel's modules at boot (with their dependencies), e.g. "nfsd
+# nfsv4" for scripts/test-nfs.sh.
 #
 # Exit status: the command's, or 125 when the guest did not report one (boot failure,
 # timeout). Needs root, qemu-system-x86 and Debian's package sources (the kernel package is
@@ -21,13 +24,15 @@ root=$PWD
 mem=4096
 cpus=2
 timeout=1200
+extra=""
 while [ $# -gt 0 ]; do
   case "$1" in
     -mem) mem=$2; shift 2 ;;
     -cpus) cpus=$2; shift 2 ;;
     -timeout) timeout=$2; shift 2 ;;
+    -modules) extra=$2; shift 2 ;;
     --) shift; break ;;
-    *) echo "usage: $0 [-mem MB] [-cpus N] [-timeout S] -- COMMAND [ARGS...]" >&2; exit 2 ;;
+    *) echo "usage: $0 [-mem MB] [-cpus N] [-timeout S] [-modules \"M ...\"] -- COMMAND [ARGS...]" >&2; exit 2 ;;
   esac
 done
 [ $# -gt 0 ] || { echo "$0: no command given" >&2; exit 2; }
@@ -54,8 +59,11 @@ kernel=$work/x/boot/vmlinuz-$kver
 moddir=$work/x/lib/modules/$kver
 
 # The initramfs: a static busybox, the modules a 9p root, loop devices, ext4 and overlayfs
-# need (dependencies first, read from each module's own `depends=`), and /init.
-if [ ! -f "$work/initrd.img" ] || [ "$0" -nt "$work/initrd.img" ]; then
+# need (dependencies first, read from each module's own `depends=`), those -modules names,
+# and /init. One image per module list, so guests of both kinds can be booted in turn.
+modules="virtio_pci 9pnet_virtio 9p loop ext4 crc32c_generic overlay $extra"
+initrd=$work/initrd-$(printf '%s' "$modules" | cksum | cut -d' ' -f1).img
+if [ ! -f "$initrd" ] || [ "$0" -nt "$initrd" ]; then
   # busybox-static's (Debian's busybox package is linked dynamically).
   [ -x /bin/busybox ] || apt-get install -y -qq busybox-static >/dev/null
   bb=/bin/busybox
@@ -75,7 +83,7 @@ if [ ! -f "$work/initrd.img" ] || [ "$0" -nt "$work/initrd.img" ]; then
     cp "$f" "$ird/mod/$m.ko"
     order+=("$m")
   }
-  for m in virtio_pci 9pnet_virtio 9p loop ext4 crc32c_generic overlay; do add "$m"; done
+  for m in $modules; do add "$m"; done
   printf '%s\n' "${order[@]}" > "$ird/modules"
   cat > "$ird/init" <<'EOF'
 #!/bin/busybox sh
@@ -90,8 +98,8 @@ umount /proc
 exec switch_root /newroot /bin/bash "$stage2"
 EOF
   chmod +x "$ird/init"
-  (cd "$ird" && find . | "$bb" cpio -o -H newc 2>/dev/null) | gzip -1 > "$work/initrd.img.tmp"
-  mv "$work/initrd.img.tmp" "$work/initrd.img"
+  (cd "$ird" && find . | "$bb" cpio -o -H newc 2>/dev/null) | gzip -1 > "$initrd.tmp"
+  mv "$initrd.tmp" "$initrd"
 fi
 
 # The command, run by scripts/v2-guest-init.sh inside the guest.
@@ -108,7 +116,7 @@ set +e
 timeout --foreground -k 10 "$timeout" qemu-system-x86_64 \
   -machine q35 -accel "$accel" -cpu max -smp "$cpus" -m "$mem" \
   -nographic -no-reboot -nic none \
-  -kernel "$kernel" -initrd "$work/initrd.img" \
+  -kernel "$kernel" -initrd "$initrd" \
   -append "console=ttyS0 quiet panic=-1 v2stage2=$root/scripts/v2-guest-init.sh" \
   -virtfs local,path=/,mount_tag=hostroot,security_model=passthrough,readonly=on,multidevs=remap \
   < /dev/null 2>&1 | tee "$log" | sed -u 's/\x1b\[[0-9;?]*[a-zA-Z]//g; s/\x1bc//g' | grep --line-buffered -v '^V2GUEST-RC='

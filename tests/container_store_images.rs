@@ -12,6 +12,8 @@
     clippy::indexing_slicing
 )]
 
+mod common;
+
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -160,7 +162,9 @@ async fn a_sixty_layer_store_image_runs_from_the_cache_and_outlives_the_store() 
         return;
     }
     let tmp = tempfile::tempdir().expect("tempdir");
-    let (state, store_dir) = (tmp.path().join("state"), tmp.path().join("store"));
+    // The store may be on NFS (scripts/test-nfs.sh); the node's state never is.
+    let store_tmp = common::store_tempdir();
+    let (state, store_dir) = (tmp.path().join("state"), store_tmp.path().join("store"));
     let store = Store::open(&store_dir).expect("store");
     let manifest = image(&store);
     let name = ImageRef::parse("root/t/busy:1").expect("name");
@@ -227,7 +231,7 @@ async fn a_sixty_layer_store_image_runs_from_the_cache_and_outlives_the_store() 
 
     // The store goes away (an NFS outage): the running sandbox reads on, and a new one of
     // the cached image still starts; an image it never had is unavailable, not a crash.
-    let away = tmp.path().join("store-away");
+    let away = store_tmp.path().join("store-away");
     std::fs::rename(&store_dir, &away).expect("store away");
     assert_eq!(shell(&b, &h, CHECK).await.0, EXPECTED);
     let e = b

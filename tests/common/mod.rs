@@ -250,3 +250,13 @@ impl Cluster {
 pub fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
 }
+
+/// A temporary directory to hold an image store: under `OPENDSEC_TEST_NFS_STORE` when that is
+/// set (scripts/test-nfs.sh runs the store's tests again on an NFS 4.2 mount, docs/testing.md
+/// "The image store on NFS"), else with the other temporary files.
+pub fn store_tempdir() -> tempfile::TempDir {
+    match std::env::var_os("OPENDSEC_TEST_NFS_STORE") {
+        Some(d) if !d.is_empty() => tempfile::tempdir_in(d).unwrap(),
+        _ => tempfile::tempdir().unwrap(),
+    }
+}

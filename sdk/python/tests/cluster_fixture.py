@@ -46,7 +46,8 @@ def _parse_export(line: str) -> tuple[str, str] | None:
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[dict[str, str]]:
     """A running cluster: the values of OPENDSEC_ADDR, OPENDSEC_TOKEN, OPENDSEC_PROJECT and
-    OPENDSEC_IMAGE_STORE (in the cluster's own temporary state directory)."""
+    OPENDSEC_IMAGE_STORE (in the cluster's own temporary state directory, or on the NFS mount
+    OPENDSEC_TEST_NFS_STORE names)."""
     binary = Path(os.environ.get("OPENDSEC_BIN") or DEFAULT_BIN)
     if not binary.is_file():
         msg = f"opendsec binary not found at {binary} (build it with cargo build --release, or set OPENDSEC_BIN)"
@@ -56,8 +57,12 @@ def cluster() -> Iterator[dict[str, str]]:
 
     log = tempfile.NamedTemporaryFile(prefix="opendsec-cluster-", suffix=".log", delete=False)
     state = tempfile.TemporaryDirectory(prefix="opendsec-cluster-state-")
+    args = [str(binary), "cluster", "up", "-sim-edges", "2", "-addr", "127.0.0.1:0", "-state-dir", state.name]
+    nfs = os.environ.get("OPENDSEC_TEST_NFS_STORE")
+    if nfs:  # scripts/test-nfs.sh: the store on an NFS 4.2 mount
+        args += ["-image-store", tempfile.mkdtemp(prefix="opendsec-store-", dir=nfs)]
     proc = subprocess.Popen(
-        [str(binary), "cluster", "up", "-sim-edges", "2", "-addr", "127.0.0.1:0", "-state-dir", state.name],
+        args,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=log,
