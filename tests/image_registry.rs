@@ -1,9 +1,9 @@
 //! Importing from an OCI distribution registry (docs/images.md "Import from a registry")
-//! against a registry this test serves on 127.0.0.1: a bearer token service that wants HTTP
-//! Basic credentials, an OCI index to choose linux/amd64 from, blobs redirected to a second
-//! "storage" host that must never see the credentials, a blob whose bytes are not its digest,
-//! a repository that does not exist and a registry that is not there. Needs root (layer files
-//! keep their owners).
+//! against a registry this test serves on 127.0.0.1 (and on [::1], named in brackets): a
+//! bearer token service that wants HTTP Basic credentials, an OCI index to choose linux/amd64
+//! from, blobs redirected to a second "storage" host that must never see the credentials, a
+//! blob whose bytes are not its digest, a repository that does not exist and a registry that
+//! is not there. Needs root (layer files keep their owners).
 
 #![allow(
     clippy::unwrap_used,
@@ -180,7 +180,13 @@ async fn storage(State(s): State<Shared>, Path(digest): Path<String>, h: HeaderM
 }
 
 async fn serve(router: Router) -> String {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    serve_on(
+        tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        router,
+    )
+}
+
+fn serve_on(l: tokio::net::TcpListener, router: Router) -> String {
     let addr = l.local_addr().unwrap().to_string();
     tokio::spawn(async move { axum::serve(l, router).await });
     addr
@@ -294,7 +300,16 @@ async fn a_registry_image_is_pulled_with_a_bearer_token_and_redirects_carry_no_c
         .route("/token", get(token))
         .route("/v2/{*rest}", get(api))
         .with_state(s.clone());
-    let addr = serve(registry).await;
+    let addr = serve(registry.clone()).await;
+    // The same registry on IPv6 loopback, named `[::1]:PORT` (tokens and blobs still come
+    // from the IPv4 hosts); a machine without IPv6 skips that part, saying so.
+    let addr6 = match tokio::net::TcpListener::bind("[::1]:0").await {
+        Ok(l) => Some(serve_on(l, registry)),
+        Err(e) => {
+            eprintln!("SKIPPED the import from [::1]: no IPv6 loopback here: {e}");
+            None
+        }
+    };
     let storage_addr = serve(
         Router::new()
             .route("/storage/{digest}", get(storage))
@@ -345,6 +360,21 @@ async fn a_registry_image_is_pulled_with_a_bearer_token_and_redirects_carry_no_c
             "the storage host was sent {:?}",
             reg.storage_auth
         );
+    }
+
+    // Through the IPv6 address: the same image, into a store of its own.
+    if let Some(addr6) = &addr6 {
+        let dir6 = tempfile::tempdir().unwrap();
+        let (m6, _) = pull(
+            &Store::open(dir6.path()).unwrap(),
+            &format!("{addr6}/team/app:1"),
+            &opts(USER, PASSWORD),
+        )
+        .await
+        .unwrap();
+        assert!(addr6.starts_with("[::1]:"), "{addr6}");
+        assert_eq!(m6.layers, m.layers);
+        assert_eq!(m6.source, format!("{addr6}/team/app:1"));
     }
 
     // Again: both layers are in the store, so no blob is fetched.

@@ -226,7 +226,7 @@ fn copy_in(
         r
     };
     discard((|| {
-        std::fs::create_dir(tmp).map_err(io(format!("making {}", tmp.display())))?;
+        super::store::dir_0755(tmp).map_err(io(format!("making {}", tmp.display())))?;
         // Links where the store shares the cache's file system (no bytes copied, and the
         // copy still outlives the store's own removal of the layer); a copy elsewhere (NFS).
         let copied =

@@ -68,13 +68,56 @@ pub struct RegistryOptions {
 }
 
 /// Parses an image reference the way `docker pull` does: `python:3.12`,
-/// `ghcr.io/org/image:tag`, `host:5000/team/app@sha256:…`; a missing tag is `latest`.
-/// Errors: `Reference`.
+/// `ghcr.io/org/image:tag`, `host:5000/team/app@sha256:…`, `[::1]:5000/team/app:1`; a missing
+/// tag is `latest`. Errors: `Reference`.
 pub fn parse_reference(s: &str) -> Result<Reference, RegistryError> {
-    Reference::from_str(s).map_err(|e| RegistryError::Reference {
+    let refused = |why: String| RegistryError::Reference {
         reference: s.to_string(),
-        why: e.to_string(),
-    })
+        why,
+    };
+    let Some(bracketed) = s.strip_prefix('[') else {
+        return Reference::from_str(s).map_err(|e| refused(e.to_string()));
+    };
+    // oci-spec's grammar predates IPv6 hosts; the host is checked here and the rest parsed
+    // under a stand-in host (one with a dot, so it is taken as a registry, not a Docker Hub
+    // repository), then the reference rebuilt with the real one.
+    let (host, rest) = bracketed
+        .split_once(']')
+        .ok_or_else(|| refused("an IPv6 host without its closing ]".into()))?;
+    host.parse::<std::net::Ipv6Addr>()
+        .map_err(|_| refused(format!("[{host}] is not an IPv6 address")))?;
+    let (port, path) = match rest.split_once('/') {
+        Some((p, path)) if !path.is_empty() => (p, path),
+        _ => return Err(refused("no repository after the registry host".into())),
+    };
+    let registry = match port.strip_prefix(':') {
+        None if port.is_empty() => format!("[{host}]"),
+        Some(p) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => {
+            p.parse::<u16>()
+                .map_err(|_| refused(format!("port {p} is out of range")))?;
+            format!("[{host}]:{p}")
+        }
+        _ => {
+            return Err(refused(format!(
+                "{port:?} after the IPv6 host is not :PORT"
+            )))
+        }
+    };
+    let stand_in =
+        Reference::from_str(&format!("ipv6.invalid/{path}")).map_err(|e| refused(e.to_string()))?;
+    let repository = stand_in.repository().to_string();
+    Ok(
+        match (
+            stand_in.tag().map(str::to_string),
+            stand_in.digest().map(str::to_string),
+        ) {
+            (Some(t), Some(d)) => Reference::with_tag_and_digest(registry, repository, t, d),
+            (None, Some(d)) => Reference::with_digest(registry, repository, d),
+            (Some(t), None) => Reference::with_tag(registry, repository, t),
+            // oci-spec fills in `latest` when neither is given.
+            (None, None) => Reference::with_tag(registry, repository, "latest".into()),
+        },
+    )
 }
 
 /// One image in a registry, resolved to its layers.
@@ -531,5 +574,69 @@ mod tests {
         );
         let e = parse_reference("UPPER/Case:1").unwrap_err();
         assert_eq!(e.to_failure().reason, crate::types::Reason::Invalid);
+    }
+
+    #[test]
+    fn ipv6_hosts_in_brackets_are_registries() {
+        let digest = format!("sha256:{}", "a".repeat(64));
+        for (s, registry, repository, tag, dig) in [
+            (
+                "[::1]:5000/team/app:1",
+                "[::1]:5000",
+                "team/app",
+                Some("1"),
+                None,
+            ),
+            ("[::1]/app", "[::1]", "app", Some("latest"), None),
+            (
+                "[fd00::5]:443/a/b/c:v1.2",
+                "[fd00::5]:443",
+                "a/b/c",
+                Some("v1.2"),
+                None,
+            ),
+            (
+                &format!("[::1]:5000/team/app@{digest}"),
+                "[::1]:5000",
+                "team/app",
+                None,
+                Some(digest.as_str()),
+            ),
+        ] {
+            let r = parse_reference(s).unwrap_or_else(|e| panic!("{s}: {e}"));
+            assert_eq!(
+                (r.registry(), r.repository(), r.tag(), r.digest()),
+                (registry, repository, tag, dig),
+                "{s}"
+            );
+            // Written back as given (save names the manifest by digest this way).
+            let again = parse_reference(&r.whole()).unwrap_or_else(|e| panic!("{s}: {e}"));
+            assert_eq!(again, r, "{s}");
+        }
+    }
+
+    #[test]
+    fn bad_ipv6_references_are_invalid_naming_the_reference() {
+        for s in [
+            "[::1",
+            "[::1]",
+            "[::1]/",
+            "[::1]:5000",
+            "[::1]:5000/",
+            "[zz]:5000/a:1",
+            "[]:5000/a:1",
+            "[127.0.0.1]:5000/a:1",
+            "[::1]:notaport/a:1",
+            "[::1]:/a:1",
+            "[::1]:99999/a:1",
+            "[::1]5000/a:1",
+            "[::1]:5000/UPPER:1",
+            "[::1]:5000/a:bad tag",
+        ] {
+            let e = parse_reference(s).expect_err(s);
+            let f = e.to_failure();
+            assert_eq!(f.reason, crate::types::Reason::Invalid, "{s}");
+            assert!(f.message.contains(s), "{s}: {}", f.message);
+        }
     }
 }

@@ -211,9 +211,9 @@ impl Store {
             rand::random::<u64>()
         );
         let dir = self.root.join("tmp").join(name);
-        fs::create_dir(&dir).map_err(|e| self.io("staging a layer", e))?;
+        dir_0755(&dir).map_err(|e| self.io("staging a layer", e))?;
         let staging = Staging { dir, done: false };
-        fs::create_dir(staging.rootfs()).map_err(|e| self.io("staging a layer", e))?;
+        dir_0755(&staging.rootfs()).map_err(|e| self.io("staging a layer", e))?;
         Ok(staging)
     }
 
@@ -433,6 +433,13 @@ impl Store {
         out.sort_by_cached_key(|(r, _)| r.to_string());
         Ok(out)
     }
+}
+
+/// Makes the directory `path`, mode 0755 whatever the process's umask (mkdir's mode is
+/// masked by it, a chmod is not): a layer must look the same whoever imported or copied it.
+pub(crate) fn dir_0755(path: &Path) -> io::Result<()> {
+    fs::create_dir(path)?;
+    fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
 }
 
 fn write_synced(path: &Path, body: &[u8]) -> io::Result<()> {

@@ -233,6 +233,18 @@ fn run(args: &[String]) -> Result<(), CtlError> {
         settings,
         started: Instant::now(),
     };
+    under_deadline(limit, dispatch(cmd, &ctx))
+}
+
+/// Runs `fut` on a small runtime of its own, failing with `timeout` once `limit` passes.
+/// The runtime is shut down without waiting: dropping it would wait for blocking work still
+/// running (an import's layer writes, which no future can cancel), so a deadline would only
+/// fire once the whole import had ended. What such work leaves in the store is `image gc`'s.
+/// Errors: `internal` when the runtime cannot start, `timeout`, and `fut`'s own.
+fn under_deadline<F>(limit: Option<std::time::Duration>, fut: F) -> Result<(), CtlError>
+where
+    F: std::future::Future<Output = Result<(), CtlError>>,
+{
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -242,8 +254,7 @@ fn run(args: &[String]) -> Result<(), CtlError> {
                 e = crate::types::chain(&e)
             ))
         })?;
-    rt.block_on(async move {
-        let fut = dispatch(cmd, &ctx);
+    let r = rt.block_on(async move {
         match limit {
             None => fut.await,
             Some(d) => match tokio::time::timeout(d, fut).await {
@@ -258,7 +269,9 @@ fn run(args: &[String]) -> Result<(), CtlError> {
                 .into()),
             },
         }
-    })
+    });
+    rt.shutdown_background();
+    r
 }
 
 async fn dispatch(cmd: Cmd, ctx: &Ctx) -> Result<(), CtlError> {
@@ -362,6 +375,26 @@ mod tests {
         let (_, cmd) = parsed(&["exec", "ID", "python3", "-c", "print(6*7)"]);
         let Cmd::Exec(e) = cmd else { panic!() };
         assert_eq!(e.cmd, s(&["python3", "-c", "print(6*7)"]));
+    }
+
+    #[test]
+    fn the_deadline_does_not_wait_for_blocking_work() {
+        let started = Instant::now();
+        let r = under_deadline(Some(std::time::Duration::from_millis(200)), async {
+            // Blocking work no future can cancel, as an import's layer writes are.
+            let _ = tokio::task::spawn_blocking(|| {
+                std::thread::sleep(std::time::Duration::from_secs(10))
+            })
+            .await;
+            Ok(())
+        });
+        let took = started.elapsed();
+        match r {
+            Err(CtlError::Failed(f)) => assert_eq!(f.reason, Reason::Timeout, "{f:?}"),
+            other => panic!("{other:?}"),
+        }
+        // Generous: the point is not waiting out the 10 s sleep.
+        assert!(took < std::time::Duration::from_secs(5), "took {took:?}");
     }
 
     #[test]
