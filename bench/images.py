@@ -42,6 +42,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,20 +106,33 @@ def small_layout(path: Path, tag: str, n: int) -> None:
          "annotations": {"org.opencontainers.image.ref.name": tag}}]}))
 
 
-def imports(store: Path, rounds: int) -> dict[str, Any]:
-    ours, peer = [], []
+def timed_imports(store: Path, rounds: int, src: str, flags: list[str],
+                  peer: Callable[[Path], None]) -> tuple[list[float], list[float]]:
+    """``rounds`` times, alternated: ``opendsec ctl image import`` of ``src`` as
+    root/bench/base:1 with its layers removed from the store first, and ``peer(dir)`` into a
+    fresh directory next to the store. Returns both lists of seconds."""
+    ours, theirs = [], []
     for _ in range(rounds):
         got = json.loads(ctl("image", "get", "root/bench/base:1").stdout)
         for layer in got["layers"]:
             shutil.rmtree(store / "layers" / layer.split(":")[1], ignore_errors=True)
         t = time.perf_counter()
-        ctl("image", "import", f"{LAYOUT}#python3", "-as", "root/bench/base:1", "-overwrite", "-q")
+        ctl("image", "import", src, "-as", "root/bench/base:1", "-overwrite", "-q", *flags)
         ours.append(time.perf_counter() - t)
         with tempfile.TemporaryDirectory(dir=store.parent) as d:
             t = time.perf_counter()
-            subprocess.run(["umoci", "unpack", "--image", f"{LAYOUT}:python3", f"{d}/bundle"], check=True,
-                           capture_output=True)
-            peer.append(time.perf_counter() - t)
+            peer(Path(d))
+            theirs.append(time.perf_counter() - t)
+    return ours, theirs
+
+
+def quiet(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True)
+
+
+def imports(store: Path, rounds: int) -> dict[str, Any]:
+    ours, peer = timed_imports(store, rounds, f"{LAYOUT}#python3", [],
+                               lambda d: quiet("umoci", "unpack", "--image", f"{LAYOUT}:python3", f"{d}/bundle"))
     return {"ours_s": summary(ours), "umoci_unpack_s": summary(peer)}
 
 
@@ -144,29 +158,19 @@ def registry_imports(store: Path, rounds: int) -> dict[str, Any]:
                 except OSError:
                     time.sleep(0.1)
             ref = f"127.0.0.1:{port}/bench/base:1"
-            subprocess.run(["skopeo", "--insecure-policy", "copy", "-q", f"oci:{LAYOUT}:python3", f"docker://{ref}",
-                            "--dest-tls-verify=false"], check=True, capture_output=True)
-            ours, peer = [], []
-            for i in range(rounds):
-                got = json.loads(ctl("image", "get", "root/bench/base:1").stdout)
-                for layer in got["layers"]:
-                    shutil.rmtree(store / "layers" / layer.split(":")[1], ignore_errors=True)
-                t = time.perf_counter()
-                ctl("image", "import", ref, "-as", "root/bench/base:1", "-overwrite", "-q", "-plain-http")
-                ours.append(time.perf_counter() - t)
-                out = Path(d) / f"peer{i}"
-                out.mkdir()
-                t = time.perf_counter()
-                subprocess.run(["skopeo", "--insecure-policy", "copy", "-q", f"docker://{ref}", f"oci:{out}/layout:1",
-                                "--src-tls-verify=false"], check=True, capture_output=True)
-                subprocess.run(["umoci", "unpack", "--image", f"{out}/layout:1", f"{out}/bundle"], check=True,
-                               capture_output=True)
-                peer.append(time.perf_counter() - t)
-                shutil.rmtree(out)
+            quiet("skopeo", "--insecure-policy", "copy", "-q", f"oci:{LAYOUT}:python3", f"docker://{ref}",
+                  "--dest-tls-verify=false")
+
+            def peer(out: Path) -> None:
+                quiet("skopeo", "--insecure-policy", "copy", "-q", f"docker://{ref}", f"oci:{out}/layout:1",
+                      "--src-tls-verify=false")
+                quiet("umoci", "unpack", "--image", f"{out}/layout:1", f"{out}/bundle")
+
+            ours, theirs = timed_imports(store, rounds, ref, ["-plain-http"], peer)
         finally:
             reg.terminate()
             reg.wait(timeout=10)
-    return {"ours_s": summary(ours), "skopeo_umoci_s": summary(peer)}
+    return {"ours_s": summary(ours), "skopeo_umoci_s": summary(theirs)}
 
 
 async def first_output(c: DSecClient, image: str) -> float:

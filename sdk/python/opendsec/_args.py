@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numbers
 import operator
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 
 def integer(name: str, v: object) -> int:
@@ -73,32 +73,36 @@ def data(v: object) -> memoryview:
     raise TypeError(f"data must be bytes or str, not {type(v).__name__}")
 
 
-def env(v: Optional[object]) -> dict[str, str]:
-    """A command's extra environment: ``str`` names (not empty, no ``=``) to ``str`` values."""
+def str_map(what: str, v: Optional[object], check_key: Callable[[object], str]) -> dict[str, str]:
+    """A ``dict`` of ``str`` to ``str`` named ``what`` (``None`` is empty): each key through
+    ``check_key``, which returns it or raises naming it; each value :func:`text`, named
+    ``what[key]``."""
     if v is None:
         return {}
     if not isinstance(v, dict):
-        raise TypeError(f"env must be a dict, not {type(v).__name__}")
+        raise TypeError(f"{what} must be a dict, not {type(v).__name__}")
     out: dict[str, str] = {}
     for k, val in v.items():
-        key = text("env name", k, empty=False)
-        if "=" in key:
-            raise ValueError(f"env name {key!r} must not contain '='")
-        out[key] = text(f"env[{key!r}]", val)
+        key = check_key(k)
+        out[key] = text(f"{what}[{key!r}]", val)
     return out
+
+
+def _env_name(k: object) -> str:
+    key = text("env name", k, empty=False)
+    if "=" in key:
+        raise ValueError(f"env name {key!r} must not contain '='")
+    return key
+
+
+def env(v: Optional[object]) -> dict[str, str]:
+    """A command's extra environment: ``str`` names (not empty, no ``=``) to ``str`` values."""
+    return str_map("env", v, _env_name)
 
 
 def labels(v: Optional[object]) -> dict[str, str]:
     """A sandbox's labels: ``str`` names (not empty) to ``str`` values; errors name the label."""
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise TypeError(f"labels must be a dict, not {type(v).__name__}")
-    out: dict[str, str] = {}
-    for k, val in v.items():
-        key = text("label name", k, empty=False)
-        out[key] = text(f"labels[{key!r}]", val)
-    return out
+    return str_map("labels", v, lambda k: text("label name", k, empty=False))
 
 
 Bytes = Union[bytes, bytearray, memoryview, str]

@@ -428,6 +428,29 @@ async fn gc(a: GcArgs, env: impl Fn(&str) -> Option<String>) -> Result<(), CtlEr
     Ok(())
 }
 
+/// The registry flags `image import` and `image save` share.
+struct RegistryFlags<'a> {
+    username: &'a Option<String>,
+    password_stdin: bool,
+    registry_auth: Option<&'a str>,
+    plain_http: bool,
+    quiet: bool,
+}
+
+/// The [`RegistryFlags`] of an `ImportArgs` or a `SaveArgs`. argh cannot flatten one struct
+/// of flags into both, so each declares the fields; this reads them in one place.
+macro_rules! registry_flags {
+    ($a:expr) => {
+        RegistryFlags {
+            username: &$a.username,
+            password_stdin: $a.password_stdin,
+            registry_auth: $a.registry_auth.as_deref(),
+            plain_http: $a.plain_http,
+            quiet: $a.quiet,
+        }
+    };
+}
+
 /// `image save`: writes the archive, then prints `{"reference", "manifest", "layers",
 /// "bytes", "out"}`. Errors: as `image import` from a registry (`invalid`, `unauthenticated`,
 /// `not_found`, `unavailable`); nothing is left at `-out` when it fails.
@@ -438,17 +461,7 @@ async fn save(a: SaveArgs, env: impl Fn(&str) -> Option<String>) -> Result<(), C
             a.src
         )));
     }
-    let opts = registry_options(
-        &a.src,
-        &RegistryFlags {
-            username: &a.username,
-            password_stdin: a.password_stdin,
-            registry_auth: a.registry_auth.as_deref(),
-            plain_http: a.plain_http,
-            quiet: a.quiet,
-        },
-        &env,
-    )?;
+    let opts = registry_options(&a.src, &registry_flags!(a), &env)?;
     let (src, out, quiet) = (a.src, PathBuf::from(&a.out), a.quiet);
     let rt = tokio::runtime::Handle::current();
     let o = out.clone();
@@ -526,15 +539,6 @@ fn not_a_path_here(src: &str) -> Result<(), CtlError> {
         )));
     }
     Ok(())
-}
-
-/// The registry flags `image import` and `image save` share.
-struct RegistryFlags<'a> {
-    username: &'a Option<String>,
-    password_stdin: bool,
-    registry_auth: Option<&'a str>,
-    plain_http: bool,
-    quiet: bool,
 }
 
 /// How to reach the registry `src` names, from the flags: refuses a name that is a path here,
@@ -639,17 +643,7 @@ async fn import(
     let registry_opts = if local {
         None
     } else {
-        Some(registry_options(
-            &a.src,
-            &RegistryFlags {
-                username: &a.username,
-                password_stdin: a.password_stdin,
-                registry_auth: a.registry_auth.as_deref(),
-                plain_http: a.plain_http,
-                quiet: a.quiet,
-            },
-            &env,
-        )?)
+        Some(registry_options(&a.src, &registry_flags!(a), &env)?)
     };
     let conn = ctx.connect()?;
     // Ask first, so a name that is taken or not ours fails before any layer is written.

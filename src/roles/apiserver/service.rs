@@ -289,29 +289,59 @@ macro_rules! runtime_stream {
     };
 }
 
+/// A call passed on to the IAM service on the caller's behalf. The long form names the
+/// method for metrics and the audit log, and runs `before` (an expression that may `.await`,
+/// given the `Api`, the caller, the `Call` record and the request) first: its failure is the
+/// call's, and IAM is not asked.
 macro_rules! iam_call {
     ($name:ident, $iam:ident, $req:ty, $resp:ty, $audited:expr) => {
+        iam_call!(
+            $name,
+            stringify!($name),
+            $iam,
+            $req,
+            $resp,
+            $audited,
+            before(_api, _caller, _call, _msg) => Ok(())
+        );
+    };
+    (
+        $name:ident,
+        $method:expr,
+        $iam:ident,
+        $req:ty,
+        $resp:ty,
+        $audited:expr,
+        before($api:ident, $caller:ident, $call:ident, $msg:ident) => $before:expr
+    ) => {
         fn $name<'life0, 'async_trait>(&'life0 self, req: Request<$req>) -> Fut<'async_trait, $resp>
         where
             'life0: 'async_trait,
             Self: 'async_trait,
         {
             Box::pin(async move {
-                let (caller, call) = self.begin(&req, stringify!($name), $audited).await?;
+                let (caller, mut call) = self.begin(&req, $method, $audited).await?;
                 let msg = req.into_inner();
-                let r = self
-                    .inner
-                    .iam
-                    .clone()
-                    .$iam(client::on_behalf(
-                        msg,
-                        &self.inner.cfg.service_token,
-                        &caller.token,
-                        &caller.client_addr,
-                    ))
-                    .await
-                    .map(|r| r.into_inner())
-                    .map_err(|s| failure_from_status(&s));
+                let before: Result<(), Failure> = {
+                    let ($api, $caller, $call, $msg) = (self, &caller, &mut call, &msg);
+                    $before
+                };
+                let r = match before {
+                    Err(f) => Err(f),
+                    Ok(()) => self
+                        .inner
+                        .iam
+                        .clone()
+                        .$iam(client::on_behalf(
+                            msg,
+                            &self.inner.cfg.service_token,
+                            &caller.token,
+                            &caller.client_addr,
+                        ))
+                        .await
+                        .map(|r| r.into_inner())
+                        .map_err(|s| failure_from_status(&s)),
+                };
                 self.finish(call, r).map(Response::new)
             })
         }
@@ -571,35 +601,21 @@ impl pb::d_sec_server::DSec for Api {
     );
     iam_call!(get_project, get_project, pb::ProjectRef, pb::Project, false);
     iam_call!(set_quota, set_quota, pb::SetQuotaRequest, pb::Project, true);
-    async fn delete_project(
-        &self,
-        req: Request<pb::ProjectRef>,
-    ) -> Result<Response<pb::Empty>, Status> {
-        let (caller, mut call) = self.begin(&req, "DeleteProject", true).await?;
-        let msg = req.into_inner();
-        call.project = msg.project.clone();
-        let r = match self
-            .inner
-            .check_project_has_no_images(&caller, &msg.project)
-            .await
-        {
-            Err(f) => Err(f),
-            Ok(()) => self
-                .inner
-                .iam
-                .clone()
-                .delete_project(client::on_behalf(
-                    msg,
-                    &self.inner.cfg.service_token,
-                    &caller.token,
-                    &caller.client_addr,
-                ))
+    // A project that still has images is not deleted (their manifests would be orphaned).
+    iam_call!(
+        delete_project,
+        "DeleteProject",
+        delete_project,
+        pb::ProjectRef,
+        pb::Empty,
+        true,
+        before(api, caller, call, msg) => {
+            call.project = msg.project.clone();
+            api.inner
+                .check_project_has_no_images(caller, &msg.project)
                 .await
-                .map(|r| r.into_inner())
-                .map_err(|s| failure_from_status(&s)),
-        };
-        self.finish(call, r).map(Response::new)
-    }
+        }
+    );
     iam_call!(
         create_principal,
         create_principal,
