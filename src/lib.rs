@@ -6,6 +6,7 @@ pub mod cli;
 pub mod config;
 pub mod guest;
 pub mod images;
+pub mod netpol;
 pub mod pb;
 pub mod roles;
 pub mod rpc;

@@ -41,7 +41,7 @@ pub struct Config {
     pub placement: PlacementConfig,
     pub admission: AdmissionConfig,
     pub image_store: ImageStoreConfig,
-    pub network: serde_json::Value,
+    pub network: NetworkConfig,
     pub edges: Vec<EdgeConfig>,
     pub edge_template: Option<EdgeConfig>,
     pub fleet: serde_json::Value,
@@ -59,6 +59,52 @@ pub struct TlsConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct ImageStoreConfig {
     pub root: String,
+}
+
+/// docs/configuration.md `network`: the cluster-wide network policy (docs/network.md).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NetworkConfig {
+    /// Rule set name → destinations (domains, IPv4 addresses or networks, with optional
+    /// `:port[/protocol]`).
+    pub rule_sets: BTreeMap<String, Vec<String>>,
+    /// Rule → allowed, for every sandbox, under its own `network_rules`.
+    pub default_rules: BTreeMap<String, bool>,
+    /// Resolvers of the edges' DNS proxies, `address` or `address:port`; empty = the host's
+    /// `/etc/resolv.conf`.
+    pub upstream_dns: Vec<String>,
+}
+
+impl NetworkConfig {
+    /// The rule sets and default rules, parsed and checked.
+    /// Errors: `Invalid` naming the rule set or default rule and the entry.
+    pub fn rules(&self) -> Result<crate::netpol::ClusterRules, ConfigError> {
+        crate::netpol::ClusterRules::new(&self.rule_sets, &self.default_rules)
+            .map_err(|e| ConfigError::Invalid(e.to_string()))
+    }
+    /// `upstream_dns` as socket addresses (port 53 unless given); empty = use the host's.
+    /// Errors: `Invalid` naming the entry that is not an IP address or address:port.
+    pub fn upstream_dns(&self) -> Result<Vec<std::net::SocketAddr>, ConfigError> {
+        self.upstream_dns
+            .iter()
+            .map(|s| {
+                let a = s
+                    .parse::<std::net::SocketAddr>()
+                    .or_else(|_| s.parse().map(|ip| std::net::SocketAddr::new(ip, 53)))
+                    .ok()
+                    .filter(|a| a.port() != 0);
+                a.ok_or_else(|| {
+                    ConfigError::Invalid(format!(
+                        "network.upstream_dns: {} is not an IP address or address:port",
+                        names::shown(s)
+                    ))
+                })
+            })
+            .collect()
+    }
+    fn is_empty(&self) -> bool {
+        self.rule_sets.is_empty() && self.default_rules.is_empty() && self.upstream_dns.is_empty()
+    }
 }
 
 /// docs/configuration.md `iam` (standalone fields; `replicas` is for the Raft issue).
@@ -370,10 +416,19 @@ impl Config {
         if self.admission.max_ttl_max_s < 0 {
             return bad("admission.max_ttl_max_s may not be negative".into());
         }
+        self.network.rules()?;
+        self.network.upstream_dns()?;
+        // Checked, but nothing enforces network policy yet: refused like the fields below.
+        if !self.network.is_empty() {
+            return bad(
+                "network: network policy is not built yet, so this field would be ignored; \
+                 remove it"
+                    .into(),
+            );
+        }
         // Parsed so that a spec-shaped file loads, but nothing reads them yet: a value set
         // there would be silently ignored, so it is refused like an unknown field.
         for (field, v, feature) in [
-            ("network", &self.network, "network policy"),
             ("fleet", &self.fleet, "fleet management"),
             ("e2b", &self.e2b, "the E2B gateway"),
         ] {
@@ -454,7 +509,7 @@ mod tests {
     #[test]
     fn unused_subtrees_are_refused_when_set() {
         let set = [
-            r#"{"network":{"default_rules":["pypi"]}}"#,
+            r#"{"network":{"default_rules":{"*":true}}}"#,
             r#"{"fleet":{"cloud":"aws"}}"#,
             r#"{"e2b":{"addr":":3000"}}"#,
             r#"{"edges":[{"id":"n1","network":{"bridge":"br0"}}]}"#,
@@ -478,6 +533,48 @@ mod tests {
             c.iam.admin_token = "dsk.admin.secret".into();
             c.validate().unwrap_or_else(|e| panic!("{text}: {e}"));
         }
+    }
+
+    #[test]
+    fn network_rules_are_checked_first() {
+        let cases = [
+            (
+                r#"{"network":{"rule_sets":{"pypi":["pypi.org:0"]}}}"#,
+                "invalid config: network.rule_sets \"pypi\": entry \"pypi.org:0\": port \
+                 outside 1-65535",
+            ),
+            (
+                r#"{"network":{"default_rules":{"npm":true}}}"#,
+                "invalid config: network.default_rules: network rule \"npm\": no rule set \
+                 named \"npm\" in network.rule_sets",
+            ),
+            (
+                r#"{"network":{"upstream_dns":["dns.example"]}}"#,
+                "invalid config: network.upstream_dns: \"dns.example\" is not an IP address \
+                 or address:port",
+            ),
+        ];
+        for (text, want) in cases {
+            let mut c: Config = serde_json::from_str(text).unwrap();
+            c.service_token = "s".into();
+            c.iam.admin_token = "dsk.admin.secret".into();
+            assert_eq!(c.validate().unwrap_err().to_string(), want, "{text}");
+        }
+        let c: Config = serde_json::from_str(
+            r#"{"network":{"rule_sets":{"mirror":["10.30.0.10:443/tcp"]},
+                "default_rules":{"mirror":true},"upstream_dns":["10.0.0.2","[::1]:5353"]}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.network.rules().unwrap().defaults().len(), 1);
+        assert_eq!(
+            c.network.upstream_dns().unwrap(),
+            [
+                "10.0.0.2:53".parse().unwrap(),
+                "[::1]:5353".parse().unwrap()
+            ]
+        );
+        let r: Result<Config, _> = serde_json::from_str(r#"{"network":{"rulesets":{}}}"#);
+        assert!(r.is_err());
     }
 
     #[test]
