@@ -103,119 +103,20 @@ pub fn duration(name: &str, s: &str) -> Result<Duration, CtlError> {
     Ok(Duration::from_secs_f64(total))
 }
 
-/// Parses `-net` (docs/concepts.md): comma separated rules, `!rule` meaning `false`.
+/// Parses `-net` (docs/network.md "Rules"): comma separated rules, `!rule` meaning `false`.
 /// A rule is a rule set name, a domain (`github.com`, `*.github.com`), an IPv4 address or
-/// network, or `*`, optionally with `:port`, `:lo-hi` and `/tcp` or `/udp`.
-/// Errors: `invalid` naming the offending entry; a rule given twice is invalid too.
+/// network, or `*`, optionally with `:port`, `:lo-hi` and `/tcp` or `/udp`; the syntax is
+/// the server's own (`netpol`), so what passes here passes there but for rule set names,
+/// which only the server knows.
+/// Errors: usage, naming the offending entry; an empty list or a rule given both with and
+/// without `!` is one too.
 pub fn net_rules(s: &str) -> Result<HashMap<String, bool>, CtlError> {
-    let mut out = HashMap::new();
-    for entry in s.split(',') {
-        let (rule, allow) = match entry.strip_prefix('!') {
-            Some(r) => (r, false),
-            None => (entry, true),
-        };
-        check_rule(rule)
-            .map_err(|why| invalid(format!("-net: bad rule {}: {why}", shown(entry))))?;
-        if out.insert(rule.to_string(), allow).is_some() {
-            return Err(invalid(format!(
-                "-net: rule {rule:?} is given more than once"
-            )));
-        }
+    if s.split(',').any(|e| e.trim().is_empty()) {
+        return Err(invalid(format!("-net: empty rule in {}", shown(s))));
     }
-    Ok(out)
-}
-
-fn check_rule(rule: &str) -> Result<(), String> {
-    if rule.is_empty() {
-        return Err("empty rule".into());
-    }
-    let (dest, ports) = match rule.split_once(':') {
-        Some((d, p)) => (d, Some(p)),
-        None => (rule, None),
-    };
-    check_destination(dest)?;
-    if let Some(p) = ports {
-        check_ports(p)?;
-    }
-    Ok(())
-}
-
-fn check_destination(d: &str) -> Result<(), String> {
-    if d == "*" {
-        return Ok(());
-    }
-    if d.is_empty() {
-        return Err("no destination".into());
-    }
-    if let Some((ip, prefix)) = d.split_once('/') {
-        check_ipv4(ip)?;
-        let bits: u8 = prefix
-            .parse()
-            .map_err(|_| format!("bad network prefix {prefix:?}"))?;
-        if bits > 32 {
-            return Err(format!("network prefix /{bits} is over 32"));
-        }
-        return Ok(());
-    }
-    if d.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
-        return check_ipv4(d);
-    }
-    let domain = d.strip_prefix("*.").unwrap_or(d);
-    if domain.len() > 253 {
-        return Err("domain longer than 253 characters".into());
-    }
-    for label in domain.split('.') {
-        let ok_chars = label
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-        if label.is_empty()
-            || label.len() > 63
-            || !ok_chars
-            || label.starts_with('-')
-            || label.ends_with('-')
-        {
-            return Err(format!(
-                "{d:?} is not a rule set name, domain, IPv4 address or network"
-            ));
-        }
-    }
-    Ok(())
-}
-
-fn check_ipv4(s: &str) -> Result<(), String> {
-    s.parse::<std::net::Ipv4Addr>()
-        .map(|_| ())
-        .map_err(|_| format!("{} is not an IPv4 address", shown(s)))
-}
-
-fn check_ports(p: &str) -> Result<(), String> {
-    let (range, proto) = match p.split_once('/') {
-        Some((r, proto)) => (r, Some(proto)),
-        None => (p, None),
-    };
-    if let Some(proto) = proto {
-        if proto != "tcp" && proto != "udp" {
-            return Err(format!("protocol {proto:?} is not tcp or udp"));
-        }
-    }
-    let port = |x: &str| -> Result<u16, String> {
-        match x.parse::<u16>() {
-            Ok(v) if v >= 1 => Ok(v),
-            _ => Err(format!("port {x:?} is not in 1-65535")),
-        }
-    };
-    match range.split_once('-') {
-        Some((lo, hi)) => {
-            let (lo, hi) = (port(lo)?, port(hi)?);
-            if lo > hi {
-                return Err(format!("port range {lo}-{hi} is backwards"));
-            }
-        }
-        None => {
-            port(range)?;
-        }
-    }
-    Ok(())
+    crate::netpol::parse_rule_list(s)
+        .map(|m| m.into_iter().collect())
+        .map_err(|e| invalid(format!("-net: {e}")))
 }
 
 /// Parses `-quota k=v,...` (docs/concepts.md): keys `sandboxes`, `cpu_cores`, `memory_mb`, `gpus`;

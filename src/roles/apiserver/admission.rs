@@ -8,6 +8,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::config::AdmissionConfig;
+use crate::netpol::ClusterRules;
 use crate::pb;
 use crate::types::{names, Failure};
 
@@ -78,15 +79,20 @@ const MAX_MEMORY_MB: i64 = 64 << 20;
 const MAX_DISK_MB: i64 = 64 << 20;
 const MAX_GPUS: i32 = 64;
 const MAX_LABELS: usize = 64;
+/// At most this many `network_rules` in one spec.
+const MAX_NETWORK_RULES: usize = 1024;
 const MAX_TEXT: usize = 256;
 /// At most this many `readonly_paths` and `masked_paths` together (each is a mount).
 const MAX_RESTRICTED_PATHS: usize = 64;
 
-/// Fills the defaults (docs/concepts.md "Sandboxes") into `spec` and checks every field.
-/// Errors are `invalid`, naming the field and value; nothing is changed on error.
+/// Fills the defaults (docs/concepts.md "Sandboxes") into `spec` and checks every field;
+/// `net` (the config's rule sets and default rules) checks `network_rules` (docs/network.md
+/// "Rules"). Errors are `invalid`, naming the field and value (a network rule by its entry);
+/// nothing is changed on error.
 pub fn normalize_spec(
     spec: &pb::SandboxSpec,
     adm: &AdmissionConfig,
+    net: &ClusterRules,
 ) -> Result<pb::SandboxSpec, Failure> {
     let mut s = spec.clone();
     if s.backend.is_empty() {
@@ -218,15 +224,14 @@ pub fn normalize_spec(
             "label {k:?}: keys are 1..128 characters and values up to {MAX_TEXT}"
         )));
     }
-    if s.network_rules.len() > 1024
-        || s.network_rules.keys().any(|k| {
-            k.is_empty() || k.len() > 253 || k.chars().any(|c| c.is_whitespace() || c.is_control())
-        })
-    {
-        return Err(Failure::invalid(
-            "network_rules: at most 1024 rules, each 1..253 characters without spaces",
-        ));
+    if s.network_rules.len() > MAX_NETWORK_RULES {
+        return Err(Failure::invalid(format!(
+            "network_rules: {} given, at most {MAX_NETWORK_RULES}",
+            s.network_rules.len()
+        )));
     }
+    net.check(&s.network_rules)
+        .map_err(|e| Failure::invalid(format!("network_rules: {e}")))?;
     if !s.network_rules.is_empty() {
         // No backend enforces a rule yet; accepting one would let a caller believe it is.
         return Err(Failure::invalid(
@@ -294,7 +299,12 @@ mod tests {
 
     #[test]
     fn defaults_are_filled() {
-        let s = normalize_spec(&spec(), &AdmissionConfig::default()).unwrap();
+        let s = normalize_spec(
+            &spec(),
+            &AdmissionConfig::default(),
+            &ClusterRules::default(),
+        )
+        .unwrap();
         assert_eq!(
             (
                 s.cpu_cores_limit,
@@ -393,7 +403,7 @@ mod tests {
         for (i, (field, f)) in cases.iter().enumerate() {
             let mut s = spec();
             f(&mut s);
-            let e = normalize_spec(&s, &adm).unwrap_err();
+            let e = normalize_spec(&s, &adm, &ClusterRules::default()).unwrap_err();
             assert_eq!(e.reason, crate::types::Reason::Invalid, "case {i}");
             assert!(
                 e.message.contains(field),
@@ -401,6 +411,50 @@ mod tests {
                 e.message
             );
         }
+    }
+
+    #[test]
+    fn malformed_network_rules_are_invalid_naming_the_entry() {
+        let adm = AdmissionConfig::default();
+        let net = ClusterRules::new(
+            &[("pypi".to_string(), vec!["pypi.org:443".to_string()])].into(),
+            &Default::default(),
+        )
+        .unwrap();
+        for (rule, says) in [
+            (
+                "github.com:70000",
+                "\"github.com:70000\": port outside 1-65535",
+            ),
+            ("exa mple.com", "\"exa mple.com\""),
+            ("10.0.0.1/8", "host bits set; the network is 10.0.0.0/8"),
+            ("2001:db8::1", "IPv6"),
+            ("npm", "no rule set named \"npm\""),
+            ("x.io/tcp", "\"x.io/tcp\""),
+        ] {
+            let mut s = spec();
+            s.network_rules.insert(rule.into(), true);
+            let e = normalize_spec(&s, &adm, &net).unwrap_err();
+            assert_eq!(e.reason, crate::types::Reason::Invalid, "{rule}");
+            assert!(
+                e.message.starts_with("network_rules: ") && e.message.contains(says),
+                "{rule}: {:?}",
+                e.message
+            );
+        }
+        // Well-formed rules pass the check and meet the refusal of a cluster that enforces
+        // none yet: a caller must never believe a rule holds when nothing enforces it.
+        let mut s = spec();
+        s.network_rules.insert("pypi".into(), true);
+        s.network_rules.insert("*.github.com:443/tcp".into(), true);
+        let e = normalize_spec(&s, &adm, &net).unwrap_err();
+        assert!(e.message.contains("not built yet"), "{:?}", e.message);
+        let mut s = spec();
+        for i in 0..=MAX_NETWORK_RULES {
+            s.network_rules.insert(format!("h{i}.example.com"), true);
+        }
+        let e = normalize_spec(&s, &adm, &net).unwrap_err();
+        assert!(e.message.contains("at most 1024"), "{:?}", e.message);
     }
 
     #[test]
@@ -421,7 +475,8 @@ mod tests {
                 init_user: u.into(),
                 ..spec()
             };
-            let got = normalize_spec(&s, &adm).unwrap_or_else(|e| panic!("{u:?}: {e:?}"));
+            let got = normalize_spec(&s, &adm, &ClusterRules::default())
+                .unwrap_or_else(|e| panic!("{u:?}: {e:?}"));
             assert_eq!(got.init_user, if u.is_empty() { "root" } else { u });
         }
     }

@@ -85,7 +85,7 @@ impl Inner {
         }
         spec.ttl_running_stop = req.ttl_running_stop;
         spec.ttl_max = req.ttl_max;
-        let spec = super::admission::normalize_spec(&spec, &self.cfg.admission)?;
+        let spec = super::admission::normalize_spec(&spec, &self.cfg.admission, &self.net_rules)?;
         if !spec.image.contains('/') {
             return Err(Failure::invalid(format!(
                 "sandbox {}: a fork copies the files of a sandbox of a store image; {:?} is a node-local image",

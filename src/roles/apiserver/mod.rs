@@ -38,6 +38,8 @@ pub enum ApiserverError {
     Audit(#[from] audit::AuditError),
     #[error("apiserver: image store")]
     Images(#[from] crate::images::store::StoreError),
+    #[error("apiserver: network rules")]
+    Network(#[from] crate::config::ConfigError),
 }
 
 /// Shared state of one apiserver.
@@ -61,6 +63,8 @@ pub(crate) struct Inner {
     pub images: Option<Arc<crate::images::store::Store>>,
     /// Placement draws k candidates; `random` (k = 1) is the `bench -compare` baseline.
     pub k: usize,
+    /// The config's rule sets and default rules, parsed once, to check `network_rules`.
+    pub net_rules: crate::netpol::ClusterRules,
 }
 
 /// Serves the public DSec service for entry `index` of `cfg.apiserver` on `listener`.
@@ -108,6 +112,7 @@ pub async fn start_with(
         let root = std::path::Path::new(&cfg.image_store.root);
         Some(Arc::new(crate::images::store::Store::open(root)?))
     };
+    let net_rules = cfg.network.rules()?;
     let adm = &cfg.admission;
     let params = placement::Params::from_config(&cfg.placement);
     let inner = Arc::new(Inner {
@@ -128,6 +133,7 @@ pub async fn start_with(
         audit_runtime: entry.audit_runtime,
         projects: Mutex::new(std::collections::HashMap::new()),
         images,
+        net_rules,
         cfg: cfg.clone(),
     });
 

@@ -175,6 +175,7 @@ impl Api {
         let spec = super::admission::normalize_spec(
             &req.spec.unwrap_or_default(),
             &self.inner.cfg.admission,
+            &self.inner.net_rules,
         )?;
         if req.idempotency_key.len() > 256 {
             return Err(Failure::invalid(
@@ -390,6 +391,7 @@ impl pb::d_sec_server::DSec for Api {
             let spec = super::admission::normalize_spec(
                 &msg.spec.clone().unwrap_or_default(),
                 &self.inner.cfg.admission,
+                &self.inner.net_rules,
             )?;
             Ok((project, spec))
         })();
