@@ -34,6 +34,7 @@ const LOOP_MAJOR: u32 = 7;
 const LOOP_SET_FD: libc::c_ulong = 0x4C00;
 const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
 const LOOP_SET_STATUS64: libc::c_ulong = 0x4C04;
+const LOOP_GET_STATUS64: libc::c_ulong = 0x4C05;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
 const LOOP_CTL_ADD: libc::c_ulong = 0x4C80;
 const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
@@ -364,16 +365,53 @@ pub fn attached_as(major_minor: &str, backing_prefix: &Path) -> Option<(PathBuf,
     backed_by(&sys, &name, backing_prefix)
 }
 
+/// What loop device `major_minor` is attached to now, as sysfs tells it, for error messages:
+/// its backing file, or why there is none.
+pub fn describe(major_minor: &str) -> String {
+    let Ok(sys) = fs::canonicalize(Path::new("/sys/dev/block").join(major_minor)) else {
+        return format!("no block device {major_minor}");
+    };
+    match fs::read_to_string(sys.join("loop/backing_file")) {
+        Ok(b) => format!("it backs {}", b.trim_end_matches('\n')),
+        Err(e) => format!("{}: {e}", sys.display()),
+    }
+}
+
 /// (`/dev/<name>`, backing file) of the loop device at sysfs directory `sys` when its
 /// backing file lies under `backing_prefix`.
+///
+/// sysfs names the backing file by its path from the root of the mount it was opened on,
+/// seen from the reader's root. A device attached inside a sandbox's setup namespace holds
+/// a mount that pivot_root detached, so when the state directory is a mount of its own
+/// (`/tmp`, `/data`) sysfs shows only the part below that mount. So when `backing_prefix`
+/// is the backing file itself and the path does not match, the device and inode the
+/// kernel keeps for it decide.
 fn backed_by(sys: &Path, name: &str, backing_prefix: &Path) -> Option<(PathBuf, PathBuf)> {
     let backing = fs::read_to_string(sys.join("loop/backing_file")).ok()?;
     let backing = backing.trim_end_matches('\n');
     let backing = backing.strip_suffix(" (deleted)").unwrap_or(backing);
     let backing = PathBuf::from(backing);
-    backing
-        .starts_with(backing_prefix)
-        .then(|| (PathBuf::from(format!("/dev/{name}")), backing))
+    let dev = PathBuf::from(format!("/dev/{name}"));
+    if backing.starts_with(backing_prefix) {
+        return Some((dev, backing));
+    }
+    let md = fs::metadata(backing_prefix).ok().filter(|m| m.is_file())?;
+    let (lo_device, lo_inode) = backing_id(&dev).ok()?;
+    (lo_device == md.dev() && lo_inode == md.ino()).then(|| (dev, backing_prefix.to_path_buf()))
+}
+
+/// The (device, inode) of the file loop device `dev` is attached to (`LOOP_GET_STATUS64`).
+fn backing_id(dev: &Path) -> io::Result<(u64, u64)> {
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(dev)?;
+    let mut info = LoopInfo64::new(Path::new(""), 0);
+    // SAFETY: `f` is an open block device fd for the call; `info` is a writable
+    // `loop_info64` with the layout of <linux/loop.h>, which LOOP_GET_STATUS64 fills; on a
+    // device that is not a loop device the ioctl fails without writing.
+    cvt(unsafe { libc::ioctl(f.as_raw_fd(), LOOP_GET_STATUS64 as _, &mut info) })?;
+    Ok((info.lo_device, info.lo_inode))
 }
 
 #[cfg(test)]
@@ -411,6 +449,48 @@ mod tests {
             std::thread::sleep(Duration::from_millis(10));
         }
         false
+    }
+
+    #[test]
+    fn a_device_attached_in_a_gone_mount_namespace_is_still_found_by_its_file() {
+        if !root_or_skip("a_device_attached_in_a_gone_mount_namespace") {
+            return;
+        }
+        // The state directory on a mount of its own, as /tmp or /data are on many hosts;
+        // the device attached from a mount namespace that then goes away, as a sandbox's
+        // setup does: sysfs then names the file from the tmpfs's root only.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let m = dir.path().join("m");
+        fs::create_dir(&m).expect("mkdir");
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "tmpfs"])
+            .arg(&m)
+            .status()
+            .expect("mount");
+        assert!(ok.success());
+        let img = image(&m, "a.img");
+        let out = Command::new("unshare")
+            .args(["-m", "--propagation", "private", "losetup", "-f", "--show"])
+            .arg(&img)
+            .output()
+            .expect("losetup");
+        let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        let found = (|| {
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let name = Path::new(&dev).file_name()?.to_str()?.to_string();
+            let majmin = fs::read_to_string(format!("/sys/block/{name}/dev")).ok()?;
+            let shown = describe(majmin.trim());
+            Some((attached_as(majmin.trim(), &img), shown))
+        })();
+        let _ = Command::new("losetup").args(["-d", &dev]).status();
+        let _ = Command::new("umount").arg("-l").arg(&m).status();
+        let (found, shown) = found.expect("the device's sysfs entry");
+        assert_eq!(shown, "it backs /a.img", "the case this guards");
+        assert_eq!(found, Some((PathBuf::from(&dev), img.clone())));
     }
 
     #[test]

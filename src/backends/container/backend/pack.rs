@@ -113,8 +113,9 @@ impl Packer for ContainerBackend {
 fn open_upper(loop_device: &str, disk: &Path) -> std::io::Result<OwnedFd> {
     let (dev, _) = crate::sys::loopdev::attached_as(loop_device, disk).ok_or_else(|| {
         std::io::Error::other(format!(
-            "loop device {loop_device} no longer backs {}",
-            disk.display()
+            "loop device {loop_device} no longer backs {} ({})",
+            disk.display(),
+            crate::sys::loopdev::describe(loop_device)
         ))
     })?;
     let mnt = crate::sys::mountfd::mount_detached("ext4", &dev)?;
