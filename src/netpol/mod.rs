@@ -7,16 +7,28 @@
 //! - [`policy`]: [`ClusterRules`] (the config's `network.rule_sets` and `default_rules`,
 //!   checked once) and [`Policy`] (what one sandbox may reach).
 //! - [`PRIVATE_RANGES`] and [`is_public`]: the addresses `*` and domains never reach.
+//! - [`slot`]: the address plan: the edge's subnet cut into one /30 per sandbox slot, and the
+//!   host-side veth names ([`LinkPlan`]).
+//! - [`link`]: the topology (I/O, root): each sandbox's veth pair, /30 and default route over
+//!   rtnetlink ([`attach`], [`detach`], [`list_strays`]).
 //!
-//! Every error is a [`NetpolError`]; all of them mean `invalid` to a caller.
+//! Every error of the rules is a [`NetpolError`]; all of them mean `invalid` to a caller.
+//! The address plan's are [`SlotError`]s, the topology's [`LinkError`]s.
 
+pub mod link;
 pub mod policy;
 pub mod rule;
+pub mod slot;
 
 use std::net::Ipv4Addr;
 
+pub use link::{attach, detach, list_strays, Attached, LinkError, SANDBOX_IFNAME};
 pub use policy::{parse_rule_list, ClusterRules, DomainRule, NetRule, Policy};
 pub use rule::{Domain, Ipv4Net, PortLimit, PortRange, Proto, Rule, RuleProblem, Target};
+pub use slot::{
+    host_veth_name, slot_addrs, slot_count, slot_of_addr, slot_of_host_veth, LinkPlan, SlotAddrs,
+    SlotError, DEFAULT_SUBNET, HOST_VETH_PREFIX,
+};
 
 use crate::types::names::shown;
 use crate::types::Failure;
