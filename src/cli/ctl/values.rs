@@ -112,7 +112,10 @@ pub fn duration(name: &str, s: &str) -> Result<Duration, CtlError> {
 /// without `!` is one too.
 pub fn net_rules(s: &str) -> Result<HashMap<String, bool>, CtlError> {
     if s.split(',').any(|e| e.trim().is_empty()) {
-        return Err(invalid(format!("-net: empty rule in {}", shown(s))));
+        return Err(invalid(format!(
+            "-net: bad rule \"\": empty rule in {}",
+            shown(s)
+        )));
     }
     crate::netpol::parse_rule_list(s)
         .map(|m| m.into_iter().collect())
