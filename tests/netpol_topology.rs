@@ -14,15 +14,15 @@
     clippy::indexing_slicing
 )]
 
+mod common;
+
 use std::fs::File;
-use std::future::Future;
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::os::fd::AsFd;
-use std::os::unix::fs::MetadataExt;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::netns::{addrs, host_ip, host_ip_do, in_fresh_netns, inet, link, names, SandboxNs};
 use nix::sched::CloneFlags;
 use opendsec::netpol::link::{Ipv6, LinkError};
 use opendsec::netpol::{
@@ -35,177 +35,6 @@ fn root_or_skip() -> bool {
     opendsec::sys::root_or_skip("the network topology tests")
 }
 
-/// Runs `f` on a dedicated thread inside a fresh network namespace (the test's host), on a
-/// runtime built by that thread, so every socket the test and the code under test open "on
-/// the host" is in that namespace: a current-thread runtime, or with `workers` a
-/// multi-thread one (the edge's shape), whose worker threads inherit the namespace from the
-/// thread that starts them. The namespace goes away with the threads.
-fn in_fresh_netns<F, Fut>(workers: Option<usize>, f: F)
-where
-    F: FnOnce() -> Fut + Send + 'static,
-    Fut: Future<Output = ()> + Send + 'static,
-{
-    let t = std::thread::spawn(move || {
-        nix::sched::unshare(CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
-        let rt = match workers {
-            None => tokio::runtime::Builder::new_current_thread(),
-            Some(n) => {
-                let mut b = tokio::runtime::Builder::new_multi_thread();
-                b.worker_threads(n);
-                b
-            }
-        }
-        .enable_all()
-        .build()
-        .unwrap();
-        rt.block_on(f());
-    });
-    if let Err(p) = t.join() {
-        std::panic::resume_unwind(p);
-    }
-}
-
-/// A sandbox's network namespace: an `unshare -n sleep` child, killed (by its pid) and
-/// reaped on drop.
-struct SandboxNs {
-    child: Child,
-    ns: File,
-}
-
-impl SandboxNs {
-    fn start() -> SandboxNs {
-        let mut child = Command::new("unshare")
-            .args(["-n", "sleep", "1000"])
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("unshare -n sleep");
-        let pid = child.id();
-        let mine = std::fs::metadata("/proc/thread-self/ns/net").unwrap().ino();
-        let path = format!("/proc/{pid}/ns/net");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        // Until unshare(2) has run in the child, its netns is still ours.
-        loop {
-            if let Ok(m) = std::fs::metadata(&path) {
-                if m.ino() != mine {
-                    break;
-                }
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("the child {pid} never got its own netns");
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let ns = File::open(&path).unwrap();
-        SandboxNs { child, ns }
-    }
-
-    fn pid(&self) -> String {
-        self.child.id().to_string()
-    }
-
-    /// `ip -j ARGS` inside the sandbox's netns.
-    fn ip(&self, args: &[&str]) -> Value {
-        let pid = self.pid();
-        let mut full = vec!["-t", &pid, "-n", "ip", "-j"];
-        full.extend_from_slice(args);
-        json_of("nsenter", &full)
-    }
-
-    /// Runs `ip ARGS` (not JSON) inside the sandbox's netns, to set up a test case.
-    fn ip_do(&self, args: &[&str]) {
-        let pid = self.pid();
-        let mut full = vec!["-t", &pid, "-n", "ip"];
-        full.extend_from_slice(args);
-        run("nsenter", &full);
-    }
-
-    /// A file's contents as the sandbox's netns sees it (`/proc/sys/net` follows the netns).
-    fn read(&self, path: &str) -> String {
-        let pid = self.pid();
-        let out = run("nsenter", &["-t", &pid, "-n", "cat", path]);
-        out.trim().to_string()
-    }
-}
-
-impl Drop for SandboxNs {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn run(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new(cmd)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("{cmd} {args:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd} {args:?}: {}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-fn json_of(cmd: &str, args: &[&str]) -> Value {
-    let text = run(cmd, args);
-    if text.trim().is_empty() {
-        return Value::Array(vec![]);
-    }
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{cmd} {args:?}: {e}: {text}"))
-}
-
-/// `ip -j ARGS` in the test's host netns (the calling thread's).
-fn host_ip(args: &[&str]) -> Value {
-    let mut full = vec!["-j"];
-    full.extend_from_slice(args);
-    json_of("ip", &full)
-}
-
-fn host_ip_do(args: &[&str]) {
-    run("ip", args);
-}
-
-fn names(links: &Value) -> Vec<String> {
-    let mut v: Vec<String> = links
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["ifname"].as_str().unwrap().to_string())
-        .collect();
-    v.sort();
-    v
-}
-
-fn link<'a>(links: &'a Value, name: &str) -> &'a Value {
-    links
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|l| l["ifname"] == name)
-        .unwrap_or_else(|| panic!("no {name} in {links}"))
-}
-
-/// `(family, address, prefix length)` of each address of `name`.
-fn addrs(links: &Value, name: &str) -> Vec<(String, String, u64)> {
-    link(links, name)["addr_info"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|a| {
-            (
-                a["family"].as_str().unwrap().to_string(),
-                a["local"].as_str().unwrap().to_string(),
-                a["prefixlen"].as_u64().unwrap(),
-            )
-        })
-        .collect()
-}
-
 fn flags(links: &Value, name: &str) -> Vec<String> {
     link(links, name)["flags"]
         .as_array()
@@ -213,10 +42,6 @@ fn flags(links: &Value, name: &str) -> Vec<String> {
         .iter()
         .map(|f| f.as_str().unwrap().to_string())
         .collect()
-}
-
-fn inet(a: &str, prefix: u64) -> (String, String, u64) {
-    ("inet".into(), a.into(), prefix)
 }
 
 fn os_error(e: &LinkError) -> Option<i32> {
@@ -250,7 +75,7 @@ fn attach_links_the_sandbox_and_detach_removes_everything() {
         let sb = SandboxNs::start();
         let plan = LinkPlan::new(DEFAULT_SUBNET, 1).unwrap();
         let a = attach(sb.ns.as_fd(), &plan).await.unwrap();
-        assert_eq!(a.host_name, "odsv1");
+        assert_eq!(a.host_name, "odsv0a580004");
         assert_eq!(a.addrs.gateway, Ipv4Addr::new(10, 88, 0, 5));
         assert_eq!(a.addrs.sandbox, Ipv4Addr::new(10, 88, 0, 6));
         assert_eq!(a.ipv6, Ipv6::Off);
@@ -303,21 +128,21 @@ fn attach_links_the_sandbox_and_detach_removes_everything() {
 
         // The host side: the gateway address only, IPv6 off there too.
         let host = host_ip(&["addr", "show"]);
-        assert_eq!(names(&host), ["lo", "odsv1"]);
-        assert_eq!(addrs(&host, "odsv1"), [inet("10.88.0.5", 30)]);
+        assert_eq!(names(&host), ["lo", "odsv0a580004"]);
+        assert_eq!(addrs(&host, "odsv0a580004"), [inet("10.88.0.5", 30)]);
         assert_eq!(
-            link(&host, "odsv1")["ifindex"].as_u64(),
+            link(&host, "odsv0a580004")["ifindex"].as_u64(),
             Some(u64::from(a.host_index))
         );
-        assert!(flags(&host, "odsv1").contains(&"LOWER_UP".to_string()));
+        assert!(flags(&host, "odsv0a580004").contains(&"LOWER_UP".to_string()));
         assert_eq!(
-            std::fs::read_to_string("/proc/sys/net/ipv6/conf/odsv1/disable_ipv6")
+            std::fs::read_to_string("/proc/sys/net/ipv6/conf/odsv0a580004/disable_ipv6")
                 .unwrap()
                 .trim(),
             "1"
         );
         assert_eq!(
-            host_ip(&["-d", "link", "show", "odsv1"])[0]["inet6_addr_gen_mode"],
+            host_ip(&["-d", "link", "show", "odsv0a580004"])[0]["inet6_addr_gen_mode"],
             "none"
         );
         // The sandbox's netns was never the host's: eth0 is not here.
@@ -343,12 +168,12 @@ fn attach_links_the_sandbox_and_detach_removes_everything() {
         drop(conn);
         drop(listener);
 
-        assert_eq!(list_strays("odsv").await.unwrap(), ["odsv1"]);
-        assert!(detach("odsv1").await.unwrap());
+        assert_eq!(list_strays("odsv").await.unwrap(), ["odsv0a580004"]);
+        assert!(detach("odsv0a580004").await.unwrap());
         assert_eq!(names(&host_ip(&["link", "show"])), ["lo"]);
         assert_eq!(names(&sb.ip(&["link", "show"])), ["lo"]);
         // Idempotent.
-        assert!(!detach("odsv1").await.unwrap());
+        assert!(!detach("odsv0a580004").await.unwrap());
         assert!(list_strays("odsv").await.unwrap().is_empty());
     });
 }
@@ -361,20 +186,23 @@ fn a_name_clash_on_either_side_makes_nothing_and_removes_nothing() {
     in_fresh_netns(Some(2), || async {
         // The host-side name is taken (by a link that is not ours).
         let sb = SandboxNs::start();
-        host_ip_do(&["link", "add", "odsv2", "type", "bridge"]);
+        host_ip_do(&["link", "add", "odsv0a580008", "type", "bridge"]);
         let e = attach(sb.ns.as_fd(), &LinkPlan::new(DEFAULT_SUBNET, 2).unwrap())
             .await
             .unwrap_err();
         assert!(matches!(e, LinkError::CreateVeth { .. }), "{e:?}");
         assert_eq!(os_error(&e), Some(libc::EEXIST), "{e:?}");
         let host = host_ip(&["-d", "link", "show"]);
-        assert_eq!(names(&host), ["lo", "odsv2"]);
-        assert_eq!(link(&host, "odsv2")["linkinfo"]["info_kind"], "bridge");
+        assert_eq!(names(&host), ["lo", "odsv0a580008"]);
+        assert_eq!(
+            link(&host, "odsv0a580008")["linkinfo"]["info_kind"],
+            "bridge"
+        );
         assert_eq!(names(&sb.ip(&["link", "show"])), ["lo"]);
         // detach refuses what is not a veth, and leaves it.
-        let e = detach("odsv2").await.unwrap_err();
+        let e = detach("odsv0a580008").await.unwrap_err();
         assert!(matches!(e, LinkError::NotVeth { .. }), "{e:?}");
-        assert_eq!(names(&host_ip(&["link", "show"])), ["lo", "odsv2"]);
+        assert_eq!(names(&host_ip(&["link", "show"])), ["lo", "odsv0a580008"]);
 
         // The sandbox already has an eth0.
         let sb2 = SandboxNs::start();
@@ -384,7 +212,7 @@ fn a_name_clash_on_either_side_makes_nothing_and_removes_nothing() {
             .unwrap_err();
         assert!(matches!(e, LinkError::CreateVeth { .. }), "{e:?}");
         assert_eq!(os_error(&e), Some(libc::EEXIST), "{e:?}");
-        assert_eq!(names(&host_ip(&["link", "show"])), ["lo", "odsv2"]);
+        assert_eq!(names(&host_ip(&["link", "show"])), ["lo", "odsv0a580008"]);
         let inside = sb2.ip(&["-d", "addr", "show"]);
         assert_eq!(names(&inside), ["eth0", "lo"]);
         assert_eq!(link(&inside, "eth0")["linkinfo"]["info_kind"], "bridge");
@@ -396,7 +224,7 @@ fn a_name_clash_on_either_side_makes_nothing_and_removes_nothing() {
             .await
             .unwrap_err();
         assert!(matches!(e, LinkError::CreateVeth { .. }), "{e:?}");
-        assert_eq!(names(&host_ip(&["link", "show"])), ["lo", "odsv2"]);
+        assert_eq!(names(&host_ip(&["link", "show"])), ["lo", "odsv0a580008"]);
         assert!(list_strays("odsv").await.unwrap().is_empty());
     });
 }
@@ -419,7 +247,7 @@ fn a_failure_midway_removes_the_pair() {
         assert_eq!(os_error(&e), Some(libc::EEXIST), "{e:?}");
         assert_eq!(
             e.to_string(),
-            "veth odsv4: adding the default route via 10.88.0.17 in the sandbox netns"
+            "veth odsv0a580010: adding the default route via 10.88.0.17 in the sandbox netns"
         );
         assert_eq!(names(&host_ip(&["link", "show"])), ["lo"]);
         assert_eq!(names(&sb.ip(&["link", "show"])), ["lo"]);
@@ -436,8 +264,8 @@ fn a_failure_midway_removes_the_pair() {
         let a = attach(sb2.ns.as_fd(), &LinkPlan::new(DEFAULT_SUBNET, 4).unwrap())
             .await
             .unwrap();
-        assert_eq!(a.host_name, "odsv4");
-        assert!(detach("odsv4").await.unwrap());
+        assert_eq!(a.host_name, "odsv0a580010");
+        assert!(detach("odsv0a580010").await.unwrap());
     });
 }
 
@@ -459,13 +287,16 @@ fn list_strays_reports_our_veths_only() {
         host_ip_do(&[
             "link", "add", "other0", "type", "veth", "peer", "name", "other1",
         ]);
-        assert_eq!(list_strays("odsv").await.unwrap(), ["odsv5", "odsv6"]);
+        assert_eq!(
+            list_strays("odsv").await.unwrap(),
+            ["odsv0a580014", "odsv0a580018"]
+        );
         assert_eq!(list_strays("other").await.unwrap(), ["other0", "other1"]);
-        assert!(detach("odsv5").await.unwrap());
-        assert_eq!(list_strays("odsv").await.unwrap(), ["odsv6"]);
+        assert!(detach("odsv0a580014").await.unwrap());
+        assert_eq!(list_strays("odsv").await.unwrap(), ["odsv0a580018"]);
         assert_eq!(names(&sb5.ip(&["link", "show"])), ["lo"]);
         assert_eq!(names(&sb6.ip(&["link", "show"])), ["eth0", "lo"]);
-        assert!(detach("odsv6").await.unwrap());
+        assert!(detach("odsv0a580018").await.unwrap());
         assert!(list_strays("odsv").await.unwrap().is_empty());
         assert_eq!(
             names(&host_ip(&["link", "show"])),
@@ -487,9 +318,9 @@ fn the_pair_goes_when_the_sandbox_netns_dies() {
         let a = attach(sb.ns.as_fd(), &LinkPlan::new(subnet, 63).unwrap())
             .await
             .unwrap();
-        assert_eq!(a.host_name, "odsv63");
+        assert_eq!(a.host_name, "odsvac1f00fc");
         let host = host_ip(&["addr", "show"]);
-        assert_eq!(addrs(&host, "odsv63"), [inet("172.31.0.253", 30)]);
+        assert_eq!(addrs(&host, "odsvac1f00fc"), [inet("172.31.0.253", 30)]);
         assert_eq!(
             addrs(&sb.ip(&["addr", "show"]), "eth0"),
             [inet("172.31.0.254", 30)]
@@ -507,6 +338,6 @@ fn the_pair_goes_when_the_sandbox_netns_dies() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         assert_eq!(names(&host_ip(&["link", "show"])), ["lo"]);
-        assert!(!detach("odsv63").await.unwrap());
+        assert!(!detach("odsvac1f00fc").await.unwrap());
     });
 }

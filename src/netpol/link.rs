@@ -10,13 +10,13 @@
 //!
 //! ```text
 //!   host (caller's) netns                  sandbox netns
-//!   odsv<n>  10.88.x.(4n+1)/30  <--veth-->  eth0  10.88.x.(4n+2)/30
+//!   odsv<hex>  10.88.x.(4n+1)/30  <--veth-->  eth0  10.88.x.(4n+2)/30
 //!   (the gateway)                            default via 10.88.x.(4n+1), lo up
 //! ```
 //!
-//! The host-side name is [`host_veth_name`](super::slot::host_veth_name) (`odsv<slot>`, under
-//! IFNAMSIZ), read back with [`slot_of_host_veth`](super::slot::slot_of_host_veth); the sandbox
-//! side is always [`SANDBOX_IFNAME`] (`eth0`). Because the name is the slot, the edge must
+//! The host-side name is [`host_veth_name`](super::slot::host_veth_name) (`odsv` and the /30's
+//! address in hex), read back with [`slot_of_host_veth`](super::slot::slot_of_host_veth); the
+//! sandbox side is always [`SANDBOX_IFNAME`] (`eth0`). Because the name is the slot, the edge must
 //! not hand a slot out again while its veth still exists: [`list_strays`] finds every
 //! host-side veth, so the edge's cleanup can [`detach`] those whose sandbox is gone.
 //!
@@ -419,6 +419,18 @@ fn open_inside(
             source,
         })?;
     Ok((conn, handle, ipv6))
+}
+
+/// `net.ipv4.ip_forward = 1` in the calling thread's netns: the host routes its sandboxes'
+/// packets (which its nftables table then filters, docs/network.md). Idempotent.
+/// Errors: writing `/proc/sys/net/ipv4/ip_forward` (the path in the message).
+pub fn enable_ipv4_forwarding() -> io::Result<()> {
+    let path = Path::new("/proc/sys/net/ipv4/ip_forward");
+    if std::fs::read(path).is_ok_and(|v| v.trim_ascii() == b"1") {
+        return Ok(());
+    }
+    std::fs::write(path, b"1")
+        .map_err(|e| io::Error::new(e.kind(), format!("writing {}: {e}", path.display())))
 }
 
 /// `net.ipv6.conf.<ifname>.disable_ipv6 = 1` in the calling thread's netns, or

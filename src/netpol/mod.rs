@@ -11,11 +11,14 @@
 //!   host-side veth names ([`LinkPlan`]).
 //! - [`link`]: the topology (I/O, root): each sandbox's veth pair, /30 and default route over
 //!   rtnetlink ([`attach`], [`detach`], [`list_strays`]).
+//! - [`nft`]: enforcement (I/O, root): the edge's nftables table, each sandbox's chains
+//!   ([`Firewall`]).
 //!
 //! Every error of the rules is a [`NetpolError`]; all of them mean `invalid` to a caller.
 //! The address plan's are [`SlotError`]s, the topology's [`LinkError`]s.
 
 pub mod link;
+pub mod nft;
 pub mod policy;
 pub mod rule;
 pub mod slot;
@@ -23,11 +26,12 @@ pub mod slot;
 use std::net::Ipv4Addr;
 
 pub use link::{attach, detach, list_strays, Attached, LinkError, SANDBOX_IFNAME};
+pub use nft::{Firewall, NftError};
 pub use policy::{parse_rule_list, ClusterRules, DomainRule, NetRule, Policy};
 pub use rule::{Domain, Ipv4Net, PortLimit, PortRange, Proto, Rule, RuleProblem, Target};
 pub use slot::{
-    host_veth_name, slot_addrs, slot_count, slot_of_addr, slot_of_host_veth, LinkPlan, SlotAddrs,
-    SlotError, DEFAULT_SUBNET, HOST_VETH_PREFIX,
+    host_veth_name, slot_addrs, slot_count, slot_of_addr, slot_of_host_veth, veth_prefix, LinkPlan,
+    SlotAddrs, SlotError, DEFAULT_SUBNET, HOST_VETH_PREFIX,
 };
 
 use crate::types::names::shown;

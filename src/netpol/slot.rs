@@ -4,9 +4,12 @@
 //! no I/O; [`super::link`] makes the interfaces.
 //!
 //! Slot `n` is the /30 at `subnet + 4n`: `+1` is the host side (the sandbox's gateway), `+2`
-//! the sandbox's `eth0`, `+3` the broadcast address. Names are `odsv<n>` (at most 14 bytes
-//! for any `u32`, under IFNAMSIZ) and read back with [`slot_of_host_veth`], so the edge can
-//! tell the slot of a veth it finds after a restart.
+//! the sandbox's `eth0`, `+3` the broadcast address. The host-side veth is named after its
+//! /30: `odsv` and the network address in 8 hex digits (`odsv0a580004` for 10.88.0.4/30),
+//! 12 bytes, under IFNAMSIZ. Edges sharing a machine have distinct subnets, so names never
+//! clash between them; every veth of one edge starts with [`veth_prefix`] (`odsv0a58` for
+//! 10.88.0.0/16), which is how the edge's nftables table and its cleanup tell its own
+//! veths from another edge's, and [`slot_of_host_veth`] reads a name back to its slot.
 
 use std::net::Ipv4Addr;
 
@@ -99,22 +102,33 @@ pub fn slot_of_addr(subnet: Ipv4Net, addr: Ipv4Addr) -> Option<u32> {
     Some((u32::from(addr) - u32::from(subnet.addr())) >> 2)
 }
 
-/// The host-side veth name of a slot: `odsv<slot>` in decimal, at most 14 bytes.
-pub fn host_veth_name(slot: u32) -> String {
-    format!("{HOST_VETH_PREFIX}{slot}")
+/// The host-side veth name of the /30 `network`: [`HOST_VETH_PREFIX`] and its address in 8
+/// lowercase hex digits (`odsv0a580004` for 10.88.0.4/30), 12 bytes.
+pub fn host_veth_name(network: Ipv4Net) -> String {
+    format!("{HOST_VETH_PREFIX}{:08x}", u32::from(network.addr()))
 }
 
-/// The slot a host-side veth name stands for: the inverse of [`host_veth_name`]. `None` for
-/// any other name (another prefix, no digits, a leading zero, a number past `u32`).
-pub fn slot_of_host_veth(name: &str) -> Option<u32> {
-    let digits = name.strip_prefix(HOST_VETH_PREFIX)?;
-    if digits.is_empty()
-        || !digits.bytes().all(|b| b.is_ascii_digit())
-        || (digits.len() > 1 && digits.starts_with('0'))
-    {
+/// The start every host-side veth name of `subnet`'s slots shares: [`HOST_VETH_PREFIX`] and
+/// the hex digits its prefix fixes whole (`odsv0a58` for a /16, `odsv0a5` for a /12 or /14).
+/// Edges on one machine need subnets whose prefixes differ here (10.88.0.0/16 and
+/// 10.89.0.0/16 do), or each would take the other's veths for its own.
+pub fn veth_prefix(subnet: Ipv4Net) -> String {
+    let hex = format!("{:08x}", u32::from(subnet.addr()));
+    let nibbles = usize::from(subnet.prefix() / 4);
+    format!("{HOST_VETH_PREFIX}{}", hex.get(..nibbles).unwrap_or(&hex))
+}
+
+/// The slot of `subnet` a host-side veth name stands for: the inverse of [`host_veth_name`].
+/// `None` for any other name (another prefix, not 8 lowercase hex digits, an address outside
+/// `subnet` or not the start of a /30).
+pub fn slot_of_host_veth(subnet: Ipv4Net, name: &str) -> Option<u32> {
+    let hex = name.strip_prefix(HOST_VETH_PREFIX)?;
+    if hex.len() != 8 || !hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
         return None;
     }
-    digits.parse().ok()
+    let addr = Ipv4Addr::from(u32::from_str_radix(hex, 16).ok()?);
+    let slot = slot_of_addr(subnet, addr)?;
+    (slot_addrs(subnet, slot).ok()?.network.addr() == addr).then_some(slot)
 }
 
 /// Whether the kernel would take `name` as an interface name (`dev_valid_name`).
@@ -140,9 +154,10 @@ impl LinkPlan {
     /// The plan of slot `slot` of `subnet`, named [`host_veth_name`].
     /// Errors: as [`slot_addrs`].
     pub fn new(subnet: Ipv4Net, slot: u32) -> Result<LinkPlan, SlotError> {
+        let addrs = slot_addrs(subnet, slot)?;
         Ok(LinkPlan {
-            host_name: host_veth_name(slot),
-            addrs: slot_addrs(subnet, slot)?,
+            host_name: host_veth_name(addrs.network),
+            addrs,
         })
     }
 }
@@ -249,26 +264,37 @@ mod tests {
 
     #[test]
     fn host_names_fit_ifnamsiz_and_read_back() {
-        assert_eq!(host_veth_name(0), "odsv0");
-        assert_eq!(host_veth_name(16_383), "odsv16383");
-        let longest = host_veth_name(u32::MAX);
-        assert_eq!(longest.len(), 14);
-        assert!(valid_ifname(&longest));
-        for slot in [0, 1, 9, 10, 16_383, u32::MAX] {
-            assert_eq!(slot_of_host_veth(&host_veth_name(slot)), Some(slot));
+        let name =
+            |subnet: Ipv4Net, slot| host_veth_name(slot_addrs(subnet, slot).unwrap().network);
+        assert_eq!(name(DEFAULT_SUBNET, 0), "odsv0a580000");
+        assert_eq!(name(DEFAULT_SUBNET, 1), "odsv0a580004");
+        assert_eq!(name(DEFAULT_SUBNET, 16_383), "odsv0a58fffc");
+        let top = host_veth_name(net("255.255.255.252/30"));
+        assert_eq!(top, "odsvfffffffc");
+        assert!(valid_ifname(&top));
+        for slot in [0, 1, 9, 10, 16_383] {
+            let n = name(DEFAULT_SUBNET, slot);
+            assert!(n.starts_with(&veth_prefix(DEFAULT_SUBNET)), "{n}");
+            assert_eq!(slot_of_host_veth(DEFAULT_SUBNET, &n), Some(slot));
         }
+        assert_eq!(veth_prefix(DEFAULT_SUBNET), "odsv0a58");
+        assert_eq!(veth_prefix(net("10.89.0.0/16")), "odsv0a59");
+        assert_eq!(veth_prefix(net("172.16.0.0/12")), "odsvac1");
+        assert_eq!(veth_prefix(net("0.0.0.0/0")), "odsv");
+        assert_eq!(veth_prefix(net("192.168.7.8/30")), "odsvc0a8070");
         for other in [
             "odsv",
-            "odsv01",
-            "odsvx",
-            "odsv1a",
-            "odsv-1",
-            "odsv+1",
-            "odsv4294967296",
+            "odsv0a58000",
+            "odsv0a5800040",
+            "odsv0A580004",
+            "odsv0a58000x",
+            "odsv0a580005",
+            "odsv0a590004",
+            "odsv+a580004",
             "eth0",
-            "xodsv1",
+            "xodsv0a580004",
         ] {
-            assert_eq!(slot_of_host_veth(other), None, "{other}");
+            assert_eq!(slot_of_host_veth(DEFAULT_SUBNET, other), None, "{other}");
         }
         assert!(valid_ifname("eth0"));
         for bad in ["", ".", "..", "a/b", "a b", "a:b", "sixteen-bytes-xx"] {

@@ -9,6 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 pub mod layers;
+pub mod netns;
 
 /// The executable under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_opendsec");

@@ -1,0 +1,344 @@
+//! Enforcement (src/netpol/nft.rs, docs/network.md "Enforcement") against the real kernel,
+//! in a world the test builds and removes: a fresh "host" netns (the edge's), an "internet"
+//! netns linked to it by one veth (203.0.113.0/24) holding test servers on documentation
+//! addresses (192.0.2.10, 198.51.100.10) and on a private one (10.30.0.10), and sandboxes
+//! (`unshare -n sleep` children) attached with their veth and chains as the edge does. No
+//! packet leaves these namespaces: the host netns has no route but the uplink. Every case
+//! asserts the exact outcome: a dropped packet is a connect that times out (never a refusal,
+//! which would mean something answered). Root only.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use std::fs::File;
+use std::io::ErrorKind;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::os::fd::AsFd;
+use std::time::Duration;
+
+use common::netns::{host_ip_do, in_fresh_netns, run, SandboxNs};
+use nix::sched::CloneFlags;
+use opendsec::netpol::{attach, ClusterRules, Firewall, LinkPlan, Policy, DEFAULT_SUBNET};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn root_or_skip() -> bool {
+    opendsec::sys::root_or_skip("the network enforcement tests")
+}
+
+const PUBLIC_A: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
+const PUBLIC_B: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
+const PRIVATE: Ipv4Addr = Ipv4Addr::new(10, 30, 0, 10);
+const UPLINK_HOST: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
+const DNS_PORT: u16 = 15353;
+/// A service of the host (an apiserver, IAM): no sandbox may reach it.
+const HOST_SERVICE_PORT: u16 = 7000;
+/// How long a connect may take before the test calls it dropped. Answers in these
+/// namespaces take well under a millisecond.
+const DROPPED_AFTER: Duration = Duration::from_millis(1500);
+
+/// Runs `f` on a thread of its own inside netns `ns`, on a current-thread runtime.
+fn in_ns<T: Send + 'static>(
+    ns: &File,
+    f: impl FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = T>>> + Send + 'static,
+) -> std::thread::JoinHandle<T> {
+    let ns = ns.try_clone().unwrap();
+    std::thread::spawn(move || {
+        nix::sched::setns(ns.as_fd(), CloneFlags::CLONE_NEWNET).unwrap();
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(f())
+    })
+}
+
+/// Echo servers on `ports` of every address of netns `ns`, for the life of the process.
+fn serve_echo(ns: &File, ports: &[u16]) {
+    let ports = ports.to_vec();
+    let (tx, rx) = std::sync::mpsc::channel();
+    in_ns(ns, move || {
+        Box::pin(async move {
+            let mut ls = Vec::new();
+            for p in ports {
+                ls.push(tokio::net::TcpListener::bind(("0.0.0.0", p)).await.unwrap());
+            }
+            tx.send(()).unwrap();
+            let mut tasks = Vec::new();
+            for l in ls {
+                tasks.push(tokio::spawn(async move {
+                    loop {
+                        let (mut s, _) = l.accept().await.unwrap();
+                        tokio::spawn(async move {
+                            let mut buf = [0u8; 256];
+                            while let Ok(n) = s.read(&mut buf).await {
+                                if n == 0 || s.write_all(&buf[..n]).await.is_err() {
+                                    break;
+                                }
+                            }
+                        });
+                    }
+                }));
+            }
+            for t in tasks {
+                let _ = t.await;
+            }
+        })
+    });
+    rx.recv().unwrap();
+}
+
+/// Connects from netns `ns` (bound to `from` when given) to `to`, sends a line and reads
+/// it back: `Ok` when the echo came, else the error (`TimedOut` for a dropped packet).
+fn exchange(ns: &File, from: Option<Ipv4Addr>, to: SocketAddrV4) -> std::io::Result<()> {
+    in_ns(ns, move || {
+        Box::pin(async move {
+            let sock = tokio::net::TcpSocket::new_v4()?;
+            if let Some(a) = from {
+                sock.bind(SocketAddr::from((a, 0)))?;
+            }
+            let mut s = tokio::time::timeout(DROPPED_AFTER, sock.connect(to.into()))
+                .await
+                .map_err(|_| std::io::Error::from(ErrorKind::TimedOut))??;
+            s.write_all(b"ping\n").await?;
+            let mut buf = [0u8; 5];
+            tokio::time::timeout(DROPPED_AFTER, s.read_exact(&mut buf))
+                .await
+                .map_err(|_| std::io::Error::from(ErrorKind::TimedOut))??;
+            assert_eq!(&buf, b"ping\n");
+            Ok(())
+        })
+    })
+    .join()
+    .unwrap()
+}
+
+fn assert_passes(ns: &File, to: (Ipv4Addr, u16)) {
+    let to = SocketAddrV4::new(to.0, to.1);
+    if let Err(e) = exchange(ns, None, to) {
+        panic!("{to}: expected to pass, got {e}");
+    }
+}
+
+fn assert_dropped(ns: &File, from: Option<Ipv4Addr>, to: (Ipv4Addr, u16)) {
+    let to = SocketAddrV4::new(to.0, to.1);
+    match exchange(ns, from, to) {
+        Err(e) if e.kind() == ErrorKind::TimedOut => {}
+        other => panic!("{to} from {from:?}: expected dropped (timed out), got {other:?}"),
+    }
+}
+
+/// The world: the internet netns with its servers and the uplink, and forwarding on in the
+/// calling thread's (the host's) netns.
+struct World {
+    _internet: SandboxNs,
+}
+
+fn world() -> World {
+    let internet = SandboxNs::start();
+    let pid = internet.pid();
+    host_ip_do(&[
+        "link", "add", "up0", "type", "veth", "peer", "name", "up1", "netns", &pid,
+    ]);
+    host_ip_do(&["addr", "add", "203.0.113.1/24", "dev", "up0"]);
+    host_ip_do(&["link", "set", "up0", "up"]);
+    host_ip_do(&["route", "add", "default", "via", "203.0.113.2"]);
+    internet.ip_do(&["addr", "add", "203.0.113.2/24", "dev", "up1"]);
+    internet.ip_do(&["link", "set", "up1", "up"]);
+    internet.ip_do(&["link", "set", "lo", "up"]);
+    for a in [PUBLIC_A, PUBLIC_B, PRIVATE] {
+        internet.ip_do(&["addr", "add", &format!("{a}/32"), "dev", "lo"]);
+    }
+    opendsec::netpol::link::enable_ipv4_forwarding().unwrap();
+    serve_echo(&internet.ns, &[80, 443, 8080]);
+    World {
+        _internet: internet,
+    }
+}
+
+fn policy(rules: &[(&str, bool)]) -> Policy {
+    ClusterRules::default()
+        .resolve(rules.iter().map(|(k, v)| (k.to_string(), *v)))
+        .unwrap()
+}
+
+/// A sandbox attached at `slot` with `rules`: its netns, and its address.
+async fn sandbox(fw: &Firewall, slot: u32, rules: &[(&str, bool)]) -> (SandboxNs, Ipv4Addr) {
+    let sb = SandboxNs::start();
+    let plan = LinkPlan::new(DEFAULT_SUBNET, slot).unwrap();
+    let a = attach(sb.ns.as_fd(), &plan).await.unwrap();
+    fw.attach(&a.addrs, &policy(rules)).unwrap();
+    (sb, a.addrs.sandbox)
+}
+
+fn firewall() -> Firewall {
+    let fw = Firewall::new("e1", DEFAULT_SUBNET, DNS_PORT);
+    fw.install_base().unwrap();
+    fw
+}
+
+#[test]
+fn default_deny_and_each_rule_kind() {
+    if !root_or_skip() {
+        return;
+    }
+    in_fresh_netns(Some(2), || async {
+        let w = world();
+        let fw = firewall();
+
+        // Nothing allowed: every destination is dropped.
+        let (none, _) = sandbox(&fw, 1, &[]).await;
+        for to in [(PUBLIC_A, 80), (PUBLIC_B, 443), (PRIVATE, 80)] {
+            assert_dropped(&none.ns, None, to);
+        }
+
+        // An address with a port: that port only.
+        let (one, _) = sandbox(&fw, 2, &[("192.0.2.10:80", true)]).await;
+        assert_passes(&one.ns, (PUBLIC_A, 80));
+        assert_dropped(&one.ns, None, (PUBLIC_A, 443));
+        assert_dropped(&one.ns, None, (PUBLIC_B, 80));
+
+        // A port range with a protocol.
+        let (range, _) = sandbox(&fw, 3, &[("198.51.100.0/24:400-500/tcp", true)]).await;
+        assert_passes(&range.ns, (PUBLIC_B, 443));
+        assert_dropped(&range.ns, None, (PUBLIC_B, 80));
+        assert_dropped(&range.ns, None, (PUBLIC_B, 8080));
+
+        // `*`: every public address, no private one.
+        let (star, _) = sandbox(&fw, 4, &[("*", true)]).await;
+        assert_passes(&star.ns, (PUBLIC_A, 443));
+        assert_passes(&star.ns, (PUBLIC_B, 8080));
+        assert_dropped(&star.ns, None, (PRIVATE, 80));
+
+        // A private network named outright is reachable.
+        let (private, _) = sandbox(&fw, 5, &[("10.30.0.0/16", true)]).await;
+        assert_passes(&private.ns, (PRIVATE, 80));
+        assert_dropped(&private.ns, None, (PUBLIC_A, 80));
+
+        // Apart from DNS, no service of the host: not on the gateway, not on the uplink.
+        let _service = std::net::TcpListener::bind(("0.0.0.0", HOST_SERVICE_PORT)).unwrap();
+        let gateway = LinkPlan::new(DEFAULT_SUBNET, 4).unwrap().addrs.gateway;
+        assert_dropped(&star.ns, None, (gateway, HOST_SERVICE_PORT));
+        assert_dropped(&star.ns, None, (UPLINK_HOST, HOST_SERVICE_PORT));
+        drop(w);
+    });
+}
+
+#[test]
+fn forged_sources_inbound_connections_and_taking_a_rule_back() {
+    if !root_or_skip() {
+        return;
+    }
+    in_fresh_netns(Some(2), || async {
+        let _w = world();
+        let fw = firewall();
+        let (a, a_addr) = sandbox(&fw, 1, &[("*", true)]).await;
+        let (b, b_addr) = sandbox(&fw, 2, &[("*", true), ("10.0.0.0/8", true)]).await;
+
+        // Root in a sandbox gives itself another address (its neighbour's, or any in the
+        // subnet) and sends from it: nothing passes.
+        a.ip_do(&["addr", "add", &format!("{b_addr}/32"), "dev", "eth0"]);
+        a.ip_do(&["addr", "add", "10.88.7.7/32", "dev", "eth0"]);
+        assert_passes(&a.ns, (PUBLIC_A, 80));
+        assert_dropped(&a.ns, Some(b_addr), (PUBLIC_A, 80));
+        assert_dropped(&a.ns, Some("10.88.7.7".parse().unwrap()), (PUBLIC_A, 80));
+
+        // New connections into a sandbox: from another sandbox (even one whose rules allow
+        // 10.0.0.0/8) and from the host.
+        serve_echo(&a.ns, &[9000]);
+        assert_dropped(&b.ns, None, (a_addr, 9000));
+        match exchange(
+            &File::open("/proc/thread-self/ns/net").unwrap(),
+            None,
+            SocketAddrV4::new(a_addr, 9000),
+        ) {
+            Err(e) if e.kind() == ErrorKind::TimedOut => {}
+            other => panic!("host → sandbox: expected dropped, got {other:?}"),
+        }
+
+        // Taking a rule back cuts an open connection at once.
+        let ns = a.ns.try_clone().unwrap();
+        let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let conn = in_ns(&ns, move || {
+            Box::pin(async move {
+                let mut s = tokio::net::TcpStream::connect((PUBLIC_A, 80))
+                    .await
+                    .unwrap();
+                let mut buf = [0u8; 5];
+                s.write_all(b"ping\n").await.unwrap();
+                s.read_exact(&mut buf).await.unwrap();
+                ready_tx.send(()).unwrap();
+                go_rx.await.unwrap();
+                s.write_all(b"pong\n").await.unwrap();
+                tokio::time::timeout(DROPPED_AFTER, s.read_exact(&mut buf)).await
+            })
+        });
+        ready_rx.recv().unwrap();
+        fw.update(1, &policy(&[])).unwrap();
+        go_tx.send(()).unwrap();
+        assert!(
+            conn.join().unwrap().is_err(),
+            "the echo came back after the update"
+        );
+        assert_dropped(&a.ns, None, (PUBLIC_A, 80));
+        // And given back, new connections pass again.
+        fw.update(1, &policy(&[("192.0.2.0/24", true)])).unwrap();
+        assert_passes(&a.ns, (PUBLIC_A, 80));
+        assert_dropped(&a.ns, None, (PUBLIC_B, 80));
+
+        // A restarted edge rewrites its base chains; the sandboxes keep their rules.
+        fw.install_base().unwrap();
+        assert_passes(&a.ns, (PUBLIC_A, 80));
+        assert_passes(&b.ns, (PUBLIC_B, 80));
+    });
+}
+
+#[test]
+fn detach_leaves_nothing_of_the_sandbox() {
+    if !root_or_skip() {
+        return;
+    }
+    in_fresh_netns(Some(2), || async {
+        let fw = firewall();
+        let base = run("nft", &["list", "table", "inet", "opendsec-e1"]);
+        let (sb, _) = sandbox(
+            &fw,
+            7,
+            &[
+                ("github.com:443", true),
+                ("pypi.org", true),
+                ("192.0.2.0/24", true),
+            ],
+        )
+        .await;
+        let listed = run("nft", &["list", "table", "inet", "opendsec-e1"]);
+        for want in [
+            "set dns-7-any-443",
+            "set dns-7-all",
+            "chain out-7",
+            "chain in-7",
+            "iifname \"odsv0a58001c\" ip saddr 10.88.0.30 accept",
+            "iifname \"odsv0a58001c\" goto out-7",
+            "ip daddr 192.0.2.0/24 accept",
+            "ip daddr @dns-7-all accept",
+            "udp dport 53 dnat ip to 10.88.0.29:15353",
+        ] {
+            assert!(listed.contains(want), "no {want:?} in:\n{listed}");
+        }
+        assert_eq!(fw.slots().unwrap(), [7]);
+        assert!(fw.detach(7).unwrap());
+        assert!(!fw.detach(7).unwrap());
+        assert_eq!(fw.slots().unwrap(), Vec::<u32>::new());
+        let after = run("nft", &["list", "table", "inet", "opendsec-e1"]);
+        assert_eq!(after, base, "the table differs from before the sandbox");
+        drop(sb);
+        assert!(fw.remove().unwrap());
+        assert!(!fw.remove().unwrap());
+    });
+}
