@@ -596,6 +596,8 @@ async fn create_checks_input_before_calling() {
             "container",
             "-ttl-idle",
             "-1",
+            "-net",
+            "pypi,192.0.2.0/24:443/tcp,!npm",
         ],
     )
     .await;
@@ -615,6 +617,15 @@ async fn create_checks_input_before_calling() {
     );
     assert_eq!(sent.project, "root");
     assert!(!sent.idempotency_key.is_empty());
+    assert_eq!(
+        spec.network_rules,
+        [
+            ("pypi".to_string(), true),
+            ("192.0.2.0/24:443/tcp".to_string(), true),
+            ("npm".to_string(), false)
+        ]
+        .into()
+    );
 
     let before = s.fake.calls.load(Ordering::SeqCst);
     for (args, want) in [
@@ -623,8 +634,8 @@ async fn create_checks_input_before_calling() {
             "error: invalid: -net: bad rule \"\"",
         ),
         (
-            &["sandbox", "create", "-net", "pypi,!npm"],
-            "error: invalid: -net: network policy is not built yet",
+            &["sandbox", "create", "-net", "pypi,x.io:70000"],
+            "error: invalid: -net: network rule \"x.io:70000\": port outside 1-65535",
         ),
         (
             &["sandbox", "create", "-gpus", "1"],

@@ -34,6 +34,7 @@ fn ctx(state: &Path, edge: &str) -> BackendContext {
             .unwrap_or_default(),
         images: BTreeMap::from([("host".to_string(), vec![PathBuf::from("/")])]),
         image_store: None,
+        network: None,
     }
 }
 

@@ -111,6 +111,7 @@ fn backend(state: &Path, edge: &str, store: &Path) -> Arc<dyn Backend> {
             .unwrap_or_default(),
         images: BTreeMap::new(),
         image_store: Some(store.to_path_buf()),
+        network: None,
     };
     let cfg = BackendConfig {
         runtime: "linux".into(),

@@ -18,12 +18,13 @@ mod common;
 
 use std::fs::File;
 use std::io::ErrorKind;
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::os::fd::AsFd;
-use std::time::Duration;
 
-use common::netns::{host_ip_do, in_fresh_netns, run, SandboxNs};
-use nix::sched::CloneFlags;
+use common::netns::{
+    assert_dropped, assert_passes, exchange, in_fresh_netns, in_ns, run, serve_echo, world,
+    SandboxNs, DROPPED_AFTER, PRIVATE, PUBLIC_A, PUBLIC_B, UPLINK_HOST,
+};
 use opendsec::netpol::{attach, ClusterRules, Firewall, LinkPlan, Policy, DEFAULT_SUBNET};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -31,135 +32,9 @@ fn root_or_skip() -> bool {
     opendsec::sys::root_or_skip("the network enforcement tests")
 }
 
-const PUBLIC_A: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
-const PUBLIC_B: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
-const PRIVATE: Ipv4Addr = Ipv4Addr::new(10, 30, 0, 10);
-const UPLINK_HOST: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const DNS_PORT: u16 = 15353;
 /// A service of the host (an apiserver, IAM): no sandbox may reach it.
 const HOST_SERVICE_PORT: u16 = 7000;
-/// How long a connect may take before the test calls it dropped. Answers in these
-/// namespaces take well under a millisecond.
-const DROPPED_AFTER: Duration = Duration::from_millis(1500);
-
-/// Runs `f` on a thread of its own inside netns `ns`, on a current-thread runtime.
-fn in_ns<T: Send + 'static>(
-    ns: &File,
-    f: impl FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = T>>> + Send + 'static,
-) -> std::thread::JoinHandle<T> {
-    let ns = ns.try_clone().unwrap();
-    std::thread::spawn(move || {
-        nix::sched::setns(ns.as_fd(), CloneFlags::CLONE_NEWNET).unwrap();
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(f())
-    })
-}
-
-/// Echo servers on `ports` of every address of netns `ns`, for the life of the process.
-fn serve_echo(ns: &File, ports: &[u16]) {
-    let ports = ports.to_vec();
-    let (tx, rx) = std::sync::mpsc::channel();
-    in_ns(ns, move || {
-        Box::pin(async move {
-            let mut ls = Vec::new();
-            for p in ports {
-                ls.push(tokio::net::TcpListener::bind(("0.0.0.0", p)).await.unwrap());
-            }
-            tx.send(()).unwrap();
-            let mut tasks = Vec::new();
-            for l in ls {
-                tasks.push(tokio::spawn(async move {
-                    loop {
-                        let (mut s, _) = l.accept().await.unwrap();
-                        tokio::spawn(async move {
-                            let mut buf = [0u8; 256];
-                            while let Ok(n) = s.read(&mut buf).await {
-                                if n == 0 || s.write_all(&buf[..n]).await.is_err() {
-                                    break;
-                                }
-                            }
-                        });
-                    }
-                }));
-            }
-            for t in tasks {
-                let _ = t.await;
-            }
-        })
-    });
-    rx.recv().unwrap();
-}
-
-/// Connects from netns `ns` (bound to `from` when given) to `to`, sends a line and reads
-/// it back: `Ok` when the echo came, else the error (`TimedOut` for a dropped packet).
-fn exchange(ns: &File, from: Option<Ipv4Addr>, to: SocketAddrV4) -> std::io::Result<()> {
-    in_ns(ns, move || {
-        Box::pin(async move {
-            let sock = tokio::net::TcpSocket::new_v4()?;
-            if let Some(a) = from {
-                sock.bind(SocketAddr::from((a, 0)))?;
-            }
-            let mut s = tokio::time::timeout(DROPPED_AFTER, sock.connect(to.into()))
-                .await
-                .map_err(|_| std::io::Error::from(ErrorKind::TimedOut))??;
-            s.write_all(b"ping\n").await?;
-            let mut buf = [0u8; 5];
-            tokio::time::timeout(DROPPED_AFTER, s.read_exact(&mut buf))
-                .await
-                .map_err(|_| std::io::Error::from(ErrorKind::TimedOut))??;
-            assert_eq!(&buf, b"ping\n");
-            Ok(())
-        })
-    })
-    .join()
-    .unwrap()
-}
-
-fn assert_passes(ns: &File, to: (Ipv4Addr, u16)) {
-    let to = SocketAddrV4::new(to.0, to.1);
-    if let Err(e) = exchange(ns, None, to) {
-        panic!("{to}: expected to pass, got {e}");
-    }
-}
-
-fn assert_dropped(ns: &File, from: Option<Ipv4Addr>, to: (Ipv4Addr, u16)) {
-    let to = SocketAddrV4::new(to.0, to.1);
-    match exchange(ns, from, to) {
-        Err(e) if e.kind() == ErrorKind::TimedOut => {}
-        other => panic!("{to} from {from:?}: expected dropped (timed out), got {other:?}"),
-    }
-}
-
-/// The world: the internet netns with its servers and the uplink, and forwarding on in the
-/// calling thread's (the host's) netns.
-struct World {
-    _internet: SandboxNs,
-}
-
-fn world() -> World {
-    let internet = SandboxNs::start();
-    let pid = internet.pid();
-    host_ip_do(&[
-        "link", "add", "up0", "type", "veth", "peer", "name", "up1", "netns", &pid,
-    ]);
-    host_ip_do(&["addr", "add", "203.0.113.1/24", "dev", "up0"]);
-    host_ip_do(&["link", "set", "up0", "up"]);
-    host_ip_do(&["route", "add", "default", "via", "203.0.113.2"]);
-    internet.ip_do(&["addr", "add", "203.0.113.2/24", "dev", "up1"]);
-    internet.ip_do(&["link", "set", "up1", "up"]);
-    internet.ip_do(&["link", "set", "lo", "up"]);
-    for a in [PUBLIC_A, PUBLIC_B, PRIVATE] {
-        internet.ip_do(&["addr", "add", &format!("{a}/32"), "dev", "lo"]);
-    }
-    opendsec::netpol::link::enable_ipv4_forwarding().unwrap();
-    serve_echo(&internet.ns, &[80, 443, 8080]);
-    World {
-        _internet: internet,
-    }
-}
 
 fn policy(rules: &[(&str, bool)]) -> Policy {
     ClusterRules::default()

@@ -131,7 +131,7 @@ pub struct CleanupReport {
 }
 
 /// Where a backend may keep its files and find the agents; given by the edge.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct BackendContext {
     pub edge_id: String,
     /// The edge's `state_dir` (disks, snapshots, jails live under it).
@@ -142,6 +142,9 @@ pub struct BackendContext {
     pub images: std::collections::BTreeMap<String, Vec<PathBuf>>,
     /// The shared image store's root (`image_store.root`), if the cluster has one.
     pub image_store: Option<PathBuf>,
+    /// The edge's sandbox networking (`edges[].network.enabled`), shared by its backends;
+    /// `None` when off: sandboxes have only a loopback interface.
+    pub network: Option<std::sync::Arc<crate::netpol::network::Network>>,
 }
 
 /// A sandbox backend (docs/architecture.md). One instance serves every sandbox

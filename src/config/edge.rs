@@ -31,9 +31,64 @@ pub struct EdgeConfig {
     pub state_dir: String,
     pub agent_dir: String,
     pub images: BTreeMap<String, Vec<String>>,
-    pub network: serde_json::Value,
+    pub network: EdgeNetworkConfig,
     pub gpu: serde_json::Value,
     pub backends: BTreeMap<String, BackendConfig>,
+}
+
+/// `edges[].network` (docs/configuration.md, docs/network.md): sandbox networking.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EdgeNetworkConfig {
+    /// Off (the default), sandboxes have only a loopback interface.
+    pub enabled: bool,
+    /// The sandboxes' address pool, a /30 each; empty for 10.88.0.0/16.
+    pub subnet: String,
+    /// The port of the edge's DNS proxy on each sandbox's gateway; 0 for 15353.
+    pub dns_port: u16,
+}
+
+/// The default `edges[].network.dns_port`.
+pub const DEFAULT_DNS_PORT: u16 = 15353;
+
+impl EdgeNetworkConfig {
+    /// `subnet`, parsed (10.88.0.0/16 when empty).
+    /// Errors: `Invalid` for what is not an IPv4 network with zero host bits, a network
+    /// smaller than a /30, or one outside the private ranges (sandbox addresses must never
+    /// be public ones, which rules could then name).
+    pub fn subnet(&self) -> Result<crate::netpol::Ipv4Net, ConfigError> {
+        if self.subnet.is_empty() {
+            return Ok(crate::netpol::DEFAULT_SUBNET);
+        }
+        let bad = |why: String| {
+            ConfigError::Invalid(format!(
+                "network.subnet {}: {why}",
+                names::shown(&self.subnet)
+            ))
+        };
+        let net: crate::netpol::Ipv4Net = self
+            .subnet
+            .parse()
+            .map_err(|e: crate::netpol::RuleProblem| bad(e.to_string()))?;
+        crate::netpol::slot_count(net).map_err(|e| bad(e.to_string()))?;
+        if !crate::netpol::PRIVATE_RANGES
+            .iter()
+            .any(|p| p.contains(net.addr()) && p.contains(net.last()))
+        {
+            return Err(bad(
+                "not inside a private range (such as 10.0.0.0/8 or 172.16.0.0/12)".into(),
+            ));
+        }
+        Ok(net)
+    }
+    /// `dns_port`, 15353 when unset.
+    pub fn dns_port(&self) -> u16 {
+        if self.dns_port == 0 {
+            DEFAULT_DNS_PORT
+        } else {
+            self.dns_port
+        }
+    }
 }
 
 /// `capacity`: unset fields are measured from the host (real backends) or unlimited (sim).
@@ -164,11 +219,9 @@ impl EdgeConfig {
         names::check_edge_id(&self.id)
             .map_err(|e| ConfigError::Invalid(format!("edges: {}", e.message)))?;
         let id = &self.id;
-        super::unused(
-            &format!("edge {id}: network"),
-            &self.network,
-            "network policy",
-        )?;
+        self.network
+            .subnet()
+            .map_err(|e| ConfigError::Invalid(format!("edge {id}: {e}")))?;
         if !matches!(self.zone(), "onprem" | "cloud") {
             return Err(ConfigError::Invalid(format!(
                 "edge {id}: zone must be onprem or cloud, not {:?}",

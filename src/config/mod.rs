@@ -3,7 +3,7 @@
 //! Durations are seconds (fractions allowed); 0 or absent means the default.
 
 mod edge;
-pub use edge::{BackendConfig, CapacityConfig, EdgeConfig};
+pub use edge::{BackendConfig, CapacityConfig, EdgeConfig, EdgeNetworkConfig, DEFAULT_DNS_PORT};
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -101,9 +101,6 @@ impl NetworkConfig {
                 })
             })
             .collect()
-    }
-    fn is_empty(&self) -> bool {
-        self.rule_sets.is_empty() && self.default_rules.is_empty() && self.upstream_dns.is_empty()
     }
 }
 
@@ -418,11 +415,12 @@ impl Config {
         }
         self.network.rules()?;
         self.network.upstream_dns()?;
-        // Checked, but nothing enforces network policy yet: refused like the fields below.
-        if !self.network.is_empty() {
+        // Checked, but the DNS proxy that would use it is not built yet: refused like the
+        // fields below rather than ignored.
+        if !self.network.upstream_dns.is_empty() {
             return bad(
-                "network: network policy is not built yet, so this field would be ignored; \
-                 remove it"
+                "network.upstream_dns: the edges' DNS proxy is not built yet, so this field \
+                 would be ignored; remove it"
                     .into(),
             );
         }
@@ -435,7 +433,9 @@ impl Config {
             unused(field, v, feature)?;
         }
         if let Some(t) = &self.edge_template {
-            unused("edge_template.network", &t.network, "network policy")?;
+            t.network
+                .subnet()
+                .map_err(|e| ConfigError::Invalid(format!("edge_template: {e}")))?;
         }
         let mut seen = std::collections::HashSet::new();
         for e in &self.edges {
@@ -509,11 +509,9 @@ mod tests {
     #[test]
     fn unused_subtrees_are_refused_when_set() {
         let set = [
-            r#"{"network":{"default_rules":{"*":true}}}"#,
+            r#"{"network":{"upstream_dns":["10.0.0.2"]}}"#,
             r#"{"fleet":{"cloud":"aws"}}"#,
             r#"{"e2b":{"addr":":3000"}}"#,
-            r#"{"edges":[{"id":"n1","network":{"bridge":"br0"}}]}"#,
-            r#"{"edge_template":{"network":{"bridge":"br0"}}}"#,
         ];
         for text in set {
             let mut c: Config = serde_json::from_str(text).unwrap();
@@ -524,6 +522,7 @@ mod tests {
         }
         let empty = [
             r#"{"network":{}}"#,
+            r#"{"network":{"default_rules":{"*":true}}}"#,
             r#"{"fleet":null}"#,
             r#"{"edges":[{"id":"n1"}]}"#,
         ];
@@ -532,6 +531,46 @@ mod tests {
             c.service_token = "s".into();
             c.iam.admin_token = "dsk.admin.secret".into();
             c.validate().unwrap_or_else(|e| panic!("{text}: {e}"));
+        }
+    }
+
+    #[test]
+    fn edge_network_is_checked() {
+        let with = |net: &str| -> Result<(), String> {
+            let text = format!(r#"{{"edges":[{{"id":"n1","network":{net}}}]}}"#);
+            let mut c: Config = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+            c.service_token = "s".into();
+            c.iam.admin_token = "dsk.admin.secret".into();
+            c.validate().map_err(|e| e.to_string())
+        };
+        with(r#"{"enabled":true}"#).unwrap();
+        with(r#"{"enabled":true,"subnet":"172.20.0.0/22","dns_port":5300}"#).unwrap();
+        let c: Config =
+            serde_json::from_str(r#"{"edges":[{"id":"n1","network":{"enabled":true}}]}"#).unwrap();
+        let n = &c.edges[0].network;
+        assert_eq!(n.subnet().unwrap().to_string(), "10.88.0.0/16");
+        assert_eq!(n.dns_port(), 15353);
+        assert!(with(r#"{"bridge":"br0"}"#)
+            .unwrap_err()
+            .contains("unknown field"));
+        for (net, want) in [
+            (
+                r#"{"subnet":"10.88.0.1/16"}"#,
+                "invalid config: edge n1: network.subnet \"10.88.0.1/16\": bad network: \
+                 host bits set; the network is 10.88.0.0/16",
+            ),
+            (
+                r#"{"subnet":"10.88.0.0/31"}"#,
+                "invalid config: edge n1: network.subnet \"10.88.0.0/31\": network subnet \
+                 10.88.0.0/31: too small for one sandbox (a /30 at least)",
+            ),
+            (
+                r#"{"subnet":"192.0.2.0/24"}"#,
+                "invalid config: edge n1: network.subnet \"192.0.2.0/24\": not inside a \
+                 private range (such as 10.0.0.0/8 or 172.16.0.0/12)",
+            ),
+        ] {
+            assert_eq!(with(net).unwrap_err(), want, "{net}");
         }
     }
 

@@ -112,6 +112,10 @@ impl Scrub {
             }
             globs.push(rel.to_string());
         }
+        Scrub::build(globs)
+    }
+
+    fn build(globs: Vec<String>) -> Result<Scrub, Failure> {
         let mut b = globset::GlobSetBuilder::new();
         for g in &globs {
             let glob = globset::GlobBuilder::new(g)
@@ -125,6 +129,16 @@ impl Scrub {
             .build()
             .map_err(|e| Failure::invalid(format!("scrub globs: {e}")))?;
         Ok(Scrub { set, globs })
+    }
+
+    /// These globs and the files the node wrote into the sandbox for itself (its
+    /// `/etc/resolv.conf` with sandbox networking), which are no part of what a user made.
+    /// `extra` holds fixed, valid globs.
+    /// Errors: as [`Scrub::new`] (never, for valid globs).
+    pub fn with_node_files(&self, extra: &[&str]) -> Result<Scrub, Failure> {
+        let mut globs = self.globs.clone();
+        globs.extend(extra.iter().map(|g| g.to_string()));
+        Scrub::build(globs)
     }
 
     /// Leaves nothing out (a snapshot).

@@ -13,11 +13,14 @@
 //!   rtnetlink ([`attach`], [`detach`], [`list_strays`]).
 //! - [`nft`]: enforcement (I/O, root): the edge's nftables table, each sandbox's chains
 //!   ([`Firewall`]).
+//! - [`network`]: an edge's networking as its backends use it: slots, attach, release,
+//!   adoption and the cleanup of strays ([`network::Network`]).
 //!
 //! Every error of the rules is a [`NetpolError`]; all of them mean `invalid` to a caller.
 //! The address plan's are [`SlotError`]s, the topology's [`LinkError`]s.
 
 pub mod link;
+pub mod network;
 pub mod nft;
 pub mod policy;
 pub mod rule;

@@ -229,6 +229,22 @@ const fn mask(prefix: u8) -> u32 {
     }
 }
 
+impl FromStr for Ipv4Net {
+    type Err = RuleProblem;
+    /// `a.b.c.d/n` with zero host bits, or a bare address (a /32).
+    fn from_str(s: &str) -> Result<Ipv4Net, RuleProblem> {
+        let target = match s.split_once('/') {
+            Some((addr, prefix)) => parse_net(addr, prefix)?,
+            None => Target::Addr(Ipv4Addr::from_str(s).map_err(|_| RuleProblem::BadAddress)?),
+        };
+        match target {
+            Target::Net(n) => Ok(n),
+            Target::Addr(a) => Ok(Ipv4Net::host(a)),
+            _ => Err(RuleProblem::BadAddress),
+        }
+    }
+}
+
 impl fmt::Display for Ipv4Net {
     /// Always `a.b.c.d/n`, `/32` included.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

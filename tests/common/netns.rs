@@ -1,14 +1,20 @@
 //! Network namespaces for the network tests: a fresh "host" netns on a thread of its own,
-//! sandbox netns held by `unshare -n sleep` children, and `ip -j` readers. Root only.
+//! sandbox netns held by `unshare -n sleep` children, `ip -j` readers, and the test world of
+//! docs/testing.md "Network tests": an "internet" netns behind one uplink, with echo servers
+//! on documentation addresses and a private one. Root only.
 
 use std::fs::File;
 use std::future::Future;
+use std::io::ErrorKind;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::sched::CloneFlags;
 use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Runs `f` on a dedicated thread inside a fresh network namespace (the test's host), on a
 /// runtime built by that thread, so every socket the test and the code under test open "on
@@ -184,4 +190,131 @@ pub fn addrs(links: &Value, name: &str) -> Vec<(String, String, u64)> {
 /// An IPv4 address as [`addrs`] lists it.
 pub fn inet(a: &str, prefix: u64) -> (String, String, u64) {
     ("inet".into(), a.into(), prefix)
+}
+
+pub const PUBLIC_A: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
+pub const PUBLIC_B: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
+pub const PRIVATE: Ipv4Addr = Ipv4Addr::new(10, 30, 0, 10);
+pub const UPLINK_HOST: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
+/// How long a connect may take before the test calls it dropped. Answers in these
+/// namespaces take well under a millisecond.
+pub const DROPPED_AFTER: Duration = Duration::from_millis(1500);
+
+/// Runs `f` on a thread of its own inside netns `ns`, on a current-thread runtime.
+pub fn in_ns<T: Send + 'static>(
+    ns: &File,
+    f: impl FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = T>>> + Send + 'static,
+) -> std::thread::JoinHandle<T> {
+    let ns = ns.try_clone().unwrap();
+    std::thread::spawn(move || {
+        nix::sched::setns(ns.as_fd(), CloneFlags::CLONE_NEWNET).unwrap();
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(f())
+    })
+}
+
+/// Echo servers on `ports` of every address of netns `ns`, for the life of the process.
+pub fn serve_echo(ns: &File, ports: &[u16]) {
+    let ports = ports.to_vec();
+    let (tx, rx) = std::sync::mpsc::channel();
+    in_ns(ns, move || {
+        Box::pin(async move {
+            let mut ls = Vec::new();
+            for p in ports {
+                ls.push(tokio::net::TcpListener::bind(("0.0.0.0", p)).await.unwrap());
+            }
+            tx.send(()).unwrap();
+            let mut tasks = Vec::new();
+            for l in ls {
+                tasks.push(tokio::spawn(async move {
+                    loop {
+                        let (mut s, _) = l.accept().await.unwrap();
+                        tokio::spawn(async move {
+                            let mut buf = [0u8; 256];
+                            while let Ok(n) = s.read(&mut buf).await {
+                                if n == 0 || s.write_all(&buf[..n]).await.is_err() {
+                                    break;
+                                }
+                            }
+                        });
+                    }
+                }));
+            }
+            for t in tasks {
+                let _ = t.await;
+            }
+        })
+    });
+    rx.recv().unwrap();
+}
+
+/// Connects from netns `ns` (bound to `from` when given) to `to`, sends a line and reads
+/// it back: `Ok` when the echo came, else the error (`TimedOut` for a dropped packet).
+pub fn exchange(ns: &File, from: Option<Ipv4Addr>, to: SocketAddrV4) -> std::io::Result<()> {
+    in_ns(ns, move || {
+        Box::pin(async move {
+            let sock = tokio::net::TcpSocket::new_v4()?;
+            if let Some(a) = from {
+                sock.bind(SocketAddr::from((a, 0)))?;
+            }
+            let mut s = tokio::time::timeout(DROPPED_AFTER, sock.connect(to.into()))
+                .await
+                .map_err(|_| std::io::Error::from(ErrorKind::TimedOut))??;
+            s.write_all(b"ping\n").await?;
+            let mut buf = [0u8; 5];
+            tokio::time::timeout(DROPPED_AFTER, s.read_exact(&mut buf))
+                .await
+                .map_err(|_| std::io::Error::from(ErrorKind::TimedOut))??;
+            assert_eq!(&buf, b"ping\n");
+            Ok(())
+        })
+    })
+    .join()
+    .unwrap()
+}
+
+pub fn assert_passes(ns: &File, to: (Ipv4Addr, u16)) {
+    let to = SocketAddrV4::new(to.0, to.1);
+    if let Err(e) = exchange(ns, None, to) {
+        panic!("{to}: expected to pass, got {e}");
+    }
+}
+
+pub fn assert_dropped(ns: &File, from: Option<Ipv4Addr>, to: (Ipv4Addr, u16)) {
+    let to = SocketAddrV4::new(to.0, to.1);
+    match exchange(ns, from, to) {
+        Err(e) if e.kind() == ErrorKind::TimedOut => {}
+        other => panic!("{to} from {from:?}: expected dropped (timed out), got {other:?}"),
+    }
+}
+
+/// The world: the internet netns with its servers and the uplink, and forwarding on in the
+/// calling thread's (the host's) netns.
+pub struct World {
+    _internet: SandboxNs,
+}
+
+pub fn world() -> World {
+    let internet = SandboxNs::start();
+    let pid = internet.pid();
+    host_ip_do(&[
+        "link", "add", "up0", "type", "veth", "peer", "name", "up1", "netns", &pid,
+    ]);
+    host_ip_do(&["addr", "add", "203.0.113.1/24", "dev", "up0"]);
+    host_ip_do(&["link", "set", "up0", "up"]);
+    host_ip_do(&["route", "add", "default", "via", "203.0.113.2"]);
+    internet.ip_do(&["addr", "add", "203.0.113.2/24", "dev", "up1"]);
+    internet.ip_do(&["link", "set", "up1", "up"]);
+    internet.ip_do(&["link", "set", "lo", "up"]);
+    for a in [PUBLIC_A, PUBLIC_B, PRIVATE] {
+        internet.ip_do(&["addr", "add", &format!("{a}/32"), "dev", "lo"]);
+    }
+    opendsec::netpol::link::enable_ipv4_forwarding().unwrap();
+    serve_echo(&internet.ns, &[80, 443, 8080]);
+    World {
+        _internet: internet,
+    }
 }

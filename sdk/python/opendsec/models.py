@@ -50,8 +50,10 @@ class DSecRunArgs:
     ttl_running_stop: int = 0
     #: Lifetime from creation (seconds), paused time included; 0 means the cluster default.
     ttl_max: int = 0
-    #: Network rules, e.g. ``{"pypi": True}``; network policy is not built yet, so a
-    #: non-empty value is ``invalid``.
+    #: Network rules (docs/network.md), e.g. ``{"pypi": True, "192.0.2.0/24:443": True,
+    #: "*": False}``: what the sandbox may reach, on top of the cluster's default rules; a
+    #: ``False`` takes a default back. Everything else is denied. ``invalid`` for a malformed
+    #: rule, or on an edge whose sandbox networking is off.
     network_rules: dict[str, bool] = field(default_factory=dict)
     #: The sandbox's default user, also the sessions' default user; ``""``: the image's own
     #: (a Dockerfile's ``USER``), else ``root``.

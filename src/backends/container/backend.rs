@@ -30,6 +30,8 @@ use crate::backends::{
 };
 use crate::config::BackendConfig;
 use crate::guest::config::AetherConfig;
+use crate::netpol::network::Network;
+use crate::netpol::Policy;
 use crate::pb;
 
 /// How long a new sandbox's aether has to answer its first `Watch`.
@@ -68,6 +70,8 @@ pub struct ContainerState {
     pub loop_device: String,
     /// The store layers (hex) it stacks, kept in the node's cache while it runs.
     pub layers: Vec<String>,
+    /// Its network slot (docs/network.md) when the edge has sandbox networking.
+    pub net_slot: Option<u32>,
 }
 
 /// The container backend; see the module doc.
@@ -89,6 +93,8 @@ pub struct ContainerBackend {
     /// The cluster's state directory, as the host resolves it: hidden in every sandbox whose
     /// image has it in a lower layer (see [`hidden_state`]).
     state_dir: PathBuf,
+    /// The edge's sandbox networking, when on.
+    network: Option<Arc<Network>>,
 }
 
 /// The paths, inside a sandbox whose image has `lowers`, under which it would see the
@@ -247,6 +253,7 @@ impl ContainerBackend {
                 .state_dir
                 .canonicalize()
                 .unwrap_or_else(|_| ctx.state_dir.clone()),
+            network: ctx.network.clone(),
         })
     }
 
@@ -320,6 +327,7 @@ impl ContainerBackend {
                 .collect(),
             hidden_lower,
             core_sched: self.core_sched,
+            resolv_conf: None,
             aether: AetherConfig {
                 sandbox_id: id.clone(),
                 listen_fd: Some(LISTEN_FD),
@@ -408,10 +416,26 @@ impl ContainerBackend {
     /// sandbox whose processes would not die keeps its directory, so that the edge's cleanup
     /// at its next start still finds it; and it is tried again in the background
     /// ([`destroy_later`]). The error lists every failed step.
-    /// `loop_device` (`major:minor`), when known, is the only loop device looked at.
-    async fn destroy(&self, id: &str, loop_device: Option<String>) -> Result<(), BackendError> {
+    /// `loop_device` (`major:minor`), when known, is the only loop device looked at;
+    /// `net_slot`, when set, is the network slot whose veth and rules go (first, so that a
+    /// sandbox whose processes will not die is at least cut off).
+    async fn destroy(
+        &self,
+        id: &str,
+        loop_device: Option<String>,
+        net_slot: Option<u32>,
+    ) -> Result<(), BackendError> {
         self.channels().remove(id);
         self.images.release(id).await;
+        let mut net_failed = None;
+        if let (Some(net), Some(slot)) = (&self.network, net_slot) {
+            if let Err(e) = net.release(slot).await {
+                net_failed = Some(format!(
+                    "removing its network (slot {slot}): {}",
+                    crate::types::chain(&e)
+                ));
+            }
+        }
         let steps = DestroySteps {
             cg: self.cgroups.open(id),
             disk: self.disks.path(id),
@@ -420,13 +444,14 @@ impl ContainerBackend {
             id: id.to_string(),
             loop_device,
         };
-        let (failed, steps) = tokio::task::spawn_blocking(move || (steps.run(), steps))
+        let (mut failed, steps) = tokio::task::spawn_blocking(move || (steps.run(), steps))
             .await
             .map_err(|e| BackendError::Operation {
                 op: "stop",
                 sandbox_id: id.to_string(),
                 message: e.to_string(),
             })?;
+        failed.extend(net_failed);
         if failed.is_empty() {
             return Ok(());
         }
@@ -690,14 +715,35 @@ impl Backend for ContainerBackend {
                 ),
             ));
         }
+        // Its network: the policy first (a bad rule changes nothing), then a slot, which
+        // the destroy below gives back if the creation fails.
+        let net = match &self.network {
+            Some(n) => {
+                let policy =
+                    n.policy(&req.spec.network_rules)
+                        .map_err(|e| BackendError::Invalid {
+                            sandbox_id: id.to_string(),
+                            message: format!("network_rules: {e}"),
+                        })?;
+                let slot = n.reserve().map_err(|e| BackendError::Exhausted {
+                    backend: self.name.clone(),
+                    message: crate::types::chain(&e),
+                })?;
+                Some((slot, policy))
+            }
+            None => None,
+        };
         self.images.maybe_reclaim();
         let result = match self.images.mark_in_use(id, &image.layers).await {
-            Ok(()) => self.create_inner(req, image, &dir, &sock).await,
+            Ok(()) => {
+                self.create_inner(req, image, &dir, &sock, net.as_ref())
+                    .await
+            }
             Err(e) => Err(e),
         };
         match result {
             Ok(state) => Ok(state),
-            Err(e) => match self.destroy(id, None).await {
+            Err(e) => match self.destroy(id, None, net.map(|(slot, _)| slot)).await {
                 Ok(()) => Err(e),
                 Err(cleanup) => {
                     tracing::warn!(sandbox_id = id, error = %crate::types::chain(&cleanup), "cleaning up a failed creation");
@@ -712,7 +758,8 @@ impl Backend for ContainerBackend {
 
     async fn stop(&self, sandbox: &Handle<'_>) -> Result<(), BackendError> {
         let st = Self::state_of(sandbox);
-        self.destroy(sandbox.sandbox_id, Some(st.loop_device)).await
+        self.destroy(sandbox.sandbox_id, Some(st.loop_device), st.net_slot)
+            .await
     }
 
     async fn pause(&self, sandbox: &Handle<'_>) -> Result<BackendState, BackendError> {
@@ -767,6 +814,9 @@ impl Backend for ContainerBackend {
             });
         }
         self.images.hold(sandbox.sandbox_id, &st.layers);
+        if let Some(slot) = st.net_slot {
+            self.adopt_network(sandbox, slot).await;
+        }
         let marker = self.sandbox_dir(sandbox.sandbox_id).join(pack::PACKING);
         if marker.exists() {
             // The edge died while a pack held the sandbox frozen: it was not paused.
@@ -801,10 +851,17 @@ impl Backend for ContainerBackend {
         ids.sort();
         for id in ids {
             // One sandbox that will not go does not keep the others.
-            match self.destroy(&id, None).await {
+            // Its network slot is not held; the network's own cleanup below removes it.
+            match self.destroy(&id, None, None).await {
                 Ok(()) => report.removed.push(format!("container {id}")),
                 Err(BackendError::Operation { message, .. }) => failed.push((id, message)),
                 Err(e) => failed.push((id, e.to_string())),
+            }
+        }
+        if let Some(net) = &self.network {
+            match net.cleanup().await {
+                Ok(removed) => report.removed.extend(removed),
+                Err(e) => failed.push(("network".into(), crate::types::chain(&e))),
             }
         }
         if !failed.is_empty() {
@@ -820,6 +877,11 @@ impl Backend for ContainerBackend {
     }
 
     async fn release_node(&self) -> Result<(), BackendError> {
+        if let Some(net) = &self.network {
+            if let Err(e) = net.shutdown().await {
+                tracing::warn!(error = %crate::types::chain(&e), "removing the edge's nftables table");
+            }
+        }
         let pool = self.pool.clone();
         let _ = tokio::task::spawn_blocking(move || pool.clear()).await;
         let cgroups = self.cgroups.clone();
@@ -854,12 +916,31 @@ impl Backend for ContainerBackend {
 }
 
 impl ContainerBackend {
+    /// Holds an adopted sandbox's network slot and writes its rules again. Failures are
+    /// logged, not fatal: the sandbox keeps whatever rules survived, and a sandbox without
+    /// its chains reaches nothing (the table drops what no chain accepts).
+    async fn adopt_network(&self, sandbox: &Handle<'_>, slot: u32) {
+        let id = sandbox.sandbox_id;
+        let Some(net) = &self.network else {
+            tracing::warn!(sandbox_id = id, slot, "sandbox has a network slot but this edge's networking is off; its veth stays until it stops");
+            return;
+        };
+        let policy = net.policy(&sandbox.spec.network_rules).unwrap_or_else(|e| {
+            tracing::warn!(sandbox_id = id, error = %e, "its network rules no longer resolve (the config changed); it may reach nothing");
+            Policy::default()
+        });
+        if let Err(e) = net.adopt(slot, &policy).await {
+            tracing::warn!(sandbox_id = id, slot, error = %crate::types::chain(&e), "writing an adopted sandbox's network rules");
+        }
+    }
+
     async fn create_inner(
         &self,
         req: &CreateRequest,
         image: Resolved,
         dir: &Path,
         sock: &Path,
+        net: Option<&(u32, Policy)>,
     ) -> Result<BackendState, BackendError> {
         let id = req.sandbox_id.as_str();
         let spec = &req.spec;
@@ -900,6 +981,10 @@ impl ContainerBackend {
         .map_err(|e| create_err(id, e))?;
         let layers = image.layers.clone();
         let mut setup_spec = self.setup_spec(req, image, &cg, &limits);
+        if let (Some(network), Some((slot, _))) = (&self.network, net) {
+            setup_spec.resolv_conf =
+                Some(network.resolv_conf(*slot).map_err(|e| create_err(id, e))?);
+        }
         setup_spec.prepared_disk = prepared.as_ref().map(|p| PreparedDiskRef {
             edge_pid: std::process::id(),
             mount_fd: p.mount_fd(),
@@ -921,7 +1006,27 @@ impl ContainerBackend {
         {
             tracing::info!("this kernel has no core scheduling; sandboxes run without a core-scheduling cookie");
         }
+        if let (Some(network), Some((slot, policy))) = (&self.network, net) {
+            // aether is its netns's first process and is alive: the path is its netns.
+            let path = format!("/proc/{}/ns/net", res.pid);
+            let ns = std::fs::File::open(&path).map_err(|e| {
+                create_err(
+                    id,
+                    format!("opening {path}: {e}", e = crate::types::chain(&e)),
+                )
+            })?;
+            network
+                .attach(std::os::fd::AsFd::as_fd(&ns), *slot, policy)
+                .await
+                .map_err(|e| {
+                    create_err(
+                        id,
+                        format!("connecting its network: {}", crate::types::chain(&e)),
+                    )
+                })?;
+        }
         let st = ContainerState {
+            net_slot: net.map(|(slot, _)| *slot),
             pid: res.pid,
             start_time: start_time(res.pid)
                 .ok_or_else(|| create_err(id, "aether exited at start"))?,

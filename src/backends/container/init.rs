@@ -214,6 +214,9 @@ fn child(
     let listener = sys("bind aether socket", UnixListener::bind(&sock))?;
     rootfs::pivot(&root)?;
     sys("sethostname", nix::unistd::sethostname(&spec.hostname))?;
+    if let Some(conf) = &spec.resolv_conf {
+        rootfs::write_resolv_conf(conf)?;
+    }
     rootfs::restrict(&spec.readonly_paths, &spec.masked_paths)?;
     sys("bring up lo", crate::sys::net::set_up("lo"))?;
     let core = spec.core_sched && sched_core_create().is_ok();

@@ -67,6 +67,50 @@ const NOSUID_NODEV_NOEXEC: MsFlags = MsFlags::MS_NOSUID
     .union(MsFlags::MS_NODEV)
     .union(MsFlags::MS_NOEXEC);
 
+/// Writes the sandbox's `/etc/resolv.conf` (sandbox networking: the DNS proxy on its
+/// gateway, docs/network.md). Runs after the pivot, so every path resolves inside the
+/// sandbox; magic links (this process's `/proc/self/fd`) are refused; and what the image had
+/// there (a file, a link to anywhere) is unlinked and replaced by a new regular file, never
+/// written through. A missing `/etc` is made.
+pub fn write_resolv_conf(content: &str) -> Result<(), RootfsError> {
+    use rustix::fs::{openat2, unlinkat, AtFlags, Mode, OFlags, ResolveFlags, CWD};
+    let etc = Path::new("/etc");
+    let open_etc = || {
+        openat2(
+            CWD,
+            "/etc",
+            OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
+            Mode::empty(),
+            ResolveFlags::NO_MAGICLINKS,
+        )
+    };
+    let dir = match open_etc() {
+        Err(rustix::io::Errno::NOENT) => {
+            mkdir(etc, 0o755)?;
+            io("open", etc, open_etc().map_err(std::io::Error::from))?
+        }
+        r => io("open", etc, r.map_err(std::io::Error::from))?,
+    };
+    let file = etc.join("resolv.conf");
+    match unlinkat(&dir, "resolv.conf", AtFlags::empty()) {
+        Ok(()) | Err(rustix::io::Errno::NOENT) => {}
+        Err(e) => return io("unlink", &file, Err(e.into())),
+    }
+    let fd = rustix::fs::openat(
+        &dir,
+        "resolv.conf",
+        OFlags::CREATE | OFlags::EXCL | OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o644),
+    );
+    let fd = io("create", &file, fd.map_err(std::io::Error::from))?;
+    let mut f = fs::File::from(fd);
+    io(
+        "write",
+        &file,
+        std::io::Write::write_all(&mut f, content.as_bytes()),
+    )
+}
+
 /// Stops mount events from propagating back to the host.
 pub fn make_private() -> Result<(), RootfsError> {
     m(

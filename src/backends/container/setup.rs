@@ -43,6 +43,10 @@ pub struct SetupSpec {
     pub hidden_lower: Vec<String>,
     /// Ask for a core-scheduling cookie.
     pub core_sched: bool,
+    /// With sandbox networking, the `/etc/resolv.conf` the sandbox gets (its gateway's DNS
+    /// proxy); `None` leaves the image's.
+    #[serde(default)]
+    pub resolv_conf: Option<String>,
     /// aether's configuration, written to [`AETHER_CONFIG`] inside.
     pub aether: AetherConfig,
 }

@@ -79,8 +79,8 @@ pub struct CreateArgs {
     /// lifetime in seconds; 0 for the cluster default (default 0)
     #[argh(option)]
     pub ttl_max: Option<String>,
-    /// network rules, comma separated; !rule takes back a cluster default (network policy is
-    /// not built yet: refused)
+    /// network rules, comma separated, e.g. pypi,github.com:443,192.0.2.0/24; !rule takes back
+    /// a cluster default (docs/network.md); needs an edge with networking on
     #[argh(option)]
     pub net: Option<String>,
     /// number of sandboxes, 1 to 32768 (default 1)
@@ -99,18 +99,14 @@ fn gpus(n: i64) -> Result<i32, CtlError> {
     Ok(0)
 }
 
-/// `-net`: the rules are checked, then refused until network policy exists (a sandbox has
-/// no network beyond its own loopback), so nobody believes a rule is in force. Errors:
-/// `invalid` for a bad rule or naming the missing feature.
+/// `-net` (docs/network.md "Rules"): a comma-separated list, `!` before a rule taking it
+/// back, checked here so a typo fails before anything is sent. Errors: `invalid` naming the
+/// bad rule.
 fn net(rules: Option<&str>) -> Result<std::collections::HashMap<String, bool>, CtlError> {
-    let Some(rules) = rules else {
-        return Ok(Default::default());
-    };
-    values::net_rules(rules)?;
-    Err(super::CtlError::usage(
-        "-net: network policy is not built yet (sandboxes have only their own loopback); \
-         leave -net out",
-    ))
+    match rules {
+        Some(r) => values::net_rules(r),
+        None => Ok(Default::default()),
+    }
 }
 
 macro_rules! id_command {
@@ -619,14 +615,10 @@ mod tests {
 
     #[test]
     fn features_not_built_yet_are_refused_by_name() {
-        let e = args(|a| a.net = Some("pypi,!npm".into()))
-            .spec()
-            .unwrap_err();
-        assert!(e.is_usage());
-        assert!(
-            e.message().contains("network policy is not built yet"),
-            "{}",
-            e.message()
+        let (s, _) = args(|a| a.net = Some("pypi,!npm".into())).spec().unwrap();
+        assert_eq!(
+            s.network_rules,
+            [("pypi".to_string(), true), ("npm".to_string(), false)].into()
         );
         let e = args(|a| a.gpus = Some("1".into())).spec().unwrap_err();
         assert!(e.is_usage());

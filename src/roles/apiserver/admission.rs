@@ -232,13 +232,6 @@ pub fn normalize_spec(
     }
     net.check(&s.network_rules)
         .map_err(|e| Failure::invalid(format!("network_rules: {e}")))?;
-    if !s.network_rules.is_empty() {
-        // No backend enforces a rule yet; accepting one would let a caller believe it is.
-        return Err(Failure::invalid(
-            "network_rules: network policy is not built yet (a sandbox has only its own \
-             loopback); leave network_rules empty",
-        ));
-    }
     if s.readonly_paths.len() + s.masked_paths.len() > MAX_RESTRICTED_PATHS {
         return Err(Failure::invalid(format!(
             "readonly_paths and masked_paths: at most {MAX_RESTRICTED_PATHS} paths in all"
@@ -442,13 +435,12 @@ mod tests {
                 e.message
             );
         }
-        // Well-formed rules pass the check and meet the refusal of a cluster that enforces
-        // none yet: a caller must never believe a rule holds when nothing enforces it.
+        // Well-formed rules pass (whether the edge has networking is the edge's to say).
         let mut s = spec();
         s.network_rules.insert("pypi".into(), true);
         s.network_rules.insert("*.github.com:443/tcp".into(), true);
-        let e = normalize_spec(&s, &adm, &net).unwrap_err();
-        assert!(e.message.contains("not built yet"), "{:?}", e.message);
+        let n = normalize_spec(&s, &adm, &net).unwrap();
+        assert_eq!(n.network_rules, s.network_rules);
         let mut s = spec();
         for i in 0..=MAX_NETWORK_RULES {
             s.network_rules.insert(format!("h{i}.example.com"), true);

@@ -73,6 +73,9 @@ pub struct UpOptions {
     /// The shared image store (`image_store.root`); empty = `<state_dir>/images`, so the
     /// embedded cluster always has one.
     pub image_store: String,
+    /// Sandbox networking on the generated linux edges (docs/network.md): edge `i` gets the
+    /// subnet 10.(88+i).0.0/16 and DNS port 15353+i.
+    pub network: bool,
 }
 
 impl Default for UpOptions {
@@ -94,6 +97,7 @@ impl Default for UpOptions {
             request_rate: 0.0,
             iam_state: String::new(),
             image_store: String::new(),
+            network: false,
         }
     }
 }
@@ -277,6 +281,7 @@ impl LocalCluster {
                 disk_reserve_mb: o.disk_reserve_mb,
                 mem_reserve_mb: if linux { 0 } else { -1 },
                 persist_state: Some(linux),
+                network: edge_network(linux && o.network, i)?,
                 ..Default::default()
             });
             edge_ls.push(l);
@@ -418,4 +423,22 @@ impl LocalCluster {
         let _ = tokio::time::timeout(std::time::Duration::from_secs(10), self.iam).await;
         drop(self.runtimes);
     }
+}
+
+/// The network settings of generated edge `i`: distinct subnets and DNS ports, so that the
+/// edges of one machine never take each other's addresses or veths.
+// Returned once, at start, like the cluster's other start errors.
+#[allow(clippy::result_large_err)]
+fn edge_network(on: bool, i: usize) -> Result<crate::config::EdgeNetworkConfig, ClusterError> {
+    if !on {
+        return Ok(Default::default());
+    }
+    let second = u8::try_from(88 + i).map_err(|_| {
+        ClusterError::Unsupported(format!("-network: at most 168 edges, not {}", i + 1))
+    })?;
+    Ok(crate::config::EdgeNetworkConfig {
+        enabled: true,
+        subnet: format!("10.{second}.0.0/16"),
+        dns_port: 15353 + i as u16,
+    })
 }

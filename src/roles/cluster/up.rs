@@ -65,6 +65,10 @@ struct UpFlags {
     /// IAM state file (default: none, state in memory only)
     #[argh(option, default = "String::new()")]
     iam_state: String,
+    /// sandbox networking on the linux edges (docs/network.md): auto (on with -runtime
+    /// linux), on or off (default auto)
+    #[argh(option, default = "String::from(\"auto\")")]
+    network: String,
     /// median simulated creation time of the sim backends, ms (default 0)
     #[argh(option, default = "0.0")]
     sim_latency_ms: f64,
@@ -90,6 +94,12 @@ pub fn main(args: &[String]) -> ExitCode {
 
 /// Flag values `cluster up` cannot run with: none of them starts anything.
 fn check_flags(f: &UpFlags) -> Result<(), &'static str> {
+    if !matches!(f.network.as_str(), "auto" | "on" | "off" | "true" | "false") {
+        return Err("-network: auto, on or off");
+    }
+    if matches!(f.network.as_str(), "on" | "true") && f.runtime != "linux" {
+        return Err("-network on: sandbox networking needs -runtime linux");
+    }
     if f.tls {
         return Err("-tls is not built yet; run without it (plaintext on loopback)");
     }
@@ -129,6 +139,11 @@ async fn run(f: UpFlags) -> anyhow::Result<()> {
             iam_state: f.iam_state.clone(),
             image_store: f.image_store.clone(),
             create_latency_ms: f.sim_latency_ms,
+            network: match f.network.as_str() {
+                "on" | "true" => true,
+                "off" | "false" => false,
+                _ => f.runtime == "linux",
+            },
             ..Default::default()
         };
         LocalCluster::up(&o).await?

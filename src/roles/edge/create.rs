@@ -50,6 +50,14 @@ impl Core {
                 offered.join(", ")
             )));
         };
+        if !self.cfg.network.enabled && !s.network_rules.is_empty() {
+            return Err(Failure::invalid(format!(
+                "network_rules: edge {} has no sandbox networking (its \
+                 edges[].network.enabled is false), so its sandboxes have only a loopback \
+                 interface; leave network_rules empty",
+                self.edge_id
+            )));
+        }
         if !s.cpu_cores_limit.is_finite() || s.cpu_cores_limit < 0.0 {
             return Err(Failure::invalid(format!(
                 "cpu_cores_limit must be ≥ 0, not {}",

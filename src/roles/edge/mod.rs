@@ -70,6 +70,11 @@ pub enum EdgeError {
         edge_id: String,
         source: std::io::Error,
     },
+    #[error("edge {edge_id}: sandbox networking")]
+    Network {
+        edge_id: String,
+        source: Box<crate::netpol::network::NetworkError>,
+    },
     #[error("edge {edge_id}: starting the runtime of its operations")]
     Runtime {
         edge_id: String,
@@ -93,7 +98,8 @@ pub async fn start(
         .edge(&edge_id)
         .ok_or_else(|| EdgeError::UnknownEdge(edge_id.clone()))?;
     ec.validate()?;
-    let ctx = context(&cfg, &ec, &edge_id);
+    let network = network(&cfg, &ec, &edge_id)?;
+    let ctx = context(&cfg, &ec, &edge_id, network);
     let mut built = BTreeMap::new();
     for (name, bc) in ec.backends() {
         let b = backends::build(&name, &bc, &ctx).map_err(|source| EdgeError::Backend {
@@ -105,7 +111,37 @@ pub async fn start(
     start_with_backends(cfg, edge_id, built, listener, shutdown, ready).await
 }
 
-fn context(cfg: &Config, ec: &crate::config::EdgeConfig, edge_id: &str) -> BackendContext {
+/// The edge's sandbox networking, when `edges[].network.enabled` and a backend runs real
+/// sandboxes (a simulated one has no network to set up).
+// Returned once, at start, like `start`'s own error.
+#[allow(clippy::result_large_err)]
+fn network(
+    cfg: &Config,
+    ec: &crate::config::EdgeConfig,
+    edge_id: &str,
+) -> Result<Option<Arc<crate::netpol::network::Network>>, EdgeError> {
+    if !ec.network.enabled || ec.backends().values().all(|b| b.runtime() == "sim") {
+        return Ok(None);
+    }
+    let net = crate::netpol::network::Network::start(
+        edge_id,
+        ec.network.subnet()?,
+        ec.network.dns_port(),
+        cfg.network.rules()?,
+    )
+    .map_err(|source| EdgeError::Network {
+        edge_id: edge_id.to_string(),
+        source: Box::new(source),
+    })?;
+    Ok(Some(Arc::new(net)))
+}
+
+fn context(
+    cfg: &Config,
+    ec: &crate::config::EdgeConfig,
+    edge_id: &str,
+    network: Option<Arc<crate::netpol::network::Network>>,
+) -> BackendContext {
     let agent_dir = if ec.agent_dir.is_empty() {
         std::env::current_exe()
             .ok()
@@ -126,6 +162,7 @@ fn context(cfg: &Config, ec: &crate::config::EdgeConfig, edge_id: &str) -> Backe
         image_store: Some(&cfg.image_store.root)
             .filter(|r| !r.is_empty())
             .map(PathBuf::from),
+        network,
     }
 }
 

@@ -1098,3 +1098,41 @@ async fn a_lost_sandbox_is_failed_and_removed_from_the_node() {
     assert_eq!(rec.map(|r| r.state()), Some(SandboxState::Failed));
     assert_eq!(*lock(&backend.stopped), vec![id]);
 }
+
+/// An edge without sandbox networking refuses network rules, naming its setting; with
+/// networking on, the same spec is taken.
+#[tokio::test]
+async fn network_rules_need_an_edge_with_networking() {
+    let mut s = spec();
+    s.network_rules.insert("192.0.2.0/24:443".into(), true);
+    let off = core(
+        Arc::new(TestBackend::default()),
+        EdgeConfig::default(),
+        None,
+        Arc::new(Sink::default()),
+    );
+    let f = off
+        .create_batch(Some(s.clone()), vec![item("n")])
+        .await
+        .unwrap_err();
+    assert_eq!(f.reason, Reason::Invalid);
+    assert_eq!(
+        f.message,
+        "network_rules: edge e1 has no sandbox networking (its edges[].network.enabled is \
+         false), so its sandboxes have only a loopback interface; leave network_rules empty"
+    );
+    assert!(off.all().is_empty());
+    let mut cfg = EdgeConfig::default();
+    cfg.network.enabled = true;
+    let on = core(
+        Arc::new(TestBackend::default()),
+        cfg,
+        None,
+        Arc::new(Sink::default()),
+    );
+    let out = on
+        .create_batch(Some(s), vec![item("n")])
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    assert!(out[0].error.is_none(), "{:?}", out[0].error);
+}

@@ -17,6 +17,9 @@ use crate::images::pack::{pack_into_store, Scrub};
 /// died mid-pack is thawed (it was running before the pack froze it).
 pub(super) const PACKING: &str = "packing";
 
+/// The file sandbox networking writes into every sandbox (relative to `/`).
+const RESOLV_CONF: &str = "etc/resolv.conf";
+
 #[async_trait]
 impl Packer for ContainerBackend {
     async fn pack(&self, sandbox: &Handle<'_>, scrub: &Scrub) -> Result<PackedLayer, BackendError> {
@@ -52,7 +55,14 @@ impl Packer for ContainerBackend {
         let cg = self.cgroups.open(&id);
         let disk = self.disks.path(&id);
         let marker = self.sandbox_dir(&id).join(PACKING);
-        let scrub = scrub.clone();
+        // The resolv.conf the node wrote is the node's, not the sandbox's work.
+        let scrub = if st.net_slot.is_some() {
+            scrub
+                .with_node_files(&[RESOLV_CONF])
+                .map_err(|f| invalid(f.message))?
+        } else {
+            scrub.clone()
+        };
         let step = |e: String| BackendError::Step {
             op: "pack",
             sandbox_id: id.clone(),

@@ -1,0 +1,261 @@
+//! An edge's sandbox networking (docs/network.md): the one owner of its address plan, its
+//! veths and its nftables table, shared by every backend of the edge that runs sandboxes in
+//! network namespaces. A backend reserves a slot before it builds a sandbox (the slot's
+//! gateway goes into the sandbox's `/etc/resolv.conf`), attaches the sandbox's netns once it
+//! exists, records the slot, and releases it when the sandbox goes; after a restart it holds
+//! the recorded slots again ([`Network::adopt`]) and [`Network::cleanup`] removes every veth
+//! and chain of a slot nobody holds.
+
+use std::collections::BTreeSet;
+use std::os::fd::BorrowedFd;
+use std::sync::Mutex;
+
+use super::link::{self, Attached, LinkError};
+use super::nft::{Firewall, NftError};
+use super::slot::{slot_addrs, slot_count, slot_of_host_veth, veth_prefix, LinkPlan, SlotError};
+use super::{ClusterRules, Ipv4Net, NetpolError, Policy};
+
+/// Why a sandbox's networking could not be set up or taken down.
+#[derive(Debug, thiserror::Error)]
+pub enum NetworkError {
+    /// Every slot of the subnet is in use.
+    #[error("sandbox network {subnet}: all {slots} addresses are in use")]
+    Exhausted { subnet: Ipv4Net, slots: u32 },
+    #[error(transparent)]
+    Slot(#[from] SlotError),
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    #[error(transparent)]
+    Nft(#[from] NftError),
+    /// Turning on IPv4 forwarding at start.
+    #[error("turning on IPv4 forwarding")]
+    Forwarding(#[source] std::io::Error),
+    /// A blocking step's thread failed.
+    #[error("sandbox network: {0}")]
+    Task(String),
+}
+
+/// An edge's sandbox networking; see the module doc.
+pub struct Network {
+    subnet: Ipv4Net,
+    slots: u32,
+    rules: ClusterRules,
+    firewall: Firewall,
+    held: Mutex<BTreeSet<u32>>,
+}
+
+impl std::fmt::Debug for Network {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Network")
+            .field("subnet", &self.subnet)
+            .field("table", &self.firewall.table_name())
+            .finish()
+    }
+}
+
+impl Network {
+    /// Starts edge `edge_id`'s networking in the caller's netns: IPv4 forwarding on, and the
+    /// base of its table installed (docs/network.md "Enforcement"), leaving the chains of
+    /// sandboxes that outlived the previous edge process in place. `rules` are the config's
+    /// rule sets and default rules. Needs root.
+    /// Errors: [`NetworkError::Slot`] for a subnet smaller than a /30,
+    /// [`NetworkError::Forwarding`], [`NetworkError::Nft`].
+    pub fn start(
+        edge_id: &str,
+        subnet: Ipv4Net,
+        dns_port: u16,
+        rules: ClusterRules,
+    ) -> Result<Network, NetworkError> {
+        let slots = slot_count(subnet)?;
+        link::enable_ipv4_forwarding().map_err(NetworkError::Forwarding)?;
+        let firewall = Firewall::new(edge_id, subnet, dns_port);
+        firewall.install_base()?;
+        tracing::info!(%subnet, table = firewall.table_name(), dns_port, "sandbox networking on");
+        Ok(Network {
+            subnet,
+            slots,
+            rules,
+            firewall,
+            held: Mutex::new(BTreeSet::new()),
+        })
+    }
+
+    fn held(&self) -> std::sync::MutexGuard<'_, BTreeSet<u32>> {
+        match self.held.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    /// The edge's table.
+    pub fn firewall(&self) -> &Firewall {
+        &self.firewall
+    }
+
+    /// A sandbox's policy from its `network_rules` and the config's rule sets and defaults.
+    /// Errors: [`NetpolError`] (`invalid`), naming the rule.
+    pub fn policy<'a>(
+        &self,
+        rules: impl IntoIterator<Item = (&'a String, &'a bool)>,
+    ) -> Result<Policy, NetpolError> {
+        self.rules.resolve(rules)
+    }
+
+    /// Takes the lowest free slot for a new sandbox.
+    /// Errors: [`NetworkError::Exhausted`].
+    pub fn reserve(&self) -> Result<u32, NetworkError> {
+        let mut held = self.held();
+        // The first gap: slots are held densely from 0, so this is short in practice.
+        let mut slot = 0u32;
+        for &h in held.iter() {
+            if h != slot {
+                break;
+            }
+            slot += 1;
+        }
+        if slot >= self.slots {
+            return Err(NetworkError::Exhausted {
+                subnet: self.subnet,
+                slots: self.slots,
+            });
+        }
+        held.insert(slot);
+        Ok(slot)
+    }
+
+    /// The `/etc/resolv.conf` of the sandbox in `slot`: its gateway, where the edge's DNS
+    /// proxy answers (port 53 is redirected to it).
+    pub fn resolv_conf(&self, slot: u32) -> Result<String, NetworkError> {
+        let a = slot_addrs(self.subnet, slot)?;
+        Ok(format!(
+            "# Written by OpenDsec: the edge's DNS proxy (docs/network.md).\nnameserver {}\noptions edns0\n",
+            a.gateway
+        ))
+    }
+
+    /// Connects the sandbox whose netns is `netns` in reserved `slot` and installs its
+    /// `policy`. On failure, nothing of it is left (the veth is removed again).
+    /// Errors: [`NetworkError::Link`], [`NetworkError::Nft`].
+    pub async fn attach(
+        &self,
+        netns: BorrowedFd<'_>,
+        slot: u32,
+        policy: &Policy,
+    ) -> Result<Attached, NetworkError> {
+        let plan = LinkPlan::new(self.subnet, slot)?;
+        let attached = link::attach(netns, &plan).await?;
+        let fw = self.firewall.clone();
+        let (addrs, policy2) = (attached.addrs, policy.clone());
+        let res = tokio::task::spawn_blocking(move || fw.attach(&addrs, &policy2))
+            .await
+            .map_err(|e| NetworkError::Task(e.to_string()))
+            .and_then(|r| r.map_err(NetworkError::from));
+        if let Err(e) = res {
+            if let Err(d) = link::detach(&plan.host_name).await {
+                tracing::warn!(slot, error = %crate::types::chain(&d), "removing a sandbox's veth after its rules failed");
+            }
+            return Err(e);
+        }
+        Ok(attached)
+    }
+
+    /// Holds `slot` for a sandbox adopted after a restart and writes its `policy` again (its
+    /// chains normally survived; this also repairs them).
+    /// Errors: [`NetworkError::Slot`] (a recorded slot outside the subnet: the config
+    /// changed), [`NetworkError::Nft`].
+    pub async fn adopt(&self, slot: u32, policy: &Policy) -> Result<(), NetworkError> {
+        let addrs = slot_addrs(self.subnet, slot)?;
+        self.held().insert(slot);
+        let fw = self.firewall.clone();
+        let policy = policy.clone();
+        tokio::task::spawn_blocking(move || fw.attach(&addrs, &policy))
+            .await
+            .map_err(|e| NetworkError::Task(e.to_string()))??;
+        Ok(())
+    }
+
+    /// Replaces the policy of the sandbox in `slot` (`UpdateNetwork`).
+    /// Errors: [`NetworkError::Nft`].
+    pub async fn update(&self, slot: u32, policy: &Policy) -> Result<(), NetworkError> {
+        let fw = self.firewall.clone();
+        let policy = policy.clone();
+        tokio::task::spawn_blocking(move || fw.update(slot, &policy))
+            .await
+            .map_err(|e| NetworkError::Task(e.to_string()))??;
+        Ok(())
+    }
+
+    /// Removes the rules and veth of `slot` and frees it; idempotent. The slot stays held
+    /// when a step fails, so that it is not handed out while something of it is left (the
+    /// edge's next cleanup retries).
+    /// Errors: [`NetworkError::Nft`], [`NetworkError::Link`].
+    pub async fn release(&self, slot: u32) -> Result<(), NetworkError> {
+        let plan = LinkPlan::new(self.subnet, slot)?;
+        let fw = self.firewall.clone();
+        tokio::task::spawn_blocking(move || fw.detach(slot))
+            .await
+            .map_err(|e| NetworkError::Task(e.to_string()))??;
+        link::detach(&plan.host_name).await?;
+        self.held().remove(&slot);
+        Ok(())
+    }
+
+    /// At the edge's exit: deletes the table when no sandbox holds a slot (they were all
+    /// stopped), so a stopped edge leaves nothing in the host's ruleset; with sandboxes left
+    /// running (`keep_sandboxes_on_exit`) their rules stay. `Ok(true)` when it was deleted.
+    /// Errors: [`NetworkError::Nft`].
+    pub async fn shutdown(&self) -> Result<bool, NetworkError> {
+        if !self.held().is_empty() {
+            return Ok(false);
+        }
+        let fw = self.firewall.clone();
+        Ok(tokio::task::spawn_blocking(move || fw.remove())
+            .await
+            .map_err(|e| NetworkError::Task(e.to_string()))??)
+    }
+
+    /// Removes every veth and every rule of a slot no sandbox holds: what a failed creation,
+    /// a crash mid-creation or a sandbox that died while the edge was down left. Call it
+    /// after adopting the recorded sandboxes. Returns what was removed (`veth NAME`,
+    /// `rules of slot N`).
+    /// Errors: the first [`NetworkError`]; the other strays are still tried.
+    pub async fn cleanup(&self) -> Result<Vec<String>, NetworkError> {
+        let held = self.held().clone();
+        let mut removed = Vec::new();
+        let mut first_err = None;
+        for name in link::list_strays(&veth_prefix(self.subnet)).await? {
+            match slot_of_host_veth(self.subnet, &name) {
+                Some(s) if held.contains(&s) => continue,
+                // Another edge's veth under a shared prefix is not ours to touch.
+                None => continue,
+                Some(_) => {}
+            }
+            match link::detach(&name).await {
+                Ok(_) => removed.push(format!("veth {name}")),
+                Err(e) => {
+                    first_err.get_or_insert(NetworkError::from(e));
+                }
+            }
+        }
+        let fw = self.firewall.clone();
+        let slots = tokio::task::spawn_blocking(move || fw.slots())
+            .await
+            .map_err(|e| NetworkError::Task(e.to_string()))??;
+        for slot in slots.into_iter().filter(|s| !held.contains(s)) {
+            let fw = self.firewall.clone();
+            match tokio::task::spawn_blocking(move || fw.detach(slot)).await {
+                Ok(Ok(_)) => removed.push(format!("rules of network slot {slot}")),
+                Ok(Err(e)) => {
+                    first_err.get_or_insert(NetworkError::from(e));
+                }
+                Err(e) => {
+                    first_err.get_or_insert(NetworkError::Task(e.to_string()));
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(removed),
+        }
+    }
+}
