@@ -117,6 +117,23 @@ async fn reach(b: &Arc<dyn Backend>, h: &Handle<'_>, addr: &str, port: u16) -> S
     out.lines().last().unwrap_or_default().to_string()
 }
 
+/// From inside a sandbox: three UDP datagrams to 192.0.2.10:80 built by hand on a raw
+/// socket, with the source 10.88.0.9 (a neighbour's), 192.0.2.99 (a public address) and
+/// its own (payloads `nb`, `pub`, `own`).
+const FORGE_UDP: &str = r#"python3 - <<'EOF'
+import socket, struct
+s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+def send(src, payload):
+    udp = struct.pack("!HHHH", 40000, 80, 8 + len(payload), 0) + payload
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0, 0, 64, 17, 0,
+                     socket.inet_aton(src), socket.inet_aton("192.0.2.10"))
+    s.sendto(ip + udp, ("192.0.2.10", 0))
+send("10.88.0.9", b"nb")
+send("192.0.2.99", b"pub")
+send("10.88.0.2", b"own")
+print("sent")
+EOF"#;
+
 fn host_links() -> Vec<String> {
     names(&host_ip(&["link", "show"]))
 }
@@ -127,7 +144,7 @@ fn a_networked_sandbox_lives_and_dies_with_its_network() {
         return;
     }
     in_fresh_netns(Some(2), || async {
-        let _w = world();
+        let w = world();
         let tmp = tempfile::tempdir().unwrap();
         let net = network();
         let b = backend(tmp.path(), Some(net.clone()));
@@ -166,6 +183,19 @@ fn a_networked_sandbox_lives_and_dies_with_its_network() {
         .await;
         assert_ne!(code, 0);
         assert_eq!(out.matches("Operation not permitted").count(), 2, "{out}");
+
+        // CAP_NET_RAW it has (as in Docker): a raw socket sends UDP with a forged source
+        // (another sandbox's address, a public one); only its own source gets through.
+        let udp = common::netns::record_udp(&w.internet.ns, 80);
+        let (code, out) = sh(&b, &h, FORGE_UDP).await;
+        assert_eq!(code, 0, "{out}");
+        let got: Vec<Vec<u8>> = std::iter::from_fn(|| {
+            udp.recv_timeout(std::time::Duration::from_millis(1500))
+                .ok()
+        })
+        .map(|(_, payload)| payload)
+        .collect();
+        assert_eq!(got, [b"own".to_vec()], "{out}");
 
         // The edge restarts: a new Network and backend adopt the sandbox, its rules hold,
         // and a stray veth (a slot nobody holds) goes.

@@ -219,9 +219,10 @@ impl EdgeConfig {
         names::check_edge_id(&self.id)
             .map_err(|e| ConfigError::Invalid(format!("edges: {}", e.message)))?;
         let id = &self.id;
-        self.network
-            .subnet()
-            .map_err(|e| ConfigError::Invalid(format!("edge {id}: {e}")))?;
+        self.network.subnet().map_err(|e| match e {
+            ConfigError::Invalid(m) => ConfigError::Invalid(format!("edge {id}: {m}")),
+            other => other,
+        })?;
         if !matches!(self.zone(), "onprem" | "cloud") {
             return Err(ConfigError::Invalid(format!(
                 "edge {id}: zone must be onprem or cloud, not {:?}",

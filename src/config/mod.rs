@@ -433,9 +433,10 @@ impl Config {
             unused(field, v, feature)?;
         }
         if let Some(t) = &self.edge_template {
-            t.network
-                .subnet()
-                .map_err(|e| ConfigError::Invalid(format!("edge_template: {e}")))?;
+            t.network.subnet().map_err(|e| match e {
+                ConfigError::Invalid(m) => ConfigError::Invalid(format!("edge_template: {m}")),
+                other => other,
+            })?;
         }
         let mut seen = std::collections::HashSet::new();
         for e in &self.edges {
@@ -556,7 +557,7 @@ mod tests {
         for (net, want) in [
             (
                 r#"{"subnet":"10.88.0.1/16"}"#,
-                "invalid config: edge n1: network.subnet \"10.88.0.1/16\": bad network: \
+                "invalid config: edge n1: network.subnet \"10.88.0.1/16\": bad IPv4 network: \
                  host bits set; the network is 10.88.0.0/16",
             ),
             (

@@ -294,7 +294,7 @@ pub fn assert_dropped(ns: &File, from: Option<Ipv4Addr>, to: (Ipv4Addr, u16)) {
 /// The world: the internet netns with its servers and the uplink, and forwarding on in the
 /// calling thread's (the host's) netns.
 pub struct World {
-    _internet: SandboxNs,
+    pub internet: SandboxNs,
 }
 
 pub fn world() -> World {
@@ -314,7 +314,28 @@ pub fn world() -> World {
     }
     opendsec::netpol::link::enable_ipv4_forwarding().unwrap();
     serve_echo(&internet.ns, &[80, 443, 8080]);
-    World {
-        _internet: internet,
-    }
+    World { internet }
+}
+
+/// Records the UDP datagrams that reach port `port` of netns `ns`: (source, payload), sent
+/// on the returned channel, for the life of the process.
+pub fn record_udp(ns: &File, port: u16) -> std::sync::mpsc::Receiver<(SocketAddr, Vec<u8>)> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    in_ns(ns, move || {
+        Box::pin(async move {
+            let sock = tokio::net::UdpSocket::bind(("0.0.0.0", port))
+                .await
+                .unwrap();
+            ready_tx.send(()).unwrap();
+            let mut buf = [0u8; 1500];
+            while let Ok((n, from)) = sock.recv_from(&mut buf).await {
+                if tx.send((from, buf[..n].to_vec())).is_err() {
+                    break;
+                }
+            }
+        })
+    });
+    ready_rx.recv().unwrap();
+    rx
 }
