@@ -112,21 +112,28 @@ fn forged_sources_inbound_connections_and_taking_a_rule_back() {
     in_fresh_netns(Some(2), || async {
         let _w = world();
         let fw = firewall();
-        let (a, a_addr) = sandbox(&fw, 1, &[("*", true)]).await;
+        // Both allow 10.0.0.0/8, their neighbours' addresses included: still no
+        // connection between them may open, in either direction.
+        let (a, a_addr) = sandbox(&fw, 1, &[("*", true), ("10.0.0.0/8", true)]).await;
         let (b, b_addr) = sandbox(&fw, 2, &[("*", true), ("10.0.0.0/8", true)]).await;
 
-        // Root in a sandbox gives itself another address (its neighbour's, or any in the
-        // subnet) and sends from it: nothing passes.
-        a.ip_do(&["addr", "add", &format!("{b_addr}/32"), "dev", "eth0"]);
-        a.ip_do(&["addr", "add", "10.88.7.7/32", "dev", "eth0"]);
-        assert_passes(&a.ns, (PUBLIC_A, 80));
-        assert_dropped(&a.ns, Some(b_addr), (PUBLIC_A, 80));
-        assert_dropped(&a.ns, Some("10.88.7.7".parse().unwrap()), (PUBLIC_A, 80));
-
-        // New connections into a sandbox: from another sandbox (even one whose rules allow
-        // 10.0.0.0/8) and from the host.
+        // New connections into a sandbox: from another sandbox (TCP, and UDP, which would
+        // need no reply to arrive) and from the host.
         serve_echo(&a.ns, &[9000]);
         assert_dropped(&b.ns, None, (a_addr, 9000));
+        let udp = common::netns::record_udp(&a.ns, 9001);
+        in_ns(&b.ns, move || {
+            Box::pin(async move {
+                let s = tokio::net::UdpSocket::bind("0.0.0.0:0").await.unwrap();
+                s.send_to(b"hello", (a_addr, 9001)).await.unwrap();
+            })
+        })
+        .join()
+        .unwrap();
+        assert!(
+            udp.recv_timeout(DROPPED_AFTER).is_err(),
+            "a datagram from a neighbour arrived"
+        );
         match exchange(
             &File::open("/proc/thread-self/ns/net").unwrap(),
             None,
@@ -135,6 +142,15 @@ fn forged_sources_inbound_connections_and_taking_a_rule_back() {
             Err(e) if e.kind() == ErrorKind::TimedOut => {}
             other => panic!("host → sandbox: expected dropped, got {other:?}"),
         }
+
+        // (Last, as it gives `a` its neighbour's address, which would spoil the above.)
+        // Root in a sandbox gives itself another address (its neighbour's, or any in the
+        // subnet) and sends from it: nothing passes.
+        a.ip_do(&["addr", "add", &format!("{b_addr}/32"), "dev", "eth0"]);
+        a.ip_do(&["addr", "add", "10.88.7.7/32", "dev", "eth0"]);
+        assert_passes(&a.ns, (PUBLIC_A, 80));
+        assert_dropped(&a.ns, Some(b_addr), (PUBLIC_A, 80));
+        assert_dropped(&a.ns, Some("10.88.7.7".parse().unwrap()), (PUBLIC_A, 80));
 
         // Taking a rule back cuts an open connection at once.
         let ns = a.ns.try_clone().unwrap();

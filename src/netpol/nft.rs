@@ -16,8 +16,8 @@
 //! guard                            iifname odsv<N> ip saddr <sandbox N> accept   (per sandbox)
 //! pre-nat  nat prerouting -100     iifname V* jump dns
 //! dns                              iifname odsv<N> udp|tcp dport 53 dnat ip to <gateway N>:<dns_port>
-//! fwd      filter forward 0        iifname V* jump egress; iifname V* drop;
-//!                                  oifname V* jump ingress; oifname V* drop
+//! fwd      filter forward 0        oifname V* jump ingress; oifname V* drop;
+//!                                  iifname V* jump egress; iifname V* drop
 //! egress                           iifname odsv<N> goto out-<N>                  (per sandbox)
 //! ingress                          oifname odsv<N> ct state established,related goto in-<N>
 //! in       filter input 0          iifname V* udp|tcp dport <dns_port> accept; iifname V* drop
@@ -33,7 +33,9 @@
 //!   included, in the order of [`sandbox_rules`]; falling off its end returns to `fwd`, which
 //!   drops. `in-<N>` is the same policy seen from the replies (source address and port), so
 //!   taking a rule back stops a connection in both directions at once. New connections into
-//!   a sandbox never match `ingress` and are dropped.
+//!   a sandbox never match `ingress` and are dropped, and `fwd` checks that before the
+//!   sender's chain, whose accept would otherwise end the evaluation: a sandbox whose rules
+//!   allow its neighbours' addresses (`10.0.0.0/8`) still cannot open a connection to one.
 //! - Per sandbox, one set per port limit of its domain rules (`dns-<N>-<limit>`, IPv4
 //!   addresses, one-hour timeout) holds what the DNS proxy resolved for it.
 //!
@@ -339,13 +341,15 @@ impl Firewall {
             .iif_prefix(p)
             .verdict(jump("dns"))
             .add(&mut b);
-        new(&fwd)?.iif_prefix(p).verdict(jump("egress")).add(&mut b);
-        new(&fwd)?.iif_prefix(p).drop().add(&mut b);
+        // Towards a sandbox first: a packet from one sandbox to another must pass the
+        // receiver's check (never a new connection) before the sender's rules can accept it.
         new(&fwd)?
             .oif_prefix(p)
             .verdict(jump("ingress"))
             .add(&mut b);
         new(&fwd)?.oif_prefix(p).drop().add(&mut b);
+        new(&fwd)?.iif_prefix(p).verdict(jump("egress")).add(&mut b);
+        new(&fwd)?.iif_prefix(p).drop().add(&mut b);
         for proto in [Proto::Udp, Proto::Tcp] {
             new(&input)?
                 .iif_prefix(p)
