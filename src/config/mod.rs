@@ -415,15 +415,6 @@ impl Config {
         }
         self.network.rules()?;
         self.network.upstream_dns()?;
-        // Checked, but the DNS proxy that would use it is not built yet: refused like the
-        // fields below rather than ignored.
-        if !self.network.upstream_dns.is_empty() {
-            return bad(
-                "network.upstream_dns: the edges' DNS proxy is not built yet, so this field \
-                 would be ignored; remove it"
-                    .into(),
-            );
-        }
         // Parsed so that a spec-shaped file loads, but nothing reads them yet: a value set
         // there would be silently ignored, so it is refused like an unknown field.
         for (field, v, feature) in [
@@ -510,7 +501,6 @@ mod tests {
     #[test]
     fn unused_subtrees_are_refused_when_set() {
         let set = [
-            r#"{"network":{"upstream_dns":["10.0.0.2"]}}"#,
             r#"{"fleet":{"cloud":"aws"}}"#,
             r#"{"e2b":{"addr":":3000"}}"#,
         ];
@@ -524,6 +514,7 @@ mod tests {
         let empty = [
             r#"{"network":{}}"#,
             r#"{"network":{"default_rules":{"*":true}}}"#,
+            r#"{"network":{"upstream_dns":["10.0.0.2","192.0.2.53:5353"]}}"#,
             r#"{"fleet":null}"#,
             r#"{"edges":[{"id":"n1"}]}"#,
         ];

@@ -19,6 +19,7 @@
 //! Every error of the rules is a [`NetpolError`]; all of them mean `invalid` to a caller.
 //! The address plan's are [`SlotError`]s, the topology's [`LinkError`]s.
 
+pub mod dns;
 pub mod link;
 pub mod network;
 pub mod nft;
@@ -88,6 +89,11 @@ impl NetpolError {
         Failure::invalid(self.to_string())
     }
 }
+
+/// The most rules one sandbox's `network_rules` may hold: checked by admission on creation
+/// and by `UpdateNetwork` on the merged result, so that repeated merges cannot grow a
+/// sandbox's chains without bound.
+pub const MAX_NETWORK_RULES: usize = 1024;
 
 const fn net(a: u8, b: u8, c: u8, d: u8, prefix: u8) -> Ipv4Net {
     Ipv4Net::new_unchecked(Ipv4Addr::new(a, b, c, d), prefix)

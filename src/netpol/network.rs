@@ -6,13 +6,16 @@
 //! the recorded slots again ([`Network::adopt`]) and [`Network::cleanup`] removes every veth
 //! and chain of a slot nobody holds.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
+use std::net::Ipv4Addr;
 use std::os::fd::BorrowedFd;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, RwLock};
 
 use super::link::{self, Attached, LinkError};
 use super::nft::{Firewall, NftError};
-use super::slot::{slot_addrs, slot_count, slot_of_host_veth, veth_prefix, LinkPlan, SlotError};
+use super::slot::{
+    slot_addrs, slot_count, slot_of_addr, slot_of_host_veth, veth_prefix, LinkPlan, SlotError,
+};
 use super::{ClusterRules, Ipv4Net, NetpolError, Policy};
 
 /// Why a sandbox's networking could not be set up or taken down.
@@ -42,6 +45,9 @@ pub struct Network {
     rules: ClusterRules,
     firewall: Firewall,
     held: Mutex<BTreeSet<u32>>,
+    /// The policy of each attached slot: what the DNS proxy answers by. Written after the
+    /// table, so a name the proxy allows always has its sets in the table.
+    policies: RwLock<HashMap<u32, Arc<Policy>>>,
 }
 
 impl std::fmt::Debug for Network {
@@ -77,6 +83,7 @@ impl Network {
             rules,
             firewall,
             held: Mutex::new(BTreeSet::new()),
+            policies: RwLock::new(HashMap::new()),
         })
     }
 
@@ -85,6 +92,54 @@ impl Network {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         }
+    }
+
+    fn set_policy(&self, slot: u32, policy: Option<&Policy>) {
+        let mut p = match self.policies.write() {
+            Ok(g) => g,
+            Err(e) => e.into_inner(),
+        };
+        match policy {
+            Some(policy) => p.insert(slot, Arc::new(policy.clone())),
+            None => p.remove(&slot),
+        };
+    }
+
+    /// The sandbox subnet.
+    pub fn subnet(&self) -> Ipv4Net {
+        self.subnet
+    }
+
+    /// The slot and current policy of the attached sandbox whose address is `addr`; `None`
+    /// for any other address (a gateway, an address outside the subnet, a free slot). How
+    /// the DNS proxy tells sandboxes apart: the `guard` chain drops every packet whose
+    /// source is not its sandbox's own address, so the source cannot be forged.
+    pub fn sandbox_policy(&self, addr: Ipv4Addr) -> Option<(u32, Arc<Policy>)> {
+        let slot = slot_of_addr(self.subnet, addr)?;
+        if slot_addrs(self.subnet, slot).ok()?.sandbox != addr {
+            return None;
+        }
+        let p = match self.policies.read() {
+            Ok(g) => g,
+            Err(e) => e.into_inner(),
+        };
+        p.get(&slot).map(|p| (slot, p.clone()))
+    }
+
+    /// Lets sandbox `slot` reach `addrs` (what the DNS proxy resolved for it) under each of
+    /// `limits`, for [`super::nft::RESOLVED_TIMEOUT_MS`] from now.
+    /// Errors: [`NetworkError::Nft`].
+    pub async fn add_resolved(
+        &self,
+        slot: u32,
+        limits: Vec<super::PortLimit>,
+        addrs: Vec<Ipv4Addr>,
+    ) -> Result<(), NetworkError> {
+        let fw = self.firewall.clone();
+        tokio::task::spawn_blocking(move || fw.add_resolved(slot, &limits, &addrs))
+            .await
+            .map_err(|e| NetworkError::Task(e.to_string()))??;
+        Ok(())
     }
 
     /// The edge's table.
@@ -156,6 +211,7 @@ impl Network {
             }
             return Err(e);
         }
+        self.set_policy(slot, Some(policy));
         Ok(attached)
     }
 
@@ -167,10 +223,11 @@ impl Network {
         let addrs = slot_addrs(self.subnet, slot)?;
         self.held().insert(slot);
         let fw = self.firewall.clone();
-        let policy = policy.clone();
-        tokio::task::spawn_blocking(move || fw.attach(&addrs, &policy))
+        let policy2 = policy.clone();
+        tokio::task::spawn_blocking(move || fw.attach(&addrs, &policy2))
             .await
             .map_err(|e| NetworkError::Task(e.to_string()))??;
+        self.set_policy(slot, Some(policy));
         Ok(())
     }
 
@@ -178,10 +235,11 @@ impl Network {
     /// Errors: [`NetworkError::Nft`].
     pub async fn update(&self, slot: u32, policy: &Policy) -> Result<(), NetworkError> {
         let fw = self.firewall.clone();
-        let policy = policy.clone();
-        tokio::task::spawn_blocking(move || fw.update(slot, &policy))
+        let policy2 = policy.clone();
+        tokio::task::spawn_blocking(move || fw.update(slot, &policy2))
             .await
             .map_err(|e| NetworkError::Task(e.to_string()))??;
+        self.set_policy(slot, Some(policy));
         Ok(())
     }
 
@@ -191,6 +249,8 @@ impl Network {
     /// Errors: [`NetworkError::Nft`], [`NetworkError::Link`].
     pub async fn release(&self, slot: u32) -> Result<(), NetworkError> {
         let plan = LinkPlan::new(self.subnet, slot)?;
+        // The proxy stops answering first: nothing is added to sets being removed.
+        self.set_policy(slot, None);
         let fw = self.firewall.clone();
         tokio::task::spawn_blocking(move || fw.detach(slot))
             .await

@@ -12,7 +12,8 @@
 //! [`veth_prefix`] (its host-side veths, `odsv0a58*` for 10.88.0.0/16), `N` a slot:
 //!
 //! ```text
-//! pre      filter prerouting -150  iifname V* jump guard; iifname V* drop
+//! pre      filter prerouting -150  iifname V* jump guard; iifname V* drop;
+//!                                  ip saddr <subnet> iifname != V* iifname != lo drop
 //! guard                            iifname odsv<N> ip saddr <sandbox N> accept   (per sandbox)
 //! pre-nat  nat prerouting -100     iifname V* jump dns
 //! dns                              iifname odsv<N> udp|tcp dport 53 dnat ip to <gateway N>:<dns_port>
@@ -20,7 +21,8 @@
 //!                                  iifname V* jump egress; iifname V* drop
 //! egress                           iifname odsv<N> goto out-<N>                  (per sandbox)
 //! ingress                          oifname odsv<N> ct state established,related goto in-<N>
-//! in       filter input 0          iifname V* udp|tcp dport <dns_port> accept; iifname V* drop
+//! in       filter input 0          iifname V* udp|tcp dport <dns_port> accept; iifname V* drop;
+//!                                  udp|tcp dport <dns_port> drop
 //! out      filter output 0         oifname V* ct state established,related accept; oifname V* drop
 //! post-nat nat postrouting 100     ip saddr <subnet> oifname != V* masquerade
 //! ```
@@ -337,6 +339,16 @@ impl Firewall {
         let new = |c: &Chain| R::new(c).map_err(be("a base rule"));
         new(&pre)?.iif_prefix(p).verdict(jump("guard")).add(&mut b);
         new(&pre)?.iif_prefix(p).drop().add(&mut b);
+        // A sandbox's address arriving on any other interface is forged: the DNS proxy
+        // would take it for that sandbox. The host itself reaches its gateway addresses
+        // over lo.
+        new(&pre)?
+            .addr(true, self.subnet)
+            .map_err(be("a base rule"))?
+            .ifname(true, p, true, CmpOp::Neq)
+            .ifname(true, "lo", false, CmpOp::Neq)
+            .drop()
+            .add(&mut b);
         new(&pre_nat)?
             .iif_prefix(p)
             .verdict(jump("dns"))
@@ -358,6 +370,13 @@ impl Firewall {
                 .add(&mut b);
         }
         new(&input)?.iif_prefix(p).drop().add(&mut b);
+        // The proxy listens on every address; it is for sandboxes only.
+        for proto in [Proto::Udp, Proto::Tcp] {
+            new(&input)?
+                .port(proto, false, self.dns_port, self.dns_port)
+                .drop()
+                .add(&mut b);
+        }
         new(&output)?
             .oif_prefix(p)
             .established()
@@ -467,6 +486,41 @@ impl Firewall {
         let mut b = Batch::new();
         self.write_policy(&mut b, &t, slot, policy, &sets)?;
         self.send(b, &format!("updating sandbox slot {slot}"))
+    }
+
+    /// Allows the DNS proxy's answer to sandbox `slot`: `addrs` join the slot's resolved set
+    /// of each of `limits` with a fresh [`RESOLVED_TIMEOUT_MS`], in one transaction. An
+    /// address already there gets its timeout renewed: the batch adds it (a no-op when
+    /// present), deletes it and adds it again, which the kernel applies as one change.
+    /// Errors: [`NftError::Apply`] (nothing changed), also when the slot has no set for a
+    /// limit (its policy changed meanwhile).
+    pub fn add_resolved(
+        &self,
+        slot: u32,
+        limits: &[PortLimit],
+        addrs: &[std::net::Ipv4Addr],
+    ) -> Result<(), NftError> {
+        if limits.is_empty() || addrs.is_empty() {
+            return Ok(());
+        }
+        let t = self.table();
+        let mut b = Batch::new();
+        for limit in limits {
+            let name = resolved_set_name(slot, *limit);
+            let mut sb = rustables::set::SetBuilder::<std::net::Ipv4Addr>::new(&name, &t)
+                .map_err(self.build_err("a resolved set's elements"))?;
+            for a in addrs {
+                sb.add(a);
+            }
+            let (_, elements) = sb.finish();
+            b.add(&elements, MsgType::Add);
+            b.add(&elements, MsgType::Del);
+            b.add(&elements, MsgType::Add);
+        }
+        self.send(
+            b,
+            &format!("adding resolved addresses of sandbox slot {slot}"),
+        )
     }
 
     /// Removes everything of sandbox `slot`; `Ok(false)` when the table held nothing of it.

@@ -3,10 +3,10 @@
 //! watchers, and forwarding of runtime calls to the sandbox's agent. It serves
 //! `opendsec.v1.Edge` and `opendsec.v1.Runtime` on one listener.
 //!
-//! Files: `create` (CreateSandboxes), `ops` (the other calls), `machine` (states),
-//! `admission` (capacity and pressure), `ttl`, `record` and `store` (persistence),
-//! `recover` (startup), `leases` (IAM), `host` (/proc), `status`, `loops`, `metrics`,
-//! `service` and `runtime` (gRPC).
+//! Files: `create` (CreateSandboxes), `ops` (the other calls), `rules` (UpdateNetwork),
+//! `machine` (states), `admission` (capacity and pressure), `ttl`, `record` and `store`
+//! (persistence), `recover` (startup), `leases` (IAM), `host` (/proc), `status`, `loops`,
+//! `metrics`, `service` and `runtime` (gRPC).
 
 mod admission;
 mod create;
@@ -21,6 +21,7 @@ mod ops;
 mod pack;
 mod record;
 mod recover;
+mod rules;
 mod runtime;
 mod service;
 mod status;
@@ -75,6 +76,11 @@ pub enum EdgeError {
         edge_id: String,
         source: Box<crate::netpol::network::NetworkError>,
     },
+    #[error("edge {edge_id}: sandbox DNS")]
+    Dns {
+        edge_id: String,
+        source: crate::netpol::dns::DnsProxyError,
+    },
     #[error("edge {edge_id}: starting the runtime of its operations")]
     Runtime {
         edge_id: String,
@@ -99,6 +105,22 @@ pub async fn start(
         .ok_or_else(|| EdgeError::UnknownEdge(edge_id.clone()))?;
     ec.validate()?;
     let network = network(&cfg, &ec, &edge_id)?;
+    // The proxy before any sandbox: a recovered one resolves again at once.
+    let dns = match &network {
+        Some(net) => Some(
+            crate::netpol::dns::DnsProxy::start(
+                net.clone(),
+                ec.network.dns_port(),
+                &crate::netpol::dns::Upstream::from_config(cfg.network.upstream_dns()?),
+            )
+            .await
+            .map_err(|source| EdgeError::Dns {
+                edge_id: edge_id.clone(),
+                source,
+            })?,
+        ),
+        None => None,
+    };
     let ctx = context(&cfg, &ec, &edge_id, network);
     let mut built = BTreeMap::new();
     for (name, bc) in ec.backends() {
@@ -108,7 +130,14 @@ pub async fn start(
         })?;
         built.insert(name, b);
     }
-    start_with_backends(cfg, edge_id, built, listener, shutdown, ready).await
+    let serving = start_with_backends(cfg, edge_id, built, listener, shutdown, ready).await?;
+    Ok(tokio::spawn(async move {
+        let _ = serving.await;
+        // After the backends let go of their sandboxes: they resolve until then.
+        if let Some(d) = dns {
+            d.stop().await;
+        }
+    }))
 }
 
 /// The edge's sandbox networking, when `edges[].network.enabled` and a backend runs real

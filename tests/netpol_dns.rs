@@ -1,0 +1,251 @@
+//! The edge's DNS proxy (src/netpol/dns.rs, docs/network.md "DNS") against the real kernel,
+//! in a world the test builds (tests/common/netns.rs): sandboxes attached through
+//! `Network` as the edge does, the proxy on the host netns, and a test upstream in the
+//! "internet" netns that logs every query it gets. Every case asserts the exact outcome.
+//! Root only.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::os::fd::AsFd;
+use std::sync::Arc;
+
+use common::dns::{ask, long_name, serve_upstream, Answer, QueryLog, UPSTREAM};
+use common::netns::{
+    assert_dropped, assert_passes, in_fresh_netns, world, SandboxNs, World, PRIVATE, PUBLIC_A,
+    PUBLIC_B,
+};
+use hickory_server::proto::op::ResponseCode;
+use hickory_server::proto::rr::RecordType;
+use opendsec::netpol::dns::{DnsProxy, Upstream};
+use opendsec::netpol::network::Network;
+use opendsec::netpol::{ClusterRules, DEFAULT_SUBNET};
+
+fn root_or_skip() -> bool {
+    opendsec::sys::root_or_skip("the DNS proxy tests")
+}
+
+const DNS_PORT: u16 = 15353;
+
+/// The world, its upstream's query log, the edge's network and its proxy.
+struct Setup {
+    w: World,
+    log: QueryLog,
+    net: Arc<Network>,
+    _proxy: DnsProxy,
+}
+
+async fn setup() -> Setup {
+    let w = world();
+    let log = serve_upstream(&w.internet.ns);
+    let net =
+        Arc::new(Network::start("e1", DEFAULT_SUBNET, DNS_PORT, ClusterRules::default()).unwrap());
+    let proxy = DnsProxy::start(
+        net.clone(),
+        DNS_PORT,
+        &Upstream::Servers(vec![SocketAddr::from((UPSTREAM, 53))]),
+    )
+    .await
+    .unwrap();
+    Setup {
+        w,
+        log,
+        net,
+        _proxy: proxy,
+    }
+}
+
+fn at(a: Ipv4Addr) -> SocketAddr {
+    SocketAddr::from((a, 53))
+}
+
+/// A sandbox attached with `rules`: its netns, its slot and its gateway.
+async fn sandbox(net: &Network, rules: &[(&str, bool)]) -> (SandboxNs, u32, Ipv4Addr) {
+    let sb = SandboxNs::start();
+    let slot = net.reserve().unwrap();
+    let rules: std::collections::BTreeMap<String, bool> =
+        rules.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+    let policy = net.policy(&rules).unwrap();
+    let a = net.attach(sb.ns.as_fd(), slot, &policy).await.unwrap();
+    (sb, slot, a.addrs.gateway)
+}
+
+fn ok(records: &[&str]) -> Answer {
+    Answer {
+        code: ResponseCode::NoError,
+        records: records.iter().map(|s| s.to_string()).collect(),
+        truncated: false,
+    }
+}
+
+fn nxdomain() -> Answer {
+    Answer {
+        code: ResponseCode::NXDomain,
+        records: vec![],
+        truncated: false,
+    }
+}
+
+fn asked(log: &QueryLog) -> Vec<String> {
+    log.lock().unwrap().iter().map(|(n, _)| n.clone()).collect()
+}
+
+#[test]
+fn allowed_names_resolve_and_open_their_addresses_denied_names_never_leave() {
+    if !root_or_skip() {
+        return;
+    }
+    in_fresh_netns(Some(2), || async {
+        let Setup {
+            w,
+            log,
+            net,
+            _proxy,
+        } = setup().await;
+        let (sb, _, gw) = sandbox(
+            &net,
+            &[
+                ("public.test", true),
+                ("mixed.test", true),
+                ("private.test", true),
+                ("alias.test", true),
+            ],
+        )
+        .await;
+
+        // Before any answer, nothing is reachable.
+        assert_dropped(&sb.ns, None, (PUBLIC_A, 80));
+        assert_dropped(&sb.ns, None, (PUBLIC_B, 80));
+
+        // An allowed name (asking the gateway, as resolv.conf says): answered, and its
+        // address passes at once, with no wait after the answer.
+        let a = ask(&sb.ns, at(gw), "public.test.", RecordType::A, false).unwrap();
+        assert_eq!(a, ok(&["A 192.0.2.10"]));
+        assert_passes(&sb.ns, (PUBLIC_A, 80));
+        // Subdomains of an allowed domain are allowed.
+        let a = ask(&sb.ns, at(gw), "sub.public.test.", RecordType::A, true).unwrap();
+        assert_eq!(a, ok(&["A 192.0.2.10"]));
+
+        // A name that is not allowed: NXDOMAIN, over UDP and TCP, and the upstream never
+        // hears of it; nor of a parent of an allowed name.
+        for tcp in [false, true] {
+            for name in ["denied.test.", "secret-data.exfil.test.", "test."] {
+                let a = ask(&sb.ns, at(gw), name, RecordType::A, tcp).unwrap();
+                assert_eq!(a, nxdomain(), "{name} tcp={tcp}");
+                let a = ask(&sb.ns, at(gw), name, RecordType::TXT, tcp).unwrap();
+                assert_eq!(a, nxdomain(), "{name} TXT tcp={tcp}");
+            }
+        }
+        let upstream_saw = asked(&log);
+        for n in ["denied.test", "secret-data.exfil.test", "test"] {
+            assert!(
+                !upstream_saw.contains(&n.to_string()),
+                "{n} reached the upstream: {upstream_saw:?}"
+            );
+        }
+
+        // DNS rebinding: a private answer is shown but never opened; a mixed answer opens
+        // only its public address.
+        let a = ask(&sb.ns, at(gw), "private.test.", RecordType::A, false).unwrap();
+        assert_eq!(a, ok(&["A 10.30.0.10"]));
+        assert_dropped(&sb.ns, None, (PRIVATE, 80));
+        let a = ask(&sb.ns, at(gw), "mixed.test.", RecordType::A, false).unwrap();
+        assert_eq!(a, ok(&["A 198.51.100.10", "A 10.30.0.10"]));
+        assert_passes(&sb.ns, (PUBLIC_B, 80));
+        assert_dropped(&sb.ns, None, (PRIVATE, 80));
+
+        // A CNAME chain: the final addresses count for the name asked.
+        let a = ask(&sb.ns, at(gw), "alias.test.", RecordType::A, false).unwrap();
+        assert_eq!(a, ok(&["CNAME public.test.", "A 192.0.2.10"]));
+
+        // No IPv6: AAAA of an allowed name is empty, and not asked upstream.
+        let before = log.lock().unwrap().len();
+        let a = ask(&sb.ns, at(gw), "public.test.", RecordType::AAAA, false).unwrap();
+        assert_eq!(a, ok(&[]));
+        assert_eq!(log.lock().unwrap().len(), before);
+
+        // Queries to any other resolver are answered by the proxy, by the same rules: the
+        // test upstream itself and an address with no DNS server at all.
+        for server in [UPSTREAM, PUBLIC_B, Ipv4Addr::new(203, 0, 113, 99)] {
+            let a = ask(&sb.ns, at(server), "denied.test.", RecordType::A, false).unwrap();
+            assert_eq!(a, nxdomain(), "via {server}");
+            let a = ask(&sb.ns, at(server), "public.test.", RecordType::A, true).unwrap();
+            assert_eq!(a, ok(&["A 192.0.2.10"]), "via {server} over TCP");
+        }
+        assert!(!asked(&log).contains(&"denied.test".to_string()));
+        drop(w);
+    });
+}
+
+#[test]
+fn port_limits_star_long_names_and_strangers() {
+    if !root_or_skip() {
+        return;
+    }
+    in_fresh_netns(Some(2), || async {
+        let Setup {
+            w,
+            log,
+            net,
+            _proxy,
+        } = setup().await;
+
+        // A port limit on a domain holds for the addresses it resolves to.
+        let (limited, _, gw) = sandbox(&net, &[("public.test:8080/tcp", true)]).await;
+        let a = ask(&limited.ns, at(gw), "public.test.", RecordType::A, false).unwrap();
+        assert_eq!(a, ok(&["A 192.0.2.10"]));
+        assert_passes(&limited.ns, (PUBLIC_A, 8080));
+        assert_dropped(&limited.ns, None, (PUBLIC_A, 80));
+        // What one sandbox resolved opens nothing for another.
+        let (other, _, gw2) = sandbox(&net, &[("other.test", true)]).await;
+        assert_dropped(&other.ns, None, (PUBLIC_A, 8080));
+        let a = ask(&other.ns, at(gw2), "public.test.", RecordType::A, false).unwrap();
+        assert_eq!(a, nxdomain());
+
+        // `*`: every name resolves (the longest a name can be included), public addresses
+        // pass, private ones do not.
+        let (star, _, gw3) = sandbox(&net, &[("*", true)]).await;
+        let long = format!("{}.", long_name());
+        let a = ask(&star.ns, at(gw3), &long, RecordType::A, true).unwrap();
+        assert_eq!(a, ok(&["A 198.51.100.10"]));
+        // Over UDP without EDNS the answer exceeds 512 bytes: truncated, as a resolver
+        // expects before it asks again over TCP.
+        let a = ask(&star.ns, at(gw3), &long, RecordType::A, false).unwrap();
+        assert!(a.truncated && a.code == ResponseCode::NoError, "{a:?}");
+        let a = ask(&star.ns, at(gw3), "private.test.", RecordType::A, true).unwrap();
+        assert_eq!(a, ok(&["A 10.30.0.10"]));
+        assert_dropped(&star.ns, None, (PRIVATE, 80));
+        let a = ask(&star.ns, at(gw3), "nowhere.test.", RecordType::A, false).unwrap();
+        assert_eq!(a, nxdomain(), "the upstream's own NXDOMAIN passes through");
+        assert!(asked(&log).contains(&"nowhere.test".to_string()));
+
+        // Nothing but a sandbox reaches the proxy: not the host itself.
+        let host = std::fs::File::open("/proc/thread-self/ns/net").unwrap();
+        let e = ask(
+            &host,
+            SocketAddr::from((gw, DNS_PORT)),
+            "public.test.",
+            RecordType::A,
+            false,
+        )
+        .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+
+        // A sandbox that is gone gets no answers, and its addresses no longer pass.
+        let (gone, slot, gw4) = sandbox(&net, &[("public.test", true)]).await;
+        let a = ask(&gone.ns, at(gw4), "public.test.", RecordType::A, false).unwrap();
+        assert_eq!(a, ok(&["A 192.0.2.10"]));
+        net.release(slot).await.unwrap();
+        assert!(net
+            .sandbox_policy(Ipv4Addr::from(u32::from(gw4) + 1))
+            .is_none());
+        drop(w);
+    });
+}
