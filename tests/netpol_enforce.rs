@@ -219,6 +219,8 @@ fn detach_leaves_nothing_of_the_sandbox() {
             "ip daddr 192.0.2.0/24 accept",
             "ip daddr @dns-7-all accept",
             "udp dport 53 dnat ip to 10.88.0.29:15353",
+            // ICMP errors about its own connections reach it whatever the port limits.
+            "meta l4proto icmp ct state related accept",
         ] {
             assert!(listed.contains(want), "no {want:?} in:\n{listed}");
         }
@@ -231,5 +233,38 @@ fn detach_leaves_nothing_of_the_sandbox() {
         drop(sb);
         assert!(fw.remove().unwrap());
         assert!(!fw.remove().unwrap());
+    });
+}
+
+#[test]
+fn a_released_slot_is_the_last_handed_out_again() {
+    if !root_or_skip() {
+        return;
+    }
+    in_fresh_netns(None, || async {
+        // Four slots in a /28.
+        let subnet = "10.88.0.0/28".parse().unwrap();
+        let net = opendsec::netpol::network::Network::start(
+            "e1",
+            subnet,
+            DNS_PORT,
+            ClusterRules::default(),
+        )
+        .unwrap();
+        assert_eq!(net.reserve().unwrap(), 0);
+        assert_eq!(net.reserve().unwrap(), 1);
+        net.release(0).await.unwrap();
+        // Not 0 again at once: the kernel may still track its address's connections.
+        assert_eq!(net.reserve().unwrap(), 2);
+        assert_eq!(net.reserve().unwrap(), 3);
+        assert_eq!(net.reserve().unwrap(), 0);
+        let e = net.reserve().unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "sandbox network 10.88.0.0/28: all 4 addresses are in use"
+        );
+        net.release(2).await.unwrap();
+        assert_eq!(net.reserve().unwrap(), 2);
+        assert!(net.shutdown().await.is_ok());
     });
 }

@@ -141,6 +141,11 @@ fn attach_links_the_sandbox_and_detach_removes_everything() {
                 .trim(),
             "1"
         );
+        // The host's veth answers ARP for its gateway address only.
+        for (key, want) in [("arp_ignore", "1"), ("arp_announce", "2")] {
+            let path = format!("/proc/sys/net/ipv4/conf/odsv0a580004/{key}");
+            assert_eq!(std::fs::read_to_string(path).unwrap().trim(), want, "{key}");
+        }
         assert_eq!(
             host_ip(&["-d", "link", "show", "odsv0a580004"])[0]["inet6_addr_gen_mode"],
             "none"

@@ -159,6 +159,13 @@ pub enum LinkError {
         ifname: String,
         side: Side,
     },
+    /// Restricting the host-side veth's ARP answers failed (its sysctls).
+    #[error("veth {host}: restricting its ARP answers")]
+    Arp {
+        host: String,
+        #[source]
+        source: io::Error,
+    },
     /// Turning IPv6 off on an interface failed (its sysctl or its address generation mode).
     #[error("veth {host}: turning IPv6 off on {ifname} in the {side}")]
     Ipv6Off {
@@ -452,6 +459,20 @@ fn disable_ipv6(ifname: &str) -> io::Result<Ipv6> {
     Ok(Ipv6::Off)
 }
 
+/// `arp_ignore = 1` and `arp_announce = 2` on host-side veth `ifname` (calling thread's
+/// netns): by default Linux answers ARP on any interface for any of the host's addresses,
+/// which would show a sandbox the host's other addresses; now the veth answers for its
+/// gateway address only, and asks with it.
+fn arp_for_own_address_only(ifname: &str) -> io::Result<()> {
+    let conf = Path::new("/proc/sys/net/ipv4/conf").join(ifname);
+    for (key, value) in [("arp_ignore", b"1"), ("arp_announce", b"2")] {
+        let path = conf.join(key);
+        std::fs::write(&path, value)
+            .map_err(|e| io::Error::new(e.kind(), format!("writing {}: {e}", path.display())))?;
+    }
+    Ok(())
+}
+
 /// Step 1: the pair, the peer made directly inside `netns` as `eth0`.
 async fn create_pair(nl: &Netlink, netns: BorrowedFd<'_>, host: &str) -> Result<(), LinkError> {
     let peer = LinkUnspec::new_with_name(SANDBOX_IFNAME)
@@ -489,6 +510,10 @@ async fn configure(
     if host_ipv6 == Ipv6::Off {
         no_addr_gen(nl, host_index, host, host, Side::Host).await?;
     }
+    arp_for_own_address_only(host).map_err(|source| LinkError::Arp {
+        host: host.into(),
+        source,
+    })?;
     add_address(nl, host_index, a.gateway, host, host, Side::Host).await?;
     set_up(nl, host_index, host, host, Side::Host).await?;
 

@@ -45,6 +45,8 @@ pub struct Network {
     rules: ClusterRules,
     firewall: Firewall,
     held: Mutex<BTreeSet<u32>>,
+    /// Where [`Network::reserve`] looks first.
+    next: Mutex<u32>,
     /// The policy of each attached slot: what the DNS proxy answers by. Written after the
     /// table, so a name the proxy allows always has its sets in the table.
     policies: RwLock<HashMap<u32, Arc<Policy>>>,
@@ -83,6 +85,7 @@ impl Network {
             rules,
             firewall,
             held: Mutex::new(BTreeSet::new()),
+            next: Mutex::new(0),
             policies: RwLock::new(HashMap::new()),
         })
     }
@@ -156,25 +159,27 @@ impl Network {
         self.rules.resolve(rules)
     }
 
-    /// Takes the lowest free slot for a new sandbox.
+    /// Takes a free slot for a new sandbox: the first free one after the slot handed out
+    /// last, wrapping around, so that a slot just released (whose address the kernel's
+    /// connection tracking may still remember) is the last to be used again.
     /// Errors: [`NetworkError::Exhausted`].
     pub fn reserve(&self) -> Result<u32, NetworkError> {
         let mut held = self.held();
-        // The first gap: slots are held densely from 0, so this is short in practice.
-        let mut slot = 0u32;
-        for &h in held.iter() {
-            if h != slot {
-                break;
-            }
-            slot += 1;
-        }
-        if slot >= self.slots {
+        let mut next = match self.next.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        let free = (*next..self.slots)
+            .chain(0..*next)
+            .find(|s| !held.contains(s));
+        let Some(slot) = free else {
             return Err(NetworkError::Exhausted {
                 subnet: self.subnet,
                 slots: self.slots,
             });
-        }
+        };
         held.insert(slot);
+        *next = (slot + 1) % self.slots;
         Ok(slot)
     }
 

@@ -34,7 +34,9 @@
 //! - A sandbox's own `out-<N>` chain decides every packet it sends, established connections
 //!   included, in the order of [`sandbox_rules`]; falling off its end returns to `fwd`, which
 //!   drops. `in-<N>` is the same policy seen from the replies (source address and port), so
-//!   taking a rule back stops a connection in both directions at once. New connections into
+//!   taking a rule back stops a connection in both directions at once; it first accepts the
+//!   ICMP errors conntrack relates to the sandbox's connections (path MTU discovery needs
+//!   them, and they come from no port a limit names). New connections into
 //!   a sandbox never match `ingress` and are dropped, and `fwd` checks that before the
 //!   sender's chain, whose accept would otherwise end the evaluation: a sandbox whose rules
 //!   allow its neighbours' addresses (`10.0.0.0/8`) still cannot open a connection to one.
@@ -204,14 +206,15 @@ impl R {
                 .e(Cmp::new(CmpOp::Lte, hi.to_be_bytes()))
         }
     }
-    fn established(self) -> Result<R, rustables::error::BuilderError> {
+    /// `ct state` one of `states` (a mask of `CT_*`).
+    fn ct_state(self, states: u32) -> Result<R, rustables::error::BuilderError> {
         Ok(self
             .e(Conntrack::new(ConntrackKey::State))
-            .e(Bitwise::new(
-                (CT_ESTABLISHED | CT_RELATED).to_ne_bytes(),
-                0u32.to_ne_bytes(),
-            )?)
+            .e(Bitwise::new(states.to_ne_bytes(), 0u32.to_ne_bytes())?)
             .e(Cmp::new(CmpOp::Neq, 0u32.to_ne_bytes())))
+    }
+    fn established(self) -> Result<R, rustables::error::BuilderError> {
+        self.ct_state(CT_ESTABLISHED | CT_RELATED)
     }
     fn verdict(self, v: VerdictKind) -> R {
         self.e(Immediate::new_verdict(v))
@@ -744,6 +747,20 @@ fn sandbox_rules(
 ) -> Result<Vec<R>, rustables::error::BuilderError> {
     let source = dir == Dir::In;
     let mut out = Vec::new();
+    if dir == Dir::In {
+        // ICMP errors about a connection the sandbox opened (fragmentation needed, a host
+        // unreachable) come from whichever router saw the packet, from no port: without this
+        // a port limit would drop them, and path MTU discovery with them. Conntrack marks
+        // only such errors `related` in ICMP; they carry no new connection.
+        out.push(
+            R::new(c)?
+                .ipv4()
+                .e(Meta::new(MetaType::L4Proto))
+                .e(Cmp::new(CmpOp::Eq, [libc::IPPROTO_ICMP as u8]))
+                .ct_state(CT_RELATED)?
+                .accept(),
+        );
+    }
     // One rule per protocol a limit allows (both for a limit without `/tcp` or `/udp`).
     let limited = |base: R, limit: PortLimit| -> Vec<R> {
         match limit {
