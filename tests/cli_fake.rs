@@ -42,6 +42,7 @@ struct Fake {
     last_fork: Mutex<Option<pb::ForkSandboxRequest>>,
     last_project: Mutex<Option<pb::CreateProjectRequest>>,
     last_shell: Mutex<Option<pb::RunShellRequest>>,
+    last_network: Mutex<Option<pb::UpdateNetworkRequest>>,
     restored: Mutex<Option<Vec<u8>>>,
     flaky_done: AtomicBool,
 }
@@ -200,6 +201,18 @@ dsec_impl!({
         let id = r.get_ref().id.clone();
         let mut resp = sandbox_call(self, &r, &id)?;
         resp.get_mut().message = format!("timeout {}", r.get_ref().timeout_s);
+        Ok(resp)
+    }
+    /// Answers with the rules it was sent as the sandbox's (as if replaced).
+    async fn update_network(&self, r: Request<pb::UpdateNetworkRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        let id = r.get_ref().id.clone();
+        let mut resp = sandbox_call(self, &r, &id)?;
+        let req = r.into_inner();
+        resp.get_mut().spec = Some(pb::SandboxSpec {
+            network_rules: req.rules.clone(),
+            ..Default::default()
+        });
+        *self.last_network.lock().unwrap() = Some(req);
         Ok(resp)
     }
     async fn list_sandboxes(&self, r: Request<pb::ListSandboxesRequest>) -> Result<Response<pb::ListSandboxesResponse>, Status> {
@@ -580,6 +593,100 @@ async fn sandbox_json_and_error_format() {
     assert_eq!(r.json()["draining"], true);
     let r = ctl(&s.addr, &["edge", "drain", "edge-1", "-undo"]).await;
     assert!(r.json().get("draining").is_none());
+}
+
+/// `sandbox network ID RULES... [-replace]`: rules as separate words (a comma also
+/// separates them), `!` taking one back; checked before anything is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_network_sends_rules_and_checks_them_first() {
+    let s = start().await;
+    let r = ctl(
+        &s.addr,
+        &[
+            "sandbox",
+            "network",
+            "edge-1.abc",
+            "pypi",
+            "github.com:443,192.0.2.0/24:80/tcp",
+            "!npm",
+        ],
+    )
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["id"], "edge-1.abc");
+    assert_eq!(
+        r.json()["spec"]["network_rules"]["!npm"],
+        serde_json::Value::Null
+    );
+    assert_eq!(r.json()["spec"]["network_rules"]["npm"], false);
+    let sent = s.fake.last_network.lock().unwrap().take().unwrap();
+    assert_eq!((sent.id.as_str(), sent.replace), ("edge-1.abc", false));
+    assert_eq!(
+        sent.rules,
+        [
+            ("pypi".to_string(), true),
+            ("github.com:443".to_string(), true),
+            ("192.0.2.0/24:80/tcp".to_string(), true),
+            ("npm".to_string(), false)
+        ]
+        .into()
+    );
+    // -replace, before or after the rules; alone it takes every rule back.
+    let r = ctl(
+        &s.addr,
+        &["sandbox", "network", "-replace", "edge-1.abc", "*"],
+    )
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let sent = s.fake.last_network.lock().unwrap().take().unwrap();
+    assert!(sent.replace);
+    assert_eq!(sent.rules, [("*".to_string(), true)].into());
+    let r = ctl(&s.addr, &["sandbox", "network", "edge-1.abc", "-replace"]).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let sent = s.fake.last_network.lock().unwrap().take().unwrap();
+    assert!(sent.replace && sent.rules.is_empty());
+
+    let before = s.fake.calls.load(Ordering::SeqCst);
+    for (args, want) in [
+        (
+            &["sandbox", "network", "edge-1.abc", "x.io:70000"][..],
+            "error: invalid: RULES: network rule \"x.io:70000\": port outside 1-65535",
+        ),
+        (
+            &["sandbox", "network", "edge-1.abc", "pypi", "!pypi"],
+            "error: invalid: RULES: ",
+        ),
+        (
+            &["sandbox", "network", "edge-1.abc", "pypi,"],
+            "error: invalid: RULES: bad rule \"\"",
+        ),
+        (
+            &["sandbox", "network", "edge-1.abc"],
+            "error: invalid: RULES: give at least one rule",
+        ),
+        (
+            &["sandbox", "network", "bad id", "pypi"],
+            "error: invalid: bad sandbox id",
+        ),
+    ] {
+        let r = ctl(&s.addr, args).await;
+        assert_eq!(r.code, 2, "{args:?}: {}", r.stderr);
+        assert!(r.stderr.starts_with(want), "{args:?}: {}", r.stderr);
+    }
+    assert_eq!(
+        s.fake.calls.load(Ordering::SeqCst),
+        before,
+        "nothing was sent for bad input"
+    );
+    let r = ctl(&s.addr, &["sandbox", "network", "missing", "pypi"]).await;
+    assert_eq!(
+        (r.code, r.stderr.as_str()),
+        (
+            1,
+            "error: not_found: sandbox missing not found
+"
+        )
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

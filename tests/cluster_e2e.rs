@@ -504,6 +504,116 @@ async fn quotas_and_permissions_through_the_apiserver() {
     cluster.down().await;
 }
 
+/// `UpdateNetwork` through the apiserver: rules are checked there (a malformed rule or an
+/// unknown rule set is `invalid` naming it, and no edge is asked), `sandbox.operate` is
+/// needed, and the edge answers for its networking (off on sim edges: an allowance is
+/// refused naming the setting, taking rules back is fine) and for ended sandboxes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn update_network_through_the_apiserver() {
+    let (cluster, mut c, _d) = up(1).await;
+    let t = cluster.admin_token.clone();
+    let sb = c
+        .create_sandbox(with_token(
+            pb::CreateSandboxRequest {
+                spec: Some(spec()),
+                ..Default::default()
+            },
+            &t,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    let update = |rules: &[(&str, bool)], replace: bool| pb::UpdateNetworkRequest {
+        id: sb.id.clone(),
+        rules: rules.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        replace,
+    };
+    let fail = |e: tonic::Status| failure_from_status(&e);
+    for (rules, says) in [
+        (
+            &[("x.io:70000", true)][..],
+            "rules: network rule \"x.io:70000\": port outside 1-65535",
+        ),
+        (
+            &[("npm", true)],
+            "rules: network rule \"npm\": no rule set named \"npm\"",
+        ),
+        (
+            &[("github.com", true), ("*.github.com", false)],
+            "are the same rule with different values",
+        ),
+    ] {
+        let f = fail(
+            c.update_network(with_token(update(rules, false), &t))
+                .await
+                .unwrap_err(),
+        );
+        assert_eq!(f.reason, Reason::Invalid, "{rules:?}");
+        assert!(f.message.contains(says), "{rules:?}: {}", f.message);
+    }
+    let f = fail(
+        c.update_network(with_token(update(&[("192.0.2.10", true)], false), &t))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(f.reason, Reason::Invalid);
+    assert!(
+        f.message.contains("edges[].network.enabled is false"),
+        "{}",
+        f.message
+    );
+    let got = c
+        .update_network(with_token(update(&[("*", false)], false), &t))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        got.spec.unwrap().network_rules,
+        [("*".to_string(), false)].into()
+    );
+    let got = c
+        .get_sandbox(with_token(pb::SandboxRef { id: sb.id.clone() }, &t))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        got.spec.unwrap().network_rules,
+        [("*".to_string(), false)].into()
+    );
+
+    // A principal without sandbox.operate on the sandbox's project.
+    let p = c
+        .create_principal(with_token(
+            pb::CreatePrincipalRequest {
+                project: "root".into(),
+                principal_id: "viewer".into(),
+                kind: "agent".into(),
+                ttl: 0,
+            },
+            &t,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    let f = fail(
+        c.update_network(with_token(update(&[], true), &p.token))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(f.reason, Reason::Forbidden);
+
+    c.stop_sandbox(with_token(pb::SandboxRef { id: sb.id.clone() }, &t))
+        .await
+        .unwrap();
+    let f = fail(
+        c.update_network(with_token(update(&[], true), &t))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(f.reason, Reason::Conflict);
+    cluster.down().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_audit_log_records_calls_and_only_digests_of_commands() {
     let dir = tempfile::tempdir().unwrap();

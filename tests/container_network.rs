@@ -3,8 +3,9 @@
 //! netns behind one uplink, tests/common/netns.rs). A sandbox gets `eth0` with its /30, a
 //! default route and `/etc/resolv.conf` naming its gateway; its rules hold (an allowed
 //! address answers, the rest times out); a restarted edge adopts it with its rules and
-//! removes strays; a stop and a failed creation leave no veth, chain or rule; with
-//! networking off a sandbox has only `lo`. Root only.
+//! removes strays; a stop and a failed creation leave no veth, chain or rule; a rule update
+//! applies at once, and taking an allowance back cuts an open connection; with networking
+//! off a sandbox has only `lo`. Root only.
 
 #![allow(
     clippy::unwrap_used,
@@ -134,6 +135,62 @@ send("10.88.0.2", b"own")
 print("sent")
 EOF"#;
 
+fn with_rules<'a>(
+    id: &'a str,
+    spec: &'a pb::SandboxSpec,
+    state: &'a serde_json::Value,
+) -> Handle<'a> {
+    Handle {
+        sandbox_id: id,
+        spec,
+        state,
+    }
+}
+
+/// Starts `cmd` with bash in the sandbox without waiting for it.
+async fn sh_background(b: &Arc<dyn Backend>, h: &Handle<'_>, cmd: &str) {
+    let ch = b.runtime().unwrap().channel(h).await.unwrap();
+    RuntimeClient::new(ch)
+        .run_shell(pb::RunShellRequest {
+            sandbox_id: h.sandbox_id.into(),
+            cmd: cmd.into(),
+            session: "held".into(),
+            background: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+}
+
+/// The contents of `path` in the sandbox once it is not empty (up to 10 s), or "".
+async fn wait_for_file(b: &Arc<dyn Backend>, h: &Handle<'_>, path: &str) -> String {
+    let (_, out) = sh(
+        b,
+        h,
+        &format!("for i in $(seq 200); do [ -s {path} ] && break; sleep 0.05; done; cat {path} 2>/dev/null"),
+    )
+    .await;
+    out
+}
+
+/// One TCP connection to 192.0.2.10:80 held open from inside a sandbox: an echo of `one`
+/// is written to /tmp/c1; once /tmp/go exists, `two` is sent on the same connection and
+/// /tmp/c2 gets its echo, or `timeout` when none came within 2 s.
+const HELD_TCP: &str = r#"python3 - >/tmp/held.log 2>&1 <<'EOF'
+import os, socket, time
+s = socket.create_connection(("192.0.2.10", 80), timeout=2)
+s.sendall(b"one\n")
+open("/tmp/c1", "w").write(s.recv(16).decode())
+while not os.path.exists("/tmp/go"):
+    time.sleep(0.02)
+s.sendall(b"two\n")
+try:
+    got = s.recv(16).decode()
+except socket.timeout:
+    got = "timeout"
+open("/tmp/c2", "w").write(got)
+EOF"#;
+
 fn host_links() -> Vec<String> {
     names(&host_ip(&["link", "show"]))
 }
@@ -241,6 +298,72 @@ fn a_networked_sandbox_lives_and_dies_with_its_network() {
         assert!(run("nft", &["list", "tables"]).contains("inet opendsec-cn"));
         b2.release_node().await.unwrap();
         assert_eq!(run("nft", &["list", "tables"]), "");
+    });
+}
+
+/// `UpdateNetwork` at the backend: an allowance applies at once; a rule that does not
+/// resolve changes nothing; taking the allowance back (replacing the rules with none) stops
+/// an open TCP connection from passing data at once; a paused sandbox's rules change too
+/// and hold once it resumes.
+#[test]
+fn a_rule_update_applies_at_once_and_taking_it_back_cuts_open_connections() {
+    if !root_or_skip() {
+        return;
+    }
+    in_fresh_netns(Some(2), || async {
+        let _w = world();
+        let tmp = tempfile::tempdir().unwrap();
+        let net = network();
+        let b = backend(tmp.path(), Some(net.clone()));
+        let id = format!("{EDGE}.upd");
+        let (none, open, bad) = (
+            spec(&[]),
+            spec(&[("192.0.2.10", true)]),
+            spec(&[("npm", true)]),
+        );
+        let st = create(&b, &id, &none).await.unwrap();
+        // The edge hands the backend the sandbox's spec with the new rules.
+        let handle = |s| with_rules(&id, s, &st);
+        let (none, open, bad) = (&none, &open, &bad);
+        // Created with no allowance: the test host does not answer.
+        assert_eq!(reach(&b, &handle(none), "192.0.2.10", 80).await, "timeout");
+
+        b.update_network(&handle(open)).await.unwrap();
+        let h = handle(open);
+        assert_eq!(reach(&b, &h, "192.0.2.10", 80).await, "echo");
+        assert_eq!(reach(&b, &h, "192.0.2.10", 443).await, "echo");
+        assert_eq!(reach(&b, &h, "198.51.100.10", 80).await, "timeout");
+
+        // A rule set the config lacks: invalid, and the rules in force stay.
+        let e = b.update_network(&handle(bad)).await.unwrap_err();
+        assert_eq!(e.reason(), Reason::Invalid);
+        assert!(e.to_string().contains("no rule set named"), "{e}");
+        assert_eq!(reach(&b, &h, "192.0.2.10", 80).await, "echo");
+
+        // A connection opened while allowed, then the allowance taken back.
+        sh_background(&b, &h, HELD_TCP).await;
+        assert_eq!(wait_for_file(&b, &h, "/tmp/c1").await, "one\n");
+        b.update_network(&handle(none)).await.unwrap();
+        let h = handle(none);
+        sh(&b, &h, "touch /tmp/go").await;
+        assert_eq!(
+            wait_for_file(&b, &h, "/tmp/c2").await,
+            "timeout",
+            "{}",
+            sh(&b, &h, "cat /tmp/held.log").await.1
+        );
+        assert_eq!(reach(&b, &h, "192.0.2.10", 80).await, "timeout");
+
+        // Paused (frozen), its chains still change; resumed, it has the new rules.
+        b.pause(&h).await.unwrap();
+        b.update_network(&handle(open)).await.unwrap();
+        let h = handle(open);
+        b.resume(&h).await.unwrap();
+        assert_eq!(reach(&b, &h, "192.0.2.10", 80).await, "echo");
+
+        b.stop(&h).await.unwrap();
+        assert_eq!(host_links(), ["lo", "up0"]);
+        assert!(net.firewall().slots().unwrap().is_empty());
     });
 }
 

@@ -192,6 +192,19 @@ pub trait Backend: Send + Sync {
         sandbox: &Handle<'_>,
         recorded: Recorded,
     ) -> Result<Adopted, BackendError>;
+    /// Applies a running or paused sandbox's changed `network_rules` at once
+    /// (`UpdateNetwork`, docs/network.md "Changing a sandbox's rules"): `sandbox.spec` carries
+    /// the new rules. The edge calls it under the sandbox's operation lock and records the
+    /// rules only when it succeeds, so on error the sandbox keeps its old rules, in force and
+    /// on record. A paused sandbox's rules change too (its resume needs nothing more).
+    /// The default suits backends whose sandboxes have no network of their own (sim): there
+    /// is nothing to apply, the record is all.
+    /// Errors: `Invalid` naming a rule that does not resolve, or when the sandbox has no
+    /// network to apply allowances to; `Step` when the rules could not be written (the old
+    /// ones stay in force).
+    async fn update_network(&self, _sandbox: &Handle<'_>) -> Result<(), BackendError> {
+        Ok(())
+    }
     /// Removes what is left on the node of sandboxes whose ids are not in `keep` (cgroups,
     /// processes, disks, networks). Called once at start, after adoption.
     async fn cleanup(&self, keep: &HashSet<String>) -> Result<CleanupReport, BackendError>;

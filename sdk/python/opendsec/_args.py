@@ -73,6 +73,28 @@ def data(v: object) -> memoryview:
     raise TypeError(f"data must be bytes or str, not {type(v).__name__}")
 
 
+def boolean(name: str, v: object) -> bool:
+    """``v`` as a ``bool``: only ``True`` or ``False`` (``"false"`` would be true)."""
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, not {type(v).__name__}")
+    return v
+
+
+def net_rules(v: Optional[object]) -> dict[str, bool]:
+    """Network rules (docs/network.md): a ``dict`` of rule (``str``, not empty) to ``bool``
+    (``None`` is empty). The rules' syntax is the server's to check; errors here name the
+    rule whose key or value has the wrong type."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise TypeError(f"network rules must be a dict of rule to bool, not {type(v).__name__}")
+    out: dict[str, bool] = {}
+    for k, allowed in v.items():
+        rule = text("network rule", k, empty=False)
+        out[rule] = boolean(f"network rule {rule!r}", allowed)
+    return out
+
+
 def str_map(what: str, v: Optional[object], check_key: Callable[[object], str]) -> dict[str, str]:
     """A ``dict`` of ``str`` to ``str`` named ``what`` (``None`` is empty): each key through
     ``check_key``, which returns it or raises naming it; each value :func:`text`, named

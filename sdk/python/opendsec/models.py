@@ -86,9 +86,7 @@ class DSecRunArgs:
             disk_mb=_args.integer("disk_mb", self.disk_mb),
             ttl_running_stop=_args.integer("ttl_running_stop", self.ttl_running_stop),
             ttl_max=_args.integer("ttl_max", self.ttl_max),
-            network_rules={
-                _args.text("network rule", k): bool(v) for k, v in (self.network_rules or {}).items()
-            },
+            network_rules=_args.net_rules(self.network_rules),
             init_user=_args.text("init_user", self.init_user),
             task_id=_args.text("task_id", self.task_id),
             qos=_args.text("qos", self.qos),

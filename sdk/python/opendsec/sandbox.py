@@ -106,6 +106,27 @@ class Sandbox:
         self.info = await self._client._unary("SetSandboxTimeout", req, retry=True)
         return self
 
+    async def update_network(self, rules: dict[str, bool], replace: bool = False) -> "Sandbox":
+        """Changes the sandbox's network rules (docs/network.md); returns ``self``, whose
+        ``info.spec.network_rules`` are the rules now in force.
+
+        ``rules`` maps each rule to ``True`` (allow) or ``False`` (take back), as
+        ``DSecRunArgs.network_rules``. By default they are merged into the sandbox's current
+        rules, a given rule replacing any spelling of the same rule; with ``replace=True``
+        they replace the current rules entirely (``{}`` takes every one back; the cluster's
+        default rules still apply). New allowances apply at once; taking one back also cuts
+        the sandbox's open connections it allowed. Works on running and paused sandboxes.
+        Needs ``sandbox.operate``. Not retried: on ``unavailable`` the caller decides (the
+        same call again is harmless). Raises ``DSecError``: ``invalid`` (a malformed rule or
+        an unknown rule set, named; more than 1024 rules; allowances on a node without sandbox
+        networking), ``conflict`` (a stopped sandbox), ``forbidden``, ``not_found``.
+        """
+        req = opendsec_pb2.UpdateNetworkRequest(
+            id=self.id, rules=_args.net_rules(rules), replace=_args.boolean("replace", replace)
+        )
+        self.info = await self._client._unary("UpdateNetwork", req, retry=False)
+        return self
+
     # ---------------------------------------------------------------- images
 
     async def pack_diff(self, image: str, scrub: Sequence[str] = (), overwrite: bool = False) -> ImageInfo:

@@ -96,6 +96,7 @@ class FakeDSec:
         self.stream_resume_overlap = 0  # StreamOutput resends this many bytes before the offset
         self.stream_requests: list[tuple[str, object]] = []
         self.files: dict[str, bytes] = {}
+        self.network_requests: list[opendsec_pb2.UpdateNetworkRequest] = []
 
     # ------------------------------------------------------------ helpers
 
@@ -199,6 +200,15 @@ class FakeDSec:
         await self._enter("SetSandboxTimeout", context)
         sb = await self._get(request.id, context)
         sb.spec.ttl_max = request.timeout_s
+        return sb
+
+    async def UpdateNetwork(self, request, context):
+        await self._enter("UpdateNetwork", context)
+        sb = await self._get(request.id, context)
+        self.network_requests.append(request)
+        if request.replace:
+            sb.spec.network_rules.clear()
+        sb.spec.network_rules.update(dict(request.rules))
         return sb
 
     async def PauseTask(self, request, context):

@@ -91,6 +91,34 @@ async def test_sandbox_lifecycle(cluster):
         assert ei.value.reason == opendsec.NOT_FOUND
 
 
+async def test_update_network(cluster):
+    # The simulated edges have no sandbox networking: rules that allow something are refused
+    # naming the node setting; rules are checked by the apiserver first; taking rules back
+    # works and shows in the record.
+    async with admin(cluster) as c:
+        sb = await c.run_sandbox(DSecRunArgs(backend="sim"))
+        try:
+            with pytest.raises(DSecError) as ei:
+                await sb.update_network({"x.io:70000": True})
+            assert ei.value.reason == opendsec.INVALID
+            assert 'network rule "x.io:70000": port outside 1-65535' in ei.value.message
+            with pytest.raises(DSecError) as ei:
+                await sb.update_network({"192.0.2.10": True})
+            assert ei.value.reason == opendsec.INVALID
+            assert "edges[].network.enabled is false" in ei.value.message
+
+            await sb.update_network({"*": False})
+            assert dict(sb.info.spec.network_rules) == {"*": False}
+            assert dict((await c.get_sandbox(sb.id)).info.spec.network_rules) == {"*": False}
+            await sb.update_network({}, replace=True)
+            assert dict(sb.info.spec.network_rules) == {}
+        finally:
+            await sb.stop()
+        with pytest.raises(DSecError) as ei:
+            await sb.update_network({}, replace=True)
+        assert ei.value.reason == opendsec.CONFLICT
+
+
 async def test_run_sandboxes_100_in_order_and_task_actions(cluster):
     task = uniq("batch")
     async with admin(cluster) as c:

@@ -200,6 +200,7 @@ async def test_retries_stop_after_retry_timeout():
         ("WhoAmI", lambda sb, c: c.whoami()),
         ("CreateProject", lambda sb, c: c.create_project("root", "p")),
         ("GetUsage", lambda sb, c: c.get_usage()),
+        ("UpdateNetwork", lambda sb, c: sb.update_network({"pypi": True})),
     ],
 )
 async def test_non_retried_methods_fail_at_once(fake, method, call):
@@ -732,3 +733,42 @@ async def test_a_list_missing_an_edge_warns_naming_it(fake, caplog):
         assert [r.getMessage() for r in caplog.records] == [
             "list_sandboxes: edges node-1, node-2 did not answer: their sandboxes are not listed"
         ]
+
+
+# ------------------------------------------------------------------ network rules
+
+
+async def test_update_network_sends_rules_and_replace_and_updates_info(fake):
+    async with client_for(fake.addr) as c:
+        sb = await c.run_sandbox(DSecRunArgs(backend="sim", network_rules={"pypi": True}))
+        assert await sb.update_network({"github.com:443": True, "pypi": False}) is sb
+        req = fake.service.network_requests[-1]
+        assert (req.id, dict(req.rules), req.replace) == (sb.id, {"github.com:443": True, "pypi": False}, False)
+        assert dict(sb.info.spec.network_rules) == {"github.com:443": True, "pypi": False}
+        await sb.update_network({"192.0.2.10": True}, replace=True)
+        assert fake.service.network_requests[-1].replace is True
+        assert dict(sb.info.spec.network_rules) == {"192.0.2.10": True}
+        await sb.update_network({}, replace=True)
+        assert dict(sb.info.spec.network_rules) == {}
+
+
+@pytest.mark.parametrize(
+    "rules, replace, says",
+    [
+        (["pypi"], False, "must be a dict"),
+        ("pypi", False, "must be a dict"),
+        ({"pypi": "false"}, False, "network rule 'pypi' must be a bool, not str"),
+        ({"pypi": 1}, False, "must be a bool, not int"),
+        ({"": True}, False, "must not be empty"),
+        ({3: True}, False, "network rule must be a str"),
+        ({"pypi": True}, "yes", "replace must be a bool"),
+    ],
+)
+async def test_update_network_checks_its_arguments_before_sending(fake, rules, replace, says):
+    async with client_for(fake.addr) as c:
+        sb = await new_sandbox(c)
+        with pytest.raises(DSecError) as ei:
+            await sb.update_network(rules, replace=replace)
+    assert ei.value.reason == opendsec.INVALID
+    assert says in ei.value.message, ei.value.message
+    assert fake.service.calls["UpdateNetwork"] == 0

@@ -831,6 +831,42 @@ impl Backend for ContainerBackend {
         })
     }
 
+    async fn update_network(&self, sandbox: &Handle<'_>) -> Result<(), BackendError> {
+        let id = sandbox.sandbox_id;
+        let Some(net) = &self.network else {
+            // No networking: its sandboxes have only `lo`, and the edge refuses rules that
+            // would allow anything, so an empty set is all that gets here.
+            return Ok(());
+        };
+        let invalid = |message: String| BackendError::Invalid {
+            sandbox_id: id.to_string(),
+            message,
+        };
+        // The policy first: a rule that does not resolve changes nothing.
+        let policy = net
+            .policy(&sandbox.spec.network_rules)
+            .map_err(|e| invalid(format!("network_rules: {e}")))?;
+        let Some(slot) = Self::state_of(sandbox).net_slot else {
+            // Created while this edge's networking was off: it has only `lo`, so there is
+            // nothing to take back, and nothing an allowance of its own could open.
+            if sandbox.spec.network_rules.values().all(|allowed| !allowed) {
+                return Ok(());
+            }
+            return Err(invalid(
+                "it was created while this edge's sandbox networking was off and has only a \
+                 loopback interface; its network_rules cannot allow anything"
+                    .into(),
+            ));
+        };
+        net.update(slot, &policy)
+            .await
+            .map_err(|e| BackendError::Step {
+                op: "network update",
+                sandbox_id: id.to_string(),
+                source: Box::new(e),
+            })
+    }
+
     async fn cleanup(&self, keep: &HashSet<String>) -> Result<CleanupReport, BackendError> {
         // Only what this state dir holds is ours. A cgroup under the same edge id without a
         // directory or disk here belongs to another cluster that uses the same edge id (the

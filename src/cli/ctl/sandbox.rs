@@ -1,4 +1,4 @@
-//! `sandbox create|get|stop|pause|resume|touch|list|timeout|fork` (docs/cli.md).
+//! `sandbox create|get|stop|pause|resume|touch|list|timeout|network|fork` (docs/cli.md).
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -37,6 +37,7 @@ pub enum SandboxCmd {
     Touch(TouchArgs),
     List(ListArgs),
     Timeout(TimeoutArgs),
+    Network(NetworkArgs),
     Fork(ForkArgs),
 }
 
@@ -157,6 +158,53 @@ pub struct TimeoutArgs {
 }
 
 #[derive(FromArgs, Debug)]
+/// change a running or paused sandbox's network rules and print it (docs/network.md): RULE
+/// allows, !RULE takes back; merged into its current rules, or with -replace replacing them
+/// (-replace alone takes every rule back). Taking an allowance back cuts its open connections.
+#[argh(
+    subcommand,
+    name = "network",
+    help_triggers("-h", "--help", "help"),
+    example = "{command_name} $ID pypi github.com:443",
+    example = "{command_name} $ID '!github.com:443'",
+    example = "{command_name} $ID '*' -replace"
+)]
+pub struct NetworkArgs {
+    /// sandbox id
+    #[argh(positional)]
+    pub id: String,
+    /// rules, e.g. pypi github.com:443 '!npm' (a comma also separates rules)
+    #[argh(positional)]
+    pub rules: Vec<String>,
+    /// replace the sandbox's rules with these instead of merging them in
+    #[argh(switch)]
+    pub replace: bool,
+}
+
+impl NetworkArgs {
+    /// The request these arguments ask for. Errors: usage, naming a bad rule; no rules
+    /// without -replace (which would change nothing).
+    fn request(&self) -> Result<pb::UpdateNetworkRequest, CtlError> {
+        values::sandbox_id(&self.id)?;
+        let rules = if self.rules.is_empty() {
+            if !self.replace {
+                return Err(CtlError::usage(
+                    "RULES: give at least one rule (or -replace alone to take every rule back)",
+                ));
+            }
+            Default::default()
+        } else {
+            values::rule_list("RULES", &self.rules.join(","))?
+        };
+        Ok(pb::UpdateNetworkRequest {
+            id: self.id.clone(),
+            rules,
+            replace: self.replace,
+        })
+    }
+}
+
+#[derive(FromArgs, Debug)]
 /// copy a running sandbox into -count sandboxes with its files (docs/images.md "Fork"); one
 /// line per copy in index order ("<index> <id>" or "<index> error <reason>: <message>", tab
 /// separated) and a summary, as for create -count; exit code 1 if any copy failed
@@ -269,6 +317,14 @@ impl SandboxArgs {
                         req,
                         |mut c, r| async move { c.set_sandbox_timeout(r).await },
                     )
+                    .await?;
+                output::json(&sb)
+            }
+            SandboxCmd::Network(a) => {
+                let req = a.request()?;
+                let conn = ctx.connect()?;
+                let sb = conn
+                    .call(req, |mut c, r| async move { c.update_network(r).await })
                     .await?;
                 output::json(&sb)
             }

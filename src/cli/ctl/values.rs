@@ -111,15 +111,21 @@ pub fn duration(name: &str, s: &str) -> Result<Duration, CtlError> {
 /// Errors: usage, naming the offending entry; an empty list or a rule given both with and
 /// without `!` is one too.
 pub fn net_rules(s: &str) -> Result<HashMap<String, bool>, CtlError> {
+    rule_list("-net", s)
+}
+
+/// [`net_rules`] for rules given under another name (`what`, which starts the message):
+/// `sandbox network`'s `RULES`.
+pub fn rule_list(what: &str, s: &str) -> Result<HashMap<String, bool>, CtlError> {
     if s.split(',').any(|e| e.trim().is_empty()) {
         return Err(invalid(format!(
-            "-net: bad rule \"\": empty rule in {}",
+            "{what}: bad rule \"\": empty rule in {}",
             shown(s)
         )));
     }
     crate::netpol::parse_rule_list(s)
         .map(|m| m.into_iter().collect())
-        .map_err(|e| invalid(format!("-net: {e}")))
+        .map_err(|e| invalid(format!("{what}: {e}")))
 }
 
 /// Parses `-quota k=v,...` (docs/concepts.md): keys `sandboxes`, `cpu_cores`, `memory_mb`, `gpus`;

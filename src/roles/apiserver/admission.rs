@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::config::AdmissionConfig;
-use crate::netpol::ClusterRules;
+use crate::netpol::{ClusterRules, MAX_NETWORK_RULES};
 use crate::pb;
 use crate::types::{names, Failure};
 
@@ -79,11 +79,29 @@ const MAX_MEMORY_MB: i64 = 64 << 20;
 const MAX_DISK_MB: i64 = 64 << 20;
 const MAX_GPUS: i32 = 64;
 const MAX_LABELS: usize = 64;
-/// At most this many `network_rules` in one spec.
-const MAX_NETWORK_RULES: usize = 1024;
 const MAX_TEXT: usize = 256;
 /// At most this many `readonly_paths` and `masked_paths` together (each is a mount).
 const MAX_RESTRICTED_PATHS: usize = 64;
+
+/// Checks network rules (a spec's `network_rules`, an `UpdateNetwork`'s `rules`) as the
+/// edges will read them: at most [`MAX_NETWORK_RULES`], each well formed, rule sets known to
+/// `net` (docs/network.md "Rules"). Errors: `invalid`, the message starting with `field` and
+/// naming the offending entry.
+pub fn check_network_rules(
+    field: &str,
+    rules: &HashMap<String, bool>,
+    net: &ClusterRules,
+) -> Result<(), Failure> {
+    if rules.len() > MAX_NETWORK_RULES {
+        return Err(Failure::invalid(format!(
+            "{field}: {} given, at most {MAX_NETWORK_RULES}",
+            rules.len()
+        )));
+    }
+    net.check(rules)
+        .map_err(|e| Failure::invalid(format!("{field}: {e}")))?;
+    Ok(())
+}
 
 /// Fills the defaults (docs/concepts.md "Sandboxes") into `spec` and checks every field;
 /// `net` (the config's rule sets and default rules) checks `network_rules` (docs/network.md
@@ -224,14 +242,7 @@ pub fn normalize_spec(
             "label {k:?}: keys are 1..128 characters and values up to {MAX_TEXT}"
         )));
     }
-    if s.network_rules.len() > MAX_NETWORK_RULES {
-        return Err(Failure::invalid(format!(
-            "network_rules: {} given, at most {MAX_NETWORK_RULES}",
-            s.network_rules.len()
-        )));
-    }
-    net.check(&s.network_rules)
-        .map_err(|e| Failure::invalid(format!("network_rules: {e}")))?;
+    check_network_rules("network_rules", &s.network_rules, net)?;
     if s.readonly_paths.len() + s.masked_paths.len() > MAX_RESTRICTED_PATHS {
         return Err(Failure::invalid(format!(
             "readonly_paths and masked_paths: at most {MAX_RESTRICTED_PATHS} paths in all"

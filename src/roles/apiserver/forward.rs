@@ -154,6 +154,28 @@ impl Inner {
             .map_err(|s| failure_from_status(&s))
     }
 
+    /// `UpdateNetwork` (docs/network.md "Changing a sandbox's rules"): checks `rules` as
+    /// admission checks a spec's `network_rules` (so a malformed rule is refused here,
+    /// `invalid` naming the entry, before any edge is asked), authorizes `sandbox.operate`,
+    /// and forwards to the sandbox's edge, which merges or replaces, applies and records
+    /// them. Returns the sandbox with its new rules. Errors: `invalid`, `forbidden`,
+    /// `not_found`, the edge's (`conflict` for an ended sandbox, `invalid` on an edge
+    /// without networking).
+    pub(crate) async fn update_network(
+        &self,
+        caller: &Caller,
+        req: pb::UpdateNetworkRequest,
+    ) -> Result<pb::Sandbox, Failure> {
+        super::admission::check_network_rules("rules", &req.rules, &self.net_rules)?;
+        let addr = self.authorize_sandbox(caller, &req.id).await?;
+        self.edges
+            .edge(&addr)?
+            .update_network(self.edges.req(req))
+            .await
+            .map(|r| r.into_inner())
+            .map_err(|s| failure_from_status(&s))
+    }
+
     /// Lists the project's (and subprojects') sandboxes across every edge. An unreachable
     /// or unhealthy edge is skipped and named in `unreachable_edges`: the others' sandboxes
     /// are still listed.

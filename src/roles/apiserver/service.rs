@@ -474,6 +474,17 @@ impl pb::d_sec_server::DSec for Api {
         self.finish(call, r).map(Response::new)
     }
 
+    async fn update_network(
+        &self,
+        req: Request<pb::UpdateNetworkRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        let (caller, mut call) = self.begin(&req, "UpdateNetwork", true).await?;
+        let msg = req.into_inner();
+        call.sandbox_id = msg.id.clone();
+        let r = self.inner.update_network(&caller, msg).await;
+        self.finish(call, r).map(Response::new)
+    }
+
     async fn pause_task(
         &self,
         req: Request<pb::TaskRequest>,

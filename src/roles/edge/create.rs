@@ -51,12 +51,7 @@ impl Core {
             )));
         };
         if !self.cfg.network.enabled && !s.network_rules.is_empty() {
-            return Err(Failure::invalid(format!(
-                "network_rules: edge {} has no sandbox networking (its \
-                 edges[].network.enabled is false), so its sandboxes have only a loopback \
-                 interface; leave network_rules empty",
-                self.edge_id
-            )));
+            return Err(self.no_networking());
         }
         if !s.cpu_cores_limit.is_finite() || s.cpu_cores_limit < 0.0 {
             return Err(Failure::invalid(format!(
@@ -83,6 +78,17 @@ impl Core {
             s.disk_mb = slot.default_disk_mb;
         }
         Ok(s)
+    }
+
+    /// What a creation or `UpdateNetwork` asking for network rules gets on an edge without
+    /// sandbox networking: `invalid`, naming the node setting.
+    pub(crate) fn no_networking(&self) -> Failure {
+        Failure::invalid(format!(
+            "network_rules: edge {} has no sandbox networking (its \
+             edges[].network.enabled is false), so its sandboxes have only a loopback \
+             interface; leave network_rules empty",
+            self.edge_id
+        ))
     }
 
     /// Creates the batch's sandboxes; one result per item, in order. Errors for the whole

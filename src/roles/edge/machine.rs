@@ -5,8 +5,8 @@
 //! ever starts from a settled state. Choices for operations that do not apply:
 //! - pausing a PAUSED sandbox, resuming a RUNNING one, stopping a STOPPED or FAILED one:
 //!   the record is returned as is (idempotent);
-//! - pausing, resuming, touching or setting the timeout of an ended (STOPPED/FAILED)
-//!   sandbox: `conflict`, naming the state.
+//! - pausing, resuming, touching, setting the timeout or changing the network rules of an
+//!   ended (STOPPED/FAILED) sandbox: `conflict`, naming the state.
 
 use crate::pb::SandboxState;
 
@@ -16,7 +16,8 @@ pub enum Op {
     Pause,
     Resume,
     Stop,
-    /// Touch and SetSandboxTimeout: change the record, not the sandbox.
+    /// Touch, SetSandboxTimeout and UpdateNetwork: change the record (and for UpdateNetwork
+    /// the sandbox's rules), not its lifecycle state.
     Update,
 }
 

@@ -184,6 +184,26 @@ impl pb::edge_server::Edge for EdgeService {
         )
     }
 
+    async fn update_network(
+        &self,
+        req: Request<pb::UpdateNetworkRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        check_service_token(&req, &self.core.service_token)?;
+        let r = req.into_inner();
+        let span = self.span("UpdateNetwork", &r.id);
+        let core = self.core.clone();
+        // Detached: cut off between the backend's chains and the record, the two would
+        // disagree until the edge's next restart.
+        answer(
+            detached(
+                &self.work,
+                async move { core.update_network(&r.id, r.rules, r.replace).await }
+                    .instrument(span),
+            )
+            .await,
+        )
+    }
+
     async fn task_action(
         &self,
         req: Request<pb::EdgeTaskRequest>,

@@ -1,7 +1,7 @@
 //! Unit tests of the edge's core with a recording test backend and a fake lease sink:
 //! re-adoption from records, TTL passes at injected times, pressure and pause accounting.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -36,6 +36,12 @@ struct TestBackend {
     /// When set, each creation blocks its thread until the hold is opened (a backend whose
     /// work keeps a runtime's workers busy).
     hold: Option<Arc<Hold>>,
+    /// The rules each `update_network` was asked to apply, by sandbox.
+    networks: Mutex<Vec<(String, HashMap<String, bool>)>>,
+    /// `update_network` fails (as a container's would for a rule set the config lacks).
+    refuse_network: bool,
+    /// The rules each adopted sandbox's handle carried.
+    adopted_rules: Mutex<Vec<(String, HashMap<String, bool>)>>,
 }
 
 #[derive(Default)]
@@ -93,8 +99,19 @@ impl Backend for Arc<TestBackend> {
     async fn probe(&self, _s: &Handle<'_>) -> Health {
         Health::Alive
     }
+    async fn update_network(&self, s: &Handle<'_>) -> Result<(), BackendError> {
+        if self.refuse_network {
+            return Err(BackendError::Invalid {
+                sandbox_id: s.sandbox_id.to_string(),
+                message: "network_rules: no rule set named \"npm\"".into(),
+            });
+        }
+        lock(&self.networks).push((s.sandbox_id.to_string(), s.spec.network_rules.clone()));
+        Ok(())
+    }
     async fn adopt(&self, s: &Handle<'_>, recorded: Recorded) -> Result<Adopted, BackendError> {
         lock(&self.adopted).push((s.sandbox_id.to_string(), recorded));
+        lock(&self.adopted_rules).push((s.sandbox_id.to_string(), s.spec.network_rules.clone()));
         if self.fail_adopt.contains(s.sandbox_id) {
             return Err(BackendError::Adopt {
                 sandbox_id: s.sandbox_id.to_string(),
@@ -1135,4 +1152,245 @@ async fn network_rules_need_an_edge_with_networking() {
         .await
         .unwrap_or_else(|f| panic!("{f}"));
     assert!(out[0].error.is_none(), "{:?}", out[0].error);
+}
+
+fn rules(pairs: &[(&str, bool)]) -> HashMap<String, bool> {
+    pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+}
+
+fn networked() -> EdgeConfig {
+    let mut cfg = EdgeConfig::default();
+    cfg.network.enabled = true;
+    cfg
+}
+
+/// Creates sandbox `e1.<suffix>` with `own` as its network rules; returns its id.
+async fn create_with_rules(c: &Arc<Core>, suffix: &str, own: &[(&str, bool)]) -> String {
+    let mut s = spec();
+    s.network_rules = rules(own);
+    let out = c
+        .create_batch(Some(s), vec![item(suffix)])
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    assert!(out[0].error.is_none(), "{:?}", out[0].error);
+    format!("e1.{suffix}")
+}
+
+fn rules_of(sb: &pb::Sandbox) -> HashMap<String, bool> {
+    sb.spec.clone().unwrap_or_default().network_rules
+}
+
+/// `UpdateNetwork` merges (the given rules win, whatever their spelling) or replaces; the
+/// backend applies the result before it is recorded, and `GetSandbox` shows it. A paused
+/// sandbox's rules change too, and it stays paused.
+#[tokio::test]
+async fn update_network_merges_or_replaces_and_the_backend_applies_it() {
+    let backend = Arc::new(TestBackend::default());
+    let c = core(
+        backend.clone(),
+        networked(),
+        None,
+        Arc::new(Sink::default()),
+    );
+    let id = create_with_rules(&c, "n", &[("pypi", true), ("github.com", true)]).await;
+    let sb = c
+        .update_network(
+            &id,
+            rules(&[("*.GitHub.com", false), ("192.0.2.10", true)]),
+            false,
+        )
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    let want = rules(&[
+        ("pypi", true),
+        ("*.GitHub.com", false),
+        ("192.0.2.10", true),
+    ]);
+    assert_eq!(rules_of(&sb), want);
+    assert_eq!(
+        rules_of(&c.get_sandbox(&id).unwrap_or_else(|f| panic!("{f}"))),
+        want
+    );
+    assert_eq!(*lock(&backend.networks), vec![(id.clone(), want)]);
+
+    let sb = c
+        .update_network(&id, rules(&[("npm", true)]), true)
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    assert_eq!(rules_of(&sb), rules(&[("npm", true)]));
+    // The same rules again change nothing and ask the backend for nothing.
+    c.update_network(&id, rules(&[("npm", true)]), false)
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    assert_eq!(lock(&backend.networks).len(), 2);
+
+    c.lifecycle(&id, Op::Pause, Cause::Caller)
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    let sb = c
+        .update_network(&id, HashMap::new(), true)
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    assert!(rules_of(&sb).is_empty());
+    assert_eq!(sb.state(), SandboxState::Paused);
+    assert_eq!(lock(&backend.networks).len(), 3);
+    // The other fields of the spec are untouched.
+    let s = sb.spec.unwrap_or_default();
+    assert_eq!((s.memory_limit_mb, s.ttl_max), (1000, 100));
+}
+
+/// A malformed rule, a backend that cannot apply the rules, too many rules, an ended
+/// sandbox and an edge without networking are refused, and the rules stay as they were.
+#[tokio::test]
+async fn update_network_refusals_change_nothing() {
+    let backend = Arc::new(TestBackend::default());
+    let c = core(
+        backend.clone(),
+        networked(),
+        None,
+        Arc::new(Sink::default()),
+    );
+    let id = create_with_rules(&c, "n", &[("pypi", true)]).await;
+    let unchanged = |c: &Arc<Core>| {
+        assert_eq!(
+            rules_of(&c.get_sandbox(&id).unwrap_or_else(|f| panic!("{f}"))),
+            rules(&[("pypi", true)])
+        );
+    };
+    let f = c
+        .update_network(&id, rules(&[("ok.io", true), ("x.io:0", true)]), false)
+        .await
+        .unwrap_err();
+    assert_eq!(f.reason, Reason::Invalid);
+    assert_eq!(
+        f.message,
+        "rules: network rule \"x.io:0\": port outside 1-65535"
+    );
+    unchanged(&c);
+    let many: HashMap<String, bool> = (0..crate::netpol::MAX_NETWORK_RULES)
+        .map(|i| (format!("h{i}.example.com"), true))
+        .collect();
+    let f = c.update_network(&id, many, false).await.unwrap_err();
+    assert_eq!(f.reason, Reason::Invalid);
+    assert!(
+        f.message.contains("1025 network rules, at most 1024"),
+        "{}",
+        f.message
+    );
+    unchanged(&c);
+    assert!(
+        lock(&backend.networks).is_empty(),
+        "the backend was not asked"
+    );
+    let f = c
+        .update_network("e1.nope", rules(&[("npm", true)]), false)
+        .await
+        .unwrap_err();
+    assert_eq!(f.reason, Reason::NotFound);
+
+    let refusing = Arc::new(TestBackend {
+        refuse_network: true,
+        ..Default::default()
+    });
+    let r = core(refusing, networked(), None, Arc::new(Sink::default()));
+    let rid = create_with_rules(&r, "n", &[("pypi", true)]).await;
+    let f = r
+        .update_network(&rid, rules(&[("npm", true)]), false)
+        .await
+        .unwrap_err();
+    assert_eq!(f.reason, Reason::Invalid);
+    assert!(f.message.contains("no rule set named"), "{}", f.message);
+    assert_eq!(
+        rules_of(&r.get_sandbox(&rid).unwrap_or_else(|f| panic!("{f}"))),
+        rules(&[("pypi", true)])
+    );
+
+    c.lifecycle(&id, Op::Stop, Cause::Caller)
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    let f = c
+        .update_network(&id, rules(&[("npm", true)]), false)
+        .await
+        .unwrap_err();
+    assert_eq!(f.reason, Reason::Conflict);
+    assert!(f.message.contains("STOPPED"), "{}", f.message);
+    unchanged(&c);
+
+    // Without networking: an allowance is refused as at creation; taking rules back is not.
+    let off = core(
+        Arc::new(TestBackend::default()),
+        EdgeConfig::default(),
+        None,
+        Arc::new(Sink::default()),
+    );
+    let oid = create_with_rules(&off, "o", &[]).await;
+    let f = off
+        .update_network(&oid, rules(&[("192.0.2.0/24:443", true)]), false)
+        .await
+        .unwrap_err();
+    assert_eq!(f.reason, Reason::Invalid);
+    assert_eq!(
+        f.message,
+        "network_rules: edge e1 has no sandbox networking (its edges[].network.enabled is \
+         false), so its sandboxes have only a loopback interface; leave network_rules empty"
+    );
+    let sb = off
+        .update_network(&oid, rules(&[("*", false)]), false)
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    assert_eq!(rules_of(&sb), rules(&[("*", false)]));
+    let sb = off
+        .update_network(&oid, HashMap::new(), true)
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    assert!(rules_of(&sb).is_empty());
+}
+
+/// The new rules are in the sandbox's record on disk: a restarted edge shows them and
+/// adopts the sandbox with them (a container's chains are written from them again).
+#[tokio::test]
+async fn updated_network_rules_survive_an_edge_restart() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let store = Store::open(dir.path(), "e1").unwrap_or_else(|e| panic!("{e}"));
+    let c = core(
+        Arc::new(TestBackend::default()),
+        networked(),
+        Some(store.clone()),
+        Arc::new(Sink::default()),
+    );
+    let id = create_with_rules(&c, "n", &[("pypi", true)]).await;
+    // Through the gRPC handler, as the apiserver calls it.
+    {
+        use pb::edge_server::Edge;
+        let svc = service(&c);
+        let sb = svc
+            .update_network(tonic::Request::new(pb::UpdateNetworkRequest {
+                id: id.clone(),
+                rules: rules(&[("192.0.2.10", true)]),
+                replace: true,
+            }))
+            .await
+            .unwrap_or_else(|s| panic!("{s}"))
+            .into_inner();
+        assert_eq!(rules_of(&sb), rules(&[("192.0.2.10", true)]));
+    }
+    drop(c);
+
+    let backend = Arc::new(TestBackend::default());
+    let c2 = core(
+        backend.clone(),
+        networked(),
+        Some(store),
+        Arc::new(Sink::default()),
+    );
+    let report = c2.recover().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(report.adopted, 1, "{report:?}");
+    assert_eq!(
+        rules_of(&c2.get_sandbox(&id).unwrap_or_else(|f| panic!("{f}"))),
+        rules(&[("192.0.2.10", true)])
+    );
+    assert_eq!(
+        *lock(&backend.adopted_rules),
+        vec![(id, rules(&[("192.0.2.10", true)]))]
+    );
 }

@@ -72,6 +72,23 @@ class SetSandboxTimeoutRequest(_message.Message):
     timeout_s: int
     def __init__(self, id: _Optional[str] = ..., timeout_s: _Optional[int] = ...) -> None: ...
 
+class UpdateNetworkRequest(_message.Message):
+    __slots__ = ("id", "rules", "replace")
+    class RulesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bool
+        def __init__(self, key: _Optional[str] = ..., value: bool = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RULES_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    rules: _containers.ScalarMap[str, bool]
+    replace: bool
+    def __init__(self, id: _Optional[str] = ..., rules: _Optional[_Mapping[str, bool]] = ..., replace: bool = ...) -> None: ...
+
 class TaskRequest(_message.Message):
     __slots__ = ("project", "task_id")
     PROJECT_FIELD_NUMBER: _ClassVar[int]

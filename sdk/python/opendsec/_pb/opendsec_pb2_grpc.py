@@ -81,6 +81,11 @@ class DSecStub(object):
                 request_serializer=opendsec_dot_v1_dot_opendsec__pb2.SetSandboxTimeoutRequest.SerializeToString,
                 response_deserializer=opendsec_dot_v1_dot_types__pb2.Sandbox.FromString,
                 _registered_method=True)
+        self.UpdateNetwork = channel.unary_unary(
+                '/opendsec.v1.DSec/UpdateNetwork',
+                request_serializer=opendsec_dot_v1_dot_opendsec__pb2.UpdateNetworkRequest.SerializeToString,
+                response_deserializer=opendsec_dot_v1_dot_types__pb2.Sandbox.FromString,
+                _registered_method=True)
         self.PauseTask = channel.unary_unary(
                 '/opendsec.v1.DSec/PauseTask',
                 request_serializer=opendsec_dot_v1_dot_opendsec__pb2.TaskRequest.SerializeToString,
