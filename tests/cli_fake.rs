@@ -43,6 +43,7 @@ struct Fake {
     last_project: Mutex<Option<pb::CreateProjectRequest>>,
     last_shell: Mutex<Option<pb::RunShellRequest>>,
     last_network: Mutex<Option<pb::UpdateNetworkRequest>>,
+    last_port: Mutex<Option<pb::PortFrame>>,
     restored: Mutex<Option<Vec<u8>>>,
     flaky_done: AtomicBool,
 }
@@ -131,6 +132,28 @@ macro_rules! dsec_impl {
 }
 
 dsec_impl!({
+    type ConnectPortStream = Boxed<pb::PortFrame>;
+    /// An echo service at every port: the connected frame, then each data frame back, and
+    /// `eof` for `eof`. The first frame is kept for the test.
+    async fn connect_port(
+        &self,
+        r: Request<tonic::Streaming<pb::PortFrame>>,
+    ) -> Result<Response<Self::ConnectPortStream>, Status> {
+        self.auth(&r)?;
+        let mut inbound = r.into_inner();
+        let first = inbound.message().await?.unwrap_or_default();
+        *self.last_port.lock().unwrap() = Some(first.clone());
+        let port = first.port;
+        let connected = pb::PortFrame { port, ..Default::default() };
+        let echo = tokio_stream::StreamExt::map(inbound, move |f| {
+            f.map(|f| pb::PortFrame { port, data: f.data, eof: f.eof, ..Default::default() })
+        });
+        let s = tokio_stream::StreamExt::chain(
+            tokio_stream::once(Ok(connected)),
+            tokio_stream::once(Ok(pb::PortFrame { port, data: first.data, ..Default::default() })),
+        );
+        Ok(Response::new(Box::pin(tokio_stream::StreamExt::chain(s, echo))))
+    }
     type CreateSandboxesStream = Boxed<pb::CreateSandboxesItem>;
     type ForkSandboxStream = Boxed<pb::CreateSandboxesItem>;
     type StreamShellStream = Boxed<pb::ShellChunk>;
@@ -1278,4 +1301,56 @@ async fn iam_commands_tasks_and_usage() {
 
     let r = ctl(&s.addr, &["version"]).await;
     assert_eq!(r.out(), format!("opendsec {}\n", opendsec::VERSION));
+}
+
+/// `sandbox port-forward ID LOCAL:REMOTE`: listens, prints where, and carries each local
+/// connection through one ConnectPort call both ways, half-close included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_port_forward_carries_a_connection_both_ways() {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+    let s = start().await;
+    for (bad, says) in [
+        ("8080", "is not two ports joined by ':'"),
+        ("8080:0", "REMOTE"),
+        ("70000:80", "LOCAL"),
+    ] {
+        let r = ctl(&s.addr, &["sandbox", "port-forward", "edge-1.abc", bad]).await;
+        assert_eq!(r.code, 2, "{bad}: {}", r.stderr);
+        assert!(r.stderr.contains(says), "{bad}: {}", r.stderr);
+    }
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_opendsec"))
+        .args(["ctl", "sandbox", "port-forward", "edge-1.abc", "0:8000"])
+        .env_remove("OPENDSEC_CA")
+        .env_remove("OPENDSEC_PROJECT")
+        .env("OPENDSEC_ADDR", &s.addr)
+        .env("OPENDSEC_TOKEN", TOKEN)
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines.next_line().await.unwrap().unwrap();
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(v["sandbox"], "edge-1.abc");
+    assert_eq!(v["port"], 8000);
+    let local: std::net::SocketAddr = v["local"].as_str().unwrap().parse().unwrap();
+    assert!(local.ip().is_loopback() && local.port() != 0, "{local}");
+    for _ in 0..2 {
+        let mut c = tokio::net::TcpStream::connect(local).await.unwrap();
+        c.write_all(b"hello through the sandbox").await.unwrap();
+        let mut buf = [0u8; 25];
+        c.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"hello through the sandbox");
+        // Half-close: our eof travels, theirs comes back, and the connection ends.
+        c.shutdown().await.unwrap();
+        let mut rest = Vec::new();
+        c.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty(), "{rest:?}");
+    }
+    let first = s.fake.last_port.lock().unwrap().clone().unwrap();
+    assert_eq!(
+        (first.sandbox_id.as_str(), first.port),
+        ("edge-1.abc", 8000)
+    );
+    child.kill().await.unwrap();
 }

@@ -508,21 +508,43 @@ async fn quotas_and_permissions_through_the_apiserver() {
 /// unknown rule set is `invalid` naming it, and no edge is asked), `sandbox.operate` is
 /// needed, and the edge answers for its networking (off on sim edges: an allowance is
 /// refused naming the setting, taking rules back is fine) and for ended sandboxes.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn update_network_through_the_apiserver() {
-    let (cluster, mut c, _d) = up(1).await;
-    let t = cluster.admin_token.clone();
+/// A sim sandbox, and the token of a new principal of root ("viewer") with no grant on it.
+async fn sandbox_and_viewer(
+    c: &mut DSecClient<Channel>,
+    t: &str,
+) -> (pb::Sandbox, pb::CreatePrincipalResponse) {
     let sb = c
         .create_sandbox(with_token(
             pb::CreateSandboxRequest {
                 spec: Some(spec()),
                 ..Default::default()
             },
-            &t,
+            t,
         ))
         .await
         .unwrap()
         .into_inner();
+    let p = c
+        .create_principal(with_token(
+            pb::CreatePrincipalRequest {
+                project: "root".into(),
+                principal_id: "viewer".into(),
+                kind: "agent".into(),
+                ttl: 0,
+            },
+            t,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    (sb, p)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn update_network_through_the_apiserver() {
+    let (cluster, mut c, _d) = up(1).await;
+    let t = cluster.admin_token.clone();
+    let (sb, p) = sandbox_and_viewer(&mut c, &t).await;
     let update = |rules: &[(&str, bool)], replace: bool| pb::UpdateNetworkRequest {
         id: sb.id.clone(),
         rules: rules.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
@@ -582,19 +604,6 @@ async fn update_network_through_the_apiserver() {
     );
 
     // A principal without sandbox.operate on the sandbox's project.
-    let p = c
-        .create_principal(with_token(
-            pb::CreatePrincipalRequest {
-                project: "root".into(),
-                principal_id: "viewer".into(),
-                kind: "agent".into(),
-                ttl: 0,
-            },
-            &t,
-        ))
-        .await
-        .unwrap()
-        .into_inner();
     let f = fail(
         c.update_network(with_token(update(&[], true), &p.token))
             .await
@@ -611,6 +620,59 @@ async fn update_network_through_the_apiserver() {
             .unwrap_err(),
     );
     assert_eq!(f.reason, Reason::Conflict);
+    cluster.down().await;
+}
+
+/// `ConnectPort` through the apiserver: the first frame is checked (port, sandbox) and
+/// authorized with sandbox.operate before any edge is asked; a sim sandbox runs nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_port_checks_its_first_frame_and_authorizes() {
+    let (cluster, mut c, _d) = up(1).await;
+    let t = cluster.admin_token.clone();
+    let (sb, p) = sandbox_and_viewer(&mut c, &t).await;
+    let frame = |id: &str, port: u32| pb::PortFrame {
+        sandbox_id: id.into(),
+        port,
+        ..Default::default()
+    };
+    let missing = format!("{}x", sb.id);
+    for (first, token, reason, says) in [
+        (
+            frame(&sb.id, 0),
+            &t,
+            Reason::Invalid,
+            "port: 0 is outside 1-65535",
+        ),
+        (
+            frame(&sb.id, 65536),
+            &t,
+            Reason::Invalid,
+            "port: 65536 is outside 1-65535",
+        ),
+        (frame(&sb.id, 80), &t, Reason::Invalid, "runs nothing"),
+        (frame(&missing, 80), &t, Reason::NotFound, ""),
+        (frame(&sb.id, 80), &p.token, Reason::Forbidden, ""),
+    ] {
+        let e = c
+            .connect_port(with_token(tokio_stream::once(first.clone()), token))
+            .await
+            .unwrap_err();
+        let f = failure_from_status(&e);
+        assert_eq!(f.reason, reason, "{first:?}: {}", f.message);
+        assert!(f.message.contains(says), "{first:?}: {}", f.message);
+    }
+    // A stream that ends before its first frame.
+    let e = c
+        .connect_port(with_token(tokio_stream::empty(), &t))
+        .await
+        .unwrap_err();
+    let f = failure_from_status(&e);
+    assert_eq!(f.reason, Reason::Invalid);
+    assert!(
+        f.message.contains("before its first frame"),
+        "{}",
+        f.message
+    );
     cluster.down().await;
 }
 

@@ -198,6 +198,19 @@ impl pb::runtime_server::Runtime for Aether {
     ) -> R<pb::ListProcessesResponse> {
         unimpl()
     }
+    type ConnectPortStream = S<pb::PortFrame>;
+    /// The real thing, on this process's loopback.
+    async fn connect_port(
+        &self,
+        r: Request<tonic::Streaming<pb::PortFrame>>,
+    ) -> R<Self::ConnectPortStream> {
+        let mut inbound = r.into_inner();
+        let first = opendsec::guest::port::first_frame(&mut inbound).await?;
+        let frames = opendsec::guest::port::connect(first, inbound)
+            .await
+            .map_err(|f| rpc::to_status(&f))?;
+        Ok(Response::new(frames))
+    }
     type WatchStream = S<pb::WatchEvent>;
     async fn watch(&self, _: Request<pb::Empty>) -> R<Self::WatchStream> {
         unimpl()
@@ -360,6 +373,85 @@ async fn runtime_calls_resume_forward_and_hold_off_idle() {
     assert_eq!(got, b"01234");
     let after = get(&mut c, "e7.a").await;
     assert_eq!(state(&after), SandboxState::Running, "{after:?}");
+
+    // ConnectPort: a paused sandbox is resumed, frames pass both ways (half-close
+    // included), and the open connection keeps the 1-second idle timeout off for 2 s.
+    let service = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let port = service
+        .local_addr()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .port();
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        if let Ok((mut sock, _)) = service.accept().await {
+            let mut got = Vec::new();
+            let _ = sock.read_to_end(&mut got).await;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let _ = sock
+                .write_all(format!("{} bytes", got.len()).as_bytes())
+                .await;
+        }
+    });
+    c.pause_sandbox(req(pb::SandboxRef { id: "e7.a".into() }))
+        .await
+        .unwrap_or_else(|s| panic!("{s:?}"));
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let frame = |data: &[u8], eof: bool| pb::PortFrame {
+        data: data.to_vec(),
+        eof,
+        ..Default::default()
+    };
+    tx.send(pb::PortFrame {
+        sandbox_id: "e7.a".into(),
+        port: u32::from(port),
+        data: b"abc".to_vec(),
+        eof: false,
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut back = rt
+        .connect_port(req(tokio_stream::wrappers::ReceiverStream::new(rx)))
+        .await
+        .unwrap_or_else(|s| panic!("{s:?}"))
+        .into_inner();
+    let connected = back.next().await.and_then(|m| m.ok());
+    assert_eq!(
+        connected.map(|f| (f.port, f.data.len(), f.eof)),
+        Some((u32::from(port), 0, false))
+    );
+    tx.send(frame(&[7u8; 100_000], false))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    tx.send(frame(b"", true))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut got = Vec::new();
+    let mut eof = false;
+    while let Some(m) = back.next().await {
+        let f = m.unwrap_or_else(|s| panic!("{s:?}"));
+        got.extend(f.data);
+        eof |= f.eof;
+    }
+    assert_eq!((got.as_slice(), eof), (&b"100003 bytes"[..], true));
+    assert_eq!(state(&get(&mut c, "e7.a").await), SandboxState::Running);
+    // Nothing listening there any more: `unavailable`, with the reason.
+    let e = rt
+        .connect_port(req(tokio_stream::once(pb::PortFrame {
+            sandbox_id: "e7.a".into(),
+            port: u32::from(port),
+            ..Default::default()
+        })))
+        .await
+        .err()
+        .map(|s| failure_from_status(&s));
+    assert_eq!(
+        e.as_ref().map(|f| f.reason),
+        Some(Reason::Unavailable),
+        "{e:?}"
+    );
+    assert!(e.is_some_and(|f| f.message.contains("nothing listens on it")));
 
     // Shutdown without keep_sandboxes_on_exit stops real sandboxes.
     shutdown.fire();

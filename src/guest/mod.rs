@@ -5,6 +5,7 @@
 pub mod aether;
 pub mod chronus;
 pub mod config;
+pub mod port;
 pub mod procs;
 pub mod proctree;
 pub mod reaper;

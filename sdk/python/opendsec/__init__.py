@@ -34,6 +34,7 @@ from opendsec.errors import (
     UNAVAILABLE,
     DSecError,
 )
+from opendsec.ports import PortWriter
 from opendsec.models import (
     DSecContainerRunArgs,
     DSecRunArgs,
@@ -60,6 +61,7 @@ __all__ = [
     "ShellResult",
     "FileInfo",
     "HttpResult",
+    "PortWriter",
     "TaskActionResult",
     "Project",
     "TokenInfo",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence, Union
 
 import grpc
@@ -11,6 +12,7 @@ from opendsec import _args
 from opendsec._pb import opendsec_pb2, runtime_pb2, types_pb2
 from opendsec.errors import INVALID, UNAVAILABLE, DSecError, bad_arguments_are_invalid, error_from_rpc
 from opendsec.models import FileInfo, HttpResult, ImageInfo, ShellResult
+from opendsec.ports import PortWriter, open_port
 
 if TYPE_CHECKING:
     from opendsec.client import DSecClient
@@ -476,6 +478,31 @@ class Sandbox:
         await self._client._unary("Remove", req, retry=False)
 
     # ---------------------------------------------------------------- HTTP
+
+    async def connect_port(
+        self, port: int, timeout: Optional[float] = 30
+    ) -> "tuple[asyncio.StreamReader, PortWriter]":
+        """Opens a TCP connection to ``port`` on the sandbox's own loopback (a service that
+        listens on 127.0.0.1 inside it) and returns an asyncio ``(reader, writer)`` pair once
+        it is open (docs/network.md "Ports into a sandbox").
+
+        The bytes travel through the apiserver and the edge in one ``ConnectPort`` call; the
+        sandbox's network rules do not apply, and a paused sandbox is resumed. ``writer``
+        is a ``PortWriter`` (``write``, ``drain``, ``write_eof``, ``close``,
+        ``wait_closed``); ``reader`` is an ``asyncio.StreamReader`` that ends when the
+        service closes its side. Needs ``sandbox.operate``. Not retried. Raises
+        ``DSecError``: ``invalid`` (a port outside 1-65535; a backend that runs nothing),
+        ``unavailable`` (nothing listens on the port), ``timeout`` (not connected within
+        ``timeout`` seconds), ``conflict`` (a stopped sandbox), ``forbidden``,
+        ``not_found``.
+        """
+        p = _args.integer("port", port)
+        if not 1 <= p <= 65535:
+            raise DSecError(INVALID, f"port: {p} is outside 1-65535")
+        client = self._client
+        pool = await client._get_pool()
+        ep = await pool.pick_connected()
+        return await open_port(ep.stub, client._metadata, self.id, p, timeout)
 
     async def http(
         self,

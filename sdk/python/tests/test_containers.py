@@ -988,6 +988,75 @@ async def test_http_inside_the_sandbox(linux):
             await sb.stop()
 
 
+async def test_connect_port_reaches_a_service_on_the_sandbox_loopback(linux):
+    """sb.connect_port() is a TCP connection to the sandbox's own loopback through the API:
+    bytes both ways, half-close, a paused sandbox resumed, a closed port `unavailable`, a
+    bad port `invalid`, and never the host's loopback."""
+    echo = (
+        "import socket\n"
+        "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        "s.bind(('127.0.0.1', 9000)); s.listen()\n"
+        "while True:\n"
+        "    c, _ = s.accept()\n"
+        "    data = b''\n"
+        "    while True:\n"
+        "        b = c.recv(65536)\n"
+        "        if not b: break\n"
+        "        data += b\n"
+        "    c.sendall(b'got %d bytes: ' % len(data) + data[:16]); c.close()\n"
+    )
+    async with linux.client() as c:
+        sb = await c.run_sandbox(container(memory_limit_mb=256, disk_mb=128))
+        try:
+            await sb.write_file("/tmp/echo.py", echo)
+            await sb.run_shell_background("exec python3 /tmp/echo.py")
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    reader, writer = await sb.connect_port(9000, timeout=10)
+                    break
+                except DSecError as e:
+                    assert e.reason == opendsec.UNAVAILABLE and time.monotonic() < deadline, e
+                    await asyncio.sleep(0.2)
+            # 300 KB in frames of 64 KiB, then a half-close: the service reads to its end
+            # and only then answers, over the direction still open.
+            payload = bytes(range(256)) * 1200
+            writer.write(payload)
+            await writer.drain()
+            writer.write_eof()
+            answer = await asyncio.wait_for(reader.read(), timeout=20)
+            assert answer == b"got 307200 bytes: " + payload[:16], answer[:64]
+            writer.close()
+            await writer.wait_closed()
+
+            # A paused sandbox is resumed for the connection.
+            await sb.pause()
+            reader, writer = await sb.connect_port(9000, timeout=20)
+            writer.write(b"after pause")
+            writer.write_eof()
+            assert await asyncio.wait_for(reader.read(), timeout=20) == b"got 11 bytes: after pause"
+            await writer.wait_closed()
+
+            with pytest.raises(DSecError) as ei:
+                await sb.connect_port(9001)
+            assert ei.value.reason == opendsec.UNAVAILABLE, ei.value
+            assert "nothing listens on it in the sandbox" in str(ei.value), ei.value
+            for port in (0, 65536, -1):
+                with pytest.raises(DSecError) as ei:
+                    await sb.connect_port(port)
+                assert ei.value.reason == opendsec.INVALID and "port" in str(ei.value), ei.value
+            # The host's loopback is another namespace: the apiserver's port is closed here.
+            port = int(linux.env["OPENDSEC_ADDR"].rsplit(":", 1)[1])
+            with pytest.raises(DSecError) as ei:
+                await sb.connect_port(port)
+            assert ei.value.reason == opendsec.UNAVAILABLE, ei.value
+        finally:
+            await sb.stop()
+        with pytest.raises(DSecError) as ei:
+            await sb.connect_port(9000)
+        assert ei.value.reason in (opendsec.CONFLICT, opendsec.NOT_FOUND), ei.value
+
+
 async def test_bytes_timeouts_and_pause(linux):
     async with linux.client() as c:
         sb = await c.run_sandbox(container())

@@ -181,6 +181,16 @@ impl Conn {
         req
     }
 
+    /// The first configured apiserver's client, for a call whose request is a stream (which
+    /// cannot be sent again to the next address).
+    /// Errors: `invalid` when no address is configured.
+    pub fn client(&self) -> Result<DSecClient<Channel>, Failure> {
+        self.clients
+            .first()
+            .map(|(_, c)| c.clone())
+            .ok_or_else(|| Failure::invalid("no apiserver address (-addr, OPENDSEC_ADDR)"))
+    }
+
     /// Makes one call, trying the next address while the answer is `unavailable`.
     /// `f` gets a client and the wrapped request, e.g.
     /// `conn.call(req, |mut c, r| async move { c.get_sandbox(r).await })`.

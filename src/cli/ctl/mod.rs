@@ -19,6 +19,7 @@ mod cp;
 mod exec;
 mod image;
 mod output;
+mod port;
 mod principal;
 mod progress;
 mod project;

@@ -38,6 +38,7 @@ pub enum SandboxCmd {
     List(ListArgs),
     Timeout(TimeoutArgs),
     Network(NetworkArgs),
+    PortForward(super::port::PortForwardArgs),
     Fork(ForkArgs),
 }
 
@@ -328,6 +329,7 @@ impl SandboxArgs {
                     .await?;
                 output::json(&sb)
             }
+            SandboxCmd::PortForward(a) => a.run(ctx).await,
             SandboxCmd::Fork(a) => {
                 let req = a.request()?;
                 let conn = ctx.connect()?;

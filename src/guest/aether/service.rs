@@ -200,6 +200,19 @@ impl pb::runtime_server::Runtime for Aether {
         c.http(r).await
     }
 
+    type ConnectPortStream = Boxed<pb::PortFrame>;
+    async fn connect_port(
+        &self,
+        req: Request<tonic::Streaming<pb::PortFrame>>,
+    ) -> Res<Self::ConnectPortStream> {
+        let mut inbound = req.into_inner();
+        let first = crate::guest::port::first_frame(&mut inbound).await?;
+        let frames = crate::guest::port::connect(first, inbound)
+            .await
+            .map_err(|f| to_status(&f))?;
+        Ok(Response::new(frames))
+    }
+
     type StartProcessStream = Boxed<pb::ProcessEvent>;
     async fn start_process(
         &self,

@@ -160,6 +160,14 @@ impl pb::runtime_server::Runtime for Chronus {
         Ok(Response::new(r))
     }
 
+    type ConnectPortStream = Boxed<pb::PortFrame>;
+    async fn connect_port(
+        &self,
+        _: Request<tonic::Streaming<pb::PortFrame>>,
+    ) -> Res<Self::ConnectPortStream> {
+        aethers("ConnectPort")
+    }
+
     type StartProcessStream = Boxed<pb::ProcessEvent>;
     async fn start_process(
         &self,

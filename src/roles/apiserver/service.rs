@@ -559,6 +559,40 @@ impl pb::d_sec_server::DSec for Api {
     runtime_unary!(stat, "Stat", pb::PathRequest, pb::FileInfo);
     runtime_unary!(remove, "Remove", pb::RemoveRequest, pb::Empty);
     runtime_unary!(http, "Http", pb::HttpRequest, pb::HttpResponse);
+    type ConnectPortStream = BoxStream<pb::PortFrame>;
+    /// Authorizes `sandbox.operate` on the sandbox the first frame names, then passes the
+    /// frames on to its edge both ways (docs/network.md "Ports into a sandbox").
+    async fn connect_port(
+        &self,
+        req: Request<tonic::Streaming<pb::PortFrame>>,
+    ) -> Result<Response<Self::ConnectPortStream>, Status> {
+        let (caller, mut call) = self.begin(&req, "ConnectPort", false).await?;
+        let mut inbound = req.into_inner();
+        let first = match crate::guest::port::first_frame(&mut inbound).await {
+            Ok(f) => f,
+            Err(s) => return Err(self.fail(call, failure_from_status(&s))),
+        };
+        call.sandbox_id = first.sandbox_id.clone();
+        let r = async {
+            crate::guest::port::port_of(&first)?;
+            let addr = self
+                .inner
+                .authorize_sandbox(&caller, &first.sandbox_id)
+                .await?;
+            let mut c = self.inner.edges.runtime(&addr)?;
+            c.connect_port(
+                self.inner
+                    .edges
+                    .req(crate::guest::port::forward(first, inbound)),
+            )
+            .await
+            .map(|r| r.into_inner())
+            .map_err(|s| failure_from_status(&s))
+        }
+        .await;
+        let s = self.finish(call, r)?;
+        Ok(Response::new(Box::pin(s) as BoxStream<pb::PortFrame>))
+    }
     type StartProcessStream = BoxStream<pb::ProcessEvent>;
     runtime_stream!(
         start_process,

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use futures::{Stream, StreamExt};
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use super::machine::Op;
 use super::node::{as_handle, handle, lock, Core, Entry};
@@ -271,6 +272,42 @@ impl pb::runtime_server::Runtime for EdgeRuntime {
         self.unary(req, |mut c, r| async move { c.http(r).await })
             .await
     }
+    type ConnectPortStream = Forwarded<pb::PortFrame>;
+    /// Passes the frames on both ways; the call counts as in flight (no idle stop) until the
+    /// connection's stream ends.
+    async fn connect_port(
+        &self,
+        req: Request<Streaming<pb::PortFrame>>,
+    ) -> Result<Response<Self::ConnectPortStream>, Status> {
+        check_service_token(&req, &self.core.service_token)?;
+        let mut inbound = req.into_inner();
+        let first = crate::guest::port::first_frame(&mut inbound).await?;
+        let span =
+            tracing::info_span!("ConnectPort", sandbox_id = %first.sandbox_id, port = first.port);
+        async move {
+            crate::guest::port::port_of(&first).map_err(|f| to_status(&f))?;
+            let (guard, ch) = self
+                .core
+                .begin_call(&first.sandbox_id)
+                .await
+                .map_err(|f| to_status(&f))?;
+            let mut client = RuntimeClient::new(ch)
+                .max_decoding_message_size(MAX_MESSAGE)
+                .max_encoding_message_size(MAX_MESSAGE);
+            let inner = client
+                .connect_port(crate::guest::port::forward(first, inbound))
+                .await?
+                .into_inner();
+            let s = inner.map(move |x| {
+                let _held = &guard;
+                x
+            });
+            Ok(Response::new(Box::pin(s) as Forwarded<pb::PortFrame>))
+        }
+        .instrument(span)
+        .await
+    }
+
     type StartProcessStream = Forwarded<pb::ProcessEvent>;
     async fn start_process(
         &self,

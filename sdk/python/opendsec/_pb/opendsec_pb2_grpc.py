@@ -161,6 +161,11 @@ class DSecStub(object):
                 request_serializer=opendsec_dot_v1_dot_runtime__pb2.HttpRequest.SerializeToString,
                 response_deserializer=opendsec_dot_v1_dot_runtime__pb2.HttpResponse.FromString,
                 _registered_method=True)
+        self.ConnectPort = channel.stream_stream(
+                '/opendsec.v1.DSec/ConnectPort',
+                request_serializer=opendsec_dot_v1_dot_runtime__pb2.PortFrame.SerializeToString,
+                response_deserializer=opendsec_dot_v1_dot_runtime__pb2.PortFrame.FromString,
+                _registered_method=True)
         self.StartProcess = channel.unary_stream(
                 '/opendsec.v1.DSec/StartProcess',
                 request_serializer=opendsec_dot_v1_dot_runtime__pb2.StartProcessRequest.SerializeToString,

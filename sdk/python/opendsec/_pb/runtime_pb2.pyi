@@ -242,6 +242,18 @@ class HttpResponse(_message.Message):
     body: bytes
     def __init__(self, status: _Optional[int] = ..., headers: _Optional[_Mapping[str, str]] = ..., body: _Optional[bytes] = ...) -> None: ...
 
+class PortFrame(_message.Message):
+    __slots__ = ("sandbox_id", "port", "data", "eof")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    EOF_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    port: int
+    data: bytes
+    eof: bool
+    def __init__(self, sandbox_id: _Optional[str] = ..., port: _Optional[int] = ..., data: _Optional[bytes] = ..., eof: bool = ...) -> None: ...
+
 class StartProcessRequest(_message.Message):
     __slots__ = ("sandbox_id", "cmd", "args", "env", "cwd", "user", "tag", "stdin", "pty", "pty_cols", "pty_rows", "request_id")
     class EnvEntry(_message.Message):
