@@ -265,6 +265,27 @@ fn a_networked_sandbox_lives_and_dies_with_its_network() {
         net.firewall()
             .attach(&plan.addrs, &Default::default())
             .unwrap();
+        // Restarted with another subnet, the edge's table would not filter the sandbox's
+        // veth: the sandbox is lost (and the edge ends it), never adopted unfiltered.
+        {
+            let moved = Network::start(
+                EDGE,
+                "10.89.0.0/16".parse().unwrap(),
+                15353,
+                ClusterRules::default(),
+            )
+            .unwrap();
+            let b3 = backend(tmp.path(), Some(Arc::new(moved)));
+            let e = b3
+                .adopt(&h, Recorded::Running)
+                .await
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("no veth odsv0a590000 in subnet 10.89.0.0/16"),
+                "{e}"
+            );
+        }
         let net2 = network();
         let b2 = backend(tmp.path(), Some(net2.clone()));
         b2.adopt(&h, Recorded::Running).await.unwrap();

@@ -318,6 +318,25 @@ pub async fn detach(name: &str) -> Result<bool, LinkError> {
     delete(&nl, name).await
 }
 
+/// Whether the caller's netns has a veth named `name` (what an adopted sandbox's slot must
+/// still have).
+/// Errors: [`LinkError::InvalidName`]; [`LinkError::Lookup`] from netlink.
+pub async fn veth_exists(name: &str) -> Result<bool, LinkError> {
+    if !valid_ifname(name) {
+        return Err(LinkError::InvalidName { name: name.into() });
+    }
+    let nl = Netlink::here(name)?;
+    let found = get_link(&nl, name)
+        .await
+        .map_err(|source| LinkError::Lookup {
+            host: name.into(),
+            ifname: name.into(),
+            side: Side::Host,
+            source,
+        })?;
+    Ok(found.is_some_and(|m| is_veth(&m)))
+}
+
 /// The names of the veths in the caller's netns whose name starts with `prefix` (normally
 /// [`HOST_VETH_PREFIX`](super::slot::HOST_VETH_PREFIX)), sorted: the edge compares them
 /// with its sandboxes and [`detach`]es the rest. Links of other kinds are never listed.

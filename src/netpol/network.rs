@@ -30,6 +30,16 @@ pub enum NetworkError {
     Link(#[from] LinkError),
     #[error(transparent)]
     Nft(#[from] NftError),
+    /// An adopted sandbox's slot has no veth in this subnet (the subnet changed while it
+    /// ran): its real veth is one this edge's table does not filter.
+    #[error(
+        "sandbox network slot {slot}: no veth {veth} in subnet {subnet} (did edges[].network.subnet change?)"
+    )]
+    NotHere {
+        slot: u32,
+        veth: String,
+        subnet: Ipv4Net,
+    },
     /// Turning on IPv4 forwarding at start.
     #[error("turning on IPv4 forwarding")]
     Forwarding(#[source] std::io::Error),
@@ -223,9 +233,19 @@ impl Network {
     /// Holds `slot` for a sandbox adopted after a restart and writes its `policy` again (its
     /// chains normally survived; this also repairs them).
     /// Errors: [`NetworkError::Slot`] (a recorded slot outside the subnet: the config
-    /// changed), [`NetworkError::Nft`].
+    /// changed), [`NetworkError::NotHere`] (no veth of that slot in this subnet: the subnet
+    /// changed, and the sandbox's veth is one no rule of this table matches), and
+    /// [`NetworkError::Link`], [`NetworkError::Nft`].
     pub async fn adopt(&self, slot: u32, policy: &Policy) -> Result<(), NetworkError> {
         let addrs = slot_addrs(self.subnet, slot)?;
+        let veth = super::slot::host_veth_name(addrs.network);
+        if !link::veth_exists(&veth).await? {
+            return Err(NetworkError::NotHere {
+                slot,
+                veth,
+                subnet: self.subnet,
+            });
+        }
         self.held().insert(slot);
         let fw = self.firewall.clone();
         let policy2 = policy.clone();

@@ -30,7 +30,7 @@ use crate::backends::{
 };
 use crate::config::BackendConfig;
 use crate::guest::config::AetherConfig;
-use crate::netpol::network::Network;
+use crate::netpol::network::{Network, NetworkError};
 use crate::netpol::Policy;
 use crate::pb;
 
@@ -815,7 +815,7 @@ impl Backend for ContainerBackend {
         }
         self.images.hold(sandbox.sandbox_id, &st.layers);
         if let Some(slot) = st.net_slot {
-            self.adopt_network(sandbox, slot).await;
+            self.adopt_network(sandbox, slot).await?;
         }
         let marker = self.sandbox_dir(sandbox.sandbox_id).join(pack::PACKING);
         if marker.exists() {
@@ -952,21 +952,34 @@ impl Backend for ContainerBackend {
 }
 
 impl ContainerBackend {
-    /// Holds an adopted sandbox's network slot and writes its rules again. Failures are
+    /// Holds an adopted sandbox's network slot and writes its rules again. A slot whose veth
+    /// is not in this edge's subnet any more (the subnet changed while the sandbox ran) makes
+    /// the sandbox lost: nothing of this table would filter its traffic. Other failures are
     /// logged, not fatal: the sandbox keeps whatever rules survived, and a sandbox without
     /// its chains reaches nothing (the table drops what no chain accepts).
-    async fn adopt_network(&self, sandbox: &Handle<'_>, slot: u32) {
+    /// Errors: [`BackendError::Lost`].
+    async fn adopt_network(&self, sandbox: &Handle<'_>, slot: u32) -> Result<(), BackendError> {
         let id = sandbox.sandbox_id;
         let Some(net) = &self.network else {
             tracing::warn!(sandbox_id = id, slot, "sandbox has a network slot but this edge's networking is off; its veth stays until it stops");
-            return;
+            return Ok(());
         };
         let policy = net.policy(&sandbox.spec.network_rules).unwrap_or_else(|e| {
             tracing::warn!(sandbox_id = id, error = %e, "its network rules no longer resolve (the config changed); it may reach nothing");
             Policy::default()
         });
-        if let Err(e) = net.adopt(slot, &policy).await {
-            tracing::warn!(sandbox_id = id, slot, error = %crate::types::chain(&e), "writing an adopted sandbox's network rules");
+        match net.adopt(slot, &policy).await {
+            Ok(()) => Ok(()),
+            Err(e @ (NetworkError::NotHere { .. } | NetworkError::Slot(_))) => {
+                Err(BackendError::Lost {
+                    sandbox_id: id.to_string(),
+                    message: crate::types::chain(&e).to_string(),
+                })
+            }
+            Err(e) => {
+                tracing::warn!(sandbox_id = id, slot, error = %crate::types::chain(&e), "writing an adopted sandbox's network rules");
+                Ok(())
+            }
         }
     }
 
