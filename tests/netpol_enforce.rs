@@ -268,3 +268,158 @@ fn a_released_slot_is_the_last_handed_out_again() {
         assert!(net.shutdown().await.is_ok());
     });
 }
+
+/// An ICMP echo from inside netns `ns` (its pid) to `to`: "reply" or "timeout". A raw
+/// socket, as any sandbox root has.
+fn ping(sb: &SandboxNs, to: Ipv4Addr) -> String {
+    const PING: &str = r#"
+import socket, struct, sys
+def csum(b):
+    s = sum(struct.unpack('!%dH' % (len(b) // 2), b))
+    s = (s >> 16) + (s & 0xffff)
+    s += s >> 16
+    return ~s & 0xffff
+body = struct.pack('!HH', 0x4242, 1) + b'opendsec'
+pkt = struct.pack('!BBH', 8, 0, csum(struct.pack('!BBH', 8, 0, 0) + body)) + body
+s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+s.settimeout(1.5)
+s.sendto(pkt, (sys.argv[1], 0))
+try:
+    while True:
+        d, a = s.recvfrom(2048)
+        if a[0] == sys.argv[1] and d[(d[0] & 15) * 4] == 0:
+            print('reply')
+            break
+except socket.timeout:
+    print('timeout')
+"#;
+    let pid = sb.pid();
+    let to = to.to_string();
+    run("nsenter", &["-t", &pid, "-n", "python3", "-c", PING, &to])
+        .trim()
+        .to_string()
+}
+
+/// Whether a datagram of [`send_udp`] reached the recorder.
+fn arrived(udp: &std::sync::mpsc::Receiver<(std::net::SocketAddr, Vec<u8>)>) -> bool {
+    udp.recv_timeout(DROPPED_AFTER)
+        .is_ok_and(|(_, payload)| payload == b"datagram")
+}
+
+/// Sends one UDP datagram from `ns` to `to`.
+fn send_udp(ns: &File, to: (Ipv4Addr, u16)) {
+    in_ns(ns, move || {
+        Box::pin(async move {
+            let s = tokio::net::UdpSocket::bind("0.0.0.0:0").await.unwrap();
+            s.send_to(b"datagram", to).await.unwrap();
+        })
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn udp_icmp_port_protocols_and_the_ranges_star_leaves_out() {
+    if !root_or_skip() {
+        return;
+    }
+    in_fresh_netns(Some(2), || async {
+        let w = world();
+        // Cloud metadata and carrier-grade NAT addresses, served like the rest.
+        for a in ["169.254.169.254/32", "100.64.0.10/32"] {
+            w.internet.ip_do(&["addr", "add", a, "dev", "lo"]);
+        }
+        let udp = common::netns::record_udp(&w.internet.ns, 5353);
+        let fw = firewall();
+
+        // Nothing allowed: no UDP, no ICMP.
+        let (none, _) = sandbox(&fw, 1, &[]).await;
+        send_udp(&none.ns, (PUBLIC_A, 5353));
+        assert!(!arrived(&udp), "a datagram got out of a deny-all sandbox");
+        assert_eq!(ping(&none, PUBLIC_A), "timeout");
+
+        // An address without a port limit: every protocol, ICMP included.
+        let (addr, _) = sandbox(&fw, 2, &[("192.0.2.10", true)]).await;
+        send_udp(&addr.ns, (PUBLIC_A, 5353));
+        assert!(arrived(&udp));
+        assert_eq!(ping(&addr, PUBLIC_A), "reply");
+        assert_eq!(ping(&addr, PUBLIC_B), "timeout");
+
+        // `:port/udp`: that port over UDP only; not TCP, not ICMP.
+        let (udp_only, _) = sandbox(&fw, 3, &[("192.0.2.10:5353/udp", true)]).await;
+        send_udp(&udp_only.ns, (PUBLIC_A, 5353));
+        assert!(arrived(&udp));
+        assert_dropped(&udp_only.ns, None, (PUBLIC_A, 80));
+        assert_eq!(ping(&udp_only, PUBLIC_A), "timeout");
+
+        // `*` is public addresses only: not cloud metadata, not 100.64/10, not private.
+        let metadata = Ipv4Addr::new(169, 254, 169, 254);
+        let cgnat = Ipv4Addr::new(100, 64, 0, 10);
+        let (star, _) = sandbox(&fw, 4, &[("*", true)]).await;
+        assert_passes(&star.ns, (PUBLIC_B, 80));
+        assert_eq!(ping(&star, PUBLIC_B), "reply");
+        for private in [metadata, cgnat, PRIVATE] {
+            assert_dropped(&star.ns, None, (private, 80));
+            assert_eq!(ping(&star, private), "timeout", "{private}");
+        }
+        // Named outright, a private address is reachable.
+        let (named, _) = sandbox(&fw, 5, &[("169.254.169.254:80", true)]).await;
+        assert_passes(&named.ns, (metadata, 80));
+        assert_dropped(&named.ns, None, (cgnat, 80));
+    });
+}
+
+#[test]
+fn two_hundred_sandboxes_come_and_go_leaving_nothing() {
+    if !root_or_skip() {
+        return;
+    }
+    in_fresh_netns(Some(2), || async {
+        let net = opendsec::netpol::network::Network::start(
+            "e1",
+            DEFAULT_SUBNET,
+            DNS_PORT,
+            ClusterRules::default(),
+        )
+        .unwrap();
+        let base = run("nft", &["list", "table", "inet", "opendsec-e1"]);
+        let rules: std::collections::BTreeMap<String, bool> = [
+            ("pypi.org", true),
+            ("github.com:443/tcp", true),
+            ("192.0.2.0/24:80", true),
+            ("*:8443", true),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), *v))
+        .collect();
+        let policy = net.policy(&rules).unwrap();
+        let mut live = Vec::new();
+        for _ in 0..200 {
+            let sb = SandboxNs::start();
+            let slot = net.reserve().unwrap();
+            net.attach(sb.ns.as_fd(), slot, &policy).await.unwrap();
+            live.push((sb, slot));
+        }
+        assert_eq!(net.firewall().slots().unwrap().len(), 200);
+        let listed = run("nft", &["list", "table", "inet", "opendsec-e1"]);
+        assert!(
+            listed.contains("set dns-199-tcp-443"),
+            "no sets of the last slot"
+        );
+        for (sb, slot) in live {
+            net.release(slot).await.unwrap();
+            drop(sb);
+        }
+        assert!(net.firewall().slots().unwrap().is_empty());
+        assert_eq!(
+            run("nft", &["list", "table", "inet", "opendsec-e1"]),
+            base,
+            "chains, sets or rules of a sandbox are left"
+        );
+        let links = run("ip", &["-o", "link", "show"]);
+        assert!(!links.contains("odsv"), "veths left:\n{links}");
+        let addrs = run("ip", &["-o", "-4", "addr", "show"]);
+        assert!(!addrs.contains("10.88."), "addresses left:\n{addrs}");
+        assert!(net.shutdown().await.unwrap());
+    });
+}
