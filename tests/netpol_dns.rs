@@ -16,6 +16,7 @@ mod common;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::AsFd;
 use std::sync::Arc;
+use std::time::Duration;
 
 use common::dns::{ask, long_name, serve_upstream, Answer, QueryLog, UPSTREAM};
 use common::netns::{
@@ -45,8 +46,12 @@ struct Setup {
 async fn setup() -> Setup {
     let w = world();
     let log = serve_upstream(&w.internet.ns);
-    let net =
-        Arc::new(Network::start("e1", DEFAULT_SUBNET, DNS_PORT, ClusterRules::default()).unwrap());
+    // Renewals after 2 s rather than 5 min, so that a test sees one.
+    let net = Arc::new(
+        Network::start("e1", DEFAULT_SUBNET, DNS_PORT, ClusterRules::default())
+            .unwrap()
+            .with_resolved_timings(Duration::from_secs(2), Duration::from_secs(3000)),
+    );
     let proxy = DnsProxy::start(
         net.clone(),
         DNS_PORT,
@@ -93,6 +98,21 @@ fn nxdomain() -> Answer {
     }
 }
 
+/// Seconds until `addr` leaves the resolved set `dns-<slot>-all`.
+fn expires(slot: u32, addr: Ipv4Addr) -> u64 {
+    let set = format!("dns-{slot}-all");
+    let v = common::netns::json_of("nft", &["-j", "list", "set", "inet", "opendsec-e1", &set]);
+    let elems = v["nftables"][1]["set"]["elem"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    elems
+        .iter()
+        .find(|e| e["elem"]["val"] == addr.to_string())
+        .and_then(|e| e["elem"]["expires"].as_u64())
+        .unwrap_or_else(|| panic!("{addr} is not in {set}: {v}"))
+}
+
 fn asked(log: &QueryLog) -> Vec<String> {
     log.lock().unwrap().iter().map(|(n, _)| n.clone()).collect()
 }
@@ -129,6 +149,20 @@ fn allowed_names_resolve_and_open_their_addresses_denied_names_never_leave() {
         let a = ask(&sb.ns, at(gw), "public.test.", RecordType::A, false).unwrap();
         assert_eq!(a, ok(&["A 192.0.2.10"]));
         assert_passes(&sb.ns, (PUBLIC_A, 80));
+        // Resolved again at once, it is left alone (no netlink exchange); resolved again
+        // after the renewal age (2 s here, 5 min in an edge), its hour starts again.
+        let before = expires(0, PUBLIC_A);
+        std::thread::sleep(Duration::from_millis(1100));
+        let a = ask(&sb.ns, at(gw), "public.test.", RecordType::A, false).unwrap();
+        assert_eq!(a, ok(&["A 192.0.2.10"]));
+        assert!(expires(0, PUBLIC_A) < before, "renewed before its time");
+        std::thread::sleep(Duration::from_millis(1500));
+        let a = ask(&sb.ns, at(gw), "public.test.", RecordType::A, false).unwrap();
+        assert_eq!(a, ok(&["A 192.0.2.10"]));
+        std::thread::sleep(Duration::from_millis(500));
+        let after = expires(0, PUBLIC_A);
+        // Not renewed, 2.5 s would have passed off it.
+        assert!(after >= before, "not renewed: {before} s, then {after} s");
         // Subdomains of an allowed domain are allowed.
         let a = ask(&sb.ns, at(gw), "sub.public.test.", RecordType::A, true).unwrap();
         assert_eq!(a, ok(&["A 192.0.2.10"]));
@@ -143,7 +177,21 @@ fn allowed_names_resolve_and_open_their_addresses_denied_names_never_leave() {
                 assert_eq!(a, nxdomain(), "{name} TXT tcp={tcp}");
             }
         }
+        // A label with a dot in it reads like an allowed name once printed, but is not one.
+        for (name, tcp) in [
+            ("x\\.public.test.", false),
+            ("secret\\.sub.public.test.", true),
+        ] {
+            let a = ask(&sb.ns, at(gw), name, RecordType::A, tcp).unwrap();
+            assert_eq!(a, nxdomain(), "{name}");
+        }
         let upstream_saw = asked(&log);
+        assert!(
+            upstream_saw.iter().all(|n| !n.contains('\\')
+                && !n.starts_with("x.public")
+                && !n.starts_with("secret.sub")),
+            "{upstream_saw:?}"
+        );
         for n in ["denied.test", "secret-data.exfil.test", "test"] {
             assert!(
                 !upstream_saw.contains(&n.to_string()),

@@ -31,16 +31,28 @@ pub fn port_of(first: &pb::PortFrame) -> Result<u16, Failure> {
         .ok_or_else(|| Failure::invalid(format!("port: {} is outside 1-65535", first.port)))
 }
 
+/// How long a caller may take to send its first frame.
+pub const FIRST_FRAME_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// The caller's first frame, which names the sandbox and the port.
-/// Errors: `invalid` when the stream ends (or fails) before it.
+/// Errors: `invalid` when the stream ends (or fails) before it; `timeout` when it does not
+/// come within [`FIRST_FRAME_TIMEOUT`] (a call held open without one would hold a
+/// connection slot for nothing).
 pub async fn first_frame(
     inbound: &mut (impl Stream<Item = Result<pb::PortFrame, Status>> + Unpin),
 ) -> Result<pb::PortFrame, Status> {
-    match inbound.next().await {
-        Some(Ok(f)) => Ok(f),
-        Some(Err(s)) => Err(s),
-        None => Err(to_status(&Failure::invalid(
+    match tokio::time::timeout(FIRST_FRAME_TIMEOUT, inbound.next()).await {
+        Ok(Some(Ok(f))) => Ok(f),
+        Ok(Some(Err(s))) => Err(s),
+        Ok(None) => Err(to_status(&Failure::invalid(
             "ConnectPort: the stream ended before its first frame (sandbox_id, port)",
+        ))),
+        Err(_) => Err(to_status(&Failure::new(
+            crate::types::Reason::Timeout,
+            format!(
+                "ConnectPort: no first frame (sandbox_id, port) within {}s",
+                FIRST_FRAME_TIMEOUT.as_secs()
+            ),
         ))),
     }
 }

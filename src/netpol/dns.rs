@@ -196,7 +196,10 @@ impl Handler {
         qtype: RecordType,
     ) -> Answer {
         let shown = name.to_string();
-        if !policy.allows_name(&shown) {
+        // Rules compare names as dotted text, so a label holding a dot (`x\.allowed` +
+        // `test`, which reads as `x.allowed.test`) or any other byte a host name cannot have
+        // would pass for a name it is not. Such names are denied like any other.
+        if !is_host_name(name) || !policy.allows_name(&shown) {
             tracing::debug!(name = %shown, "denied");
             return Answer::Code(ResponseCode::NXDomain);
         }
@@ -251,6 +254,19 @@ impl Handler {
             authorities: lookup.authorities().to_vec(),
         }
     }
+}
+
+/// Whether every label of `name` holds only letters, digits, `-` and `_` (service labels
+/// such as `_http._tcp`): what names in rules can be.
+fn is_host_name(name: &hickory_server::proto::rr::LowerName) -> bool {
+    hickory_server::proto::rr::Name::from(name.clone())
+        .iter()
+        .all(|label| {
+            !label.is_empty()
+                && label
+                    .iter()
+                    .all(|b| b.is_ascii_alphanumeric() || *b == b'-' || *b == b'_')
+        })
 }
 
 #[async_trait::async_trait]

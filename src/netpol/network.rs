@@ -10,6 +10,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::net::Ipv4Addr;
 use std::os::fd::BorrowedFd;
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use super::link::{self, Attached, LinkError};
 use super::nft::{Firewall, NftError};
@@ -48,6 +49,19 @@ pub enum NetworkError {
     Task(String),
 }
 
+/// Per slot, when each (port limit, address) was last added to its resolved sets.
+type ResolvedRecord = HashMap<u32, HashMap<(super::PortLimit, Ipv4Addr), Instant>>;
+
+/// How many renewals of resolved addresses may run at once on an edge.
+pub const MAX_RENEWALS: usize = 4;
+/// An address the DNS proxy added less than this long ago is not touched again.
+pub const RENEW_AFTER: Duration = Duration::from_secs(300);
+/// An address added this long ago may be close to its hour: the next answer naming it waits
+/// for its renewal.
+pub const ADD_AGAIN_AFTER: Duration = Duration::from_secs(3000);
+/// The most addresses remembered per slot.
+const MAX_REMEMBERED: usize = 4096;
+
 /// An edge's sandbox networking; see the module doc.
 pub struct Network {
     subnet: Ipv4Net,
@@ -57,6 +71,13 @@ pub struct Network {
     held: Mutex<BTreeSet<u32>>,
     /// Where [`Network::reserve`] looks first.
     next: Mutex<u32>,
+    /// [`RENEW_AFTER`] and [`ADD_AGAIN_AFTER`], unless a test shortened them.
+    renew_after: Duration,
+    add_again_after: Duration,
+    /// When each slot's resolved addresses were last added ([`Network::add_resolved`]).
+    resolved: Mutex<ResolvedRecord>,
+    /// Renewals of resolved addresses in flight ([`Network::add_resolved`]).
+    renewals: Arc<tokio::sync::Semaphore>,
     /// The policy of each attached slot: what the DNS proxy answers by. Written after the
     /// table, so a name the proxy allows always has its sets in the table.
     policies: RwLock<HashMap<u32, Arc<Policy>>>,
@@ -96,8 +117,24 @@ impl Network {
             firewall,
             held: Mutex::new(BTreeSet::new()),
             next: Mutex::new(0),
+            renewals: Arc::new(tokio::sync::Semaphore::new(MAX_RENEWALS)),
+            resolved: Mutex::new(HashMap::new()),
+            renew_after: RENEW_AFTER,
+            add_again_after: ADD_AGAIN_AFTER,
             policies: RwLock::new(HashMap::new()),
         })
+    }
+
+    /// The same network with other [`RENEW_AFTER`] and [`ADD_AGAIN_AFTER`] (tests see a
+    /// renewal in seconds rather than minutes).
+    pub fn with_resolved_timings(
+        mut self,
+        renew_after: Duration,
+        add_again_after: Duration,
+    ) -> Self {
+        self.renew_after = renew_after;
+        self.add_again_after = add_again_after;
+        self
     }
 
     fn held(&self) -> std::sync::MutexGuard<'_, BTreeSet<u32>> {
@@ -116,6 +153,16 @@ impl Network {
             Some(policy) => p.insert(slot, Arc::new(policy.clone())),
             None => p.remove(&slot),
         };
+        drop(p);
+        // Its sets may have changed (or gone): what was added to them is not known any more.
+        self.resolved().remove(&slot);
+    }
+
+    fn resolved(&self) -> std::sync::MutexGuard<'_, ResolvedRecord> {
+        match self.resolved.lock() {
+            Ok(g) => g,
+            Err(e) => e.into_inner(),
+        }
     }
 
     /// The sandbox subnet.
@@ -140,7 +187,17 @@ impl Network {
     }
 
     /// Lets sandbox `slot` reach `addrs` (what the DNS proxy resolved for it) under each of
-    /// `limits`, for [`super::nft::RESOLVED_TIMEOUT_MS`] from now.
+    /// `limits`: they are in its sets when this returns, for an hour
+    /// ([`super::nft::RESOLVED_TIMEOUT_MS`]) from at most [`RENEW_AFTER`] ago.
+    ///
+    /// The edge remembers when it last added each address, so a name asked again and again
+    /// costs no netlink exchange: an address added less than [`RENEW_AFTER`] ago is left
+    /// alone; one added earlier (but within [`ADD_AGAIN_AFTER`]) gets its hour renewed in the
+    /// background, at most [`MAX_RENEWALS`] at a time for the whole edge (best effort: a
+    /// renewal deletes and re-adds, and the socket's close then waits for an RCU grace
+    /// period, milliseconds an answer should not wait for); anything else is added (renewed)
+    /// before this returns. A slot's record is dropped whenever its policy is written, so an
+    /// address is never taken for present in a set that was replaced.
     /// Errors: [`NetworkError::Nft`].
     pub async fn add_resolved(
         &self,
@@ -148,11 +205,76 @@ impl Network {
         limits: Vec<super::PortLimit>,
         addrs: Vec<Ipv4Addr>,
     ) -> Result<(), NetworkError> {
-        let fw = self.firewall.clone();
-        tokio::task::spawn_blocking(move || fw.add_resolved(slot, &limits, &addrs))
-            .await
-            .map_err(|e| NetworkError::Task(e.to_string()))??;
+        let now = Instant::now();
+        let (mut fresh, mut renew, mut stale) = (true, false, false);
+        {
+            let rec = self.resolved();
+            let seen = rec.get(&slot);
+            for l in &limits {
+                for a in &addrs {
+                    match seen.and_then(|m| m.get(&(*l, *a))) {
+                        None => fresh = false,
+                        Some(t) => {
+                            let age = now.saturating_duration_since(*t);
+                            if age >= self.add_again_after {
+                                fresh = false;
+                                stale = true;
+                            } else if age >= self.renew_after {
+                                renew = true;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if !fresh {
+            let fw = self.firewall.clone();
+            let (l2, a2) = (limits.clone(), addrs.clone());
+            tokio::task::spawn_blocking(move || fw.add_resolved(slot, &l2, &a2, stale))
+                .await
+                .map_err(|e| NetworkError::Task(e.to_string()))??;
+            self.note_resolved(slot, &limits, &addrs, now);
+            return Ok(());
+        }
+        if renew {
+            if let Ok(permit) = self.renewals.clone().try_acquire_owned() {
+                let fw = self.firewall.clone();
+                let done = tokio::task::spawn_blocking(move || {
+                    let r = fw.add_resolved(slot, &limits, &addrs, true);
+                    drop(permit);
+                    r.map(|()| (limits, addrs))
+                });
+                match done.await {
+                    Ok(Ok((limits, addrs))) => self.note_resolved(slot, &limits, &addrs, now),
+                    Ok(Err(e)) => {
+                        tracing::debug!(slot, error = %crate::types::chain(&e), "renewing resolved addresses")
+                    }
+                    Err(e) => tracing::debug!(slot, error = %e, "renewing resolved addresses"),
+                }
+            }
+        }
         Ok(())
+    }
+
+    fn note_resolved(
+        &self,
+        slot: u32,
+        limits: &[super::PortLimit],
+        addrs: &[Ipv4Addr],
+        at: Instant,
+    ) {
+        let mut rec = self.resolved();
+        let m = rec.entry(slot).or_default();
+        // A name with ever new addresses must not grow the record without end: forgetting
+        // costs only a netlink exchange the next time.
+        if m.len() > MAX_REMEMBERED {
+            m.clear();
+        }
+        for l in limits {
+            for a in addrs {
+                m.insert((*l, *a), at);
+            }
+        }
     }
 
     /// The edge's table.

@@ -492,9 +492,12 @@ impl Firewall {
     }
 
     /// Allows the DNS proxy's answer to sandbox `slot`: `addrs` join the slot's resolved set
-    /// of each of `limits` with a fresh [`RESOLVED_TIMEOUT_MS`], in one transaction. An
-    /// address already there gets its timeout renewed: the batch adds it (a no-op when
-    /// present), deletes it and adds it again, which the kernel applies as one change.
+    /// of each of `limits` in one transaction; a new one times out [`RESOLVED_TIMEOUT_MS`]
+    /// later, one already there keeps its timeout. With `renew`, one already there gets a
+    /// fresh timeout too: the batch adds it (a no-op when present), deletes it and adds it
+    /// again, which the kernel applies as one change. A renewal costs an RCU grace period
+    /// (milliseconds) when the netlink socket closes, because it deleted something; a plain
+    /// add does not.
     /// Errors: [`NftError::Apply`] (nothing changed), also when the slot has no set for a
     /// limit (its policy changed meanwhile).
     pub fn add_resolved(
@@ -502,6 +505,7 @@ impl Firewall {
         slot: u32,
         limits: &[PortLimit],
         addrs: &[std::net::Ipv4Addr],
+        renew: bool,
     ) -> Result<(), NftError> {
         if limits.is_empty() || addrs.is_empty() {
             return Ok(());
@@ -517,8 +521,10 @@ impl Firewall {
             }
             let (_, elements) = sb.finish();
             b.add(&elements, MsgType::Add);
-            b.add(&elements, MsgType::Del);
-            b.add(&elements, MsgType::Add);
+            if renew {
+                b.add(&elements, MsgType::Del);
+                b.add(&elements, MsgType::Add);
+            }
         }
         self.send(
             b,

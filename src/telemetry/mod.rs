@@ -33,13 +33,36 @@ pub fn check_log_level(level: &str) -> Result<(), String> {
         .map_err(|e| bad(&e.to_string()))
 }
 
+/// Libraries that log at info for every packet or netlink message (hickory's server logs
+/// each DNS query a sandbox sends; rustables each attribute it skips): warnings only, unless
+/// the level names them.
+const QUIET: &[&str] = &[
+    "rustables",
+    "hickory_server",
+    "hickory_proto",
+    "hickory_net",
+    "hickory_resolver",
+];
+
+/// `level` with a `=warn` directive for each of [`QUIET`] it does not name.
+fn with_quiet_libraries(level: &str) -> String {
+    let mut out = level.to_string();
+    for lib in QUIET {
+        if !level.contains(lib) {
+            out.push_str(&format!(",{lib}=warn"));
+        }
+    }
+    out
+}
+
 /// Starts logging to stderr at `level` (see [`check_log_level`]). Colours only when stderr
 /// is a terminal: a log redirected to a file stays plain text. Errors: the level is not
 /// valid (nothing is started then).
 pub fn init_logging(level: &str) -> Result<(), String> {
     use std::io::IsTerminal;
     check_log_level(level)?;
-    let filter = tracing_subscriber::EnvFilter::try_new(level).map_err(|e| e.to_string())?;
+    let filter = tracing_subscriber::EnvFilter::try_new(with_quiet_libraries(level))
+        .map_err(|e| e.to_string())?;
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
@@ -55,6 +78,22 @@ pub fn init_logging(level: &str) -> Result<(), String> {
 #[cfg(test)]
 mod log_level_tests {
     use super::check_log_level;
+
+    #[test]
+    fn chatty_libraries_log_warnings_unless_named() {
+        let f = super::with_quiet_libraries("debug");
+        assert!(
+            f.starts_with("debug,")
+                && f.contains(",rustables=warn")
+                && f.contains(",hickory_server=warn"),
+            "{f}"
+        );
+        let f = super::with_quiet_libraries("info,hickory_server=debug");
+        assert!(
+            !f.contains("hickory_server=warn") && f.contains("rustables=warn"),
+            "{f}"
+        );
+    }
 
     #[test]
     fn levels_and_filters_pass_and_other_words_are_refused() {

@@ -103,13 +103,18 @@ async def open_port(stub: object, metadata: object, sandbox_id: str, port: int,
             yield f
 
     call = stub.ConnectPort(frames(), metadata=metadata)  # type: ignore[attr-defined]
+    connected: object = None
     try:
         connected = await asyncio.wait_for(call.read(), timeout)
     except grpc.aio.AioRpcError as e:
         raise error_from_rpc(e) from None
     except asyncio.TimeoutError:
-        call.cancel()
         raise DSecError(TIMEOUT, f"port {port}: not connected within {timeout}s") from None
+    finally:
+        # A call that did not connect ends here, its request stream with it.
+        if connected is None or connected is grpc.aio.EOF:
+            queue.put_nowait(None)
+            call.cancel()
     if connected is grpc.aio.EOF:
         raise DSecError(UNAVAILABLE, f"port {port}: the call ended before the connection opened")
     reader = asyncio.StreamReader()
