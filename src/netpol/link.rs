@@ -326,15 +326,7 @@ pub async fn veth_exists(name: &str) -> Result<bool, LinkError> {
         return Err(LinkError::InvalidName { name: name.into() });
     }
     let nl = Netlink::here(name)?;
-    let found = get_link(&nl, name)
-        .await
-        .map_err(|source| LinkError::Lookup {
-            host: name.into(),
-            ifname: name.into(),
-            side: Side::Host,
-            source,
-        })?;
-    Ok(found.is_some_and(|m| is_veth(&m)))
+    Ok(host_link(&nl, name).await?.is_some_and(|m| is_veth(&m)))
 }
 
 /// The names of the veths in the caller's netns whose name starts with `prefix` (normally
@@ -573,17 +565,22 @@ async fn configure(
     })
 }
 
-/// Deletes the veth `name` if it exists: `Ok(false)` when it does not.
-async fn delete(nl: &Netlink, name: &str) -> Result<bool, LinkError> {
-    let Some(m) = get_link(nl, name)
+/// The host-side link `name`, if there is one.
+/// Errors: [`LinkError::Lookup`].
+async fn host_link(nl: &Netlink, name: &str) -> Result<Option<LinkMessage>, LinkError> {
+    get_link(nl, name)
         .await
         .map_err(|source| LinkError::Lookup {
             host: name.into(),
             ifname: name.into(),
             side: Side::Host,
             source,
-        })?
-    else {
+        })
+}
+
+/// Deletes the veth `name` if it exists: `Ok(false)` when it does not.
+async fn delete(nl: &Netlink, name: &str) -> Result<bool, LinkError> {
+    let Some(m) = host_link(nl, name).await? else {
         return Ok(false);
     };
     if !is_veth(&m) {
