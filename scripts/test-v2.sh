@@ -16,7 +16,7 @@ PYTHONDONTWRITEBYTECODE=1 bash scripts/v2-guest.sh -timeout 1500 -- bash -c "
   set -e
   $(printf %q "$suite") --test-threads=1
   cd sdk/python
-  ../../.venv/bin/python -m pytest -p no:cacheprovider -q tests/test_containers.py \
+  ../../.venv/bin/python -m pytest -p no:cacheprovider -q --timeout 600 tests/test_containers.py \
     -k 'fork_bomb_does_not_starve or fork_bomb_at_the_memory_limit'"
 echo "the v2 guest's tests passed"
 

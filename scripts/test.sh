@@ -17,7 +17,7 @@ cargo test --release
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-.venv/bin/pip install -q --disable-pip-version-check ./sdk/python pytest pytest-asyncio \
+.venv/bin/pip install -q --disable-pip-version-check ./sdk/python pytest pytest-asyncio pytest-timeout \
   ruff==0.17.6 mypy==2.4.1 types-protobuf==7.35.1.20260906 types-grpcio==1.85.0.20261028
 # Lint and type-check the SDK (settings in sdk/python/pyproject.toml; the generated stubs in
 # opendsec/_pb are excluded there). The pins keep a new release's checks out of CI until chosen.

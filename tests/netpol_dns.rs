@@ -297,3 +297,76 @@ fn port_limits_star_long_names_and_strangers() {
         drop(w);
     });
 }
+
+#[test]
+fn a_sandbox_flooding_the_proxy_over_tcp_holds_a_few_connections_and_others_are_served() {
+    if !root_or_skip() {
+        return;
+    }
+    in_fresh_netns(Some(2), || async {
+        let Setup {
+            w,
+            log: _,
+            net,
+            _proxy,
+        } = setup().await;
+        let (flooder, _, gw) = sandbox(&net, &[("public.test", true)]).await;
+        let (other, _, gw2) = sandbox(&net, &[("public.test", true)]).await;
+        let other_ns = other.ns.try_clone().unwrap();
+        // Warm: the resolver's own sockets are open before the count.
+        for tcp in [false, true] {
+            let a = ask(&flooder.ns, at(gw), "public.test.", RecordType::A, tcp).unwrap();
+            assert_eq!(a, ok(&["A 192.0.2.10"]));
+        }
+        let fds_before = std::fs::read_dir("/proc/self/fd").unwrap().count();
+
+        // 600 connections at once, to "servers" all over a documentation range: DNS to any
+        // address reaches the proxy. Only PER_SOURCE of them stay open; the proxy closes the rest
+        // as it accepts them, and another sandbox is answered over TCP meanwhile.
+        let (made, open, other_answer) = common::netns::in_ns(&flooder.ns, move || {
+            Box::pin(async move {
+                use tokio::io::AsyncReadExt;
+                let mut conns = Vec::new();
+                for i in 0..600u32 {
+                    let to = SocketAddr::from((Ipv4Addr::new(192, 0, 2, 1 + (i % 250) as u8), 53));
+                    let c = tokio::time::timeout(
+                        Duration::from_secs(5),
+                        tokio::net::TcpStream::connect(to),
+                    );
+                    if let Ok(Ok(s)) = c.await {
+                        conns.push(s);
+                    }
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let mut open = 0;
+                for s in &mut conns {
+                    let mut b = [0u8; 1];
+                    let r = tokio::time::timeout(Duration::from_millis(20), s.read(&mut b));
+                    if r.await.is_err() {
+                        open += 1;
+                    }
+                }
+                let answer = ask(&other_ns, at(gw2), "public.test.", RecordType::A, true);
+                (conns.len(), open, answer)
+            })
+        })
+        .join()
+        .unwrap();
+        assert_eq!(made, 600, "the proxy accepts (and closes) every connection");
+        assert_eq!(open, 4, "at most PER_SOURCE connections stay open");
+        assert_eq!(other_answer.unwrap(), ok(&["A 192.0.2.10"]));
+
+        // Once the flood is gone, its places are free again and nothing of it is left.
+        let a = ask(&flooder.ns, at(gw), "public.test.", RecordType::A, true).unwrap();
+        assert_eq!(a, ok(&["A 192.0.2.10"]));
+        let a = ask(&flooder.ns, at(gw), "public.test.", RecordType::A, false).unwrap();
+        assert_eq!(a, ok(&["A 192.0.2.10"]));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let fds_after = std::fs::read_dir("/proc/self/fd").unwrap().count();
+        assert!(
+            fds_after <= fds_before + 2,
+            "file descriptors: {fds_before} before, {fds_after} after"
+        );
+        drop(w);
+    });
+}

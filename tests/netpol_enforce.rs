@@ -269,6 +269,62 @@ fn a_released_slot_is_the_last_handed_out_again() {
     });
 }
 
+#[test]
+fn a_release_that_failed_is_tried_again_until_it_goes() {
+    if !root_or_skip() {
+        return;
+    }
+    in_fresh_netns(None, || async {
+        let net = std::sync::Arc::new(
+            opendsec::netpol::network::Network::start(
+                "e1",
+                DEFAULT_SUBNET,
+                DNS_PORT,
+                ClusterRules::default(),
+            )
+            .unwrap(),
+        );
+        let sb = SandboxNs::start();
+        let slot = net.reserve().unwrap();
+        let a = net
+            .attach(sb.ns.as_fd(), slot, &policy(&[("192.0.2.10", true)]))
+            .await
+            .unwrap();
+        let veth = a.host_name.clone();
+        // A jump from a chain the edge does not know pins the sandbox's chain: the kernel
+        // refuses to delete it (EBUSY), so the release fails, as one does when the edge is
+        // short of memory or file descriptors.
+        run("nft", &["add", "chain", "inet", "opendsec-e1", "pin"]);
+        let out = format!("out-{slot}");
+        run(
+            "nft",
+            &["add", "rule", "inet", "opendsec-e1", "pin", "jump", &out],
+        );
+        let e = net.release(slot).await.unwrap_err().to_string();
+        assert!(e.contains("Device or resource busy"), "{e}");
+        assert!(
+            net.is_held(slot),
+            "a slot whose release failed is not handed out"
+        );
+
+        let pause = std::time::Duration::from_millis(200);
+        net.release_later(slot, &[pause; 50]);
+        tokio::time::sleep(pause * 3).await;
+        assert!(net.is_held(slot), "released while still pinned");
+        run("nft", &["flush", "chain", "inet", "opendsec-e1", "pin"]);
+        let end = std::time::Instant::now() + pause * 20;
+        while net.is_held(slot) && std::time::Instant::now() < end {
+            tokio::time::sleep(pause / 4).await;
+        }
+        assert!(!net.is_held(slot), "the release was not tried again");
+        let table = run("nft", &["list", "table", "inet", "opendsec-e1"]);
+        assert!(!table.contains(&out), "{out} is left:\n{table}");
+        let links = run("ip", &["-o", "link"]);
+        assert!(!links.contains(&veth), "{veth} is left:\n{links}");
+        drop(sb);
+    });
+}
+
 /// An ICMP echo from inside netns `ns` (its pid) to `to`: "reply" or "timeout". A raw
 /// socket, as any sandbox root has.
 fn ping(sb: &SandboxNs, to: Ipv4Addr) -> String {
@@ -421,5 +477,95 @@ fn two_hundred_sandboxes_come_and_go_leaving_nothing() {
         let addrs = run("ip", &["-o", "-4", "addr", "show"]);
         assert!(!addrs.contains("10.88."), "addresses left:\n{addrs}");
         assert!(net.shutdown().await.unwrap());
+    });
+}
+
+/// `count` rules of every kind at once: domains with a port each (a resolved set each),
+/// networks with port ranges and plain addresses, none of which the test's servers have.
+fn filler(count: usize) -> Vec<(String, bool)> {
+    let mut rules = Vec::new();
+    for i in 0..count {
+        let rule = match i % 3 {
+            0 => format!("d{i}.example:{}/tcp", 1000 + i),
+            1 => format!("198.18.{}.0/24:{}-{}/tcp", i % 250, 2000 + i, 2100 + i),
+            _ => format!("198.19.{}.{}", i / 250, i % 250),
+        };
+        rules.push((rule, true));
+    }
+    rules
+}
+
+#[test]
+fn a_policy_of_the_most_rules_a_sandbox_may_have_applies_updates_and_goes() {
+    if !root_or_skip() {
+        return;
+    }
+    in_fresh_netns(Some(2), || async {
+        let w = world();
+        let fw = firewall();
+        let base = run("nft", &["list", "table", "inet", "opendsec-e1"]);
+        let max = opendsec::netpol::MAX_NETWORK_RULES;
+        let with = |extra: &str| {
+            let mut rules = filler(max - 1);
+            rules.push((extra.to_string(), true));
+            let rules: Vec<(&str, bool)> = rules.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+            policy(&rules)
+        };
+
+        // Attach: one transaction of a few thousand messages, far past the default netlink
+        // buffers, which refused it (EMSGSIZE) or lost its acknowledgements (ENOBUFS).
+        let sb = SandboxNs::start();
+        let plan = LinkPlan::new(DEFAULT_SUBNET, 9).unwrap();
+        let a = attach(sb.ns.as_fd(), &plan).await.unwrap();
+        fw.attach(&a.addrs, &with("192.0.2.10:80")).unwrap();
+        let out = run("nft", &["list", "chain", "inet", "opendsec-e1", "out-9"]);
+        let accepts = out.lines().filter(|l| l.contains("accept")).count();
+        assert!(accepts >= max, "{accepts} accepting rules in out-9");
+        let sets = run("nft", &["list", "sets", "inet"]);
+        assert!(
+            sets.matches("set dns-9-").count() >= max / 3,
+            "one resolved set per domain port"
+        );
+        assert_passes(&sb.ns, (PUBLIC_A, 80));
+        assert_dropped(&sb.ns, None, (PUBLIC_A, 443));
+        assert_dropped(&sb.ns, None, (PUBLIC_B, 8080));
+
+        // Replaced whole by another policy as large: the new rule holds, the old one is gone.
+        fw.update(9, &with("198.51.100.10:8080")).unwrap();
+        assert_passes(&sb.ns, (PUBLIC_B, 8080));
+        assert_dropped(&sb.ns, None, (PUBLIC_A, 80));
+
+        // A change the kernel refuses (a resolved set the policy does not have) names the
+        // refusal, changes nothing, and the table's next change goes through.
+        let bad = opendsec::netpol::PortLimit::Ports(
+            opendsec::netpol::PortRange::new(9, 9).unwrap(),
+            Some(opendsec::netpol::Proto::Udp),
+        );
+        let e = fw
+            .add_resolved(9, &[bad], &[Ipv4Addr::new(192, 0, 2, 10)], false)
+            .unwrap_err();
+        let shown = format!("{e}");
+        assert!(
+            matches!(
+                e,
+                opendsec::netpol::NftError::Commit {
+                    source: opendsec::netpol::BatchError::Refused {
+                        errno: nix::errno::Errno::ENOENT,
+                        ..
+                    },
+                    ..
+                }
+            ),
+            "{shown}"
+        );
+        assert_passes(&sb.ns, (PUBLIC_B, 8080));
+        assert!(fw.detach(9).unwrap());
+        assert_eq!(
+            run("nft", &["list", "table", "inet", "opendsec-e1"]),
+            base,
+            "the table differs from before the sandbox"
+        );
+        drop(sb);
+        drop(w);
     });
 }

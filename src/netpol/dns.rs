@@ -11,7 +11,8 @@
 //!   connection to an address it just resolved passes; private addresses in an answer are
 //!   never added (no DNS rebinding), though the answer shows them.
 //!
-//! Server side (UDP and TCP) is hickory-server; upstream is hickory-resolver.
+//! Server side is hickory-server over UDP and our own TCP front ([`super::dns_tcp`], which
+//! caps connections per sandbox); upstream is hickory-resolver.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
@@ -31,7 +32,7 @@ use super::network::Network;
 use super::{is_public, Policy};
 
 /// How long a TCP client may stay idle before the proxy closes its connection.
-const TCP_IDLE: Duration = Duration::from_secs(10);
+pub(super) const TCP_IDLE: Duration = Duration::from_secs(10);
 /// How long one upstream exchange may take before the proxy answers SERVFAIL.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
 
@@ -110,7 +111,14 @@ impl Upstream {
 /// A running proxy; dropping it stops it (its sockets close).
 pub struct DnsProxy {
     server: hickory_server::Server<Handler>,
+    tcp: tokio::task::JoinHandle<()>,
     listen: SocketAddr,
+}
+
+impl Drop for DnsProxy {
+    fn drop(&mut self) {
+        self.tcp.abort();
+    }
 }
 
 impl std::fmt::Debug for DnsProxy {
@@ -150,11 +158,16 @@ impl DnsProxy {
                 None
             }
         };
-        let mut server = hickory_server::Server::new(Handler { net, resolver });
+        let handler = Handler { net, resolver };
+        let tcp = super::dns_tcp::spawn(tcp, handler.clone(), TCP_IDLE);
+        let mut server = hickory_server::Server::new(handler);
         server.register_socket(udp);
-        server.register_listener(tcp, TCP_IDLE, 64);
         tracing::info!(%listen, ?upstream, "DNS proxy on");
-        Ok(DnsProxy { server, listen })
+        Ok(DnsProxy {
+            server,
+            tcp,
+            listen,
+        })
     }
 
     /// The address it listens on.
@@ -164,12 +177,14 @@ impl DnsProxy {
 
     /// Stops serving and waits for the sockets to close.
     pub async fn stop(mut self) {
+        self.tcp.abort();
         if let Err(e) = self.server.shutdown_gracefully().await {
             tracing::debug!(error = %e, "DNS proxy shutdown");
         }
     }
 }
 
+#[derive(Clone)]
 struct Handler {
     net: Arc<Network>,
     resolver: Option<TokioResolver>,

@@ -12,7 +12,7 @@
 //! - [`link`]: the topology (I/O, root): each sandbox's veth pair, /30 and default route over
 //!   rtnetlink ([`attach`], [`detach`], [`list_strays`]).
 //! - [`nft`]: enforcement (I/O, root): the edge's nftables table, each sandbox's chains
-//!   ([`Firewall`]).
+//!   ([`Firewall`]); `nlbatch` sends its batches over one netlink socket.
 //! - [`network`]: an edge's networking as its backends use it: slots, attach, release,
 //!   adoption and the cleanup of strays ([`network::Network`]).
 //!
@@ -20,9 +20,11 @@
 //! The address plan's are [`SlotError`]s, the topology's [`LinkError`]s.
 
 pub mod dns;
+mod dns_tcp;
 pub mod link;
 pub mod network;
 pub mod nft;
+mod nlbatch;
 pub mod policy;
 pub mod rule;
 pub mod slot;
@@ -31,6 +33,7 @@ use std::net::Ipv4Addr;
 
 pub use link::{attach, detach, list_strays, Attached, LinkError, SANDBOX_IFNAME};
 pub use nft::{Firewall, NftError};
+pub use nlbatch::BatchError;
 pub use policy::{parse_rule_list, ClusterRules, DomainRule, NetRule, Policy};
 pub use rule::{Domain, Ipv4Net, PortLimit, PortRange, Proto, Rule, RuleProblem, Target};
 pub use slot::{

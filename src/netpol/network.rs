@@ -407,6 +407,35 @@ impl Network {
         Ok(())
     }
 
+    /// Tries [`Network::release`] of `slot` again in the background, after each of `pauses`
+    /// in turn, until it succeeds: what a stop whose release failed (the kernel short of
+    /// memory, the edge of file descriptors) calls, so that the slot's veth and rules do not
+    /// stay until the edge's next start. The slot stays held, and so is not handed out,
+    /// until then. Needs a Tokio runtime.
+    pub fn release_later(self: &Arc<Self>, slot: u32, pauses: &[Duration]) {
+        let net = Arc::clone(self);
+        let pauses = pauses.to_vec();
+        tokio::spawn(async move {
+            for pause in pauses {
+                tokio::time::sleep(pause).await;
+                match net.release(slot).await {
+                    Ok(()) => {
+                        tracing::info!(slot, "a failed release of a network slot was finished");
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(slot, error = %crate::types::chain(&e), "releasing a network slot again failed");
+                    }
+                }
+            }
+        });
+    }
+
+    /// Whether `slot` is held (reserved, attached or adopted, and not released).
+    pub fn is_held(&self, slot: u32) -> bool {
+        self.held().contains(&slot)
+    }
+
     /// At the edge's exit: deletes the table when no sandbox holds a slot (they were all
     /// stopped), so a stopped edge leaves nothing in the host's ruleset; with sandboxes left
     /// running (`keep_sandboxes_on_exit`) their rules stay. `Ok(true)` when it was deleted.

@@ -57,6 +57,9 @@ use rustables::{
     Table,
 };
 use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use super::nlbatch::{BatchError, BatchSocket};
 
 use super::slot::{host_veth_name, veth_prefix, SlotAddrs};
 use super::Policy;
@@ -84,13 +87,21 @@ pub enum NftError {
         #[source]
         source: rustables::error::BuilderError,
     },
-    /// The kernel refused the batch, or netlink failed.
+    /// Reading the table over netlink failed.
     #[error("nftables table {table}: {what}: {source}")]
     Apply {
         table: String,
         what: String,
         #[source]
         source: rustables::error::QueryError,
+    },
+    /// The kernel refused a change, or sending it failed.
+    #[error("nftables table {table}: {what}: {source}")]
+    Commit {
+        table: String,
+        what: String,
+        #[source]
+        source: BatchError,
     },
 }
 
@@ -103,6 +114,8 @@ pub struct Firewall {
     subnet: Ipv4Net,
     dns_port: u16,
     prefix: String,
+    /// Every change of the table goes through this one socket.
+    sock: Arc<BatchSocket>,
 }
 
 /// Which way a packet goes, for the rules of a sandbox's policy: what it sends (matched on
@@ -275,6 +288,7 @@ impl Firewall {
             subnet,
             dns_port,
             prefix: veth_prefix(subnet),
+            sock: Arc::new(BatchSocket::new()),
         }
     }
 
@@ -301,11 +315,13 @@ impl Firewall {
     }
 
     fn send(&self, b: Batch, what: &str) -> Result<(), NftError> {
-        b.send().map_err(|source| NftError::Apply {
-            table: self.table.clone(),
-            what: what.to_string(),
-            source,
-        })
+        self.sock
+            .send(b.finalize())
+            .map_err(|source| NftError::Commit {
+                table: self.table.clone(),
+                what: what.to_string(),
+                source,
+            })
     }
 
     /// Creates the table and its regular chains if missing, and rewrites its hooked chains

@@ -434,6 +434,7 @@ impl ContainerBackend {
                     "removing its network (slot {slot}): {}",
                     crate::types::chain(&e)
                 ));
+                net.release_later(slot, &DESTROY_RETRIES);
             }
         }
         let steps = DestroySteps {
