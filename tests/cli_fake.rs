@@ -1318,6 +1318,12 @@ async fn sandbox_port_forward_carries_a_connection_both_ways() {
         assert_eq!(r.code, 2, "{bad}: {}", r.stderr);
         assert!(r.stderr.contains(says), "{bad}: {}", r.stderr);
     }
+    // An unknown sandbox: not_found before anything listens (the command ends).
+    let r = ctl(&s.addr, &["sandbox", "port-forward", "missing", "0:8000"]).await;
+    assert_eq!(
+        (r.code, r.stderr.as_str(), r.stdout.len()),
+        (1, "error: not_found: sandbox missing not found\n", 0)
+    );
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_opendsec"))
         .args(["ctl", "sandbox", "port-forward", "edge-1.abc", "0:8000"])
         .env_remove("OPENDSEC_CA")

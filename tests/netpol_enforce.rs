@@ -270,6 +270,42 @@ fn a_released_slot_is_the_last_handed_out_again() {
 }
 
 #[test]
+fn an_update_after_the_table_changed_behind_the_edge_applies_from_what_the_table_holds() {
+    if !root_or_skip() {
+        return;
+    }
+    in_fresh_netns(Some(2), || async {
+        let w = world();
+        let fw = firewall();
+        let (sb, _) = sandbox(
+            &fw,
+            3,
+            &[("public.test:8080", true), ("192.0.2.10:80", true)],
+        )
+        .await;
+        // The edge remembers writing dns-3-any-8080; an operator removed it by hand.
+        run("nft", &["flush", "chain", "inet", "opendsec-e1", "out-3"]);
+        run("nft", &["flush", "chain", "inet", "opendsec-e1", "in-3"]);
+        run(
+            "nft",
+            &["delete", "set", "inet", "opendsec-e1", "dns-3-any-8080"],
+        );
+        // The update's deletion of that set is refused (ENOENT); the edge then asks the
+        // table what the slot has and applies the update against that.
+        fw.update(3, &policy(&[("198.51.100.10:8080", true)]))
+            .unwrap();
+        assert_passes(&sb.ns, (PUBLIC_B, 8080));
+        assert_dropped(&sb.ns, None, (PUBLIC_A, 80));
+        // And the next update knows the table again.
+        fw.update(3, &policy(&[("192.0.2.10:80", true)])).unwrap();
+        assert_passes(&sb.ns, (PUBLIC_A, 80));
+        assert_dropped(&sb.ns, None, (PUBLIC_B, 8080));
+        drop(sb);
+        drop(w);
+    });
+}
+
+#[test]
 fn a_release_that_failed_is_tried_again_until_it_goes() {
     if !root_or_skip() {
         return;

@@ -56,7 +56,7 @@ use rustables::{
     Batch, Chain, ChainPolicy, ChainType, Hook, HookClass, MsgType, ProtocolFamily, Rule, Set,
     Table,
 };
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use super::nlbatch::{BatchError, BatchSocket};
@@ -116,6 +116,10 @@ pub struct Firewall {
     prefix: String,
     /// Every change of the table goes through this one socket.
     sock: Arc<BatchSocket>,
+    /// The resolved sets last written per slot, so that an update need not list the slot's
+    /// chain: a listing opens a socket of its own, whose close waits for an RCU grace period
+    /// once an earlier change deleted something (docs/benchmarks.md "Network").
+    written: Arc<std::sync::Mutex<HashMap<u32, BTreeSet<String>>>>,
 }
 
 /// Which way a packet goes, for the rules of a sandbox's policy: what it sends (matched on
@@ -289,6 +293,14 @@ impl Firewall {
             dns_port,
             prefix: veth_prefix(subnet),
             sock: Arc::new(BatchSocket::new()),
+            written: Arc::default(),
+        }
+    }
+
+    fn written(&self) -> std::sync::MutexGuard<'_, HashMap<u32, BTreeSet<String>>> {
+        match self.written.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
         }
     }
 
@@ -422,6 +434,7 @@ impl Firewall {
         let mut b = Batch::new();
         b.add(&self.table(), MsgType::Del);
         self.send(b, "deleting the table")?;
+        self.written().clear();
         Ok(true)
     }
 
@@ -446,7 +459,7 @@ impl Firewall {
         let mut b = Batch::new();
         let old = self.slot_objects(slot)?;
         self.delete_shared_rules(&mut b, &old);
-        self.write_policy(&mut b, &t, slot, policy, &old.sets)?;
+        let sets = self.write_policy(&mut b, &t, slot, policy, &old.sets)?;
         let veth = host_veth_name(addrs.network);
         let new = |c: &str| R::new(&self.chain(&t, c)).map_err(be("a sandbox's rule"));
         new("guard")?
@@ -492,7 +505,9 @@ impl Firewall {
             })
             .tag(slot)
             .add(&mut b);
-        self.send(b, &format!("adding sandbox slot {slot}"))
+        self.send(b, &format!("adding sandbox slot {slot}"))?;
+        self.written().insert(slot, sets);
+        Ok(())
     }
 
     /// Replaces the policy of attached sandbox `slot` (its `out-`/`in-` chains and resolved
@@ -501,10 +516,38 @@ impl Firewall {
     /// Errors: [`NftError`] (nothing changed).
     pub fn update(&self, slot: u32, policy: &Policy) -> Result<(), NftError> {
         let t = self.table();
-        let sets = self.sets_of(slot)?;
+        let known = self.written().get(&slot).cloned();
+        let listed = known.is_none();
+        let old = match known {
+            Some(s) => s,
+            None => self.sets_of(slot)?,
+        };
+        let what = format!("updating sandbox slot {slot}");
         let mut b = Batch::new();
-        self.write_policy(&mut b, &t, slot, policy, &sets)?;
-        self.send(b, &format!("updating sandbox slot {slot}"))
+        let sets = self.write_policy(&mut b, &t, slot, policy, &old)?;
+        match self.send(b, &what) {
+            Ok(()) => {}
+            // What was written is not what the table holds (someone removed a set): the
+            // table's own word, then.
+            Err(NftError::Commit {
+                source:
+                    BatchError::Refused {
+                        errno: nix::errno::Errno::ENOENT,
+                        ..
+                    },
+                ..
+            }) if !listed => {
+                let old = self.sets_of(slot)?;
+                let mut b = Batch::new();
+                let again = self.write_policy(&mut b, &t, slot, policy, &old)?;
+                self.send(b, &what)?;
+                self.written().insert(slot, again);
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        }
+        self.written().insert(slot, sets);
+        Ok(())
     }
 
     /// Allows the DNS proxy's answer to sandbox `slot`: `addrs` join the slot's resolved set
@@ -553,6 +596,7 @@ impl Firewall {
     pub fn detach(&self, slot: u32) -> Result<bool, NftError> {
         let old = self.slot_objects(slot)?;
         if old.is_empty() {
+            self.written().remove(&slot);
             return Ok(false);
         }
         let be = |w: &str| self.build_err(w);
@@ -573,6 +617,7 @@ impl Firewall {
             b.add(&self.set(&t, s), MsgType::Del);
         }
         self.send(b, &format!("removing sandbox slot {slot}"))?;
+        self.written().remove(&slot);
         Ok(true)
     }
 
@@ -694,7 +739,7 @@ impl Firewall {
 
     /// Into `b`: creates (or empties) `out-<slot>` and `in-<slot>` and writes the policy's
     /// rules into them, creating the resolved sets it needs and deleting those of `old_sets`
-    /// it no longer uses.
+    /// it no longer uses. Returns the names of the sets the policy has.
     fn write_policy(
         &self,
         b: &mut Batch,
@@ -702,7 +747,7 @@ impl Firewall {
         slot: u32,
         policy: &Policy,
         old_sets: &BTreeSet<String>,
-    ) -> Result<(), NftError> {
+    ) -> Result<BTreeSet<String>, NftError> {
         let be = |w: &str| self.build_err(w);
         let limits = resolved_limits(policy);
         let sets: Vec<(PortLimit, String)> = limits
@@ -738,7 +783,7 @@ impl Firewall {
                 b.add(&self.set(t, old), MsgType::Del);
             }
         }
-        Ok(())
+        Ok(sets.into_iter().map(|(_, n)| n).collect())
     }
 }
 

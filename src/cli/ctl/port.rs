@@ -18,7 +18,7 @@ use crate::types::Failure;
 /// forward a local TCP port to a port on the sandbox's loopback until interrupted; prints
 /// {"local": "127.0.0.1:PORT", "sandbox": ID, "port": REMOTE} once listening (LOCAL 0 picks
 /// a free port). Each connection is one ConnectPort call; the sandbox's network rules do
-/// not apply to it.
+/// not apply to it. An unknown sandbox fails before anything listens (not_found).
 #[argh(
     subcommand,
     name = "port-forward",
@@ -52,6 +52,13 @@ impl PortForwardArgs {
         values::sandbox_id(&self.id)?;
         let (local, remote) = ports(&self.ports)?;
         let conn = Arc::new(ctx.connect()?);
+        // A sandbox that is not there (or not the caller's) fails here, not at each
+        // connection after the listener is up.
+        let req = pb::SandboxRef {
+            id: self.id.clone(),
+        };
+        conn.call(req, |mut c, r| async move { c.get_sandbox(r).await })
+            .await?;
         let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, local))
             .await
             .map_err(|e| Failure::invalid(format!("listening on 127.0.0.1:{local}: {e}")))?;
