@@ -306,6 +306,43 @@ fn an_update_after_the_table_changed_behind_the_edge_applies_from_what_the_table
 }
 
 #[test]
+fn a_restarted_edge_replaces_what_the_table_holds_of_a_slot() {
+    if !root_or_skip() {
+        return;
+    }
+    in_fresh_netns(None, || async {
+        let fw = firewall();
+        let (sb, addr) = sandbox(&fw, 4, &[("192.0.2.10:80", true)]).await;
+        let (other, _) = sandbox(&fw, 5, &[]).await;
+        // A new edge process over the same table: it knows nothing of slot 4 but what the
+        // table says, and its attach (adoption) must replace, not add to, the slot's rules.
+        let fw2 = firewall();
+        let plan = LinkPlan::new(DEFAULT_SUBNET, 4).unwrap();
+        fw2.attach(&plan.addrs, &policy(&[("198.51.100.10", true)]))
+            .unwrap();
+        let table = run("nft", &["list", "table", "inet", "opendsec-e1"]);
+        let veth = opendsec::netpol::host_veth_name(plan.addrs.network);
+        for want in [
+            format!("ip saddr {addr} accept"),
+            format!("iifname \"{veth}\" goto out-4"),
+        ] {
+            assert_eq!(table.matches(&want).count(), 1, "{want:?} in:\n{table}");
+        }
+        assert!(
+            !table.contains("192.0.2.10"),
+            "the old policy is gone:\n{table}"
+        );
+        // A slot it has written and removed is written again from nothing.
+        assert!(fw2.detach(4).unwrap());
+        fw2.attach(&plan.addrs, &policy(&[])).unwrap();
+        let table = run("nft", &["list", "table", "inet", "opendsec-e1"]);
+        assert_eq!(table.matches(&format!("ip saddr {addr} accept")).count(), 1);
+        assert_eq!(fw2.slots().unwrap(), [4, 5]);
+        drop((sb, other));
+    });
+}
+
+#[test]
 fn a_release_that_failed_is_tried_again_until_it_goes() {
     if !root_or_skip() {
         return;

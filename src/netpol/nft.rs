@@ -120,6 +120,11 @@ pub struct Firewall {
     /// chain: a listing opens a socket of its own, whose close waits for an RCU grace period
     /// once an earlier change deleted something (docs/benchmarks.md "Network").
     written: Arc<std::sync::Mutex<HashMap<u32, BTreeSet<String>>>>,
+    /// The slots the table may hold something of: learned by one listing at the first
+    /// attach, then kept up to date by attach (before it sends) and detach (after). A slot
+    /// outside it is attached without listing the shared chains, which costs time in
+    /// proportion to the sandboxes on the edge.
+    present: Arc<std::sync::Mutex<Option<BTreeSet<u32>>>>,
 }
 
 /// Which way a packet goes, for the rules of a sandbox's policy: what it sends (matched on
@@ -294,7 +299,27 @@ impl Firewall {
             prefix: veth_prefix(subnet),
             sock: Arc::new(BatchSocket::new()),
             written: Arc::default(),
+            present: Arc::default(),
         }
+    }
+
+    fn present(&self) -> std::sync::MutexGuard<'_, Option<BTreeSet<u32>>> {
+        match self.present.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    /// Whether the table may hold something of `slot`, listing the table the first time.
+    /// Marks the slot as holding something from now on (the caller is about to write it).
+    fn may_hold_then_mark(&self, slot: u32) -> Result<bool, NftError> {
+        if self.present().is_none() {
+            let listed: BTreeSet<u32> = self.slots()?.into_iter().collect();
+            self.present().get_or_insert(listed);
+        }
+        let mut g = self.present();
+        let set = g.get_or_insert_with(BTreeSet::new);
+        Ok(!set.insert(slot))
     }
 
     fn written(&self) -> std::sync::MutexGuard<'_, HashMap<u32, BTreeSet<String>>> {
@@ -435,6 +460,7 @@ impl Firewall {
         b.add(&self.table(), MsgType::Del);
         self.send(b, "deleting the table")?;
         self.written().clear();
+        *self.present() = Some(BTreeSet::new());
         Ok(true)
     }
 
@@ -457,7 +483,11 @@ impl Firewall {
         let be = |w: &str| self.build_err(w);
         let t = self.table();
         let mut b = Batch::new();
-        let old = self.slot_objects(slot)?;
+        let old = if self.may_hold_then_mark(slot)? {
+            self.slot_objects(slot)?
+        } else {
+            SlotObjects::default()
+        };
         self.delete_shared_rules(&mut b, &old);
         let sets = self.write_policy(&mut b, &t, slot, policy, &old.sets)?;
         let veth = host_veth_name(addrs.network);
@@ -597,6 +627,9 @@ impl Firewall {
         let old = self.slot_objects(slot)?;
         if old.is_empty() {
             self.written().remove(&slot);
+            if let Some(p) = self.present().as_mut() {
+                p.remove(&slot);
+            }
             return Ok(false);
         }
         let be = |w: &str| self.build_err(w);
@@ -618,6 +651,9 @@ impl Firewall {
         }
         self.send(b, &format!("removing sandbox slot {slot}"))?;
         self.written().remove(&slot);
+        if let Some(p) = self.present().as_mut() {
+            p.remove(&slot);
+        }
         Ok(true)
     }
 
@@ -788,6 +824,7 @@ impl Firewall {
 }
 
 /// What the table holds of one slot.
+#[derive(Default)]
 struct SlotObjects {
     chains: BTreeSet<String>,
     sets: BTreeSet<String>,
