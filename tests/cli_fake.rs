@@ -114,7 +114,11 @@ fn sandbox_call<T>(f: &Fake, req: &Request<T>, id: &str) -> Result<Response<pb::
     if id == "missing" {
         return Err(to_status(&Failure::not_found("sandbox missing not found")));
     }
-    Ok(Response::new(Fake::sandbox(id, None)))
+    let mut sb = Fake::sandbox(id, None);
+    if id == "edge-1.stopped" {
+        sb.state = pb::SandboxState::Stopped as i32;
+    }
+    Ok(Response::new(sb))
 }
 
 macro_rules! dsec_impl {
@@ -1323,6 +1327,15 @@ async fn sandbox_port_forward_carries_a_connection_both_ways() {
     assert_eq!(
         (r.code, r.stderr.as_str(), r.stdout.len()),
         (1, "error: not_found: sandbox missing not found\n", 0)
+    );
+    let r = ctl(
+        &s.addr,
+        &["sandbox", "port-forward", "edge-1.stopped", "0:8000"],
+    )
+    .await;
+    assert_eq!(
+        (r.code, r.stderr.as_str(), r.stdout.len()),
+        (1, "error: conflict: sandbox edge-1.stopped is STOPPED\n", 0)
     );
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_opendsec"))
         .args(["ctl", "sandbox", "port-forward", "edge-1.abc", "0:8000"])

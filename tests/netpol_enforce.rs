@@ -343,6 +343,52 @@ fn a_restarted_edge_replaces_what_the_table_holds_of_a_slot() {
 }
 
 #[test]
+fn sandboxes_attached_and_detached_at_once_all_succeed_and_leave_nothing() {
+    if !root_or_skip() {
+        return;
+    }
+    in_fresh_netns(None, || async {
+        let fw = firewall();
+        let base = run("nft", &["list", "table", "inet", "opendsec-e1"]);
+        // Eight sandboxes' lifecycles at once, and the edge's cleanup listing meanwhile:
+        // every listing a concurrent change interrupts (the kernel flags the dump) is read
+        // again, so none of them fails.
+        let mut threads = Vec::new();
+        for t in 0..8u32 {
+            let fw = fw.clone();
+            threads.push(std::thread::spawn(move || {
+                for round in 0..15u32 {
+                    let slot = 100 + t * 20 + round;
+                    let addrs = LinkPlan::new(DEFAULT_SUBNET, slot).unwrap().addrs;
+                    fw.attach(
+                        &addrs,
+                        &policy(&[("pypi.org:443", true), ("192.0.2.0/24", true)]),
+                    )
+                    .unwrap_or_else(|e| panic!("attach {slot}: {e}"));
+                    assert!(fw
+                        .detach(slot)
+                        .unwrap_or_else(|e| panic!("detach {slot}: {e}")));
+                }
+            }));
+        }
+        let lister = {
+            let fw = fw.clone();
+            std::thread::spawn(move || {
+                for _ in 0..40 {
+                    fw.slots().unwrap_or_else(|e| panic!("slots: {e}"));
+                }
+            })
+        };
+        for t in threads {
+            t.join().unwrap();
+        }
+        lister.join().unwrap();
+        assert_eq!(fw.slots().unwrap(), Vec::<u32>::new());
+        assert_eq!(run("nft", &["list", "table", "inet", "opendsec-e1"]), base);
+    });
+}
+
+#[test]
 fn a_release_that_failed_is_tried_again_until_it_goes() {
     if !root_or_skip() {
         return;

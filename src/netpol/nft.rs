@@ -73,6 +73,8 @@ const NFT_SET_TIMEOUT: u32 = 0x10;
 /// `nf_conntrack` states, as `ct state` reads them (host byte order).
 const CT_ESTABLISHED: u32 = 1 << 1;
 const CT_RELATED: u32 = 1 << 2;
+/// How often a listing the kernel interrupted is started again before its error is returned.
+const MAX_DUMP_TRIES: u32 = 50;
 /// The port sandboxes send DNS to.
 const DNS_PORT: u16 = 53;
 
@@ -465,11 +467,13 @@ impl Firewall {
     }
 
     fn exists(&self) -> Result<bool, NftError> {
-        let tables = rustables::list_tables().map_err(|source| NftError::Apply {
-            table: self.table.clone(),
-            what: "listing tables".into(),
-            source,
-        })?;
+        let tables = self
+            .dump(rustables::list_tables)
+            .map_err(|source| NftError::Apply {
+                table: self.table.clone(),
+                what: "listing tables".into(),
+                source,
+            })?;
         // Our name is ours in every family; only the inet one is ever made.
         Ok(tables.iter().any(|t| t.get_name() == Some(&self.table)))
     }
@@ -675,12 +679,35 @@ impl Firewall {
         Ok(out.into_iter().collect())
     }
 
+    /// Runs listing `f` again while the kernel interrupts it: a dump that another change to
+    /// the ruleset overtook (another sandbox of the edge created or stopped meanwhile) is
+    /// flagged and must be read again from the start.
+    fn dump<T>(
+        &self,
+        f: impl Fn() -> Result<T, rustables::error::QueryError>,
+    ) -> Result<T, rustables::error::QueryError> {
+        use rustables::error::{DecodeError, QueryError};
+        let mut tries = 0;
+        loop {
+            match f() {
+                Err(QueryError::ProcessNetlinkError(DecodeError::ConcurrentGenerationUpdate))
+                    if tries < MAX_DUMP_TRIES =>
+                {
+                    tries += 1;
+                    std::thread::yield_now();
+                }
+                r => return r,
+            }
+        }
+    }
+
     fn chain_names(&self) -> Result<Vec<String>, NftError> {
         if !self.exists()? {
             return Ok(Vec::new());
         }
-        let chains =
-            rustables::list_chains_for_table(&self.table()).map_err(|source| NftError::Apply {
+        let chains = self
+            .dump(|| rustables::list_chains_for_table(&self.table()))
+            .map_err(|source| NftError::Apply {
                 table: self.table.clone(),
                 what: "listing chains".into(),
                 source,
@@ -693,11 +720,13 @@ impl Firewall {
 
     fn list_rules(&self, chain: &str) -> Result<Vec<Rule>, NftError> {
         let t = self.table();
-        rustables::list_rules_for_chain(&self.chain(&t, chain)).map_err(|source| NftError::Apply {
-            table: self.table.clone(),
-            what: format!("listing chain {chain}"),
-            source,
-        })
+        let c = self.chain(&t, chain);
+        self.dump(|| rustables::list_rules_for_chain(&c))
+            .map_err(|source| NftError::Apply {
+                table: self.table.clone(),
+                what: format!("listing chain {chain}"),
+                source,
+            })
     }
 
     /// Every rule of the shared chains with the slot its tag names (`None` untagged).

@@ -18,7 +18,8 @@ use crate::types::Failure;
 /// forward a local TCP port to a port on the sandbox's loopback until interrupted; prints
 /// {"local": "127.0.0.1:PORT", "sandbox": ID, "port": REMOTE} once listening (LOCAL 0 picks
 /// a free port). Each connection is one ConnectPort call; the sandbox's network rules do
-/// not apply to it. An unknown sandbox fails before anything listens (not_found).
+/// not apply to it. An unknown sandbox fails before anything listens (not_found), and so
+/// does a STOPPED or FAILED one (conflict).
 #[argh(
     subcommand,
     name = "port-forward",
@@ -57,8 +58,21 @@ impl PortForwardArgs {
         let req = pb::SandboxRef {
             id: self.id.clone(),
         };
-        conn.call(req, |mut c, r| async move { c.get_sandbox(r).await })
+        let sb = conn
+            .call(req, |mut c, r| async move { c.get_sandbox(r).await })
             .await?;
+        // Every connection would be refused: one that will not run again ends here.
+        if matches!(
+            sb.state(),
+            pb::SandboxState::Stopped | pb::SandboxState::Failed
+        ) {
+            return Err(Failure::conflict(format!(
+                "sandbox {} is {}",
+                self.id,
+                sb.state().as_str_name()
+            ))
+            .into());
+        }
         let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, local))
             .await
             .map_err(|e| Failure::invalid(format!("listening on 127.0.0.1:{local}: {e}")))?;
