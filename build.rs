@@ -22,7 +22,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .register_descriptors(&bytes)?
         .preserve_proto_field_names()
         .build(&[".opendsec"])?;
-    for f in files {
+    // E2B's envd services (docs/e2b.md): messages only, served over the Connect protocol by
+    // the gateway; JSON in proto3's canonical form (lowerCamelCase, unknown fields ignored).
+    let e2b = [
+        "proto/e2b/process/process.proto",
+        "proto/e2b/filesystem/filesystem.proto",
+    ];
+    let e2b_descriptor = out.join("e2b_descriptor.bin");
+    prost_build::Config::new()
+        .compile_well_known_types()
+        .extern_path(".google.protobuf", "::pbjson_types")
+        .file_descriptor_set_path(&e2b_descriptor)
+        .compile_protos(&e2b, &["proto/e2b"])?;
+    let bytes = std::fs::read(&e2b_descriptor)?;
+    pbjson_build::Builder::new()
+        .register_descriptors(&bytes)?
+        .ignore_unknown_fields()
+        .build(&[".process", ".filesystem"])?;
+    for f in files.iter().chain(e2b.iter()) {
         println!("cargo:rerun-if-changed={f}");
     }
     Ok(())

@@ -6,6 +6,9 @@
 #
 #   bench/containers.sh                  # -n 50 -exec-n 500 -k 50, table
 #   bench/containers.sh -n 10 -json
+#   OPENDSEC_BENCH_NETWORK=on bench/containers.sh -only create
+#                                        # the edge with networking: each sandbox gets its
+#                                        # veth, /30 and rules (docs/network.md)
 #
 # docs/benchmarks.md records a run.
 set -euo pipefail
@@ -37,7 +40,7 @@ PID=$!
 for _ in $(seq 1 300); do grep -q OPENDSEC_PROJECT "$OUT" && break; sleep 0.1; done
 kill $PID; wait $PID 2>/dev/null || true
 python3 - "$STATE/cluster.json" "bench$$" <<'PY'
-import json, sys
+import json, os, sys
 path, edge = sys.argv[1], sys.argv[2]
 with open(path) as f:
     c = json.load(f)
@@ -50,6 +53,8 @@ e = c["edges"][0]
 e.update(id=edge, addr="127.0.0.1:0", mem_reserve_mb=0, persist_state=True,
          capacity={"cpu_cores": 0.0, "memory_mb": 0, "gpus": 0, "disk_mb": 0})
 e["backends"]["container"]["runtime"] = "linux"
+if os.environ.get("OPENDSEC_BENCH_NETWORK") == "on":
+    e["network"] = {"enabled": True}
 e.setdefault("images", {})["host"] = ["/"]
 with open(path, "w") as f:
     json.dump(c, f)

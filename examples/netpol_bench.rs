@@ -22,11 +22,11 @@
 //!    creation adds (policy, `Network::reserve`, `resolv_conf`, `Network::attach` of a fresh
 //!    netns: veth, addresses, routes, chains), with `Network::release` on the side.
 //! 2. `-sandboxes` more slots (the last of the subnet) get their rules (`Firewall::attach`:
-//!    chains, sets and shared-chain rules without a veth, a realistic policy each), slot 0's
-//!    rules are written again so that they come last in the shared chains (the worst case
-//!    for its packets), then: `Firewall::update` of random slots against `nft -f` of a file
-//!    flushing and rewriting the same slot's `out-`/`in-` chains, in the same table; then
-//!    DNS, iperf3 and creation again.
+//!    chains, sets and map entries without a veth, a realistic policy each), slot 0's rules
+//!    are written again, then: `Firewall::update` of random slots against `nft -f` of a file
+//!    flushing and filling the same slot's sets (both policies have the same layout, so an
+//!    update changes set elements only), in the same table; then DNS, iperf3 and creation
+//!    again.
 
 #[allow(
     dead_code,
@@ -63,7 +63,7 @@ use hickory_server::proto::rr::{Name, RecordType};
 use nix::sched::CloneFlags;
 use opendsec::netpol::dns::{DnsProxy, Upstream};
 use opendsec::netpol::network::Network;
-use opendsec::netpol::nft::{resolved_limits, resolved_set_name};
+use opendsec::netpol::nft::{any_public_set_name, layer_set_name};
 use opendsec::netpol::{slot_addrs, ClusterRules, Firewall, LinkPlan, Policy, DEFAULT_SUBNET};
 use rand::Rng;
 use serde_json::{json, Value};
@@ -443,61 +443,50 @@ fn plain_netns() -> Result<SandboxNs> {
 
 // ------------------------------------------------------------------------------ nft peer
 
-/// The rules of chain `chain` as `nft list chain` prints them (one per line, no handles).
-fn listed_rules(table: &str, chain: &str) -> Result<Vec<String>> {
-    let out = cmd("nft", &["list", "chain", "inet", table, chain])?;
-    Ok(out
-        .lines()
-        .map(str::trim)
-        .filter(|l| {
-            !l.is_empty() && !l.starts_with("table ") && !l.starts_with("chain ") && *l != "}"
-        })
-        .map(String::from)
-        .collect())
+/// The sets an update of a slot of the bench's policies writes (both policies have one layer
+/// and the same domain port limits, so an update changes elements only).
+fn update_sets(slot: u32) -> [String; 2] {
+    [layer_set_name(slot, 0), any_public_set_name(slot)]
+}
+
+/// The elements of set `set` as `nft list set` prints them (`a . b . c, ...`), empty when it
+/// has none.
+fn listed_elements(table: &str, set: &str) -> Result<String> {
+    let out = cmd("nft", &["list", "set", "inet", table, set])?;
+    let Some(start) = out.find("elements = {") else {
+        return Ok(String::new());
+    };
+    let rest = &out[start + "elements = {".len()..];
+    let end = rest
+        .find('}')
+        .ok_or_else(|| anyhow!("unterminated elements in {out}"))?;
+    Ok(rest[..end].split_whitespace().collect::<Vec<_>>().join(" "))
 }
 
 /// What an operator (or an implementation shelling out to `nft`) would write to give a
-/// slot a policy: the policy's resolved sets (added, a no-op when present), then a flush and
-/// a rewrite of the slot's `out-`/`in-` chains, in one `nft -f` file (one transaction). The
-/// rules are those our own chains hold for the policy (`template`, listed by `nft` from slot
-/// `tslot`), with the slot's set names.
+/// slot a policy of the same layout: each set flushed and filled, in one `nft -f` file (one
+/// transaction). The elements are those our own sets hold for the policy (`template`, listed
+/// by `nft` from slot `tslot`).
 struct NftTemplate {
-    tslot: u32,
-    sets: Vec<String>,
-    out_rules: Vec<String>,
-    in_rules: Vec<String>,
+    elements: Vec<String>,
 }
 
 impl NftTemplate {
-    fn read(table: &str, tslot: u32, policy: &Policy) -> Result<NftTemplate> {
+    fn read(table: &str, tslot: u32) -> Result<NftTemplate> {
         Ok(NftTemplate {
-            tslot,
-            sets: resolved_limits(policy)
-                .into_iter()
-                .map(|l| resolved_set_name(tslot, l))
-                .collect(),
-            out_rules: listed_rules(table, &format!("out-{tslot}"))?,
-            in_rules: listed_rules(table, &format!("in-{tslot}"))?,
+            elements: update_sets(tslot)
+                .iter()
+                .map(|s| listed_elements(table, s))
+                .collect::<Result<_>>()?,
         })
     }
 
     fn file(&self, table: &str, slot: u32) -> String {
-        let from = format!("dns-{}-", self.tslot);
-        let to = format!("dns-{slot}-");
         let mut s = String::new();
-        for set in &self.sets {
-            s += &format!(
-                "add set inet {table} {} {{ type ipv4_addr; flags timeout; timeout 1h; }}\n",
-                set.replacen(&from, &to, 1)
-            );
-        }
-        for (chain, rules) in [("out", &self.out_rules), ("in", &self.in_rules)] {
-            s += &format!("flush chain inet {table} {chain}-{slot}\n");
-            for r in rules {
-                s += &format!(
-                    "add rule inet {table} {chain}-{slot} {}\n",
-                    r.replace(&from, &to)
-                );
+        for (set, elements) in update_sets(slot).iter().zip(&self.elements) {
+            s += &format!("flush set inet {table} {set}\n");
+            if !elements.is_empty() {
+                s += &format!("add element inet {table} {set} {{ {elements} }}\n");
             }
         }
         s
@@ -519,22 +508,14 @@ fn bench_updates(fw: &Firewall, slots: std::ops::RangeInclusive<u32>, n: usize) 
     let (pa, pb) = (resolve(POLICY_A)?, resolve(POLICY_B)?);
     let tmp = tempfile::Builder::new().prefix("odb-nft.").tempdir()?;
     let path = tmp.path().join("update.nft");
-    // Templates from our own chains, and a check that the peer writes the same rules.
+    // Templates from our own sets, and a check that the peer writes the same elements.
     let (s0, s1) = (*slots.start(), *slots.start() + 1);
-    let ta = NftTemplate::read(&table, s0, &pa)?;
+    let ta = NftTemplate::read(&table, s0)?;
     fw.update(s1, &pb)?;
-    let tb = NftTemplate::read(&table, s1, &pb)?;
-    let ours_b = (
-        listed_rules(&table, &format!("out-{s1}"))?,
-        listed_rules(&table, &format!("in-{s1}"))?,
-    );
+    let tb = NftTemplate::read(&table, s1)?;
     nft_file(&path, &ta.file(&table, s1))?;
     nft_file(&path, &tb.file(&table, s1))?;
-    let peer_b = (
-        listed_rules(&table, &format!("out-{s1}"))?,
-        listed_rules(&table, &format!("in-{s1}"))?,
-    );
-    let same = ours_b == peer_b;
+    let same = NftTemplate::read(&table, s1)?.elements == tb.elements;
     fw.update(s1, &pa)?;
     let mut state: HashMap<u32, bool> = HashMap::new();
     let mut rng = rand::rng();
@@ -564,8 +545,7 @@ fn bench_updates(fw: &Firewall, slots: std::ops::RangeInclusive<u32>, n: usize) 
     Ok(json!({
         "ours_firewall_update": summary(&ours),
         "nft_f": summary(&peer),
-        "rules_per_slot": ta.out_rules.len() + ta.in_rules.len(),
-        "peer_writes_the_same_rules": same,
+        "peer_writes_the_same_elements": same,
         "nft_file_example": ta.file(&table, 123),
     }))
 }
@@ -735,7 +715,7 @@ async fn run(a: &Args) -> Result<Value> {
                 "attach_last_100": summary(fill.get(fill.len() - k..).unwrap_or_default()),
             }),
         );
-        // Slot 0's rules last in the shared chains: the longest walk for its packets.
+        // Slot 0's rules written last, as before the maps (when that was the longest walk).
         fw.attach(&slot_addrs(DEFAULT_SUBNET, slot0)?, &main_policy)?;
         if a.has("update") {
             let fw2 = fw.clone();
@@ -953,8 +933,8 @@ fn table(r: &Value) -> String {
         }
         if let Some(u) = p.get("update") {
             out.push(format!(
-                "  rule update of a random slot ({} rules in its chains; peer writes the same rules: {})",
-                at(u, "rules_per_slot"), at(u, "peer_writes_the_same_rules")
+                "  rule update of a random slot (set elements only; peer writes the same elements: {})",
+                at(u, "peer_writes_the_same_elements")
             ));
             out.push(line(
                 "ours: Firewall::update",
@@ -962,7 +942,7 @@ fn table(r: &Value) -> String {
                 "ms",
             ));
             out.push(line(
-                "nft -f (flush + rewrite out-/in-)",
+                "nft -f (flush + fill the same sets)",
                 at(u, "nft_f"),
                 "ms",
             ));

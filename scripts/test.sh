@@ -24,6 +24,9 @@ fi
 (cd sdk/python && ../../.venv/bin/ruff check opendsec && ../../.venv/bin/mypy --strict opendsec)
 (cd sdk/python && ../../.venv/bin/python -m pytest -q tests)
 
+# E2B's own SDKs against the gateway, each supported release (tests/e2b/versions.txt).
+bash scripts/test-e2b.sh
+
 # The container backend on cgroup v2, which production runs and our v1-hybrid machines do not
 # (docs/testing.md "cgroup v2 in a guest"). About 6 minutes under emulation.
 bash scripts/test-v2.sh

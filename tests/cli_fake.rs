@@ -163,6 +163,7 @@ dsec_impl!({
     type StreamShellStream = Boxed<pb::ShellChunk>;
     type StreamOutputStream = Boxed<pb::ShellChunk>;
     type StartProcessStream = Boxed<pb::ProcessEvent>;
+    type WatchDirStream = Boxed<pb::FileEvent>;
     type ConnectProcessStream = Boxed<pb::ProcessEvent>;
 
     async fn create_sandbox(&self, r: Request<pb::CreateSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
@@ -451,6 +452,9 @@ dsec_impl!({
     async fn connect_process(&self, _r: Request<pb::ConnectProcessRequest>) -> Result<Response<Self::ConnectProcessStream>, Status> {
         Err(Status::unimplemented("connect_process"))
     }
+    async fn watch_dir(&self, _r: Request<pb::WatchDirRequest>) -> Result<Response<Self::WatchDirStream>, Status> {
+        Err(Status::unimplemented("watch_dir"))
+    }
 } unimplemented {
     run_shell(RunShellRequest) -> ShellResult;
     get_output(GetOutputRequest) -> ShellResult;
@@ -458,12 +462,17 @@ dsec_impl!({
     close_session(CloseSessionRequest) -> Empty;
     list_dir(PathRequest) -> ListDirResponse;
     remove(RemoveRequest) -> Empty;
+    make_dir(PathRequest) -> FileInfo;
+    r#move(MoveRequest) -> FileInfo;
     http(HttpRequest) -> HttpResponse;
     send_process_input(ProcessInputRequest) -> Empty;
     close_process_input(ProcessRef) -> Empty;
     signal_process(SignalProcessRequest) -> Empty;
     resize_process_pty(ResizePtyRequest) -> Empty;
     list_processes(ListProcessesRequest) -> ListProcessesResponse;
+    create_watcher(WatchDirRequest) -> WatcherRef;
+    get_watcher_events(WatcherRef) -> WatcherEvents;
+    remove_watcher(WatcherRef) -> Empty;
     set_quota(SetQuotaRequest) -> Project;
     register_image(RegisterImageRequest) -> ImageInfo;
     list_images(ListImagesRequest) -> ListImagesResponse;

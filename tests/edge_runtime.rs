@@ -163,6 +163,12 @@ impl pb::runtime_server::Runtime for Aether {
     async fn remove(&self, _: Request<pb::RemoveRequest>) -> R<pb::Empty> {
         unimpl()
     }
+    async fn make_dir(&self, _: Request<pb::PathRequest>) -> R<pb::FileInfo> {
+        unimpl()
+    }
+    async fn r#move(&self, _: Request<pb::MoveRequest>) -> R<pb::FileInfo> {
+        unimpl()
+    }
     async fn http(&self, _: Request<pb::HttpRequest>) -> R<pb::HttpResponse> {
         unimpl()
     }
@@ -196,6 +202,19 @@ impl pb::runtime_server::Runtime for Aether {
         &self,
         _: Request<pb::ListProcessesRequest>,
     ) -> R<pb::ListProcessesResponse> {
+        unimpl()
+    }
+    type WatchDirStream = S<pb::FileEvent>;
+    async fn watch_dir(&self, _: Request<pb::WatchDirRequest>) -> R<Self::WatchDirStream> {
+        unimpl()
+    }
+    async fn create_watcher(&self, _: Request<pb::WatchDirRequest>) -> R<pb::WatcherRef> {
+        unimpl()
+    }
+    async fn get_watcher_events(&self, _: Request<pb::WatcherRef>) -> R<pb::WatcherEvents> {
+        unimpl()
+    }
+    async fn remove_watcher(&self, _: Request<pb::WatcherRef>) -> R<pb::Empty> {
         unimpl()
     }
     type ConnectPortStream = S<pb::PortFrame>;

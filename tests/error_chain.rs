@@ -201,6 +201,11 @@ fn each_role_lists_only_its_own_flags() {
             &["-id", "-addr", "-advertise"][..],
             &["-index", "-replica", "-drain-delay"][..],
         ),
+        (
+            "e2b",
+            &["-index", "-drain-delay", "-ca"][..],
+            &["-id", "-replica", "-advertise"][..],
+        ),
     ] {
         let r = common::run(&[role, "-help"], &[]);
         assert_eq!(r.code, 0, "{role}: {}", r.err);

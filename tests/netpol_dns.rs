@@ -161,8 +161,12 @@ fn allowed_names_resolve_and_open_their_addresses_denied_names_never_leave() {
         assert_eq!(a, ok(&["A 192.0.2.10"]));
         std::thread::sleep(Duration::from_millis(500));
         let after = expires(0, PUBLIC_A);
-        // Not renewed, 2.5 s would have passed off it.
-        assert!(after >= before, "not renewed: {before} s, then {after} s");
+        // Not renewed, 3.1 s would have passed off it. nft shows whole seconds, cut down, and
+        // the renewal came half a second ago: one second less is still renewed.
+        assert!(
+            after + 1 >= before,
+            "not renewed: {before} s, then {after} s"
+        );
         // Subdomains of an allowed domain are allowed.
         let a = ask(&sb.ns, at(gw), "sub.public.test.", RecordType::A, true).unwrap();
         assert_eq!(a, ok(&["A 192.0.2.10"]));

@@ -104,6 +104,85 @@ fn default_deny_and_each_rule_kind() {
     });
 }
 
+/// The rules of `chain` with their handles, as `nft -a` lists them.
+fn rules_with_handles(chain: &str) -> String {
+    run(
+        "nft",
+        &["-a", "list", "chain", "inet", "opendsec-e1", chain],
+    )
+}
+
+#[test]
+fn an_update_keeping_the_layout_changes_only_set_elements_and_another_rewrites_the_chain() {
+    if !root_or_skip() {
+        return;
+    }
+    in_fresh_netns(Some(2), || async {
+        let w = world();
+        let fw = firewall();
+        let (sb, _) = sandbox(&fw, 6, &[("192.0.2.10:80", true), ("pypi.org", true)]).await;
+        assert_passes(&sb.ns, (PUBLIC_A, 80));
+        let before = rules_with_handles("out-6");
+
+        // Other networks and ports, `*` with a port, another domain without a limit: the
+        // same layout, so the same rules (same handles) and new elements only.
+        fw.update(
+            6,
+            &policy(&[
+                ("198.51.100.10:8080", true),
+                ("*:443", true),
+                ("files.example", true),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(rules_with_handles("out-6"), before);
+        assert_passes(&sb.ns, (PUBLIC_B, 8080));
+        assert_passes(&sb.ns, (PUBLIC_A, 443));
+        assert_dropped(&sb.ns, None, (PUBLIC_A, 80));
+
+        // A domain under a new port limit needs a resolved set and its rule: the chain is
+        // written again, and what the policy allows still passes.
+        fw.update(
+            6,
+            &policy(&[("198.51.100.10:8080", true), ("github.com:443", true)]),
+        )
+        .unwrap();
+        let after = rules_with_handles("out-6");
+        assert_ne!(after, before);
+        assert!(
+            after.contains("@dns-6-any-443 tcp dport 443 accept"),
+            "{after}"
+        );
+        assert!(!after.contains("@dns-6-all"), "{after}");
+        assert_passes(&sb.ns, (PUBLIC_B, 8080));
+        assert_dropped(&sb.ns, None, (PUBLIC_A, 443));
+
+        // Overlapping networks with different ports (neither inside the other) take a
+        // second layer; both apply.
+        fw.update(
+            6,
+            &policy(&[("192.0.2.0/24:80", true), ("192.0.2.10:70-90/tcp", true)]),
+        )
+        .unwrap();
+        let listed = run("nft", &["list", "table", "inet", "opendsec-e1"]);
+        assert!(listed.contains("set x-6-1"), "{listed}");
+        assert_passes(&sb.ns, (PUBLIC_A, 80));
+        assert_dropped(&sb.ns, None, (PUBLIC_A, 443));
+        assert_dropped(&sb.ns, None, (PUBLIC_B, 8080));
+
+        // Back to one layer: the rules stay (elements only), the second layer is emptied.
+        let two = rules_with_handles("out-6");
+        fw.update(6, &policy(&[("192.0.2.10:80", true)])).unwrap();
+        assert_eq!(rules_with_handles("out-6"), two);
+        let second = run("nft", &["list", "set", "inet", "opendsec-e1", "x-6-1"]);
+        assert!(!second.contains("elements"), "{second}");
+        assert_passes(&sb.ns, (PUBLIC_A, 80));
+        assert_dropped(&sb.ns, None, (PUBLIC_A, 8080));
+        drop(sb);
+        drop(w);
+    });
+}
+
 #[test]
 fn forged_sources_inbound_connections_and_taking_a_rule_back() {
     if !root_or_skip() {
@@ -214,11 +293,17 @@ fn detach_leaves_nothing_of_the_sandbox() {
             "set dns-7-all",
             "chain out-7",
             "chain in-7",
-            "iifname \"odsv0a58001c\" ip saddr 10.88.0.30 accept",
-            "iifname \"odsv0a58001c\" goto out-7",
-            "ip daddr 192.0.2.0/24 accept",
+            // Its veth and address in the guard set, its chains in the maps.
+            "elements = { \"odsv0a58001c\" . 10.88.0.30 }",
+            "\"odsv0a58001c\" : jump out-7",
+            "\"odsv0a58001c\" : jump in-7",
+            "ip daddr . meta l4proto . th dport @x-7-0 accept",
+            "192.0.2.0/24 . 0-255 . 0-65535",
+            "ip daddr @private drop",
+            "ip daddr . meta l4proto . th dport @s-7 accept",
             "ip daddr @dns-7-all accept",
-            "udp dport 53 dnat ip to 10.88.0.29:15353",
+            // DNS goes to the gateway of the sender's /30.
+            "udp dport 53 dnat ip to ip saddr & 255.255.255.253 | 0.0.0.1:15353",
             // ICMP errors about its own connections reach it whatever the port limits.
             "meta l4proto icmp ct state related accept",
         ] {
@@ -323,8 +408,8 @@ fn a_restarted_edge_replaces_what_the_table_holds_of_a_slot() {
         let table = run("nft", &["list", "table", "inet", "opendsec-e1"]);
         let veth = opendsec::netpol::host_veth_name(plan.addrs.network);
         for want in [
-            format!("ip saddr {addr} accept"),
-            format!("iifname \"{veth}\" goto out-4"),
+            format!("\"{veth}\" . {addr}"),
+            format!("\"{veth}\" : jump out-4"),
         ] {
             assert_eq!(table.matches(&want).count(), 1, "{want:?} in:\n{table}");
         }
@@ -336,7 +421,7 @@ fn a_restarted_edge_replaces_what_the_table_holds_of_a_slot() {
         assert!(fw2.detach(4).unwrap());
         fw2.attach(&plan.addrs, &policy(&[])).unwrap();
         let table = run("nft", &["list", "table", "inet", "opendsec-e1"]);
-        assert_eq!(table.matches(&format!("ip saddr {addr} accept")).count(), 1);
+        assert_eq!(table.matches(&format!("\"{veth}\" . {addr}")).count(), 1);
         assert_eq!(fw2.slots().unwrap(), [4, 5]);
         drop((sb, other));
     });
@@ -637,9 +722,13 @@ fn a_policy_of_the_most_rules_a_sandbox_may_have_applies_updates_and_goes() {
         let plan = LinkPlan::new(DEFAULT_SUBNET, 9).unwrap();
         let a = attach(sb.ns.as_fd(), &plan).await.unwrap();
         fw.attach(&a.addrs, &with("192.0.2.10:80")).unwrap();
-        let out = run("nft", &["list", "chain", "inet", "opendsec-e1", "out-9"]);
-        let accepts = out.lines().filter(|l| l.contains("accept")).count();
-        assert!(accepts >= max, "{accepts} accepting rules in out-9");
+        // Its networks are elements of one layer set (none of them overlap): two " . " each.
+        let layer = run("nft", &["list", "set", "inet", "opendsec-e1", "x-9-0"]);
+        let elements = layer.matches(" . ").count() / 2;
+        assert!(
+            elements >= 2 * (max - 1) / 3,
+            "{elements} elements in x-9-0"
+        );
         let sets = run("nft", &["list", "sets", "inet"]);
         assert!(
             sets.matches("set dns-9-").count() >= max / 3,

@@ -9,6 +9,7 @@ roles:
   watcher    probes edges, serves the scheduling snapshot, reconciles quotas
   apiserver  the public API: authentication, admission, placement, forwarding
   edge       the node control plane and its backends
+  e2b        the E2B-compatible gateway (E2B's SDKs on this cluster)
   cluster    `cluster up`: a whole cluster in one process
   ctl        the CLI (also installed as opendsecctl)
   version    print this build's version
@@ -46,7 +47,7 @@ pub fn main(args: Vec<String>) -> ExitCode {
             ExitCode::SUCCESS
         }
         "ctl" => crate::cli::ctl::main(rest),
-        "iam" | "watcher" | "apiserver" | "edge" => crate::cli::roles::main(&role, &rest),
+        "iam" | "watcher" | "apiserver" | "edge" | "e2b" => crate::cli::roles::main(&role, &rest),
         "cluster" => crate::roles::cluster::main(rest),
         // The container setup process (re-executed by the edge); single-threaded by design.
         "sandbox-init" => crate::backends::container::init::main(),

@@ -101,6 +101,19 @@ role_args!(EdgeArgs, "Run edges: each runs the sandboxes of one node.", {
     pub advertise: String,
 });
 
+role_args!(E2bArgs, "Run an E2B-compatible gateway (docs/e2b.md).", {
+    /// which entry of `e2b.gateways` in the config to run (default 0)
+    #[argh(option, default = "0")]
+    pub index: usize,
+    /// on SIGTERM, fail /readyz and keep serving this long (default 5s)
+    #[argh(option, default = "String::from(\"5s\")")]
+    pub drain_delay: String,
+    /// CA certificate for TLS to the apiservers (TLS between roles is not built yet:
+    /// refused when set)
+    #[argh(option, default = "String::new()")]
+    pub ca: String,
+});
+
 /// Parses `args` as `role`'s flags. Errors: the exit code of a usage error or of `-help`.
 fn parse_role(role: &str, args: &[String]) -> Result<RoleFlags, ExitCode> {
     let cmd = format!("opendsec {role}");
@@ -118,6 +131,24 @@ fn parse_role(role: &str, args: &[String]) -> Result<RoleFlags, ExitCode> {
                 index: a.index,
                 drain_delay: a.drain_delay,
                 ..RoleFlags::common(a.config, a.metrics, a.log, a.grace)
+            }
+        }
+        "e2b" => {
+            let a: E2bArgs = super::flags::parse(&cmd, args)?;
+            if !a.ca.is_empty() {
+                eprintln!("error: invalid: -ca: TLS between the roles is not built yet");
+                return Err(ExitCode::from(2));
+            }
+            // The gateway's /readyz is what load balancers check: on by default.
+            let metrics = if a.metrics.is_empty() {
+                format!("0.0.0.0:{}", crate::config::DEFAULT_E2B_READY_PORT)
+            } else {
+                a.metrics
+            };
+            RoleFlags {
+                index: a.index,
+                drain_delay: a.drain_delay,
+                ..RoleFlags::common(a.config, metrics, a.log, a.grace)
             }
         }
         "edge" => {
@@ -201,15 +232,16 @@ async fn run(role: &str, flags: RoleFlags) -> anyhow::Result<()> {
     let ready = Ready::default();
     let drain_delay = parse_duration(&flags.drain_delay)?;
     let grace = parse_duration(&flags.grace)?;
-    if role == "apiserver" {
+    if role == "apiserver" || role == "e2b" {
         // Fail readiness first and keep serving, so the load balancer moves traffic away
         // before the listener closes.
         let signals = Shutdown::new();
         signals.fire_on_signals();
+        let name: &'static str = if role == "e2b" { "e2b" } else { "apiserver" };
         let (sd, r) = (shutdown.clone(), ready.clone());
         tokio::spawn(async move {
             signals.wait().await;
-            r.drain("apiserver");
+            r.drain(name);
             tracing::info!(
                 delay_s = drain_delay.as_secs_f64(),
                 "draining: /readyz fails, still serving"
@@ -261,6 +293,20 @@ async fn run(role: &str, flags: RoleFlags) -> anyhow::Result<()> {
                     ready,
                 )
                 .await?,
+            );
+        }
+        "e2b" => {
+            let entry = cfg.e2b.gateways.get(flags.index).ok_or_else(|| {
+                anyhow!(
+                    "-index {}: the config has {} e2b.gateways entries",
+                    flags.index,
+                    cfg.e2b.gateways.len()
+                )
+            })?;
+            let l = bind(&entry.addr, "e2b.gateways[].addr").await?;
+            handles.push(
+                crate::roles::e2b::start(Arc::new(cfg), flags.index, l, shutdown.clone(), ready)
+                    .await?,
             );
         }
         "edge" => {

@@ -2,7 +2,9 @@
 //! start, validated before any socket or mount, then passed down as plain data.
 //! Durations are seconds (fractions allowed); 0 or absent means the default.
 
+mod e2b;
 mod edge;
+pub use e2b::{E2bConfig, E2bGateway, E2bTemplate, DEFAULT_E2B_READY_PORT};
 pub use edge::{BackendConfig, CapacityConfig, EdgeConfig, EdgeNetworkConfig, DEFAULT_DNS_PORT};
 
 use std::collections::BTreeMap;
@@ -45,7 +47,7 @@ pub struct Config {
     pub edges: Vec<EdgeConfig>,
     pub edge_template: Option<EdgeConfig>,
     pub fleet: serde_json::Value,
-    pub e2b: serde_json::Value,
+    pub e2b: E2bConfig,
     pub extensions: serde_json::Value,
 }
 
@@ -417,12 +419,8 @@ impl Config {
         self.network.upstream_dns()?;
         // Parsed so that a spec-shaped file loads, but nothing reads them yet: a value set
         // there would be silently ignored, so it is refused like an unknown field.
-        for (field, v, feature) in [
-            ("fleet", &self.fleet, "fleet management"),
-            ("e2b", &self.e2b, "the E2B gateway"),
-        ] {
-            unused(field, v, feature)?;
-        }
+        unused("fleet", &self.fleet, "fleet management")?;
+        self.e2b.validate()?;
         if let Some(t) = &self.edge_template {
             t.network.subnet().map_err(|e| match e {
                 ConfigError::Invalid(m) => ConfigError::Invalid(format!("edge_template: {m}")),
@@ -500,10 +498,7 @@ mod tests {
 
     #[test]
     fn unused_subtrees_are_refused_when_set() {
-        let set = [
-            r#"{"fleet":{"cloud":"aws"}}"#,
-            r#"{"e2b":{"addr":":3000"}}"#,
-        ];
+        let set = [r#"{"fleet":{"cloud":"aws"}}"#];
         for text in set {
             let mut c: Config = serde_json::from_str(text).unwrap();
             c.service_token = "s".into();

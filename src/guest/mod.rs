@@ -11,6 +11,7 @@ pub mod proctree;
 pub mod reaper;
 pub mod uds;
 pub mod user;
+pub mod watch;
 
 use std::sync::{Mutex, MutexGuard};
 

@@ -57,6 +57,31 @@ pub async fn first_frame(
     }
 }
 
+/// Sends what `rd` reads as data frames to `tx`, then an `eof` frame at its end (or at a
+/// read error); stops early when `tx` is closed. The caller's half of a `ConnectPort`.
+pub async fn send_reads<R: tokio::io::AsyncRead + Unpin>(
+    mut rd: R,
+    tx: tokio::sync::mpsc::Sender<pb::PortFrame>,
+) {
+    let mut buf = vec![0u8; MAX_FRAME];
+    loop {
+        let frame = match rd.read(&mut buf).await {
+            Ok(0) | Err(_) => pb::PortFrame {
+                eof: true,
+                ..Default::default()
+            },
+            Ok(n) => pb::PortFrame {
+                data: buf.get(..n).unwrap_or_default().to_vec(),
+                ..Default::default()
+            },
+        };
+        let eof = frame.eof;
+        if tx.send(frame).await.is_err() || eof {
+            break;
+        }
+    }
+}
+
 /// The caller's frames from `first` on, ending at the first error (a cancelled call): what
 /// a forwarding hop sends on.
 pub fn forward(

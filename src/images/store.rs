@@ -50,6 +50,12 @@ pub struct LayerMeta {
     pub created: String,
 }
 
+/// The `source` of a snapshot of sandbox `id`, which tells the snapshots taken of one
+/// sandbox apart (the E2B gateway lists them by it).
+pub fn snapshot_source(id: &str) -> String {
+    format!("snapshot of sandbox {id}")
+}
+
 /// An image: its layers bottom first, and the defaults its sandboxes start with
 /// (`images/<project>/<name>/<tag>.json`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -12,17 +12,20 @@
 //! - [`link`]: the topology (I/O, root): each sandbox's veth pair, /30 and default route over
 //!   rtnetlink ([`attach`], [`detach`], [`list_strays`]).
 //! - [`nft`]: enforcement (I/O, root): the edge's nftables table, each sandbox's chains
-//!   ([`Firewall`]); `nlbatch` sends its batches over one netlink socket.
+//!   and sets ([`Firewall`]); `boxes` turns a policy's rules into set elements, `nfmsg`
+//!   writes the messages and `nlbatch` sends them over one netlink socket.
 //! - [`network`]: an edge's networking as its backends use it: slots, attach, release,
 //!   adoption and the cleanup of strays ([`network::Network`]).
 //!
 //! Every error of the rules is a [`NetpolError`]; all of them mean `invalid` to a caller.
 //! The address plan's are [`SlotError`]s, the topology's [`LinkError`]s.
 
+mod boxes;
 pub mod dns;
 mod dns_tcp;
 pub mod link;
 pub mod network;
+mod nfmsg;
 pub mod nft;
 mod nlbatch;
 pub mod policy;

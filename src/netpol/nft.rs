@@ -1,75 +1,83 @@
 //! Enforcement (docs/network.md "Enforcement"): the edge's nftables table, written over
-//! netlink with rustables, one batch (one kernel transaction) per change. No `nft` command
-//! runs: it rereads the whole ruleset each time, which costs 100–300 ms with thousands of
-//! sandboxes, while a sandbox's change here touches only its own chains.
+//! netlink, one batch (one kernel transaction) per change. No `nft` command runs: it rereads
+//! the whole ruleset each time, which costs 100–300 ms with thousands of sandboxes.
 //!
 //! # The table
 //!
 //! One `inet` table per edge, `opendsec-<edge id>`. Its hooked chains hold only fixed rules
 //! and are rewritten whole (flush + add, atomically) by [`Firewall::install_base`] at every
-//! edge start; everything per sandbox lives in regular chains that a restart leaves alone,
-//! so running sandboxes keep their rules while the edge is down. `V` is the edge's
-//! [`veth_prefix`] (its host-side veths, `odsv0a58*` for 10.88.0.0/16), `N` a slot:
+//! edge start; everything per sandbox lives in sets, maps and regular chains that a restart
+//! leaves alone, so running sandboxes keep their rules while the edge is down. `V` is the
+//! edge's [`veth_prefix`] (its host-side veths, `odsv0a58*` for 10.88.0.0/16), `N` a slot:
 //!
 //! ```text
-//! pre      filter prerouting -150  iifname V* jump guard; iifname V* drop;
+//! pre      filter prerouting -150  iifname V* iifname . ip saddr @guard accept; iifname V* drop;
 //!                                  ip saddr <subnet> iifname != V* iifname != lo drop
-//! guard                            iifname odsv<N> ip saddr <sandbox N> accept   (per sandbox)
-//! pre-nat  nat prerouting -100     iifname V* jump dns
-//! dns                              iifname odsv<N> udp|tcp dport 53 dnat ip to <gateway N>:<dns_port>
-//! fwd      filter forward 0        oifname V* jump ingress; oifname V* drop;
-//!                                  iifname V* jump egress; iifname V* drop
-//! egress                           iifname odsv<N> goto out-<N>                  (per sandbox)
-//! ingress                          oifname odsv<N> ct state established,related goto in-<N>
+//! pre-nat  nat prerouting -100     iifname V* udp|tcp dport 53
+//!                                      dnat ip to (ip saddr & 255.255.255.252 | 0.0.0.1):<dns_port>
+//! fwd      filter forward 0        oifname V* ct state established,related oifname vmap @ingress;
+//!                                  oifname V* drop; iifname V* iifname vmap @egress; iifname V* drop
 //! in       filter input 0          iifname V* udp|tcp dport <dns_port> accept; iifname V* drop;
 //!                                  udp|tcp dport <dns_port> drop
 //! out      filter output 0         oifname V* ct state established,related accept; oifname V* drop
 //! post-nat nat postrouting 100     ip saddr <subnet> oifname != V* masquerade
+//!
+//! guard    set  iifname . ipv4_addr          "odsv<N>" . <sandbox N>      (per sandbox)
+//! private  set  ipv4_addr, intervals         the private, link-local and multicast ranges
+//! egress   map  iifname : verdict            "odsv<N>" : jump out-<N>     (per sandbox)
+//! ingress  map  iifname : verdict            "odsv<N>" : jump in-<N>      (per sandbox)
 //! ```
 //!
-//! - A packet from a sandbox whose source is not its own address matches no `guard` rule and
-//!   is dropped, before NAT or routing (forged sources; IPv6, which sandboxes do not have).
-//! - DNS to any address is sent to the edge's DNS proxy on the gateway; nothing else of the
-//!   host answers a sandbox (`in`), and the host opens nothing into one (`out`).
+//! - A packet from a sandbox whose source is not its own address is not in `guard` and is
+//!   dropped, before NAT or routing (forged sources; IPv6, which sandboxes do not have).
+//! - DNS to any address goes to the edge's DNS proxy on the sandbox's gateway (`+1` of its
+//!   /30, computed from the source `guard` checked); nothing else of the host answers a
+//!   sandbox (`in`), and the host opens nothing into one (`out`).
 //! - A sandbox's own `out-<N>` chain decides every packet it sends, established connections
-//!   included, in the order of [`sandbox_rules`]; falling off its end returns to `fwd`, which
-//!   drops. `in-<N>` is the same policy seen from the replies (source address and port), so
-//!   taking a rule back stops a connection in both directions at once; it first accepts the
-//!   ICMP errors conntrack relates to the sandbox's connections (path MTU discovery needs
-//!   them, and they come from no port a limit names). New connections into
-//!   a sandbox never match `ingress` and are dropped, and `fwd` checks that before the
-//!   sender's chain, whose accept would otherwise end the evaluation: a sandbox whose rules
-//!   allow its neighbours' addresses (`10.0.0.0/8`) still cannot open a connection to one.
-//! - Per sandbox, one set per port limit of its domain rules (`dns-<N>-<limit>`, IPv4
-//!   addresses, one-hour timeout) holds what the DNS proxy resolved for it.
+//!   included; falling off its end returns to `fwd`, which drops. `in-<N>` is the same
+//!   policy seen from the replies (source address and port), so taking a rule back stops a
+//!   connection in both directions at once; it first accepts the ICMP errors conntrack
+//!   relates to the sandbox's connections (path MTU discovery needs them, and they come
+//!   from no port a limit names). New connections into a sandbox never match `ingress` and
+//!   are dropped, and `fwd` checks that before the sender's chain, whose accept would
+//!   otherwise end the evaluation: a sandbox whose rules allow its neighbours' addresses
+//!   (`10.0.0.0/8`) still cannot open a connection to one.
+//! - Finding a packet's sandbox is one hash lookup whatever the number of sandboxes.
 //!
-//! Rules of the shared chains (`guard`, `dns`, `egress`, `ingress`) carry their slot in their
-//! user data (`slot <N>`), which is how [`Firewall::detach`] finds them.
+//! # A sandbox's chains and sets
+//!
+//! `out-<N>` holds, in this order (see [`sandbox_rules`]):
+//!
+//! 1. one rule per layer `x-<N>-<i>` of the policy's addresses and networks with their port
+//!    limits (sets of address · protocol · port intervals, [`super::boxes`]): accept;
+//! 2. drop every private, link-local and multicast destination (the shared interval set
+//!    `private`);
+//! 3. the `*` rules' ports, set `s-<N>` (same shape): accept;
+//! 4. per port limit of the domain rules, set `dns-<N>-<limit>` of the IPv4 addresses the DNS
+//!    proxy resolved for it (one-hour timeout), with the limit: accept.
+//!
+//! The rules depend only on the number of layers and on the domain rules' port limits. An
+//! update that keeps both (adding or removing addresses, networks, ports, `*`, or domains
+//! under limits the sandbox has) changes only set elements: the kernel then checks nothing
+//! but those elements. A change of rules makes it check the whole table for loops, which
+//! costs time in proportion to the sandboxes on the edge (docs/benchmarks.md "Network").
 
-use rustables::expr::{
-    Bitwise, Cmp, CmpOp, Conntrack, ConntrackKey, ExpressionVariant, HighLevelPayload,
-    IPv4HeaderField, Immediate, Lookup, Masquerade, Meta, MetaType, Nat, NatType,
-    NetworkHeaderField, Register, TCPHeaderField, TransportHeaderField, UDPHeaderField,
-    VerdictKind,
-};
-use rustables::{
-    Batch, Chain, ChainPolicy, ChainType, Hook, HookClass, MsgType, ProtocolFamily, Rule, Set,
-    Table,
-};
 use std::collections::{BTreeSet, HashMap};
-use std::sync::Arc;
+use std::net::Ipv4Addr;
+use std::sync::{Arc, Mutex, MutexGuard};
 
+use rustables::{Batch as RsBatch, MsgType, ProtocolFamily, Table};
+
+use super::boxes::{self, Box3};
+use super::nfmsg::{self, Batch, Elem, Expr, Op, SetSpec, REG32};
 use super::nlbatch::{BatchError, BatchSocket};
-
-use super::slot::{host_veth_name, veth_prefix, SlotAddrs};
+use super::slot::{host_veth_name, slot_addrs, veth_prefix, SlotAddrs};
 use super::Policy;
 use super::{Ipv4Net, PortLimit, Proto, PRIVATE_RANGES};
 
 /// How long an address the DNS proxy resolved stays allowed after it was last added, in ms.
 pub const RESOLVED_TIMEOUT_MS: u64 = 3_600_000;
 
-/// `NFT_SET_TIMEOUT`: elements expire.
-const NFT_SET_TIMEOUT: u32 = 0x10;
 /// `nf_conntrack` states, as `ct state` reads them (host byte order).
 const CT_ESTABLISHED: u32 = 1 << 1;
 const CT_RELATED: u32 = 1 << 2;
@@ -77,18 +85,23 @@ const CT_RELATED: u32 = 1 << 2;
 const MAX_DUMP_TRIES: u32 = 50;
 /// The port sandboxes send DNS to.
 const DNS_PORT: u16 = 53;
+/// The shared set and maps (module doc).
+const GUARD: &str = "guard";
+/// Every private, link-local and multicast address ([`PRIVATE_RANGES`]), an interval set.
+const PRIVATE: &str = "private";
+const EGRESS: &str = "egress";
+const INGRESS: &str = "ingress";
+/// Regular chains of tables written before the maps replaced them; an edge start removes them.
+const LEGACY_CHAINS: [&str; 4] = ["guard", "dns", "egress", "ingress"];
+/// Registers: a 16-byte interface name fills `REG32..REG32+3`.
+const R0: u32 = REG32;
+const R1: u32 = REG32 + 1;
+const R2: u32 = REG32 + 2;
+const R4: u32 = REG32 + 4;
 
 /// A change to the table that failed. No batch is applied in part: the table is as before.
 #[derive(Debug, thiserror::Error)]
 pub enum NftError {
-    /// A rule or object could not be built (a name too long for the kernel).
-    #[error("nftables table {table}: building {what}: {source}")]
-    Build {
-        table: String,
-        what: String,
-        #[source]
-        source: rustables::error::BuilderError,
-    },
     /// Reading the table over netlink failed.
     #[error("nftables table {table}: {what}: {source}")]
     Apply {
@@ -118,15 +131,22 @@ pub struct Firewall {
     prefix: String,
     /// Every change of the table goes through this one socket.
     sock: Arc<BatchSocket>,
-    /// The resolved sets last written per slot, so that an update need not list the slot's
-    /// chain: a listing opens a socket of its own, whose close waits for an RCU grace period
-    /// once an earlier change deleted something (docs/benchmarks.md "Network").
-    written: Arc<std::sync::Mutex<HashMap<u32, BTreeSet<String>>>>,
+    /// The chain layout last written per slot, so that an update or a detach need not list
+    /// the slot's chain: a listing opens a socket of its own, whose close waits for an RCU
+    /// grace period once an earlier change deleted something (docs/benchmarks.md "Network").
+    written: Arc<Mutex<HashMap<u32, Layout>>>,
     /// The slots the table may hold something of: learned by one listing at the first
     /// attach, then kept up to date by attach (before it sends) and detach (after). A slot
-    /// outside it is attached without listing the shared chains, which costs time in
-    /// proportion to the sandboxes on the edge.
-    present: Arc<std::sync::Mutex<Option<BTreeSet<u32>>>>,
+    /// outside it is attached without listing anything.
+    present: Arc<Mutex<Option<BTreeSet<u32>>>>,
+}
+
+/// What a slot's chains refer to: how many layer sets, which resolved sets. Two policies
+/// with the same layout differ only in set elements.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Layout {
+    layers: u32,
+    resolved: BTreeSet<String>,
 }
 
 /// Which way a packet goes, for the rules of a sandbox's policy: what it sends (matched on
@@ -137,129 +157,30 @@ enum Dir {
     In,
 }
 
-/// One rule under construction: rustables' [`Rule`] and the few matches we need.
-struct R(Rule);
-
-impl R {
-    fn new(chain: &Chain) -> Result<R, rustables::error::BuilderError> {
-        Ok(R(Rule::new(chain)?))
-    }
-    fn e(mut self, e: impl Into<rustables::expr::RawExpression>) -> R {
-        self.0.add_expr(e);
-        self
-    }
-    /// `iifname`/`oifname` equal to `name` (exact) or starting with it (`prefix`).
-    fn ifname(self, input: bool, name: &str, prefix: bool, op: CmpOp) -> R {
-        let mut bytes = name.as_bytes().to_vec();
-        if !prefix {
-            bytes.push(0);
-        }
-        self.e(Meta::new(if input {
-            MetaType::IifName
-        } else {
-            MetaType::OifName
-        }))
-        .e(Cmp::new(op, bytes))
-    }
-    fn iif(self, name: &str) -> R {
-        self.ifname(true, name, false, CmpOp::Eq)
-    }
-    fn oif(self, name: &str) -> R {
-        self.ifname(false, name, false, CmpOp::Eq)
-    }
-    fn iif_prefix(self, p: &str) -> R {
-        self.ifname(true, p, true, CmpOp::Eq)
-    }
-    fn oif_prefix(self, p: &str) -> R {
-        self.ifname(false, p, true, CmpOp::Eq)
-    }
-    fn ipv4(self) -> R {
-        self.e(Meta::new(MetaType::NfProto))
-            .e(Cmp::new(CmpOp::Eq, [libc::NFPROTO_IPV4 as u8]))
-    }
-    /// `ip saddr|daddr` in `net` (`/0` matches every IPv4 packet).
-    fn addr(self, source: bool, net: Ipv4Net) -> Result<R, rustables::error::BuilderError> {
-        let r = self.ipv4();
-        if net.prefix() == 0 {
-            return Ok(r);
-        }
-        let r = r.e(
-            HighLevelPayload::Network(NetworkHeaderField::IPv4(if source {
-                IPv4HeaderField::Saddr
-            } else {
-                IPv4HeaderField::Daddr
-            }))
-            .build(),
-        );
-        let r = if net.prefix() < 32 {
-            r.e(Bitwise::new(net.netmask().octets(), [0u8; 4])?)
-        } else {
-            r
-        };
-        Ok(r.e(Cmp::new(CmpOp::Eq, net.addr().octets())))
-    }
-    /// `meta l4proto tcp|udp`, and its port (`sport` or `dport`) in `lo..=hi`.
-    fn port(self, proto: Proto, source: bool, lo: u16, hi: u16) -> R {
-        let (num, field) = match proto {
-            Proto::Tcp => (
-                libc::IPPROTO_TCP,
-                TransportHeaderField::Tcp(if source {
-                    TCPHeaderField::Sport
-                } else {
-                    TCPHeaderField::Dport
-                }),
-            ),
-            Proto::Udp => (
-                libc::IPPROTO_UDP,
-                TransportHeaderField::Udp(if source {
-                    UDPHeaderField::Sport
-                } else {
-                    UDPHeaderField::Dport
-                }),
-            ),
-        };
-        let r = self
-            .e(Meta::new(MetaType::L4Proto))
-            .e(Cmp::new(CmpOp::Eq, [num as u8]))
-            .e(HighLevelPayload::Transport(field).build());
-        if lo == hi {
-            r.e(Cmp::new(CmpOp::Eq, lo.to_be_bytes()))
-        } else {
-            // Network byte order compares like the numbers.
-            r.e(Cmp::new(CmpOp::Gte, lo.to_be_bytes()))
-                .e(Cmp::new(CmpOp::Lte, hi.to_be_bytes()))
-        }
-    }
-    /// `ct state` one of `states` (a mask of `CT_*`).
-    fn ct_state(self, states: u32) -> Result<R, rustables::error::BuilderError> {
-        Ok(self
-            .e(Conntrack::new(ConntrackKey::State))
-            .e(Bitwise::new(states.to_ne_bytes(), 0u32.to_ne_bytes())?)
-            .e(Cmp::new(CmpOp::Neq, 0u32.to_ne_bytes())))
-    }
-    fn established(self) -> Result<R, rustables::error::BuilderError> {
-        self.ct_state(CT_ESTABLISHED | CT_RELATED)
-    }
-    fn verdict(self, v: VerdictKind) -> R {
-        self.e(Immediate::new_verdict(v))
-    }
-    fn accept(self) -> R {
-        self.verdict(VerdictKind::Accept)
-    }
-    fn drop(self) -> R {
-        self.verdict(VerdictKind::Drop)
-    }
-    fn tag(mut self, slot: u32) -> R {
-        self.0.set_userdata(slot_tag(slot));
-        self
-    }
-    fn add(self, b: &mut Batch) {
-        b.add(&self.0, MsgType::Add);
-    }
+/// A policy as the table holds it: boxes per layer, the boxes of `*`, the resolved sets.
+struct Plan {
+    layers: Vec<Vec<Box3>>,
+    any_public: Vec<Box3>,
+    resolved: Vec<(PortLimit, String)>,
 }
 
-fn slot_tag(slot: u32) -> Vec<u8> {
-    format!("slot {slot}").into_bytes()
+impl Plan {
+    fn of(slot: u32, policy: &Policy) -> Plan {
+        Plan {
+            layers: boxes::layers(policy.nets()),
+            any_public: boxes::any_public(policy.any_public()),
+            resolved: resolved_limits(policy)
+                .into_iter()
+                .map(|l| (l, resolved_set_name(slot, l)))
+                .collect(),
+        }
+    }
+    fn layout(&self) -> Layout {
+        Layout {
+            layers: self.layers.len() as u32,
+            resolved: self.resolved.iter().map(|(_, n)| n.clone()).collect(),
+        }
+    }
 }
 
 /// The name of the set of addresses the DNS proxy resolved for slot `slot` under `limit`:
@@ -283,11 +204,179 @@ pub fn resolved_limits(policy: &Policy) -> BTreeSet<PortLimit> {
     policy.domains().iter().map(|d| d.limit).collect()
 }
 
+/// The set of layer `layer` of slot `slot`'s addresses and networks.
+pub fn layer_set_name(slot: u32, layer: u32) -> String {
+    format!("x-{slot}-{layer}")
+}
+
+/// The set of slot `slot`'s `*` ports.
+pub fn any_public_set_name(slot: u32) -> String {
+    format!("s-{slot}")
+}
+
 fn out_chain(slot: u32) -> String {
     format!("out-{slot}")
 }
 fn in_chain(slot: u32) -> String {
     format!("in-{slot}")
+}
+
+/// An interface name as `meta iifname` loads it: 16 bytes, NUL-padded.
+fn ifname_key(name: &str) -> Vec<u8> {
+    let mut k = name.as_bytes().to_vec();
+    k.resize(16, 0);
+    k
+}
+
+/// The set of boxes, as a set spec.
+fn box_set() -> SetSpec {
+    SetSpec {
+        key_type: nfmsg::concat_type(&[
+            nfmsg::TYPE_IPV4,
+            nfmsg::TYPE_INET_PROTO,
+            nfmsg::TYPE_INET_SERVICE,
+        ]),
+        key_len: boxes::KEY_LEN,
+        flags: nfmsg::SET_INTERVAL | nfmsg::SET_CONCAT,
+        fields: boxes::FIELDS.to_vec(),
+        ..SetSpec::default()
+    }
+}
+
+fn resolved_set() -> SetSpec {
+    SetSpec {
+        key_type: nfmsg::TYPE_IPV4,
+        key_len: 4,
+        flags: nfmsg::SET_TIMEOUT,
+        timeout_ms: Some(RESOLVED_TIMEOUT_MS),
+        ..SetSpec::default()
+    }
+}
+
+/// Rules under construction: expressions in order.
+#[derive(Default, Clone)]
+struct R(Vec<Expr>);
+
+impl R {
+    fn new() -> R {
+        R::default()
+    }
+    fn e(mut self, e: Expr) -> R {
+        self.0.push(e);
+        self
+    }
+    /// `iifname`/`oifname` compared with `name` (exact) or its start (`prefix`).
+    fn ifname(self, input: bool, name: &str, prefix: bool, op: u32) -> R {
+        let mut bytes = name.as_bytes().to_vec();
+        if !prefix {
+            bytes.push(0);
+        }
+        let key = if input {
+            nfmsg::META_IIFNAME
+        } else {
+            nfmsg::META_OIFNAME
+        };
+        self.e(Expr::meta(key, R0)).e(Expr::cmp(R0, op, &bytes))
+    }
+    fn iif_prefix(self, p: &str) -> R {
+        self.ifname(true, p, true, nfmsg::CMP_EQ)
+    }
+    fn oif_prefix(self, p: &str) -> R {
+        self.ifname(false, p, true, nfmsg::CMP_EQ)
+    }
+    fn ipv4(self) -> R {
+        self.e(Expr::meta(nfmsg::META_NFPROTO, R0)).e(Expr::cmp(
+            R0,
+            nfmsg::CMP_EQ,
+            &[libc::NFPROTO_IPV4 as u8],
+        ))
+    }
+    /// `ip saddr|daddr` into `reg`.
+    fn load_addr(self, source: bool, reg: u32) -> R {
+        self.e(Expr::payload(
+            nfmsg::BASE_NETWORK,
+            if source { 12 } else { 16 },
+            4,
+            reg,
+        ))
+    }
+    /// `ip saddr|daddr` in `net` (`/0` matches every IPv4 packet).
+    fn addr(self, source: bool, net: Ipv4Net) -> R {
+        let r = self.ipv4();
+        if net.prefix() == 0 {
+            return r;
+        }
+        let r = r.load_addr(source, R0);
+        let r = if net.prefix() < 32 {
+            r.e(Expr::bitwise(R0, R0, &net.netmask().octets(), &[0; 4]))
+        } else {
+            r
+        };
+        r.e(Expr::cmp(R0, nfmsg::CMP_EQ, &net.addr().octets()))
+    }
+    fn l4proto(self, num: u8) -> R {
+        self.e(Expr::meta(nfmsg::META_L4PROTO, R0))
+            .e(Expr::cmp(R0, nfmsg::CMP_EQ, &[num]))
+    }
+    /// `meta l4proto tcp|udp`, and its port (`sport` or `dport`) in `lo..=hi`.
+    fn port(self, proto: Proto, source: bool, lo: u16, hi: u16) -> R {
+        let num = match proto {
+            Proto::Tcp => libc::IPPROTO_TCP,
+            Proto::Udp => libc::IPPROTO_UDP,
+        } as u8;
+        let r = self.l4proto(num).e(Expr::payload(
+            nfmsg::BASE_TRANSPORT,
+            if source { 0 } else { 2 },
+            2,
+            R0,
+        ));
+        if lo == hi {
+            r.e(Expr::cmp(R0, nfmsg::CMP_EQ, &lo.to_be_bytes()))
+        } else {
+            // Network byte order compares like the numbers.
+            r.e(Expr::cmp(R0, 5, &lo.to_be_bytes())) // NFT_CMP_GTE
+                .e(Expr::cmp(R0, 3, &hi.to_be_bytes())) // NFT_CMP_LTE
+        }
+    }
+    /// `ct state` one of `states` (a mask of `CT_*`).
+    fn ct_state(self, states: u32) -> R {
+        self.e(Expr::ct_state(R0))
+            .e(Expr::bitwise(R0, R0, &states.to_ne_bytes(), &[0; 4]))
+            .e(Expr::cmp(R0, nfmsg::CMP_NEQ, &[0; 4]))
+    }
+    fn established(self) -> R {
+        self.ct_state(CT_ESTABLISHED | CT_RELATED)
+    }
+    /// The packet's address · protocol · port (destination, or source for replies) is in
+    /// box set `set`.
+    fn in_boxes(self, source: bool, set: &str) -> R {
+        self.ipv4()
+            .load_addr(source, R0)
+            .e(Expr::meta(nfmsg::META_L4PROTO, R1))
+            .e(Expr::payload(
+                nfmsg::BASE_TRANSPORT,
+                if source { 0 } else { 2 },
+                2,
+                R2,
+            ))
+            .e(Expr::lookup(set, R0, None))
+    }
+    fn accept(self) -> R {
+        self.e(Expr::verdict(nfmsg::NF_ACCEPT, None))
+    }
+    fn drop(self) -> R {
+        self.e(Expr::verdict(nfmsg::NF_DROP, None))
+    }
+    fn add(self, b: &mut Batch, chain: &str) {
+        b.add_rule(chain, &self.0, None);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
 }
 
 impl Firewall {
@@ -305,29 +394,22 @@ impl Firewall {
         }
     }
 
-    fn present(&self) -> std::sync::MutexGuard<'_, Option<BTreeSet<u32>>> {
-        match self.present.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        }
-    }
-
     /// Whether the table may hold something of `slot`, listing the table the first time.
     /// Marks the slot as holding something from now on (the caller is about to write it).
     fn may_hold_then_mark(&self, slot: u32) -> Result<bool, NftError> {
-        if self.present().is_none() {
+        if lock(&self.present).is_none() {
             let listed: BTreeSet<u32> = self.slots()?.into_iter().collect();
-            self.present().get_or_insert(listed);
+            lock(&self.present).get_or_insert(listed);
         }
-        let mut g = self.present();
+        let mut g = lock(&self.present);
         let set = g.get_or_insert_with(BTreeSet::new);
         Ok(!set.insert(slot))
     }
 
-    fn written(&self) -> std::sync::MutexGuard<'_, HashMap<u32, BTreeSet<String>>> {
-        match self.written.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
+    fn forget(&self, slot: u32) {
+        lock(&self.written).remove(&slot);
+        if let Some(p) = lock(&self.present).as_mut() {
+            p.remove(&slot);
         }
     }
 
@@ -340,22 +422,9 @@ impl Firewall {
         Table::new(ProtocolFamily::Inet).with_name(&self.table)
     }
 
-    fn chain(&self, t: &Table, name: &str) -> Chain {
-        Chain::new(t).with_name(name)
-    }
-
-    fn build_err(&self, what: &str) -> impl FnOnce(rustables::error::BuilderError) -> NftError {
-        let (table, what) = (self.table.clone(), what.to_string());
-        move |source| NftError::Build {
-            table,
-            what,
-            source,
-        }
-    }
-
     fn send(&self, b: Batch, what: &str) -> Result<(), NftError> {
         self.sock
-            .send(b.finalize())
+            .send(b.finish())
             .map_err(|source| NftError::Commit {
                 table: self.table.clone(),
                 what: what.to_string(),
@@ -363,206 +432,234 @@ impl Firewall {
             })
     }
 
-    /// Creates the table and its regular chains if missing, and rewrites its hooked chains
+    /// Creates the table, its set and maps if missing, and rewrites its hooked chains
     /// (module doc) in one transaction: what a restarted edge runs before adopting its
-    /// sandboxes, whose own rules it leaves in place.
+    /// sandboxes, whose own chains, sets and map elements it leaves in place.
     /// Errors: [`NftError`] (nothing changed).
     pub fn install_base(&self) -> Result<(), NftError> {
-        let be = |w: &str| self.build_err(w);
-        let t = self.table();
-        let mut b = Batch::new();
-        b.add(&t, MsgType::Add);
-        for name in ["guard", "dns", "egress", "ingress"] {
-            b.add(&self.chain(&t, name), MsgType::Add);
+        let mut b = Batch::new(&self.table);
+        b.add_table();
+        let hooked = [
+            ("pre", "filter", nfmsg::HOOK_PREROUTING, -150),
+            ("pre-nat", "nat", nfmsg::HOOK_PREROUTING, -100),
+            ("fwd", "filter", nfmsg::HOOK_FORWARD, 0),
+            ("in", "filter", nfmsg::HOOK_INPUT, 0),
+            ("out", "filter", nfmsg::HOOK_OUTPUT, 0),
+            ("post-nat", "nat", nfmsg::HOOK_POSTROUTING, 100),
+        ];
+        for (name, kind, hook, prio) in hooked {
+            b.add_base_chain(name, kind, hook, prio);
+            b.flush_chain(name);
         }
-        let hooked = |name: &str, class: HookClass, prio: i32, ty: ChainType| {
-            self.chain(&t, name)
-                .with_hook(Hook::new(class, prio))
-                .with_type(ty)
-                .with_policy(ChainPolicy::Accept)
-        };
-        let pre = hooked("pre", HookClass::PreRouting, -150, ChainType::Filter);
-        let pre_nat = hooked("pre-nat", HookClass::PreRouting, -100, ChainType::Nat);
-        let fwd = hooked("fwd", HookClass::Forward, 0, ChainType::Filter);
-        let input = hooked("in", HookClass::In, 0, ChainType::Filter);
-        let output = hooked("out", HookClass::Out, 0, ChainType::Filter);
-        let post_nat = hooked("post-nat", HookClass::PostRouting, 100, ChainType::Nat);
-        for c in [&pre, &pre_nat, &fwd, &input, &output, &post_nat] {
-            b.add(c, MsgType::Add);
-            // A rule without a handle deletes every rule of its chain.
-            b.add(&Rule::new(c).map_err(be("flushing a chain"))?, MsgType::Del);
+        // Nothing refers to these once the hooked chains are flushed.
+        for c in LEGACY_CHAINS {
+            b.destroy_chain(c);
+        }
+        b.add_set(
+            GUARD,
+            &SetSpec {
+                key_type: nfmsg::concat_type(&[nfmsg::TYPE_IFNAME, nfmsg::TYPE_IPV4]),
+                // A hash of the whole key: the kernel needs field lengths only for ranges.
+                key_len: 20,
+                ..SetSpec::default()
+            },
+        );
+        // Rewritten at every start, so that a new release's list applies to running sandboxes.
+        b.add_set(
+            PRIVATE,
+            &SetSpec {
+                key_type: nfmsg::TYPE_IPV4,
+                key_len: 4,
+                flags: nfmsg::SET_INTERVAL,
+                ..SetSpec::default()
+            },
+        );
+        b.flush_set(PRIVATE);
+        b.elements(
+            Op::NewSetElem,
+            PRIVATE,
+            &boxes::ipv4_intervals(&PRIVATE_RANGES),
+        );
+        for map in [EGRESS, INGRESS] {
+            b.add_set(
+                map,
+                &SetSpec {
+                    key_type: nfmsg::TYPE_IFNAME,
+                    key_len: 16,
+                    verdict_map: true,
+                    userdata: Some(nfmsg::host_order_key_userdata()),
+                    ..SetSpec::default()
+                },
+            );
         }
         let p = self.prefix.as_str();
-        let jump = |c: &str| VerdictKind::Jump { chain: c.into() };
-        let new = |c: &Chain| R::new(c).map_err(be("a base rule"));
-        new(&pre)?.iif_prefix(p).verdict(jump("guard")).add(&mut b);
-        new(&pre)?.iif_prefix(p).drop().add(&mut b);
+        R::new()
+            .iif_prefix(p)
+            .ipv4()
+            .e(Expr::meta(nfmsg::META_IIFNAME, R0))
+            .load_addr(true, R4)
+            .e(Expr::lookup(GUARD, R0, None))
+            .accept()
+            .add(&mut b, "pre");
+        R::new().iif_prefix(p).drop().add(&mut b, "pre");
         // A sandbox's address arriving on any other interface is forged: the DNS proxy
         // would take it for that sandbox. The host itself reaches its gateway addresses
         // over lo.
-        new(&pre)?
+        R::new()
             .addr(true, self.subnet)
-            .map_err(be("a base rule"))?
-            .ifname(true, p, true, CmpOp::Neq)
-            .ifname(true, "lo", false, CmpOp::Neq)
+            .ifname(true, p, true, nfmsg::CMP_NEQ)
+            .ifname(true, "lo", false, nfmsg::CMP_NEQ)
             .drop()
-            .add(&mut b);
-        new(&pre_nat)?
-            .iif_prefix(p)
-            .verdict(jump("dns"))
-            .add(&mut b);
+            .add(&mut b, "pre");
+        for proto in [Proto::Udp, Proto::Tcp] {
+            // The gateway is `+1` of the sandbox's /30, the sandbox `+2`.
+            R::new()
+                .iif_prefix(p)
+                .ipv4()
+                .port(proto, false, DNS_PORT, DNS_PORT)
+                .load_addr(true, R0)
+                .e(Expr::bitwise(R0, R0, &[255, 255, 255, 252], &[0, 0, 0, 1]))
+                .e(Expr::immediate(R1, &self.dns_port.to_be_bytes()))
+                .e(Expr::dnat_ipv4(R0, R1))
+                .add(&mut b, "pre-nat");
+        }
         // Towards a sandbox first: a packet from one sandbox to another must pass the
         // receiver's check (never a new connection) before the sender's rules can accept it.
-        new(&fwd)?
+        R::new()
             .oif_prefix(p)
-            .verdict(jump("ingress"))
-            .add(&mut b);
-        new(&fwd)?.oif_prefix(p).drop().add(&mut b);
-        new(&fwd)?.iif_prefix(p).verdict(jump("egress")).add(&mut b);
-        new(&fwd)?.iif_prefix(p).drop().add(&mut b);
+            .established()
+            .e(Expr::meta(nfmsg::META_OIFNAME, R0))
+            .e(Expr::lookup(INGRESS, R0, Some(nfmsg::REG_VERDICT)))
+            .add(&mut b, "fwd");
+        R::new().oif_prefix(p).drop().add(&mut b, "fwd");
+        R::new()
+            .iif_prefix(p)
+            .e(Expr::meta(nfmsg::META_IIFNAME, R0))
+            .e(Expr::lookup(EGRESS, R0, Some(nfmsg::REG_VERDICT)))
+            .add(&mut b, "fwd");
+        R::new().iif_prefix(p).drop().add(&mut b, "fwd");
         for proto in [Proto::Udp, Proto::Tcp] {
-            new(&input)?
+            R::new()
                 .iif_prefix(p)
                 .port(proto, false, self.dns_port, self.dns_port)
                 .accept()
-                .add(&mut b);
+                .add(&mut b, "in");
         }
-        new(&input)?.iif_prefix(p).drop().add(&mut b);
+        R::new().iif_prefix(p).drop().add(&mut b, "in");
         // The proxy listens on every address; it is for sandboxes only.
         for proto in [Proto::Udp, Proto::Tcp] {
-            new(&input)?
+            R::new()
                 .port(proto, false, self.dns_port, self.dns_port)
                 .drop()
-                .add(&mut b);
+                .add(&mut b, "in");
         }
-        new(&output)?
+        R::new()
             .oif_prefix(p)
             .established()
-            .map_err(be("a base rule"))?
             .accept()
-            .add(&mut b);
-        new(&output)?.oif_prefix(p).drop().add(&mut b);
-        new(&post_nat)?
+            .add(&mut b, "out");
+        R::new().oif_prefix(p).drop().add(&mut b, "out");
+        R::new()
             .addr(true, self.subnet)
-            .map_err(be("a base rule"))?
-            .ifname(false, p, true, CmpOp::Neq)
-            .e(Masquerade::default())
-            .add(&mut b);
+            .ifname(false, p, true, nfmsg::CMP_NEQ)
+            .e(Expr::masquerade())
+            .add(&mut b, "post-nat");
         self.send(b, "installing the base chains")
     }
 
     /// Deletes the whole table (every sandbox's rules with it); `Ok(false)` when there was
     /// none. For an edge that turns networking off, and tests.
-    /// Errors: [`NftError::Apply`].
+    /// Errors: [`NftError`].
     pub fn remove(&self) -> Result<bool, NftError> {
         if !self.exists()? {
             return Ok(false);
         }
-        let mut b = Batch::new();
+        let mut b = RsBatch::new();
         b.add(&self.table(), MsgType::Del);
-        self.send(b, "deleting the table")?;
-        self.written().clear();
-        *self.present() = Some(BTreeSet::new());
+        self.sock
+            .send(b.finalize())
+            .map_err(|source| NftError::Commit {
+                table: self.table.clone(),
+                what: "deleting the table".into(),
+                source,
+            })?;
+        lock(&self.written).clear();
+        *lock(&self.present) = Some(BTreeSet::new());
         Ok(true)
+    }
+
+    fn apply_err(&self, what: &str) -> impl FnOnce(rustables::error::QueryError) -> NftError {
+        let (table, what) = (self.table.clone(), what.to_string());
+        move |source| NftError::Apply {
+            table,
+            what,
+            source,
+        }
     }
 
     fn exists(&self) -> Result<bool, NftError> {
         let tables = self
             .dump(rustables::list_tables)
-            .map_err(|source| NftError::Apply {
-                table: self.table.clone(),
-                what: "listing tables".into(),
-                source,
-            })?;
+            .map_err(self.apply_err("listing tables"))?;
         // Our name is ours in every family; only the inet one is ever made.
         Ok(tables.iter().any(|t| t.get_name() == Some(&self.table)))
     }
 
-    /// Adds sandbox `addrs` with `policy`: its chains and sets (module doc) and its rules in
-    /// the shared chains, in one transaction, replacing whatever the table held for the slot
-    /// (so adopting a sandbox after a restart is the same call).
+    /// Adds sandbox `addrs` with `policy`: its chains and sets (module doc) and its entries
+    /// in the shared set and maps, in one transaction, replacing whatever the table held for
+    /// the slot (so adopting a sandbox after a restart is the same call; addresses already
+    /// resolved under a port limit the policy has are kept).
     /// Errors: [`NftError`] (nothing changed).
     pub fn attach(&self, addrs: &SlotAddrs, policy: &Policy) -> Result<(), NftError> {
         let slot = addrs.slot;
-        let be = |w: &str| self.build_err(w);
-        let t = self.table();
-        let mut b = Batch::new();
         let old = if self.may_hold_then_mark(slot)? {
-            self.slot_objects(slot)?
+            let known = lock(&self.written).get(&slot).cloned();
+            match known {
+                Some(l) => Some(l),
+                None => self.listed_layout(slot)?,
+            }
         } else {
-            SlotObjects::default()
+            None
         };
-        self.delete_shared_rules(&mut b, &old);
-        let sets = self.write_policy(&mut b, &t, slot, policy, &old.sets)?;
-        let veth = host_veth_name(addrs.network);
-        let new = |c: &str| R::new(&self.chain(&t, c)).map_err(be("a sandbox's rule"));
-        new("guard")?
-            .iif(&veth)
-            .addr(true, Ipv4Net::host(addrs.sandbox))
-            .map_err(be("a sandbox's rule"))?
-            .accept()
-            .tag(slot)
-            .add(&mut b);
-        for proto in [Proto::Udp, Proto::Tcp] {
-            new("dns")?
-                .iif(&veth)
-                .port(proto, false, DNS_PORT, DNS_PORT)
-                .e(Immediate::new_data(
-                    addrs.gateway.octets().to_vec(),
-                    Register::Reg1,
-                ))
-                .e(Immediate::new_data(
-                    self.dns_port.to_be_bytes().to_vec(),
-                    Register::Reg2,
-                ))
-                .e(Nat::default()
-                    .with_nat_type(NatType::DNat)
-                    .with_family(ProtocolFamily::Ipv4)
-                    .with_ip_register(Register::Reg1)
-                    .with_port_register(Register::Reg2))
-                .tag(slot)
-                .add(&mut b);
+        let plan = Plan::of(slot, policy);
+        let mut b = Batch::new(&self.table);
+        self.write_chains(&mut b, slot, &plan, old.as_ref());
+        self.fill(&mut b, slot, &plan, plan.layers.len() as u32);
+        let ifname = ifname_key(&host_veth_name(addrs.network));
+        let mut guard = ifname.clone();
+        guard.extend_from_slice(&addrs.sandbox.octets());
+        b.elements(Op::NewSetElem, GUARD, &[Elem::key(guard)]);
+        for (map, chain) in [(EGRESS, out_chain(slot)), (INGRESS, in_chain(slot))] {
+            let e = Elem {
+                jump: Some(chain),
+                ..Elem::key(ifname.clone())
+            };
+            b.elements(Op::NewSetElem, map, &[e]);
         }
-        new("egress")?
-            .iif(&veth)
-            .verdict(VerdictKind::Goto {
-                chain: out_chain(slot),
-            })
-            .tag(slot)
-            .add(&mut b);
-        new("ingress")?
-            .oif(&veth)
-            .established()
-            .map_err(be("a sandbox's rule"))?
-            .verdict(VerdictKind::Goto {
-                chain: in_chain(slot),
-            })
-            .tag(slot)
-            .add(&mut b);
         self.send(b, &format!("adding sandbox slot {slot}"))?;
-        self.written().insert(slot, sets);
+        lock(&self.written).insert(slot, plan.layout());
         Ok(())
     }
 
-    /// Replaces the policy of attached sandbox `slot` (its `out-`/`in-` chains and resolved
-    /// sets) in one transaction: what `UpdateNetwork` runs. Addresses already resolved under a
-    /// port limit the new policy still has are kept.
+    /// Replaces the policy of attached sandbox `slot` in one transaction: what
+    /// `UpdateNetwork` runs. When the new policy has the layout of the old one (module doc),
+    /// only set elements change; else the slot's chains are rewritten too. Addresses already
+    /// resolved under a port limit the new policy still has are kept.
     /// Errors: [`NftError`] (nothing changed).
     pub fn update(&self, slot: u32, policy: &Policy) -> Result<(), NftError> {
-        let t = self.table();
-        let known = self.written().get(&slot).cloned();
+        let known = lock(&self.written).get(&slot).cloned();
         let listed = known.is_none();
         let old = match known {
-            Some(s) => s,
-            None => self.sets_of(slot)?,
+            Some(l) => Some(l),
+            None => self.listed_layout(slot)?,
         };
         let what = format!("updating sandbox slot {slot}");
-        let mut b = Batch::new();
-        let sets = self.write_policy(&mut b, &t, slot, policy, &old)?;
+        let plan = Plan::of(slot, policy);
+        let (b, layout) = self.update_batch(slot, &plan, old.as_ref());
         match self.send(b, &what) {
             Ok(()) => {}
             // What was written is not what the table holds (someone removed a set): the
-            // table's own word, then.
+            // table's own word, then, and every object written again.
             Err(NftError::Commit {
                 source:
                     BatchError::Refused {
@@ -571,52 +668,66 @@ impl Firewall {
                     },
                 ..
             }) if !listed => {
-                let old = self.sets_of(slot)?;
-                let mut b = Batch::new();
-                let again = self.write_policy(&mut b, &t, slot, policy, &old)?;
+                let old = self.listed_layout(slot)?;
+                let mut b = Batch::new(&self.table);
+                self.write_chains(&mut b, slot, &plan, old.as_ref());
+                self.fill(&mut b, slot, &plan, plan.layers.len() as u32);
                 self.send(b, &what)?;
-                self.written().insert(slot, again);
+                lock(&self.written).insert(slot, plan.layout());
                 return Ok(());
             }
             Err(e) => return Err(e),
         }
-        self.written().insert(slot, sets);
+        lock(&self.written).insert(slot, layout);
         Ok(())
+    }
+
+    /// The batch of an update from `old`, and the layout it leaves.
+    fn update_batch(&self, slot: u32, plan: &Plan, old: Option<&Layout>) -> (Batch, Layout) {
+        let mut b = Batch::new(&self.table);
+        let new = plan.layout();
+        match old {
+            // Only elements: the old layer sets beyond the new ones are emptied.
+            Some(o) if o.resolved == new.resolved && o.layers >= new.layers => {
+                self.fill(&mut b, slot, plan, o.layers);
+                (b, o.clone())
+            }
+            _ => {
+                self.write_chains(&mut b, slot, plan, old);
+                self.fill(&mut b, slot, plan, new.layers);
+                (b, new)
+            }
+        }
     }
 
     /// Allows the DNS proxy's answer to sandbox `slot`: `addrs` join the slot's resolved set
     /// of each of `limits` in one transaction; a new one times out [`RESOLVED_TIMEOUT_MS`]
     /// later, one already there keeps its timeout. With `renew`, one already there gets a
     /// fresh timeout too: the batch adds it (a no-op when present), deletes it and adds it
-    /// again, which the kernel applies as one change. A renewal costs an RCU grace period
-    /// (milliseconds) when the netlink socket closes, because it deleted something; a plain
-    /// add does not.
-    /// Errors: [`NftError::Apply`] (nothing changed), also when the slot has no set for a
+    /// again, which the kernel applies as one change.
+    /// Errors: [`NftError::Commit`] (nothing changed), also when the slot has no set for a
     /// limit (its policy changed meanwhile).
     pub fn add_resolved(
         &self,
         slot: u32,
         limits: &[PortLimit],
-        addrs: &[std::net::Ipv4Addr],
+        addrs: &[Ipv4Addr],
         renew: bool,
     ) -> Result<(), NftError> {
         if limits.is_empty() || addrs.is_empty() {
             return Ok(());
         }
-        let t = self.table();
-        let mut b = Batch::new();
+        let elems: Vec<Elem> = addrs
+            .iter()
+            .map(|a| Elem::key(a.octets().to_vec()))
+            .collect();
+        let mut b = Batch::new(&self.table);
         for limit in limits {
             let name = resolved_set_name(slot, *limit);
-            let mut sb = rustables::set::SetBuilder::<std::net::Ipv4Addr>::new(&name, &t)
-                .map_err(self.build_err("a resolved set's elements"))?;
-            for a in addrs {
-                sb.add(a);
-            }
-            let (_, elements) = sb.finish();
-            b.add(&elements, MsgType::Add);
+            b.elements(Op::NewSetElem, &name, &elems);
             if renew {
-                b.add(&elements, MsgType::Del);
-                b.add(&elements, MsgType::Add);
+                b.elements(Op::DelSetElem, &name, &elems);
+                b.elements(Op::NewSetElem, &name, &elems);
             }
         }
         self.send(
@@ -628,36 +739,34 @@ impl Firewall {
     /// Removes everything of sandbox `slot`; `Ok(false)` when the table held nothing of it.
     /// Errors: [`NftError`].
     pub fn detach(&self, slot: u32) -> Result<bool, NftError> {
-        let old = self.slot_objects(slot)?;
-        if old.is_empty() {
-            self.written().remove(&slot);
-            if let Some(p) = self.present().as_mut() {
-                p.remove(&slot);
-            }
+        let known = lock(&self.written).get(&slot).cloned();
+        let layout = match known {
+            Some(l) => Some(l),
+            None => self.listed_layout(slot)?,
+        };
+        let (Some(layout), Ok(addrs)) = (layout, slot_addrs(self.subnet, slot)) else {
+            self.forget(slot);
             return Ok(false);
+        };
+        let mut b = Batch::new(&self.table);
+        let ifname = ifname_key(&host_veth_name(addrs.network));
+        let mut guard = ifname.clone();
+        guard.extend_from_slice(&addrs.sandbox.octets());
+        b.elements(Op::DestroySetElem, GUARD, &[Elem::key(guard)]);
+        for map in [EGRESS, INGRESS] {
+            b.elements(Op::DestroySetElem, map, &[Elem::key(ifname.clone())]);
         }
-        let be = |w: &str| self.build_err(w);
-        let t = self.table();
-        let mut b = Batch::new();
-        self.delete_shared_rules(&mut b, &old);
-        for name in [out_chain(slot), in_chain(slot)] {
-            if old.chains.contains(&name) {
-                let c = self.chain(&t, &name);
-                b.add(
-                    &Rule::new(&c).map_err(be("flushing a chain"))?,
-                    MsgType::Del,
-                );
-                b.add(&c, MsgType::Del);
-            }
+        b.destroy_chain(&out_chain(slot));
+        b.destroy_chain(&in_chain(slot));
+        for i in 0..layout.layers {
+            b.destroy_set(&layer_set_name(slot, i));
         }
-        for s in &old.sets {
-            b.add(&self.set(&t, s), MsgType::Del);
+        b.destroy_set(&any_public_set_name(slot));
+        for s in &layout.resolved {
+            b.destroy_set(s);
         }
         self.send(b, &format!("removing sandbox slot {slot}"))?;
-        self.written().remove(&slot);
-        if let Some(p) = self.present().as_mut() {
-            p.remove(&slot);
-        }
+        self.forget(slot);
         Ok(true)
     }
 
@@ -672,9 +781,6 @@ impl Firewall {
                     out.insert(n);
                 }
             }
-        }
-        for r in self.shared_rules()?.into_iter().filter_map(|(_, r)| r) {
-            out.insert(r);
         }
         Ok(out.into_iter().collect())
     }
@@ -707,177 +813,129 @@ impl Firewall {
         }
         let chains = self
             .dump(|| rustables::list_chains_for_table(&self.table()))
-            .map_err(|source| NftError::Apply {
-                table: self.table.clone(),
-                what: "listing chains".into(),
-                source,
-            })?;
+            .map_err(self.apply_err("listing chains"))?;
         Ok(chains
             .iter()
             .filter_map(|c| c.get_name().cloned())
             .collect())
     }
 
-    fn list_rules(&self, chain: &str) -> Result<Vec<Rule>, NftError> {
-        let t = self.table();
-        let c = self.chain(&t, chain);
-        self.dump(|| rustables::list_rules_for_chain(&c))
-            .map_err(|source| NftError::Apply {
-                table: self.table.clone(),
-                what: format!("listing chain {chain}"),
-                source,
-            })
-    }
-
-    /// Every rule of the shared chains with the slot its tag names (`None` untagged).
-    fn shared_rules(&self) -> Result<Vec<(Rule, Option<u32>)>, NftError> {
-        if !self.exists()? {
-            return Ok(Vec::new());
-        }
-        let mut out = Vec::new();
-        for chain in ["guard", "dns", "egress", "ingress"] {
-            for r in self.list_rules(chain)? {
-                let slot = r
-                    .get_userdata()
-                    .and_then(|u| std::str::from_utf8(u).ok())
-                    .and_then(|u| u.strip_prefix("slot "))
-                    .and_then(|n| n.parse().ok());
-                out.push((r, slot));
-            }
-        }
-        Ok(out)
-    }
-
-    /// The names of the sets `out-<slot>` looks up (the slot's resolved sets).
-    fn sets_of(&self, slot: u32) -> Result<BTreeSet<String>, NftError> {
-        let mut out = BTreeSet::new();
-        for r in self.list_rules(&out_chain(slot))? {
-            for e in r.get_expressions().into_iter().flat_map(|l| l.iter()) {
-                if let Some(ExpressionVariant::Lookup(l)) = e.get_data() {
-                    if let Some(s) = l.get_set() {
-                        out.insert(s.clone());
-                    }
+    /// The names of every set of the table, read again while changes interrupt the listing.
+    fn set_names(&self) -> Result<Vec<String>, NftError> {
+        let req = nfmsg::list_sets_request(&self.table);
+        let mut tries = 0;
+        loop {
+            match self.sock.dump(&req) {
+                Ok(msgs) => {
+                    return Ok(msgs
+                        .iter()
+                        .filter(|m| nfmsg::string_attr(m, 1).as_deref() == Some(&self.table))
+                        .filter_map(|m| nfmsg::string_attr(m, 2))
+                        .collect())
+                }
+                Err(BatchError::Interrupted) if tries < MAX_DUMP_TRIES => tries += 1,
+                // No table, no sets.
+                Err(BatchError::Refused {
+                    errno: nix::errno::Errno::ENOENT,
+                    ..
+                }) => return Ok(Vec::new()),
+                Err(source) => {
+                    return Err(NftError::Commit {
+                        table: self.table.clone(),
+                        what: "listing sets".into(),
+                        source,
+                    })
                 }
             }
         }
-        Ok(out)
     }
 
-    fn slot_objects(&self, slot: u32) -> Result<SlotObjects, NftError> {
-        let chains: BTreeSet<String> = self
-            .chain_names()?
-            .into_iter()
-            .filter(|c| *c == out_chain(slot) || *c == in_chain(slot))
-            .collect();
-        let sets = if chains.contains(&out_chain(slot)) {
-            self.sets_of(slot)?
-        } else {
-            BTreeSet::new()
-        };
-        let rules = self
-            .shared_rules()?
-            .into_iter()
-            .filter(|(_, s)| *s == Some(slot))
-            .map(|(r, _)| r)
-            .collect();
-        Ok(SlotObjects {
-            chains,
-            sets,
-            rules,
-        })
-    }
-
-    fn delete_shared_rules(&self, b: &mut Batch, old: &SlotObjects) {
-        for r in &old.rules {
-            // Listed rules carry their table, chain and handle: what a deletion needs.
-            b.add(r, MsgType::Del);
+    /// The layout of slot `slot` as the table's sets show it (every slot with a `*` set has
+    /// chains); `None` when the table holds nothing of the slot. One listing teaches the
+    /// layout of every slot: the slots not known yet are remembered.
+    fn listed_layout(&self, slot: u32) -> Result<Option<Layout>, NftError> {
+        let mut found: HashMap<u32, Layout> = HashMap::new();
+        for name in self.set_names()? {
+            let mut parts = name.splitn(3, '-');
+            let (kind, n, rest) = (parts.next(), parts.next(), parts.next());
+            let Some(n) = n.and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            match (kind, rest) {
+                (Some("s"), None) => {
+                    found.entry(n).or_default();
+                }
+                (Some("x"), Some(_)) => found.entry(n).or_default().layers += 1,
+                (Some("dns"), Some(_)) => {
+                    found.entry(n).or_default().resolved.insert(name.clone());
+                }
+                _ => {}
+            }
         }
+        let this = found.remove(&slot);
+        let mut w = lock(&self.written);
+        for (n, l) in found {
+            w.entry(n).or_insert(l);
+        }
+        Ok(this)
     }
 
-    fn set(&self, t: &Table, name: &str) -> Set {
-        let mut s = Set::default()
-            .with_table(t.get_name().cloned().unwrap_or_default())
-            .with_name(name);
-        s.family = ProtocolFamily::Inet;
-        s
-    }
-
-    /// Into `b`: creates (or empties) `out-<slot>` and `in-<slot>` and writes the policy's
-    /// rules into them, creating the resolved sets it needs and deleting those of `old_sets`
-    /// it no longer uses. Returns the names of the sets the policy has.
-    fn write_policy(
-        &self,
-        b: &mut Batch,
-        t: &Table,
-        slot: u32,
-        policy: &Policy,
-        old_sets: &BTreeSet<String>,
-    ) -> Result<BTreeSet<String>, NftError> {
-        let be = |w: &str| self.build_err(w);
-        let limits = resolved_limits(policy);
-        let sets: Vec<(PortLimit, String)> = limits
-            .iter()
-            .map(|l| (*l, resolved_set_name(slot, *l)))
-            .collect();
-        for (id, (_, name)) in (1u32..).zip(&sets) {
-            // The kernel wants an id on every new set, unique in the batch; rules made in
-            // the same batch find the set by its name (or this id).
-            let mut s = self
-                .set(t, name)
-                .with_id(id)
-                .with_key_type(7u32) // ipv4_addr
-                .with_key_len(4u32)
-                .with_flags(NFT_SET_TIMEOUT)
-                .with_timeout(RESOLVED_TIMEOUT_MS);
-            s.family = ProtocolFamily::Inet;
-            b.add(&s, MsgType::Add);
+    /// Into `b`: creates the sets of `plan`, creates (or empties) `out-<slot>` and
+    /// `in-<slot>` and writes the rules for `plan`'s layout into them, and deletes the sets
+    /// of `old` the new rules no longer use.
+    fn write_chains(&self, b: &mut Batch, slot: u32, plan: &Plan, old: Option<&Layout>) {
+        let layers = plan.layers.len() as u32;
+        for i in 0..layers {
+            b.add_set(&layer_set_name(slot, i), &box_set());
+        }
+        b.add_set(&any_public_set_name(slot), &box_set());
+        for (_, name) in &plan.resolved {
+            b.add_set(name, &resolved_set());
         }
         for (dir, name) in [(Dir::Out, out_chain(slot)), (Dir::In, in_chain(slot))] {
-            let c = self.chain(t, &name);
-            b.add(&c, MsgType::Add);
-            b.add(
-                &Rule::new(&c).map_err(be("flushing a chain"))?,
-                MsgType::Del,
-            );
-            for r in sandbox_rules(&c, dir, policy, &sets).map_err(be("a policy rule"))? {
-                r.add(b);
+            b.add_chain(&name);
+            b.flush_chain(&name);
+            for r in sandbox_rules(slot, dir, layers, &plan.resolved) {
+                r.add(b, &name);
             }
         }
-        for old in old_sets {
-            if !sets.iter().any(|(_, n)| n == old) {
-                b.add(&self.set(t, old), MsgType::Del);
+        if let Some(old) = old {
+            for i in layers..old.layers {
+                b.destroy_set(&layer_set_name(slot, i));
+            }
+            for s in &old.resolved {
+                if !plan.resolved.iter().any(|(_, n)| n == s) {
+                    b.destroy_set(s);
+                }
             }
         }
-        Ok(sets.into_iter().map(|(_, n)| n).collect())
+    }
+
+    /// Into `b`: empties the first `layers` layer sets and the `*` set of `slot`, and fills
+    /// them with `plan`'s boxes.
+    fn fill(&self, b: &mut Batch, slot: u32, plan: &Plan, layers: u32) {
+        for i in 0..layers {
+            let name = layer_set_name(slot, i);
+            b.flush_set(&name);
+            if let Some(boxes) = plan.layers.get(i as usize) {
+                let elems: Vec<Elem> = boxes.iter().map(Box3::elem).collect();
+                b.elements(Op::NewSetElem, &name, &elems);
+            }
+        }
+        let name = any_public_set_name(slot);
+        b.flush_set(&name);
+        let elems: Vec<Elem> = plan.any_public.iter().map(Box3::elem).collect();
+        b.elements(Op::NewSetElem, &name, &elems);
     }
 }
 
-/// What the table holds of one slot.
-#[derive(Default)]
-struct SlotObjects {
-    chains: BTreeSet<String>,
-    sets: BTreeSet<String>,
-    rules: Vec<Rule>,
-}
-
-impl SlotObjects {
-    fn is_empty(&self) -> bool {
-        self.chains.is_empty() && self.sets.is_empty() && self.rules.is_empty()
-    }
-}
-
-/// The rules of a sandbox's chain, in the order of docs/network.md "Enforcement": accept the
-/// policy's addresses and networks (private ones included, with their port limits); drop
-/// every private, link-local and multicast destination; accept public destinations under
-/// `*`; accept what the DNS proxy resolved into `sets` (each under its port limit). What
-/// none matches falls off the end and is dropped by the caller. `Dir::In` is the same from
-/// the replies' side: source address and port instead of destination.
-fn sandbox_rules(
-    c: &Chain,
-    dir: Dir,
-    policy: &Policy,
-    sets: &[(PortLimit, String)],
-) -> Result<Vec<R>, rustables::error::BuilderError> {
+/// The rules of a sandbox's chain, in the order of docs/network.md "Enforcement": accept what
+/// the `layers` layer sets hold (the policy's addresses and networks, private ones included,
+/// with their port limits); drop every private, link-local and multicast destination; accept
+/// what the `*` set holds; accept what the DNS proxy resolved into `resolved` (each under its
+/// port limit). What none matches falls off the end and is dropped by the caller. `Dir::In`
+/// is the same from the replies' side: source address and port instead of destination.
+fn sandbox_rules(slot: u32, dir: Dir, layers: u32, resolved: &[(PortLimit, String)]) -> Vec<R> {
     let source = dir == Dir::In;
     let mut out = Vec::new();
     if dir == Dir::In {
@@ -886,52 +944,43 @@ fn sandbox_rules(
         // a port limit would drop them, and path MTU discovery with them. Conntrack marks
         // only such errors `related` in ICMP; they carry no new connection.
         out.push(
-            R::new(c)?
+            R::new()
                 .ipv4()
-                .e(Meta::new(MetaType::L4Proto))
-                .e(Cmp::new(CmpOp::Eq, [libc::IPPROTO_ICMP as u8]))
-                .ct_state(CT_RELATED)?
+                .l4proto(libc::IPPROTO_ICMP as u8)
+                .ct_state(CT_RELATED)
                 .accept(),
         );
     }
-    // One rule per protocol a limit allows (both for a limit without `/tcp` or `/udp`).
-    let limited = |base: R, limit: PortLimit| -> Vec<R> {
-        match limit {
-            PortLimit::Any => vec![base],
-            PortLimit::Ports(r, Some(p)) => vec![base.port(p, source, r.lo(), r.hi())],
+    for i in 0..layers {
+        out.push(R::new().in_boxes(source, &layer_set_name(slot, i)).accept());
+    }
+    out.push(
+        R::new()
+            .ipv4()
+            .load_addr(source, R0)
+            .e(Expr::lookup(PRIVATE, R0, None))
+            .drop(),
+    );
+    out.push(
+        R::new()
+            .in_boxes(source, &any_public_set_name(slot))
+            .accept(),
+    );
+    for (limit, name) in resolved {
+        let base = R::new()
+            .ipv4()
+            .load_addr(source, R0)
+            .e(Expr::lookup(name, R0, None));
+        // One rule per protocol a limit allows (both for a limit without `/tcp` or `/udp`).
+        match *limit {
+            PortLimit::Any => out.push(base.accept()),
+            PortLimit::Ports(r, Some(p)) => out.push(base.port(p, source, r.lo(), r.hi()).accept()),
             PortLimit::Ports(r, None) => {
-                let twin = R(base.0.clone());
-                vec![
-                    base.port(Proto::Tcp, source, r.lo(), r.hi()),
-                    twin.port(Proto::Udp, source, r.lo(), r.hi()),
-                ]
+                for p in [Proto::Tcp, Proto::Udp] {
+                    out.push(base.clone().port(p, source, r.lo(), r.hi()).accept());
+                }
             }
         }
-    };
-    for n in policy.nets() {
-        let base = R::new(c)?.addr(source, n.net)?;
-        out.extend(limited(base, n.limit).into_iter().map(R::accept));
     }
-    for p in PRIVATE_RANGES {
-        out.push(R::new(c)?.addr(source, p)?.drop());
-    }
-    for l in policy.any_public() {
-        let base = R::new(c)?.ipv4();
-        out.extend(limited(base, *l).into_iter().map(R::accept));
-    }
-    for (id, (limit, name)) in (1u32..).zip(sets) {
-        let field = if source {
-            IPv4HeaderField::Saddr
-        } else {
-            IPv4HeaderField::Daddr
-        };
-        let mut set = Set::default().with_name(name).with_id(id);
-        set.family = ProtocolFamily::Inet;
-        let base = R::new(c)?
-            .ipv4()
-            .e(HighLevelPayload::Network(NetworkHeaderField::IPv4(field)).build())
-            .e(Lookup::new(&set)?);
-        out.extend(limited(base, *limit).into_iter().map(R::accept));
-    }
-    Ok(out)
+    out
 }

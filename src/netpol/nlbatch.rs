@@ -1,6 +1,6 @@
 //! Sending one nftables batch (one kernel transaction) over a netlink socket the table keeps
-//! (docs/network.md "Enforcement"). rustables builds the batch; this sends it, because
-//! rustables' own `Batch::send` opens a socket with the default buffers and asks an
+//! (docs/network.md "Enforcement"), and the table's listings that `nfmsg` reads. `nfmsg`
+//! (or rustables) builds the batch; this sends it, because rustables' own `Batch::send` opens a socket with the default buffers and asks an
 //! acknowledgement for every message: a policy of a few hundred rules then fails with
 //! `EMSGSIZE` (the batch is larger than the send buffer) or `ENOBUFS` (the acknowledgements
 //! overflow the receive buffer, after the kernel has committed the batch, so the caller is
@@ -27,6 +27,10 @@ use nix::sys::socket::{
 const NLM_F_ACK: u16 = 0x4;
 /// `NLMSG_ERROR`: an error report (or an acknowledgement, with error 0).
 const NLMSG_ERROR: u16 = 0x2;
+/// `NLMSG_DONE`: the end of a listing.
+const NLMSG_DONE: u16 = 0x3;
+/// `NLM_F_DUMP_INTR`: a change overtook the listing.
+const NLM_F_DUMP_INTR: u16 = 0x10;
 /// The size of `struct nlmsghdr`.
 const NLMSG_HDRLEN: usize = 16;
 /// Smallest send and receive buffers asked for, in bytes. The kernel doubles what it is
@@ -46,17 +50,22 @@ pub enum BatchError {
         source: Errno,
     },
     /// The kernel refused message number `index` of the batch (0 is the batch's begin
-    /// marker) with `errno`. `errors` counts every message it refused.
-    #[error("the kernel refused message {index} of the batch: {errno} ({errors} refused in all)")]
+    /// marker) with `errno`. `errors` counts every message it refused; `all` lists the first
+    /// few as (index, errno).
+    #[error("the kernel refused message {index} of the batch: {errno} ({errors} refused in all: {all:?})")]
     Refused {
         index: u32,
         errno: Errno,
         errors: usize,
+        all: Vec<(u32, Errno)>,
     },
     /// The kernel's reports overflowed the socket's receive buffer: at least one message
     /// was refused, but which is unknown.
     #[error("the kernel's error reports overflowed the netlink socket")]
     Overflow,
+    /// A listing that another change overtook: it must be read again from the start.
+    #[error("the listing was interrupted by a change of the ruleset")]
+    Interrupted,
 }
 
 /// The netlink socket of one table, opened at its first batch and kept; a socket that failed
@@ -79,21 +88,13 @@ impl BatchSocket {
         BatchSocket::default()
     }
 
-    /// Sends `batch` (rustables' `Batch::finalize`: begin marker, messages, end marker) as
+    /// Sends `batch` (begin marker, messages, end marker: `nfmsg::Batch::finish` or rustables'
+    /// `Batch::finalize`) as
     /// one transaction and returns once the kernel has committed it.
     /// Errors: [`BatchError`]; the kernel applied nothing of the batch.
     pub fn send(&self, mut batch: Vec<u8>) -> Result<(), BatchError> {
         clear_ack_requests(&mut batch);
-        let mut guard = match self.sock.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
-        // Anything left from an earlier exchange would be read as this batch's outcome; a
-        // socket that cannot even be drained is replaced.
-        let open = match guard.take() {
-            Some(o) if matches!(o.drain(), Ok(()) | Err(BatchError::Refused { .. })) => o,
-            _ => Open::new()?,
-        };
+        let (mut guard, open) = self.checkout()?;
         let result = open.exchange(&batch);
         match result {
             // A refused batch leaves the socket as good as before; a socket error may not.
@@ -108,9 +109,97 @@ impl BatchSocket {
             Err((None, e)) => Err(e),
         }
     }
+
+    /// The socket, locked, drained and taken out of its slot (the caller puts it back): anything
+    /// left from an earlier exchange would be read as this one's outcome, and a socket that
+    /// cannot even be drained is replaced.
+    fn checkout(&self) -> Result<(std::sync::MutexGuard<'_, Option<Open>>, Open), BatchError> {
+        let mut guard = match self.sock.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        let open = match guard.take() {
+            Some(o) if matches!(o.drain(), Ok(()) | Err(BatchError::Refused { .. })) => o,
+            _ => Open::new()?,
+        };
+        Ok((guard, open))
+    }
+
+    /// Sends dump request `request` (one message with `NLM_F_DUMP`) and returns the payload
+    /// of every message of the answer (after the netlink header), in order.
+    /// Errors: [`BatchError::Interrupted`] when a change overtook the listing (read it again);
+    /// [`BatchError::Refused`] with the kernel's errno; [`BatchError::Socket`].
+    pub fn dump(&self, request: &[u8]) -> Result<Vec<Vec<u8>>, BatchError> {
+        let (mut guard, open) = self.checkout()?;
+        let result = open.listing(request);
+        // A listing cut short leaves messages queued; the next exchange drains them.
+        if !matches!(result, Err(BatchError::Socket { .. })) {
+            *guard = Some(open);
+        }
+        result
+    }
 }
 
 impl Open {
+    fn listing(&self, request: &[u8]) -> Result<Vec<Vec<u8>>, BatchError> {
+        let err = |step| move |source| BatchError::Socket { step, source };
+        socket::send(self.fd.as_raw_fd(), request, MsgFlags::empty()).map_err(err("send"))?;
+        let mut out = Vec::new();
+        let mut interrupted = false;
+        let mut buf = vec![0u8; RECV_CHUNK];
+        loop {
+            let n = match socket::recv(self.fd.as_raw_fd(), &mut buf, MsgFlags::empty()) {
+                Ok(n) => n,
+                Err(Errno::EINTR) => continue,
+                Err(source) => {
+                    return Err(BatchError::Socket {
+                        step: "recv",
+                        source,
+                    })
+                }
+            };
+            let data = buf.get(..n).unwrap_or_default();
+            let mut at = 0;
+            while let (Some(len), Some(kind), Some(flags)) =
+                (u32_at(data, at), u16_at(data, at + 4), u16_at(data, at + 6))
+            {
+                let Some(next) = next_message(at, len) else {
+                    break;
+                };
+                let end = at + len as usize;
+                if end > data.len() {
+                    break;
+                }
+                if flags & NLM_F_DUMP_INTR != 0 {
+                    interrupted = true;
+                }
+                match kind {
+                    NLMSG_DONE => {
+                        return if interrupted {
+                            Err(BatchError::Interrupted)
+                        } else {
+                            Ok(out)
+                        };
+                    }
+                    NLMSG_ERROR => {
+                        let error = u32_at(data, at + NLMSG_HDRLEN).map_or(0, |e| e as i32);
+                        if error != 0 {
+                            let errno = Errno::from_raw(error.saturating_neg());
+                            return Err(BatchError::Refused {
+                                index: 0,
+                                errno,
+                                errors: 1,
+                                all: vec![(0, errno)],
+                            });
+                        }
+                    }
+                    _ => out.extend(data.get(at + NLMSG_HDRLEN..end).map(<[u8]>::to_vec)),
+                }
+                at = next;
+            }
+        }
+    }
+
     fn new() -> Result<Open, BatchError> {
         let err = |step| move |source| BatchError::Socket { step, source };
         let fd = socket::socket(
@@ -167,6 +256,7 @@ impl Open {
     fn drain(&self) -> Result<(), BatchError> {
         let mut buf = vec![0u8; RECV_CHUNK];
         let mut first: Option<(u32, Errno)> = None;
+        let mut all = Vec::new();
         let mut errors = 0;
         loop {
             let n = match socket::recv(self.fd.as_raw_fd(), &mut buf, MsgFlags::MSG_DONTWAIT) {
@@ -184,6 +274,9 @@ impl Open {
             for (seq, errno) in error_reports(buf.get(..n).unwrap_or_default()) {
                 errors += 1;
                 first.get_or_insert((seq, errno));
+                if all.len() < 8 {
+                    all.push((seq, errno));
+                }
             }
         }
         match first {
@@ -192,6 +285,7 @@ impl Open {
                 index,
                 errno,
                 errors,
+                all,
             }),
         }
     }

@@ -3,6 +3,7 @@
 
 pub mod apiserver;
 pub mod cluster;
+pub mod e2b;
 pub mod edge;
 pub mod iam;
 pub mod watcher;

@@ -19,6 +19,12 @@ pub enum ClientError {
 /// Builds a lazily connecting channel to `addr` (`host:port`). Connection failures surface
 /// as `unavailable` on the first call, so callers can retry elsewhere.
 pub fn channel(addr: &str, connect_timeout: Duration) -> Result<Channel, ClientError> {
+    Ok(endpoint(addr, connect_timeout)?.connect_lazy())
+}
+
+/// The endpoint [`channel`] connects to, for channels balanced over several addresses.
+/// Errors: `BadAddress`.
+pub fn endpoint(addr: &str, connect_timeout: Duration) -> Result<Endpoint, ClientError> {
     let uri = if addr.starts_with("http://") || addr.starts_with("https://") {
         addr.to_string()
     } else {
@@ -36,7 +42,7 @@ pub fn channel(addr: &str, connect_timeout: Duration) -> Result<Channel, ClientE
         .keep_alive_while_idle(true)
         .initial_stream_window_size(Some(4 << 20))
         .initial_connection_window_size(Some(16 << 20));
-    Ok(ep.connect_lazy())
+    Ok(ep)
 }
 
 /// Wraps a message for an internal call: adds the component secret when one is configured.

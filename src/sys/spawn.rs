@@ -102,7 +102,7 @@ pub enum SpawnError {
 const OOM_SCORE_ADJ: &CStr = c"/proc/self/oom_score_adj";
 
 /// The steps of the child's setup, reported back through the error pipe by index.
-const STAGES: [&str; 11] = [
+const STAGES: [&str; 12] = [
     "dup2",
     "setsid",
     "TIOCSCTTY",
@@ -114,6 +114,7 @@ const STAGES: [&str; 11] = [
     "close_range",
     "exec",
     "join workload cgroup",
+    "PR_SET_CHILD_SUBREAPER",
 ];
 
 /// Everything the child needs, prepared before fork: between fork and exec only
@@ -138,7 +139,9 @@ fn cstring(what: impl Fn() -> String, bytes: impl Into<Vec<u8>>) -> Result<CStri
 /// Starts `spec` with fork and exec (not `std::process::Command`: on an exec failure it
 /// waits for the child itself, which races with a `waitpid(-1)` reaper and panics).
 /// The child leads a new session, so signalling its process group reaches what it starts
-/// and a PTY can become its controlling terminal. Returns once exec has succeeded; a
+/// and a PTY can become its controlling terminal. It is also a child subreaper (kept across
+/// exec): what its descendants orphan (a daemon that forked away, a `setsid` job of a
+/// terminal) becomes its child rather than the agent's, so killing its tree ends them too. Returns once exec has succeeded; a
 /// failure of the child's setup or exec is `SpawnError::Child` with the stage and errno.
 pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
     let program = cstring(
@@ -336,6 +339,7 @@ fn setup_and_exec(plan: &Plan<'_>) -> (u8, i32) {
             check!(0, libc::dup2(*fd, i as i32));
         }
         check!(1, libc::setsid());
+        check!(11, libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0));
         if plan.pty {
             check!(2, libc::ioctl(0, libc::TIOCSCTTY, 0));
         }

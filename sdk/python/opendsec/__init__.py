@@ -38,6 +38,7 @@ from opendsec.ports import PortWriter
 from opendsec.models import (
     DSecContainerRunArgs,
     DSecRunArgs,
+    FileEvent,
     FileInfo,
     HttpResult,
     ImageInfo,
@@ -49,6 +50,7 @@ from opendsec.models import (
     UsageRow,
 )
 from opendsec.sandbox import Sandbox
+from opendsec.watch import DirWatch
 
 __all__ = [
     "__version__",
@@ -60,6 +62,8 @@ __all__ = [
     "Sandbox",
     "ShellResult",
     "FileInfo",
+    "FileEvent",
+    "DirWatch",
     "HttpResult",
     "PortWriter",
     "TaskActionResult",

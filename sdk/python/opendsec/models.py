@@ -214,6 +214,25 @@ class FileInfo:
 
 
 @dataclass
+class FileEvent:
+    """A change under a watched directory (:meth:`Sandbox.watch_dir`)."""
+
+    #: The path relative to the watched directory; ``"."`` for the directory itself.
+    name: str = ""
+    #: ``create``, ``write``, ``remove``, ``rename`` (the old name; the new one comes as
+    #: ``create``) or ``chmod`` (any change of attributes).
+    type: str = ""
+    #: The entry's information as of the event, with ``include_entry=True`` and while the
+    #: entry exists; else ``None``.
+    entry: Optional[FileInfo] = None
+
+    @classmethod
+    def from_pb(cls, m: runtime_pb2.FileEvent) -> "FileEvent":
+        """Builds a FileEvent from the protobuf message."""
+        return cls(name=m.name, type=m.type, entry=FileInfo.from_pb(m.entry) if m.HasField("entry") else None)
+
+
+@dataclass
 class HttpResult:
     """The response to :meth:`Sandbox.http`."""
 

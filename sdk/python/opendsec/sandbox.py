@@ -13,6 +13,7 @@ from opendsec._pb import opendsec_pb2, runtime_pb2, types_pb2
 from opendsec.errors import INVALID, UNAVAILABLE, DSecError, bad_arguments_are_invalid, error_from_rpc
 from opendsec.models import FileInfo, HttpResult, ImageInfo, ShellResult
 from opendsec.ports import PortWriter, open_port
+from opendsec.watch import DirWatch
 
 if TYPE_CHECKING:
     from opendsec.client import DSecClient
@@ -476,6 +477,56 @@ class Sandbox:
             sandbox_id=self.id, path=_args.path(path), recursive=bool(recursive), session=_args.session(session)
         )
         await self._client._unary("Remove", req, retry=False)
+
+    def watch_dir(
+        self,
+        path: str,
+        recursive: bool = False,
+        include_entry: bool = False,
+        allow_network_mounts: bool = False,
+        session: str = "default",
+        timeout: Optional[float] = 30,
+    ) -> DirWatch:
+        """Watches a directory for changes, by inotify in the sandbox (docs/python-sdk.md
+        "Watching a directory"). Use the result in ``async with``, which returns once the
+        watch is in place, and iterate it for :class:`FileEvent` s::
+
+            async with sb.watch_dir("/work", recursive=True) as w:
+                async for event in w:
+                    ...
+
+        Args:
+            path: A directory; a relative one is resolved against the session's directory,
+                as the session's user (who must be able to reach it).
+            recursive: Also the directories below, those made later included.
+            include_entry: Each event carries the entry's :class:`FileInfo` while it exists.
+            allow_network_mounts: Watch a directory on NFS, CIFS or Ceph anyway (changes
+                made on other machines go unseen); refused (``conflict``) otherwise.
+            session: Whose directory and user resolve ``path``.
+            timeout: Seconds for the watch to be in place; ``None`` for no limit.
+
+        Raises:
+            DSecError: ``invalid`` at once for bad arguments (an empty path, a NUL in it, a
+                flag that is not a bool, a timeout not above 0); on entering the block,
+                ``not_found`` (no such directory), ``invalid`` (not a directory),
+                ``forbidden`` (the session's user may not list it), ``conflict`` (a network
+                file system), ``quota_exceeded`` (the sandbox has 64 watches, or the tree
+                has more than 16384 directories), ``timeout``.
+        """
+        try:
+            req = runtime_pb2.WatchDirRequest(
+                sandbox_id=self.id,
+                path=_args.path(path),
+                recursive=_args.boolean("recursive", recursive),
+                include_entry=_args.boolean("include_entry", include_entry),
+                allow_network_mounts=_args.boolean("allow_network_mounts", allow_network_mounts),
+                session=_args.session(session),
+            )
+            if timeout is not None and not _args.number("timeout", timeout) > 0:
+                raise ValueError(f"timeout must be above 0 or None, not {timeout!r}")
+        except (TypeError, ValueError) as e:
+            raise DSecError(INVALID, f"bad argument to watch_dir: {e}") from e
+        return DirWatch(self._client, req, timeout)
 
     # ---------------------------------------------------------------- HTTP
 

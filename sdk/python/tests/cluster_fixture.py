@@ -9,6 +9,7 @@ skipped, except under ``CI=true``, where they fail: CI never skips them silently
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shlex
@@ -43,11 +44,12 @@ def _parse_export(line: str) -> tuple[str, str] | None:
     return name.strip(), (parts[0] if parts else "")
 
 
-@pytest.fixture(scope="session")
-def cluster() -> Iterator[dict[str, str]]:
-    """A running cluster: the values of OPENDSEC_ADDR, OPENDSEC_TOKEN, OPENDSEC_PROJECT and
-    OPENDSEC_IMAGE_STORE (in the cluster's own temporary state directory, or on the NFS mount
-    OPENDSEC_TEST_NFS_STORE names)."""
+@contextlib.contextmanager
+def running_cluster(extra: list[str], wanted: tuple[str, ...] = WANTED) -> Iterator[dict[str, str]]:
+    """Runs ``opendsec cluster up -addr 127.0.0.1:0 -state-dir <tmp> <extra...>`` until the
+    block ends, yielding the values of the ``export`` lines named in ``wanted``. Fails the test
+    when the cluster does not print them in time; skips it without the binary (except under
+    ``CI=true``)."""
     binary = Path(os.environ.get("OPENDSEC_BIN") or DEFAULT_BIN)
     if not binary.is_file():
         msg = f"opendsec binary not found at {binary} (build it with cargo build --release, or set OPENDSEC_BIN)"
@@ -57,10 +59,7 @@ def cluster() -> Iterator[dict[str, str]]:
 
     log = tempfile.NamedTemporaryFile(prefix="opendsec-cluster-", suffix=".log", delete=False)
     state = tempfile.TemporaryDirectory(prefix="opendsec-cluster-state-")
-    args = [str(binary), "cluster", "up", "-sim-edges", "2", "-addr", "127.0.0.1:0", "-state-dir", state.name]
-    nfs = os.environ.get("OPENDSEC_TEST_NFS_STORE")
-    if nfs:  # scripts/test-nfs.sh: the store on an NFS 4.2 mount
-        args += ["-image-store", tempfile.mkdtemp(prefix="opendsec-store-", dir=nfs)]
+    args = [str(binary), "cluster", "up", "-addr", "127.0.0.1:0", "-state-dir", state.name, *extra]
     proc = subprocess.Popen(
         args,
         stdin=subprocess.DEVNULL,
@@ -99,18 +98,18 @@ def cluster() -> Iterator[dict[str, str]]:
     env: dict[str, str] = {}
     deadline = time.monotonic() + START_TIMEOUT_S
     try:
-        while not all(k in env for k in WANTED):
+        while not all(k in env for k in wanted):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RuntimeError(f"cluster up printed no {WANTED} within {START_TIMEOUT_S:.0f} s")
+                raise RuntimeError(f"cluster up printed no {wanted} within {START_TIMEOUT_S:.0f} s")
             try:
                 line = lines.get(timeout=left)
             except queue.Empty:
                 continue
             if line is None:
-                raise RuntimeError(f"cluster up exited with {proc.wait()} before printing {WANTED}")
+                raise RuntimeError(f"cluster up exited with {proc.wait()} before printing {wanted}")
             kv = _parse_export(line)
-            if kv and kv[0] in WANTED:
+            if kv and kv[0] in wanted:
                 env[kv[0]] = kv[1]
     except BaseException as e:
         failure = f"{e}\n"
@@ -124,3 +123,47 @@ def cluster() -> Iterator[dict[str, str]]:
     finally:
         stop()
         state.cleanup()
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[dict[str, str]]:
+    """A running cluster: the values of OPENDSEC_ADDR, OPENDSEC_TOKEN, OPENDSEC_PROJECT and
+    OPENDSEC_IMAGE_STORE (in the cluster's own temporary state directory, or on the NFS mount
+    OPENDSEC_TEST_NFS_STORE names)."""
+    extra = ["-sim-edges", "2"]
+    nfs = os.environ.get("OPENDSEC_TEST_NFS_STORE")
+    if nfs:  # scripts/test-nfs.sh: the store on an NFS 4.2 mount
+        extra += ["-image-store", tempfile.mkdtemp(prefix="opendsec-store-", dir=nfs)]
+    with running_cluster(extra) as env:
+        yield env
+
+
+def ctl(
+    cluster: dict[str, str],
+    *args: str,
+    token: str | None = None,
+    extra_env: dict[str, str] | None = None,
+    stdin: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    binary = Path(os.environ.get("OPENDSEC_BIN") or DEFAULT_BIN)
+    env = dict(os.environ)
+    # No saved logins of the machine's own: each test names its credentials files.
+    env.pop("DOCKER_CONFIG", None)
+    env.pop("REGISTRY_AUTH_FILE", None)
+    env["HOME"] = "/nonexistent"
+    env.update(
+        OPENDSEC_ADDR=cluster["OPENDSEC_ADDR"],
+        OPENDSEC_TOKEN=token or cluster["OPENDSEC_TOKEN"],
+        OPENDSEC_PROJECT="root",
+        OPENDSEC_IMAGE_STORE=cluster["OPENDSEC_IMAGE_STORE"],
+    )
+    env.update(extra_env or {})
+    return subprocess.run(
+        [str(binary), "ctl", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        input=stdin,
+        stdin=None if stdin is not None else subprocess.DEVNULL,
+    )

@@ -10,23 +10,20 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import gzip
-import hashlib
-import io
 import json
 import os
 import secrets
 import shutil
 import socket
 import subprocess
-import tarfile
 import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster_fixture import DEFAULT_BIN
+from cluster_fixture import ctl
+from oci import oci_layout
 from test_cluster import admin, uniq
 
 import opendsec
@@ -40,115 +37,6 @@ def _need_root() -> None:
         if os.environ.get("CI") == "true":
             pytest.fail("image import writes layers as root; under CI=true it must run", pytrace=False)
         pytest.skip("image import needs root")
-
-
-def _blob(blobs: Path, data: bytes) -> str:
-    d = hashlib.sha256(data).hexdigest()
-    (blobs / d).write_bytes(data)
-    return f"sha256:{d}"
-
-
-def _layer(files: dict[str, bytes | str]) -> bytes:
-    """A layer tar: ``bytes`` are a file's contents (mode 0755 for programs, else 0644), a
-    ``str`` is a symlink's target."""
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as t:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.mtime = 1_700_000_000
-            if isinstance(data, str):
-                info.type, info.linkname = tarfile.SYMTYPE, data
-                t.addfile(info)
-                continue
-            info.size = len(data)
-            info.mode = 0o755 if data.startswith((b"\x7fELF", b"#!")) else 0o644
-            t.addfile(info, io.BytesIO(data))
-    return out.getvalue()
-
-
-def oci_layout(
-    path: Path,
-    layers: list[dict[str, bytes | str]],
-    env: list[str],
-    workdir: str = "",
-    tag: str = "1",
-    user: str = "",
-) -> None:
-    """An OCI image layout at ``path``: one image of ``layers`` (bottom first, gzip), tagged ``tag``."""
-    blobs = path / "blobs" / "sha256"
-    blobs.mkdir(parents=True)
-    (path / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}')
-    descs, diff_ids = [], []
-    for files in layers:
-        raw = _layer(files)
-        diff_ids.append("sha256:" + hashlib.sha256(raw).hexdigest())
-        gz = gzip.compress(raw, mtime=0)
-        descs.append(
-            {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": _blob(blobs, gz), "size": len(gz)}
-        )
-    config = json.dumps(
-        {
-            "architecture": "amd64",
-            "os": "linux",
-            "config": {"Env": env, "WorkingDir": workdir, "User": user},
-            "rootfs": {"type": "layers", "diff_ids": diff_ids},
-        }
-    ).encode()
-    manifest = json.dumps(
-        {
-            "schemaVersion": 2,
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "config": {
-                "mediaType": "application/vnd.oci.image.config.v1+json",
-                "digest": _blob(blobs, config),
-                "size": len(config),
-            },
-            "layers": descs,
-        }
-    ).encode()
-    index = {
-        "schemaVersion": 2,
-        "manifests": [
-            {
-                "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                "digest": _blob(blobs, manifest),
-                "size": len(manifest),
-                "annotations": {"org.opencontainers.image.ref.name": tag},
-            }
-        ],
-    }
-    (path / "index.json").write_text(json.dumps(index))
-
-
-def ctl(
-    cluster: dict[str, str],
-    *args: str,
-    token: str | None = None,
-    extra_env: dict[str, str] | None = None,
-    stdin: str | None = None,
-) -> subprocess.CompletedProcess[str]:
-    binary = Path(os.environ.get("OPENDSEC_BIN") or DEFAULT_BIN)
-    env = dict(os.environ)
-    # No saved logins of the machine's own: each test names its credentials files.
-    env.pop("DOCKER_CONFIG", None)
-    env.pop("REGISTRY_AUTH_FILE", None)
-    env["HOME"] = "/nonexistent"
-    env.update(
-        OPENDSEC_ADDR=cluster["OPENDSEC_ADDR"],
-        OPENDSEC_TOKEN=token or cluster["OPENDSEC_TOKEN"],
-        OPENDSEC_PROJECT="root",
-        OPENDSEC_IMAGE_STORE=cluster["OPENDSEC_IMAGE_STORE"],
-    )
-    env.update(extra_env or {})
-    return subprocess.run(
-        [str(binary), "ctl", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        input=stdin,
-        stdin=None if stdin is not None else subprocess.DEVNULL,
-    )
 
 
 async def test_import_compose_list_get_delete_and_permissions(cluster, tmp_path):

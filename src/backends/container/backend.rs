@@ -625,19 +625,47 @@ fn parse_disk_io(v: &serde_json::Value) -> Result<Option<DiskIo>, String> {
 }
 
 /// A process's start time (clock ticks since boot), or `None` when it is gone or a zombie.
-fn start_time(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = stat.rsplit_once(')')?.1;
+/// The start time of process `pid` (field 22 of `/proc/<pid>/stat`): `Ok(None)` when no
+/// such process runs (gone, or a zombie). Errors: /proc could not be read for another reason
+/// (too many open files, say): then nobody can tell.
+fn start_time(pid: u32) -> std::io::Result<Option<u64>> {
+    let stat = match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => s,
+        Err(e)
+            if e.kind() == std::io::ErrorKind::NotFound
+                || e.raw_os_error() == Some(libc::ESRCH) =>
+        {
+            return Ok(None)
+        }
+        Err(e) => return Err(e),
+    };
+    let Some((_, rest)) = stat.rsplit_once(')') else {
+        return Ok(None);
+    };
     let fields: Vec<&str> = rest.split_whitespace().collect();
     // fields[0] is the state (field 3); the start time is field 22.
     if fields.first() == Some(&"Z") {
-        return None;
+        return Ok(None);
     }
-    fields.get(19)?.parse().ok()
+    Ok(fields.get(19).and_then(|f| f.parse().ok()))
 }
 
+/// Whether the sandbox's aether still runs. When /proc cannot be read (the edge is out of
+/// file descriptors, say) it counts as running: a sandbox is declared lost only on
+/// evidence, never because the edge could not look (docs/containers.md "Stopping and cleaning up").
 fn alive(st: &ContainerState) -> bool {
-    st.pid > 0 && start_time(st.pid) == Some(st.start_time)
+    st.pid > 0 && judged_alive(st.pid, start_time(st.pid), st.start_time)
+}
+
+/// What one look at /proc says of a process recorded with `recorded` as its start time.
+fn judged_alive(pid: u32, looked: std::io::Result<Option<u64>>, recorded: u64) -> bool {
+    match looked {
+        Ok(t) => t == Some(recorded),
+        Err(e) => {
+            tracing::warn!(pid, error = %e, "cannot read /proc to probe a sandbox; taken as alive");
+            true
+        }
+    }
 }
 
 #[async_trait]
@@ -1056,7 +1084,13 @@ impl ContainerBackend {
         {
             tracing::info!("this kernel has no core scheduling; sandboxes run without a core-scheduling cookie");
         }
-        if let (Some(network), Some((slot, policy))) = (&self.network, net) {
+        // The sandbox's network and aether's start are independent: the veth, addresses and
+        // rules are written while aether comes up, and both are done before the caller gets
+        // the sandbox (docs/network.md "Creation").
+        let attach = async {
+            let (Some(network), Some((slot, policy))) = (&self.network, net) else {
+                return Ok(());
+            };
             // aether is its netns's first process and is alive: the path is its netns.
             let path = format!("/proc/{}/ns/net", res.pid);
             let ns = std::fs::File::open(&path).map_err(|e| {
@@ -1068,20 +1102,22 @@ impl ContainerBackend {
             network
                 .attach(std::os::fd::AsFd::as_fd(&ns), *slot, policy)
                 .await
+                .map(|_| ())
                 .map_err(|e| {
                     create_err(
                         id,
                         format!("connecting its network: {}", crate::types::chain(&e)),
                     )
-                })?;
-        }
+                })
+        };
         let st = ContainerState {
             net_slot: net.map(|(slot, _)| *slot),
             pid: res.pid,
             start_time: start_time(res.pid)
+                .map_err(|e| create_err(id, format!("reading aether's start time: {e}")))?
                 .ok_or_else(|| create_err(id, "aether exited at start"))?,
             socket: sock.to_path_buf(),
-            loop_device: res.loop_device,
+            loop_device: res.loop_device.clone(),
             layers: layers.iter().map(|d| d.hex().to_string()).collect(),
         };
         let ch = crate::rpc::uds::uds_channel(sock.to_path_buf());
@@ -1089,8 +1125,9 @@ impl ContainerBackend {
         let first = tokio::time::timeout(AGENT_START_TIMEOUT, async {
             let mut s = client.watch(pb::Empty {}).await?.into_inner();
             s.message().await
-        })
-        .await;
+        });
+        let (attached, first) = tokio::join!(attach, first);
+        attached?;
         match first {
             Ok(Ok(Some(_))) => {}
             Ok(Ok(None)) => return Err(create_err(id, "aether closed its Watch stream at start")),
@@ -1131,6 +1168,23 @@ mod pack;
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_sandbox_is_lost_only_on_evidence() {
+        use super::judged_alive;
+        assert!(judged_alive(7, Ok(Some(42)), 42));
+        // Gone, a zombie, or another process with the pid: lost.
+        assert!(!judged_alive(7, Ok(None), 42));
+        assert!(!judged_alive(7, Ok(Some(43)), 42));
+        // The edge out of file descriptors cannot look: not lost.
+        let emfile = std::io::Error::from_raw_os_error(libc::EMFILE);
+        assert!(judged_alive(7, Err(emfile), 42));
+        // This very process, read for real.
+        let me = std::process::id();
+        let t = super::start_time(me).unwrap().unwrap();
+        assert!(judged_alive(me, super::start_time(me), t));
+        assert_eq!(super::start_time(u32::MAX >> 1).unwrap(), None);
+    }
+
     use super::*;
     use crate::backends::container::cgroup::tests::{fake_v2, limits};
     use crate::backends::container::cgroup::{CgroupVersion, Cgroups};

@@ -6,10 +6,9 @@ use std::net::Ipv4Addr;
 use std::sync::Arc;
 
 use argh::FromArgs;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 
 use super::{conn::Conn, output, values, CtlError, Ctx};
-use crate::guest::port::MAX_FRAME;
 use crate::pb;
 use crate::rpc::failure_from_status;
 use crate::types::Failure;
@@ -113,7 +112,7 @@ async fn pump(
     sock: tokio::net::TcpStream,
 ) -> Result<(), Failure> {
     let _ = sock.set_nodelay(true);
-    let (mut rd, mut wr) = sock.into_split();
+    let (rd, mut wr) = sock.into_split();
     let (tx, rx) = tokio::sync::mpsc::channel::<pb::PortFrame>(8);
     let first = pb::PortFrame {
         sandbox_id,
@@ -128,25 +127,7 @@ async fn pump(
         .await
         .map_err(|s| failure_from_status(&s))?
         .into_inner();
-    let up = tokio::spawn(async move {
-        let mut buf = vec![0u8; MAX_FRAME];
-        loop {
-            let frame = match rd.read(&mut buf).await {
-                Ok(0) | Err(_) => pb::PortFrame {
-                    eof: true,
-                    ..Default::default()
-                },
-                Ok(n) => pb::PortFrame {
-                    data: buf.get(..n).unwrap_or_default().to_vec(),
-                    ..Default::default()
-                },
-            };
-            let eof = frame.eof;
-            if tx.send(frame).await.is_err() || eof {
-                break;
-            }
-        }
-    });
+    let up = tokio::spawn(crate::guest::port::send_reads(rd, tx));
     let res = async {
         while let Some(f) = frames
             .message()

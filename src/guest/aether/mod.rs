@@ -188,6 +188,7 @@ async fn run(cfg: AetherConfig) -> Result<(), AetherError> {
     let svc = service::Aether {
         sessions: sessions.clone(),
         procs: procs.clone(),
+        watchers: crate::guest::watch::registry::Watchers::new(),
     };
     let mut term = signal(SignalKind::terminate()).map_err(AetherError::Runtime)?;
     let mut int = signal(SignalKind::interrupt()).map_err(AetherError::Runtime)?;

@@ -12,6 +12,8 @@ use tonic::{Request, Response, Status};
 
 use super::sessions::{session_name, Live, Sessions};
 use crate::guest::procs::{ProcError, ProcessEvents, Procs};
+use crate::guest::watch::registry::Watchers;
+use crate::guest::watch::{Access, Options};
 use crate::pb;
 use crate::pb::runtime_client::RuntimeClient;
 use crate::rpc::to_status;
@@ -21,6 +23,7 @@ use crate::types::{now_s, Failure};
 pub struct Aether {
     pub sessions: Arc<Sessions>,
     pub procs: Procs,
+    pub watchers: Watchers,
 }
 
 type Res<T> = Result<Response<T>, Status>;
@@ -62,6 +65,52 @@ impl Aether {
         start: bool,
     ) -> Result<RuntimeClient<Channel>, Status> {
         Ok(self.live(name, user, start).await?.client.clone())
+    }
+
+    /// The absolute directory `r.path` names and the watch's options: the path is resolved
+    /// by the session's chronus (its directory, its user's right to reach it), the watch
+    /// itself is aether's, keeping to what the session's user may list. Errors: the
+    /// session's; `not_found`; `invalid` for what is not a directory.
+    async fn watch_target(
+        &self,
+        r: &pb::WatchDirRequest,
+    ) -> Result<(std::path::PathBuf, Options), Status> {
+        let live = self.live(&r.session, "", true).await?;
+        let mut c = live.client.clone();
+        let info = c
+            .stat(pb::PathRequest {
+                sandbox_id: r.sandbox_id.clone(),
+                path: r.path.clone(),
+                session: r.session.clone(),
+            })
+            .await?
+            .into_inner();
+        if !matches!(info.r#type.as_str(), "dir" | "symlink") {
+            return Err(to_status(&Failure::invalid(format!(
+                "{} is not a directory",
+                info.path
+            ))));
+        }
+        // aether watches as root: for any other user it keeps to what that user may list.
+        let access = if live.uid == 0 {
+            None
+        } else {
+            let groups = crate::guest::user::resolve(&live.user, std::path::Path::new("/"))
+                .map(|c| c.groups)
+                .unwrap_or_default();
+            Some(Arc::new(Access {
+                uid: live.uid,
+                gid: live.gid,
+                groups,
+            }))
+        };
+        let opts = Options {
+            recursive: r.recursive,
+            include_entry: r.include_entry,
+            allow_network_mounts: r.allow_network_mounts,
+            access,
+        };
+        Ok((std::path::PathBuf::from(info.path), opts))
     }
 
     /// Session `r.session`, started if need be, with `r`'s request id noted for it.
@@ -193,6 +242,18 @@ impl pb::runtime_server::Runtime for Aether {
         c.remove(r).await
     }
 
+    async fn make_dir(&self, req: Request<pb::PathRequest>) -> Res<pb::FileInfo> {
+        let r = req.into_inner();
+        let mut c = self.session(&r.session, "", true).await?;
+        c.make_dir(r).await
+    }
+
+    async fn r#move(&self, req: Request<pb::MoveRequest>) -> Res<pb::FileInfo> {
+        let r = req.into_inner();
+        let mut c = self.session(&r.session, "", true).await?;
+        c.r#move(r).await
+    }
+
     async fn http(&self, req: Request<pb::HttpRequest>) -> Res<pb::HttpResponse> {
         // HttpRequest names no session: it goes through the default one.
         let r = req.into_inner();
@@ -278,6 +339,48 @@ impl pb::runtime_server::Runtime for Aether {
         Ok(Response::new(pb::ListProcessesResponse {
             processes: self.procs.list().await,
         }))
+    }
+
+    type WatchDirStream = Boxed<pb::FileEvent>;
+    async fn watch_dir(&self, req: Request<pb::WatchDirRequest>) -> Res<Self::WatchDirStream> {
+        let (root, opts) = self.watch_target(req.get_ref()).await?;
+        let s = self
+            .watchers
+            .stream(root, opts)
+            .await
+            .map_err(|f| to_status(&f))?;
+        Ok(Response::new(Box::pin(
+            s.map(|r| r.map_err(|f| to_status(&f))),
+        )))
+    }
+
+    async fn create_watcher(&self, req: Request<pb::WatchDirRequest>) -> Res<pb::WatcherRef> {
+        let r = req.into_inner();
+        let (root, opts) = self.watch_target(&r).await?;
+        let id = self
+            .watchers
+            .create(root, opts)
+            .await
+            .map_err(|f| to_status(&f))?;
+        Ok(Response::new(pb::WatcherRef {
+            sandbox_id: r.sandbox_id,
+            watcher_id: id,
+        }))
+    }
+
+    async fn get_watcher_events(&self, req: Request<pb::WatcherRef>) -> Res<pb::WatcherEvents> {
+        let events = self
+            .watchers
+            .take(&req.get_ref().watcher_id)
+            .map_err(|f| to_status(&f))?;
+        Ok(Response::new(events))
+    }
+
+    async fn remove_watcher(&self, req: Request<pb::WatcherRef>) -> Res<pb::Empty> {
+        self.watchers
+            .remove(&req.get_ref().watcher_id)
+            .map_err(|f| to_status(&f))?;
+        Ok(Response::new(pb::Empty {}))
     }
 
     type WatchStream = Boxed<pb::WatchEvent>;

@@ -318,6 +318,43 @@ pub async fn stat(cwd: PathBuf, req: pb::PathRequest) -> Result<pb::FileInfo, Fa
     .await
 }
 
+/// MakeDir: the directory and its missing parents (mode 0755 before the umask).
+/// Errors: `conflict` when the path already exists (a directory or not: E2B's `make_dir`
+/// reports false); the file system's.
+pub async fn make_dir(cwd: PathBuf, req: pb::PathRequest) -> Result<pb::FileInfo, Failure> {
+    let path = resolve(&cwd, &req.path)?;
+    blocking(move || {
+        if std::fs::symlink_metadata(&path).is_ok() {
+            return Err(Failure::conflict(format!(
+                "{} already exists",
+                path.display()
+            )));
+        }
+        std::fs::create_dir_all(&path).map_err(|e| failure("mkdir", &path, &e, 0))?;
+        let m = std::fs::symlink_metadata(&path).map_err(|e| failure("stat", &path, &e, 0))?;
+        Ok(info(&path, &m))
+    })
+    .await
+}
+
+/// Move: renames `source` to `destination` (replacing a file there, as rename(2) does),
+/// creating the destination's missing parents. Errors: the file system's (a missing source
+/// is `not_found`; across file systems, `invalid`).
+pub async fn rename(cwd: PathBuf, req: pb::MoveRequest) -> Result<pb::FileInfo, Failure> {
+    let from = resolve(&cwd, &req.source)?;
+    let to = resolve(&cwd, &req.destination)?;
+    blocking(move || {
+        std::fs::symlink_metadata(&from).map_err(|e| failure("move", &from, &e, 0))?;
+        if let Some(parent) = to.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| failure("mkdir", parent, &e, 0))?;
+        }
+        std::fs::rename(&from, &to).map_err(|e| failure("move", &to, &e, 0))?;
+        let m = std::fs::symlink_metadata(&to).map_err(|e| failure("stat", &to, &e, 0))?;
+        Ok(info(&to, &m))
+    })
+    .await
+}
+
 /// Remove: a file or symlink, an empty directory, or (`recursive`) a whole tree.
 /// Errors: the file system's (a non-empty directory without `recursive` is `invalid`).
 pub async fn remove(cwd: PathBuf, req: pb::RemoveRequest) -> Result<pb::Empty, Failure> {
@@ -366,6 +403,33 @@ mod tests {
             "{full:?}"
         );
         assert_eq!(f(libc::EISDIR), Reason::Invalid);
+    }
+
+    #[tokio::test]
+    async fn make_dir_makes_parents_once_and_move_makes_the_destination_parents() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let cwd = d.path().to_path_buf();
+        let p = |path: &str| pb::PathRequest {
+            path: path.into(),
+            ..Default::default()
+        };
+        let i = make_dir(cwd.clone(), p("a/b/c")).await.expect("mkdir");
+        assert_eq!((i.name.as_str(), i.r#type.as_str()), ("c", "dir"));
+        assert!(d.path().join("a/b/c").is_dir());
+        let e = make_dir(cwd.clone(), p("a/b")).await.expect_err("exists");
+        assert_eq!(e.reason, Reason::Conflict);
+        std::fs::write(d.path().join("a/f"), b"x").expect("write");
+        let mv = |from: &str, to: &str| pb::MoveRequest {
+            source: from.into(),
+            destination: to.into(),
+            ..Default::default()
+        };
+        let i = rename(cwd.clone(), mv("a/f", "x/y/g")).await.expect("move");
+        assert_eq!((i.name.as_str(), i.size), ("g", 1));
+        assert_eq!(std::fs::read(d.path().join("x/y/g")).expect("read"), b"x");
+        assert!(!d.path().join("a/f").exists());
+        let e = rename(cwd.clone(), mv("a/f", "z")).await.expect_err("gone");
+        assert_eq!(e.reason, Reason::NotFound);
     }
 
     #[tokio::test]

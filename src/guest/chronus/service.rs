@@ -155,6 +155,20 @@ impl pb::runtime_server::Runtime for Chronus {
         Ok(Response::new(r))
     }
 
+    async fn make_dir(&self, req: Request<pb::PathRequest>) -> Res<pb::FileInfo> {
+        let r = files::make_dir(self.cwd(), req.into_inner())
+            .await
+            .map_err(status)?;
+        Ok(Response::new(r))
+    }
+
+    async fn r#move(&self, req: Request<pb::MoveRequest>) -> Res<pb::FileInfo> {
+        let r = files::rename(self.cwd(), req.into_inner())
+            .await
+            .map_err(status)?;
+        Ok(Response::new(r))
+    }
+
     async fn http(&self, req: Request<pb::HttpRequest>) -> Res<pb::HttpResponse> {
         let r = http::request(req.into_inner()).await.map_err(status)?;
         Ok(Response::new(r))
@@ -205,6 +219,23 @@ impl pb::runtime_server::Runtime for Chronus {
         _: Request<pb::ListProcessesRequest>,
     ) -> Res<pb::ListProcessesResponse> {
         aethers("ListProcesses")
+    }
+
+    type WatchDirStream = Boxed<pb::FileEvent>;
+    async fn watch_dir(&self, _: Request<pb::WatchDirRequest>) -> Res<Self::WatchDirStream> {
+        aethers("WatchDir")
+    }
+
+    async fn create_watcher(&self, _: Request<pb::WatchDirRequest>) -> Res<pb::WatcherRef> {
+        aethers("CreateWatcher")
+    }
+
+    async fn get_watcher_events(&self, _: Request<pb::WatcherRef>) -> Res<pb::WatcherEvents> {
+        aethers("GetWatcherEvents")
+    }
+
+    async fn remove_watcher(&self, _: Request<pb::WatcherRef>) -> Res<pb::Empty> {
+        aethers("RemoveWatcher")
     }
 
     type WatchStream = Boxed<pb::WatchEvent>;

@@ -355,8 +355,11 @@ impl Procs {
 
     /// Sends `signal` (a standard signal number, 1..=31; E2B sends 9 and 15) to the
     /// process's group (it leads its own session, so what it started in that group gets it
-    /// too) and to the process itself. Errors: `invalid` (signal number), `not_found` (no
-    /// such process, or it has ended: E2B's kill() then returns false), `internal`.
+    /// too) and to the process itself. SIGKILL ends its whole tree first, so that what left
+    /// the group (a terminal's jobs, each in a group of its own; `setsid` children) goes with
+    /// it: the tree is stopped, then killed, so nothing forks its way out meanwhile.
+    /// Errors: `invalid` (signal number), `not_found` (no such process, or it has ended:
+    /// E2B's kill() then returns false), `internal`.
     pub async fn signal(&self, req: pb::SignalProcessRequest) -> Result<(), ProcError> {
         let sig = match Signal::try_from(req.signal) {
             Ok(s) if (1..=31).contains(&req.signal) => s,
@@ -365,6 +368,19 @@ impl Procs {
         let p = self.find(req.process.as_ref())?;
         if !p.is_running() {
             return Err(ProcError::Ended { pid: p.pid });
+        }
+        if sig == Signal::SIGKILL {
+            let pid = p.pid as i32;
+            let killed = tokio::task::spawn_blocking(move || {
+                crate::guest::proctree::kill_tree(pid, true, &HashSet::new())
+            })
+            .await
+            .unwrap_or(0);
+            // What is left of its group (members that are not its descendants).
+            let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
+            if killed > 0 {
+                return Ok(());
+            }
         }
         send(p.pid, sig)
     }

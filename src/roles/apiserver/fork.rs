@@ -40,15 +40,17 @@ pub(crate) fn check(req: &pb::ForkSandboxRequest) -> Result<(), Failure> {
             "idempotency_key longer than 256 characters",
         ));
     }
-    for (what, v) in [
-        ("ttl_running_stop", req.ttl_running_stop),
-        ("ttl_max", req.ttl_max),
-    ] {
-        if v < 0 {
-            return Err(Failure::invalid(format!(
-                "{what} {v} must be >= 0 (0 for the cluster default)"
-            )));
-        }
+    if req.ttl_running_stop < -1 {
+        return Err(Failure::invalid(format!(
+            "ttl_running_stop {} must be >= 0 (0 for the cluster default, -1 for none)",
+            req.ttl_running_stop
+        )));
+    }
+    if req.ttl_max < 0 {
+        return Err(Failure::invalid(format!(
+            "ttl_max {} must be >= 0 (0 for the cluster default)",
+            req.ttl_max
+        )));
     }
     Ok(())
 }
@@ -212,6 +214,18 @@ mod tests {
         })
         .unwrap_err();
         assert!(e.message.contains("ttl_max -5"), "{}", e.message);
+        // No idle timeout at all (the E2B gateway's copies live by their lifetime alone).
+        assert!(check(&pb::ForkSandboxRequest {
+            ttl_running_stop: -1,
+            ..req(2)
+        })
+        .is_ok());
+        let e = check(&pb::ForkSandboxRequest {
+            ttl_running_stop: -2,
+            ..req(2)
+        })
+        .unwrap_err();
+        assert!(e.message.contains("ttl_running_stop -2"), "{}", e.message);
         let e = check(&pb::ForkSandboxRequest {
             idempotency_key: "k".repeat(257),
             ..req(2)

@@ -376,10 +376,11 @@ impl Inner {
                 workdir: parent.workdir,
                 user: parent.user,
                 parent: packed.image.clone(),
-                source: format!(
-                    "{} of sandbox {id}",
-                    if snapshot { "snapshot" } else { "pack_diff" }
-                ),
+                source: if snapshot {
+                    crate::images::store::snapshot_source(&id)
+                } else {
+                    format!("pack_diff of sandbox {id}")
+                },
                 created: now_rfc3339(),
                 created_by: principal,
                 snapshot,

@@ -558,6 +558,8 @@ impl pb::d_sec_server::DSec for Api {
     runtime_unary!(list_dir, "ListDir", pb::PathRequest, pb::ListDirResponse);
     runtime_unary!(stat, "Stat", pb::PathRequest, pb::FileInfo);
     runtime_unary!(remove, "Remove", pb::RemoveRequest, pb::Empty);
+    runtime_unary!(make_dir, "MakeDir", pb::PathRequest, pb::FileInfo);
+    runtime_unary!(r#move, "Move", pb::MoveRequest, pb::FileInfo);
     runtime_unary!(http, "Http", pb::HttpRequest, pb::HttpResponse);
     type ConnectPortStream = BoxStream<pb::PortFrame>;
     /// Authorizes `sandbox.operate` on the sandbox the first frame names, then passes the
@@ -637,6 +639,21 @@ impl pb::d_sec_server::DSec for Api {
         pb::ListProcessesRequest,
         pb::ListProcessesResponse
     );
+    type WatchDirStream = BoxStream<pb::FileEvent>;
+    runtime_stream!(watch_dir, "WatchDir", pb::WatchDirRequest, pb::FileEvent);
+    runtime_unary!(
+        create_watcher,
+        "CreateWatcher",
+        pb::WatchDirRequest,
+        pb::WatcherRef
+    );
+    runtime_unary!(
+        get_watcher_events,
+        "GetWatcherEvents",
+        pb::WatcherRef,
+        pb::WatcherEvents
+    );
+    runtime_unary!(remove_watcher, "RemoveWatcher", pb::WatcherRef, pb::Empty);
 
     iam_call!(who_am_i, who_am_i, pb::Empty, pb::WhoAmIResponse, false);
     iam_call!(

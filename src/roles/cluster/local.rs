@@ -31,6 +31,8 @@ pub enum ClusterError {
     Apiserver(#[from] crate::roles::apiserver::ApiserverError),
     #[error(transparent)]
     Edge(#[from] crate::roles::edge::EdgeError),
+    #[error(transparent)]
+    E2b(#[from] crate::roles::e2b::GatewayError),
     #[error("the cluster did not become ready within {0} s")]
     NotReady(u64),
     #[error("starting the runtime of {role}")]
@@ -76,6 +78,8 @@ pub struct UpOptions {
     /// Sandbox networking on the generated linux edges (docs/network.md): edge `i` gets the
     /// subnet 10.(88+i).0.0/16 and DNS port 15353+i.
     pub network: bool,
+    /// Listen address of the E2B gateway (docs/e2b.md); empty = no gateway.
+    pub e2b_addr: String,
 }
 
 impl Default for UpOptions {
@@ -98,6 +102,7 @@ impl Default for UpOptions {
             iam_state: String::new(),
             image_store: String::new(),
             network: false,
+            e2b_addr: String::new(),
         }
     }
 }
@@ -110,6 +115,8 @@ pub struct LocalCluster {
     pub api_addrs: Vec<String>,
     /// The administrator's token.
     pub admin_token: String,
+    /// Address of the E2B gateway, when one runs.
+    pub e2b_addr: Option<String>,
     /// Stops every role but IAM (`down` stops IAM after them).
     pub shutdown: Shutdown,
     iam_shutdown: Shutdown,
@@ -286,8 +293,22 @@ impl LocalCluster {
             });
             edge_ls.push(l);
         }
+        let e2b_l = if o.e2b_addr.is_empty() {
+            None
+        } else {
+            let l = bind(&o.e2b_addr, "e2b gateway").await?;
+            cfg.e2b = local_e2b(&local_addr(&l), o.host_image);
+            Some(l)
+        };
         cfg.validate()?;
-        Self::start(cfg, admin_token, iam_l, w_l, api_ls, edge_ls, o.k).await
+        let ls = Listeners {
+            iam: iam_l,
+            watcher: w_l,
+            apiservers: api_ls,
+            edges: edge_ls,
+            e2b: e2b_l,
+        };
+        Self::start(cfg, admin_token, ls, o.k).await
     }
 
     /// Starts every role of a config file in this process, on the configured addresses.
@@ -315,18 +336,38 @@ impl LocalCluster {
         for (e, l) in cfg.edges.iter_mut().zip(&edge_ls) {
             e.addr = local_addr(l);
         }
-        Self::start(cfg, admin_token, iam_l, w_l, api_ls, edge_ls, None).await
+        // The first gateway of the config runs here; a cluster of processes runs the rest.
+        let e2b_l = match cfg.e2b.gateways.first_mut() {
+            None => None,
+            Some(g) => {
+                let l = bind(&g.addr, "e2b gateway").await?;
+                g.addr = local_addr(&l);
+                Some(l)
+            }
+        };
+        let ls = Listeners {
+            iam: iam_l,
+            watcher: w_l,
+            apiservers: api_ls,
+            edges: edge_ls,
+            e2b: e2b_l,
+        };
+        Self::start(cfg, admin_token, ls, None).await
     }
 
     async fn start(
         cfg: Config,
         admin_token: String,
-        iam_l: TcpListener,
-        w_l: TcpListener,
-        api_ls: Vec<TcpListener>,
-        edge_ls: Vec<TcpListener>,
+        ls: Listeners,
         k: Option<usize>,
     ) -> Result<LocalCluster, ClusterError> {
+        let Listeners {
+            iam: iam_l,
+            watcher: w_l,
+            apiservers: api_ls,
+            edges: edge_ls,
+            e2b: e2b_l,
+        } = ls;
         let cfg = Arc::new(cfg);
         let shutdown = Shutdown::new();
         // IAM stops last: edges release the leases of the sandboxes they stop on the way out.
@@ -378,10 +419,24 @@ impl LocalCluster {
             );
             readies.push(r);
         }
+        let mut e2b_addr = None;
+        if let Some(l) = e2b_l {
+            e2b_addr = Some(local_addr(&l));
+            let r = Ready::default();
+            let (cfg, sd, r2) = (cfg.clone(), shutdown.clone(), r.clone());
+            handles.push(
+                on_own_runtime(&mut runtimes, "e2b", l, move |l| {
+                    crate::roles::e2b::start(cfg, 0, l, sd, r2)
+                })
+                .await?,
+            );
+            readies.push(r);
+        }
         let c = LocalCluster {
             cfg,
             api_addrs,
             admin_token,
+            e2b_addr,
             shutdown,
             iam_shutdown,
             iam,
@@ -422,6 +477,42 @@ impl LocalCluster {
         self.iam_shutdown.fire();
         let _ = tokio::time::timeout(std::time::Duration::from_secs(10), self.iam).await;
         drop(self.runtimes);
+    }
+}
+
+/// The listeners of every role, bound before any role starts.
+struct Listeners {
+    iam: TcpListener,
+    watcher: TcpListener,
+    apiservers: Vec<TcpListener>,
+    edges: Vec<TcpListener>,
+    e2b: Option<TcpListener>,
+}
+
+/// The generated cluster's E2B gateway: sandboxes in the root project; template `base` is
+/// the development image `host` when it is offered.
+fn local_e2b(addr: &str, host_image: bool) -> crate::config::E2bConfig {
+    let mut templates = BTreeMap::new();
+    if host_image {
+        templates.insert(
+            "base".to_string(),
+            crate::config::E2bTemplate {
+                image: "host".into(),
+                backend: "container".into(),
+                cpu: 1.0,
+                memory_mb: 512,
+                ..Default::default()
+            },
+        );
+    }
+    crate::config::E2bConfig {
+        gateways: vec![crate::config::E2bGateway {
+            addr: addr.to_string(),
+            ..Default::default()
+        }],
+        project: "root".into(),
+        templates,
+        ..Default::default()
     }
 }
 

@@ -69,6 +69,10 @@ struct UpFlags {
     /// linux), on or off (default auto)
     #[argh(option, default = "String::from(\"auto\")")]
     network: String,
+    /// listen address of the E2B gateway (docs/e2b.md); `off` runs none (default
+    /// 127.0.0.1:7400, or port 0 when -addr has port 0)
+    #[argh(option, default = "String::new()")]
+    e2b_addr: String,
     /// median simulated creation time of the sim backends, ms (default 0)
     #[argh(option, default = "0.0")]
     sim_latency_ms: f64,
@@ -116,6 +120,21 @@ fn check_flags(f: &UpFlags) -> Result<(), &'static str> {
     Ok(())
 }
 
+/// The gateway's address: `off` none, else as given, else 7400 beside the apiserver's host
+/// (port 0 when the apiserver's is 0, so that clusters side by side never collide).
+fn e2b_addr(flag: &str, api: &str) -> String {
+    match flag {
+        "off" => String::new(),
+        "" => {
+            let port = if api.ends_with(":0") { 0 } else { 7400 };
+            let host = api.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
+            let host = if host.is_empty() { "127.0.0.1" } else { host };
+            format!("{host}:{port}")
+        }
+        a => a.to_string(),
+    }
+}
+
 fn metrics_addr(a: &str) -> String {
     if a.starts_with(':') {
         format!("127.0.0.1{a}")
@@ -144,6 +163,7 @@ async fn run(f: UpFlags) -> anyhow::Result<()> {
                 "off" | "false" => false,
                 _ => f.runtime == "linux",
             },
+            e2b_addr: e2b_addr(&f.e2b_addr, &f.addr),
             ..Default::default()
         };
         LocalCluster::up(&o).await?
@@ -177,6 +197,12 @@ async fn run(f: UpFlags) -> anyhow::Result<()> {
             "export OPENDSEC_IMAGE_STORE={}",
             cluster.cfg.image_store.root
         );
+    }
+    if let Some(a) = &cluster.e2b_addr {
+        // E2B's SDKs reach the control plane and the sandboxes through the gateway.
+        println!("export E2B_API_URL=http://{a}");
+        println!("export E2B_SANDBOX_URL=http://{a}");
+        println!("export E2B_API_KEY={}", cluster.admin_token);
     }
     use std::io::Write;
     let _ = std::io::stdout().flush();

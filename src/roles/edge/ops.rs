@@ -118,6 +118,14 @@ impl Core {
                         }
                         _ => {
                             r.set_state(done);
+                            if op == Op::Resume {
+                                let created = r.sandbox.created_at;
+                                if let Some(spec) = r.sandbox.spec.as_mut() {
+                                    if ttl::on_resume(spec, created, now) {
+                                        tracing::info!("resumed after its lifetime: the idle timeout ends it from now on");
+                                    }
+                                }
+                            }
                             // Paused time does not count toward idle: it restarts now.
                             r.sandbox.last_active_at = now;
                             r.ttl_paused_at = 0;

@@ -42,6 +42,7 @@ scoped!(
     pb::WriteFileRequest,
     pb::PathRequest,
     pb::RemoveRequest,
+    pb::MoveRequest,
     pb::HttpRequest,
     pb::StartProcessRequest,
     pb::ProcessRef,
@@ -50,6 +51,8 @@ scoped!(
     pb::SignalProcessRequest,
     pb::ResizePtyRequest,
     pb::ListProcessesRequest,
+    pb::WatchDirRequest,
+    pb::WatcherRef,
 );
 
 /// A runtime call in flight: counted on the sandbox until dropped, which also marks the
@@ -265,6 +268,20 @@ impl pb::runtime_server::Runtime for EdgeRuntime {
         self.unary(req, |mut c, r| async move { c.remove(r).await })
             .await
     }
+    async fn make_dir(
+        &self,
+        req: Request<pb::PathRequest>,
+    ) -> Result<Response<pb::FileInfo>, Status> {
+        self.unary(req, |mut c, r| async move { c.make_dir(r).await })
+            .await
+    }
+    async fn r#move(
+        &self,
+        req: Request<pb::MoveRequest>,
+    ) -> Result<Response<pb::FileInfo>, Status> {
+        self.unary(req, |mut c, r| async move { c.r#move(r).await })
+            .await
+    }
     async fn http(
         &self,
         req: Request<pb::HttpRequest>,
@@ -353,6 +370,35 @@ impl pb::runtime_server::Runtime for EdgeRuntime {
         req: Request<pb::ResizePtyRequest>,
     ) -> Result<Response<pb::Empty>, Status> {
         self.unary(req, |mut c, r| async move { c.resize_process_pty(r).await })
+            .await
+    }
+    type WatchDirStream = Forwarded<pb::FileEvent>;
+    async fn watch_dir(
+        &self,
+        req: Request<pb::WatchDirRequest>,
+    ) -> Result<Response<Self::WatchDirStream>, Status> {
+        self.streaming(req, |mut c, r| async move { c.watch_dir(r).await })
+            .await
+    }
+    async fn create_watcher(
+        &self,
+        req: Request<pb::WatchDirRequest>,
+    ) -> Result<Response<pb::WatcherRef>, Status> {
+        self.unary(req, |mut c, r| async move { c.create_watcher(r).await })
+            .await
+    }
+    async fn get_watcher_events(
+        &self,
+        req: Request<pb::WatcherRef>,
+    ) -> Result<Response<pb::WatcherEvents>, Status> {
+        self.unary(req, |mut c, r| async move { c.get_watcher_events(r).await })
+            .await
+    }
+    async fn remove_watcher(
+        &self,
+        req: Request<pb::WatcherRef>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        self.unary(req, |mut c, r| async move { c.remove_watcher(r).await })
             .await
     }
     async fn list_processes(

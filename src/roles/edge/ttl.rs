@@ -5,7 +5,10 @@
 //! - lifetime `ttl_max`: counted from creation, paused time included;
 //! - with `ttl_paused_s` > 0, either pauses instead of stopping, and the sandbox is stopped
 //!   after `ttl_paused_s` more seconds paused;
-//! - ended records are dropped `stopped_retention` seconds after they ended.
+//! - ended records are dropped `stopped_retention` seconds after they ended;
+//! - a sandbox resumed after its lifetime has passed (a TTL pause, then a call that resumed
+//!   it) has no lifetime from then on when it has an idle timeout, which governs it instead;
+//!   without one the lifetime stays, and ends it again at once.
 //!
 //! Values ≤ 0 mean "none" (the apiserver fills in defaults before the edge sees a spec).
 //! Times are whole Unix seconds, so "more than N seconds" is `now > start + N`.
@@ -88,6 +91,19 @@ pub fn decide(
         }
         _ => None,
     }
+}
+
+/// What a resume at `now` does to the TTLs of `spec` (a sandbox created at `created_at`):
+/// a lifetime already spent is dropped when an idle timeout is left to end the sandbox
+/// (docs/concepts.md "Timeouts"), since it would end it again at once. Returns whether it
+/// dropped it.
+pub fn on_resume(spec: &mut crate::pb::SandboxSpec, created_at: i64, now: i64) -> bool {
+    let spent = spec.ttl_max > 0 && now > created_at.saturating_add(spec.ttl_max);
+    if spent && spec.ttl_running_stop > 0 {
+        spec.ttl_max = 0;
+        return true;
+    }
+    false
 }
 
 /// The original reason of a TTL pause, from the message the pause left.
@@ -216,6 +232,37 @@ mod tests {
             "ttl_paused_s more after the lifetime"
         );
         assert!(matches!(decide(&r, 0, 1071, 600), Some(TtlAction::Stop(_))));
+    }
+
+    #[test]
+    fn a_resume_after_the_lifetime_leaves_the_idle_timeout_in_charge() {
+        // An E2B sandbox with autoPause: lifetime 100 s, the same idle timeout, kept paused.
+        let mut r = rec(100, 100, 3600);
+        assert_eq!(
+            decide(&r, 0, 1101, 600),
+            Some(TtlAction::Pause(LIFETIME_MESSAGE.into()))
+        );
+        r.set_state(SandboxState::Paused);
+        r.ttl_paused_at = 1101;
+        // A call resumes it at 1500: the spent lifetime goes, idle time restarts.
+        let mut spec = r.sandbox.spec.clone().unwrap_or_default();
+        assert!(on_resume(&mut spec, r.sandbox.created_at, 1500));
+        assert_eq!((spec.ttl_max, spec.ttl_running_stop), (0, 100));
+        r.sandbox.spec = Some(spec);
+        r.set_state(SandboxState::Running);
+        r.sandbox.last_active_at = 1500;
+        assert_eq!(decide(&r, 0, 1501, 600), None, "not paused again at once");
+        assert_eq!(
+            decide(&r, 0, 1601, 600),
+            Some(TtlAction::Pause(IDLE_MESSAGE.into()))
+        );
+        // Before its lifetime, or with no idle timeout to end it, a resume changes nothing.
+        let mut spec = rec(100, 100, 3600).sandbox.spec.unwrap_or_default();
+        assert!(!on_resume(&mut spec, 1000, 1050));
+        assert_eq!(spec.ttl_max, 100);
+        let mut spec = rec(-1, 100, 3600).sandbox.spec.unwrap_or_default();
+        assert!(!on_resume(&mut spec, 1000, 1500));
+        assert_eq!(spec.ttl_max, 100);
     }
 
     #[test]

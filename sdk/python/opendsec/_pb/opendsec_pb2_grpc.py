@@ -156,6 +156,16 @@ class DSecStub(object):
                 request_serializer=opendsec_dot_v1_dot_runtime__pb2.RemoveRequest.SerializeToString,
                 response_deserializer=opendsec_dot_v1_dot_types__pb2.Empty.FromString,
                 _registered_method=True)
+        self.MakeDir = channel.unary_unary(
+                '/opendsec.v1.DSec/MakeDir',
+                request_serializer=opendsec_dot_v1_dot_runtime__pb2.PathRequest.SerializeToString,
+                response_deserializer=opendsec_dot_v1_dot_runtime__pb2.FileInfo.FromString,
+                _registered_method=True)
+        self.Move = channel.unary_unary(
+                '/opendsec.v1.DSec/Move',
+                request_serializer=opendsec_dot_v1_dot_runtime__pb2.MoveRequest.SerializeToString,
+                response_deserializer=opendsec_dot_v1_dot_runtime__pb2.FileInfo.FromString,
+                _registered_method=True)
         self.Http = channel.unary_unary(
                 '/opendsec.v1.DSec/Http',
                 request_serializer=opendsec_dot_v1_dot_runtime__pb2.HttpRequest.SerializeToString,
@@ -200,6 +210,26 @@ class DSecStub(object):
                 '/opendsec.v1.DSec/ListProcesses',
                 request_serializer=opendsec_dot_v1_dot_runtime__pb2.ListProcessesRequest.SerializeToString,
                 response_deserializer=opendsec_dot_v1_dot_runtime__pb2.ListProcessesResponse.FromString,
+                _registered_method=True)
+        self.WatchDir = channel.unary_stream(
+                '/opendsec.v1.DSec/WatchDir',
+                request_serializer=opendsec_dot_v1_dot_runtime__pb2.WatchDirRequest.SerializeToString,
+                response_deserializer=opendsec_dot_v1_dot_runtime__pb2.FileEvent.FromString,
+                _registered_method=True)
+        self.CreateWatcher = channel.unary_unary(
+                '/opendsec.v1.DSec/CreateWatcher',
+                request_serializer=opendsec_dot_v1_dot_runtime__pb2.WatchDirRequest.SerializeToString,
+                response_deserializer=opendsec_dot_v1_dot_runtime__pb2.WatcherRef.FromString,
+                _registered_method=True)
+        self.GetWatcherEvents = channel.unary_unary(
+                '/opendsec.v1.DSec/GetWatcherEvents',
+                request_serializer=opendsec_dot_v1_dot_runtime__pb2.WatcherRef.SerializeToString,
+                response_deserializer=opendsec_dot_v1_dot_runtime__pb2.WatcherEvents.FromString,
+                _registered_method=True)
+        self.RemoveWatcher = channel.unary_unary(
+                '/opendsec.v1.DSec/RemoveWatcher',
+                request_serializer=opendsec_dot_v1_dot_runtime__pb2.WatcherRef.SerializeToString,
+                response_deserializer=opendsec_dot_v1_dot_types__pb2.Empty.FromString,
                 _registered_method=True)
         self.WhoAmI = channel.unary_unary(
                 '/opendsec.v1.DSec/WhoAmI',

@@ -190,6 +190,48 @@ class ListDirResponse(_message.Message):
     entries: _containers.RepeatedCompositeFieldContainer[FileInfo]
     def __init__(self, entries: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ...) -> None: ...
 
+class WatchDirRequest(_message.Message):
+    __slots__ = ("sandbox_id", "path", "recursive", "include_entry", "allow_network_mounts", "session")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RECURSIVE_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_ENTRY_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_NETWORK_MOUNTS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    path: str
+    recursive: bool
+    include_entry: bool
+    allow_network_mounts: bool
+    session: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[str] = ..., recursive: bool = ..., include_entry: bool = ..., allow_network_mounts: bool = ..., session: _Optional[str] = ...) -> None: ...
+
+class FileEvent(_message.Message):
+    __slots__ = ("name", "type", "entry")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    type: str
+    entry: FileInfo
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., entry: _Optional[_Union[FileInfo, _Mapping]] = ...) -> None: ...
+
+class WatcherRef(_message.Message):
+    __slots__ = ("sandbox_id", "watcher_id")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    WATCHER_ID_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    watcher_id: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., watcher_id: _Optional[str] = ...) -> None: ...
+
+class WatcherEvents(_message.Message):
+    __slots__ = ("events", "dropped")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[FileEvent]
+    dropped: int
+    def __init__(self, events: _Optional[_Iterable[_Union[FileEvent, _Mapping]]] = ..., dropped: _Optional[int] = ...) -> None: ...
+
 class RemoveRequest(_message.Message):
     __slots__ = ("sandbox_id", "path", "recursive", "session")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +243,18 @@ class RemoveRequest(_message.Message):
     recursive: bool
     session: str
     def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[str] = ..., recursive: bool = ..., session: _Optional[str] = ...) -> None: ...
+
+class MoveRequest(_message.Message):
+    __slots__ = ("sandbox_id", "source", "destination", "session")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    source: str
+    destination: str
+    session: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., source: _Optional[str] = ..., destination: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
 
 class HttpRequest(_message.Message):
     __slots__ = ("sandbox_id", "url", "method", "headers", "body", "timeout")

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The E2B compatibility suite (tests/e2b) against each supported release of E2B's SDKs
+# (tests/e2b/versions.txt), each in a virtual environment of its own under .venv-e2b/, with
+# the release binary of this checkout (docs/testing.md "E2B's SDKs").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+while read -r pin; do
+  case "$pin" in ''|'#'*) continue ;; esac
+  venv=".venv-e2b/${pin//[^a-zA-Z0-9.]/_}"
+  if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+  fi
+  "$venv/bin/pip" install -q --disable-pip-version-check "$pin" pytest pytest-asyncio pytest-timeout
+  echo "== tests/e2b with $pin"
+  (cd tests/e2b && "../../$venv/bin/python" -m pytest -q .)
+done < tests/e2b/versions.txt

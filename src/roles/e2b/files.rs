@@ -1,0 +1,647 @@
+//! envd's files (docs/e2b.md "The in-sandbox API"): `GET /files` (download) and `POST /files`
+//! (multipart upload), and the `filesystem.Filesystem` service's Stat, ListDir, MakeDir,
+//! Move and Remove, over the apiserver's file calls with the caller's token. Files of any size go in
+//! [`CHUNK`]-sized calls.
+
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+
+use super::connect::{self, Code, ConnectError};
+use super::envd::EnvdCall;
+use super::ids;
+use super::Gateway;
+use crate::pb;
+use crate::pb::envd::filesystem as fs;
+
+/// Bytes per file call of the apiserver (its limit is 64 MB; smaller keeps memory low).
+pub const CHUNK: usize = 8 << 20;
+/// Deepest `ListDir` served, and most entries one answer holds.
+const MAX_DEPTH: u32 = 16;
+const MAX_ENTRIES: usize = 100_000;
+
+/// An error of envd's plain HTTP API: `{"code": <status>, "message": ...}` (E2B's SDKs map
+/// 400, 401, 404, 429, 502 and 507 to their exceptions).
+struct HttpError(StatusCode, String);
+
+impl IntoResponse for HttpError {
+    fn into_response(self) -> Response {
+        let body = serde_json::json!({"code": self.0.as_u16(), "message": self.1});
+        (self.0, axum::Json(body)).into_response()
+    }
+}
+
+impl From<ConnectError> for HttpError {
+    /// The Connect code's HTTP status, except `unavailable`: 502, as E2B's proxy answers
+    /// for a sandbox it cannot reach (the SDKs read its message then).
+    fn from(e: ConnectError) -> HttpError {
+        let status = match e.code {
+            Code::Unavailable => StatusCode::BAD_GATEWAY,
+            c => c.http_status(),
+        };
+        HttpError(status, e.message)
+    }
+}
+
+/// `r`, except that a 404, 409 or 412 for a sandbox that turns out to be gone becomes
+/// E2B's 502 "was not found" (as [`EnvdCall::explain`] for the Connect calls).
+async fn explained(
+    g: &Gateway,
+    probe: Option<(String, String)>,
+    r: Result<Response, HttpError>,
+) -> Response {
+    match (r, probe) {
+        (Ok(resp), _) => resp,
+        (Err(e), Some((id, token)))
+            if matches!(
+                e.0,
+                StatusCode::NOT_FOUND | StatusCode::CONFLICT | StatusCode::PRECONDITION_FAILED
+            ) && matches!(super::envd::sandbox_gone(g, &token, &id).await, Ok(true)) =>
+        {
+            HttpError::from(super::envd::not_found_error(&id)).into_response()
+        }
+        (Err(e), _) => e.into_response(),
+    }
+}
+
+/// What [`explained`] needs of a call: the sandbox and the caller's token.
+fn probe_of(call: &Result<EnvdCall, ConnectError>) -> Option<(String, String)> {
+    call.as_ref()
+        .ok()
+        .map(|c| (c.sandbox_id.clone(), c.caller.token.clone()))
+}
+
+impl From<tonic::Status> for HttpError {
+    fn from(s: tonic::Status) -> HttpError {
+        HttpError::from(ConnectError::from(s))
+    }
+}
+
+/// The query of `/files`: `path` and `username` (signed URLs are not served yet).
+fn files_query(raw: Option<&str>) -> Result<(String, String), HttpError> {
+    let (mut path, mut user) = (String::new(), String::new());
+    for pair in raw.unwrap_or_default().split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let v = ids::percent_decode(v).ok_or_else(|| {
+            HttpError(
+                StatusCode::BAD_REQUEST,
+                format!("query parameter {k} is not well encoded"),
+            )
+        })?;
+        match k {
+            "path" => path = v,
+            "username" => user = v,
+            "signature" | "signature_expiration" => {
+                return Err(HttpError(
+                    StatusCode::BAD_REQUEST,
+                    "signed file URLs are not served yet; send X-Access-Token".into(),
+                ))
+            }
+            _ => {}
+        }
+    }
+    Ok((path, user))
+}
+
+/// Files are read and written as the sandbox's own user; another is refused, never ignored.
+fn default_user_only(user: &str) -> Result<(), ConnectError> {
+    if user.is_empty() {
+        Ok(())
+    } else {
+        Err(ConnectError::new(
+            Code::InvalidArgument,
+            format!(
+                "user {}: files are read and written as the sandbox's own user here",
+                crate::types::names::shown(user)
+            ),
+        ))
+    }
+}
+
+/// `GET /files?path=P`: the file's bytes. Errors: 404 when missing, 400 for a directory
+/// or a user other than the sandbox's, 401 without the token.
+pub async fn download(
+    State(g): State<Arc<Gateway>>,
+    call: Result<EnvdCall, ConnectError>,
+    RawQuery(raw): RawQuery,
+) -> Response {
+    let probe = probe_of(&call);
+    let r = async {
+        let call = call?;
+        let (path, user) = files_query(raw.as_deref())?;
+        default_user_only(&user)?;
+        default_user_only(&call.user)?;
+        if path.is_empty() {
+            return Err(HttpError(
+                StatusCode::BAD_REQUEST,
+                "path is required".into(),
+            ));
+        }
+        // The first chunk now, so a missing file is a 404 rather than a broken body.
+        let first = read_chunk(&g, &call, &path, 0).await?;
+        let (g, done) = (g.clone(), first.len() < CHUNK);
+        let rest = futures::stream::unfold(
+            (g, call, path, first.len() as i64, done),
+            |(g, call, path, off, done)| async move {
+                if done {
+                    return None;
+                }
+                match read_chunk(&g, &call, &path, off).await {
+                    Ok(b) if b.is_empty() => None,
+                    Ok(b) => {
+                        let n = b.len();
+                        Some((
+                            Ok(Bytes::from(b)),
+                            (g, call, path, off + n as i64, n < CHUNK),
+                        ))
+                    }
+                    Err(e) => Some((Err(std::io::Error::other(e.1)), (g, call, path, off, true))),
+                }
+            },
+        );
+        let body = futures::stream::once(async move { Ok(Bytes::from(first)) }).chain(rest);
+        let mut resp = Response::new(Body::from_stream(body));
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            header::HeaderValue::from_static("application/octet-stream"),
+        );
+        Ok(resp)
+    }
+    .await;
+    explained(&g, probe, r).await
+}
+
+async fn read_chunk(
+    g: &Gateway,
+    call: &EnvdCall,
+    path: &str,
+    offset: i64,
+) -> Result<Vec<u8>, HttpError> {
+    let req = pb::ReadFileRequest {
+        sandbox_id: call.sandbox_id.clone(),
+        path: path.to_string(),
+        offset,
+        length: CHUNK as i64,
+        session: String::new(),
+    };
+    Ok(g.api()
+        .read_file(g.req(&call.caller, req))
+        .await?
+        .into_inner()
+        .data)
+}
+
+/// `POST /files`: multipart (a part named `file` per file, its filename the destination
+/// path, or `?path=` for a single one) or, as envd 0.5.7 takes it, the file itself as an
+/// `application/octet-stream` body for `?path=`, gzip-compressed with
+/// `Content-Encoding: gzip`. Writes each file, parents created, replacing what was there,
+/// in [`CHUNK`]-sized calls as the body arrives. Answers the non-empty list
+/// `[{"path", "name", "type": "file"}]`. Errors: 400 (no file, no path, a path that is a
+/// directory, another user, a body that is not what its headers say), 401, 404.
+pub async fn upload(
+    State(g): State<Arc<Gateway>>,
+    call: Result<EnvdCall, ConnectError>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let probe = probe_of(&call);
+    let r = async {
+        let call = call?;
+        let (query_path, user) = files_query(raw.as_deref())?;
+        default_user_only(&user)?;
+        default_user_only(&call.user)?;
+        let ct = headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default();
+        let mut written = Vec::new();
+        if ct.starts_with("application/octet-stream") {
+            if query_path.is_empty() {
+                return Err(HttpError(
+                    StatusCode::BAD_REQUEST,
+                    "an octet-stream upload needs ?path=".into(),
+                ));
+            }
+            let raw = tokio_util::io::StreamReader::new(idle_bounded(body));
+            match content_encoding(&headers)? {
+                Encoding::Identity => write_from(&g, &call, &query_path, raw).await?,
+                Encoding::Gzip => {
+                    let mut gz = async_compression::tokio::bufread::GzipDecoder::new(raw);
+                    gz.multiple_members(true);
+                    write_from(&g, &call, &query_path, gz).await?
+                }
+            }
+            written.push(written_entry(&query_path));
+        } else if ct.starts_with("multipart/form-data") {
+            let boundary = multer::parse_boundary(ct)
+                .map_err(|e| HttpError(StatusCode::BAD_REQUEST, format!("multipart: {e}")))?;
+            let mut parts = multer::Multipart::new(idle_bounded(body), boundary);
+            while let Some(part) = parts
+                .next_field()
+                .await
+                .map_err(|e| HttpError(StatusCode::BAD_REQUEST, format!("multipart: {e}")))?
+            {
+                let path = match part.file_name() {
+                    Some(f) if !f.is_empty() && query_path.is_empty() => f.to_string(),
+                    _ if !query_path.is_empty() => query_path.clone(),
+                    _ => {
+                        return Err(HttpError(
+                            StatusCode::BAD_REQUEST,
+                            "a file part needs its destination as its filename, or ?path=".into(),
+                        ))
+                    }
+                };
+                let data = tokio_util::io::StreamReader::new(
+                    part.map(|r| r.map_err(std::io::Error::other)),
+                );
+                write_from(&g, &call, &path, data).await?;
+                written.push(written_entry(&path));
+            }
+        } else {
+            return Err(HttpError(
+                StatusCode::BAD_REQUEST,
+                "uploads are multipart/form-data or application/octet-stream".into(),
+            ));
+        }
+        if written.is_empty() {
+            return Err(HttpError(
+                StatusCode::BAD_REQUEST,
+                "no file in the upload".into(),
+            ));
+        }
+        Ok(axum::Json(written).into_response())
+    }
+    .await;
+    explained(&g, probe, r).await
+}
+
+/// How long an upload's body may send nothing before it is given up (envd's idle limit):
+/// a stalled client does not hold its connection for ever.
+const UPLOAD_IDLE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// `body`'s bytes, ending with an error after [`UPLOAD_IDLE`] without any.
+fn idle_bounded(
+    body: Body,
+) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
+    let data = body
+        .into_data_stream()
+        .map(|r| r.map_err(std::io::Error::other));
+    tokio_stream::StreamExt::timeout(data, UPLOAD_IDLE).map(|r| {
+        r.unwrap_or_else(|_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("nothing came for {} s", UPLOAD_IDLE.as_secs()),
+            ))
+        })
+    })
+}
+
+/// What an upload answers for each file.
+fn written_entry(path: &str) -> serde_json::Value {
+    let name = path.rsplit('/').next().unwrap_or_default();
+    serde_json::json!({"path": path, "name": name, "type": "file"})
+}
+
+/// An upload body's `Content-Encoding`.
+enum Encoding {
+    Identity,
+    Gzip,
+}
+
+/// The upload's `Content-Encoding`: none, `identity` or `gzip`. Errors: 400 for another
+/// (or several).
+fn content_encoding(headers: &HeaderMap) -> Result<Encoding, HttpError> {
+    let mut all = headers.get_all(header::CONTENT_ENCODING).iter();
+    match (all.next(), all.next()) {
+        (None, _) => Ok(Encoding::Identity),
+        (Some(v), None) => match v.to_str().map(|s| s.trim().to_ascii_lowercase()) {
+            Ok(s) if s.is_empty() || s == "identity" => Ok(Encoding::Identity),
+            Ok(s) if s == "gzip" || s == "x-gzip" => Ok(Encoding::Gzip),
+            _ => Err(HttpError(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "Content-Encoding {} is not taken (gzip is)",
+                    crate::types::names::shown(&String::from_utf8_lossy(v.as_bytes()))
+                ),
+            )),
+        },
+        (Some(_), Some(_)) => Err(HttpError(
+            StatusCode::BAD_REQUEST,
+            "one Content-Encoding, gzip or none".into(),
+        )),
+    }
+}
+
+/// Writes what `data` reads to `path` in [`CHUNK`]-sized calls as it arrives (an empty
+/// body makes an empty file). Errors: 400 for a body that breaks off or does not decode.
+async fn write_from(
+    g: &Gateway,
+    call: &EnvdCall,
+    path: &str,
+    data: impl tokio::io::AsyncRead,
+) -> Result<(), HttpError> {
+    use tokio::io::AsyncReadExt;
+    let mut data = std::pin::pin!(data);
+    let mut off: i64 = 0;
+    loop {
+        let mut buf = Vec::with_capacity(CHUNK);
+        (&mut data)
+            .take(CHUNK as u64)
+            .read_to_end(&mut buf)
+            .await
+            .map_err(|e| HttpError(StatusCode::BAD_REQUEST, format!("the upload's body: {e}")))?;
+        let n = buf.len();
+        if n == 0 && off > 0 {
+            return Ok(());
+        }
+        write_chunk(g, call, path, off, buf).await?;
+        off += n as i64;
+        if n < CHUNK {
+            return Ok(());
+        }
+    }
+}
+
+/// Writes `data` at `offset` (0 replaces the file, creating missing parents first, as
+/// envd does).
+async fn write_chunk(
+    g: &Gateway,
+    call: &EnvdCall,
+    path: &str,
+    offset: i64,
+    data: Vec<u8>,
+) -> Result<(), HttpError> {
+    let req = pb::WriteFileRequest {
+        sandbox_id: call.sandbox_id.clone(),
+        path: path.to_string(),
+        data,
+        offset,
+        ..Default::default()
+    };
+    match g.api().write_file(g.req(&call.caller, req.clone())).await {
+        Ok(_) => return Ok(()),
+        Err(s) if offset == 0 && s.code() == tonic::Code::NotFound => {}
+        Err(s) => return Err(s.into()),
+    }
+    let parent = match path.rsplit_once('/') {
+        Some(("", _)) | None => {
+            return Err(HttpError(
+                StatusCode::NOT_FOUND,
+                format!("{path}: not found"),
+            ))
+        }
+        Some((p, _)) => p.to_string(),
+    };
+    let mk = pb::PathRequest {
+        sandbox_id: call.sandbox_id.clone(),
+        path: parent,
+        session: String::new(),
+    };
+    match g.api().make_dir(g.req(&call.caller, mk)).await {
+        Ok(_) => {}
+        // Made meanwhile by another upload: fine.
+        Err(s) if crate::rpc::failure_from_status(&s).reason == crate::types::Reason::Conflict => {}
+        Err(s) => return Err(s.into()),
+    }
+    g.api().write_file(g.req(&call.caller, req)).await?;
+    Ok(())
+}
+
+/// `-rw-r--r--` for a mode and a type.
+fn permissions(mode: u32, kind: &str) -> String {
+    let mut s = String::with_capacity(10);
+    s.push(match kind {
+        "dir" => 'd',
+        "symlink" => 'l',
+        _ => '-',
+    });
+    for shift in [6u32, 3, 0] {
+        let bits = (mode >> shift) & 7;
+        s.push(if bits & 4 != 0 { 'r' } else { '-' });
+        s.push(if bits & 2 != 0 { 'w' } else { '-' });
+        s.push(if bits & 1 != 0 { 'x' } else { '-' });
+    }
+    s
+}
+
+/// Our file record as E2B's entry.
+pub(super) fn entry_of(f: pb::FileInfo) -> fs::EntryInfo {
+    let kind = match f.r#type.as_str() {
+        "file" => fs::FileType::File,
+        "dir" => fs::FileType::Directory,
+        "symlink" => fs::FileType::Symlink,
+        _ => fs::FileType::Unspecified,
+    };
+    fs::EntryInfo {
+        permissions: permissions(f.mode, &f.r#type),
+        name: f.name,
+        r#type: kind as i32,
+        path: f.path,
+        size: f.size,
+        mode: f.mode & 0o7777,
+        modified_time: Some(pbjson_types::Timestamp {
+            seconds: f.mtime,
+            nanos: 0,
+        }),
+        is_symlink: f.r#type == "symlink",
+        ..Default::default()
+    }
+}
+
+/// `POST /filesystem.Filesystem/{method}`: Stat, ListDir, MakeDir (`already_exists` when the
+/// path exists, which the SDKs report as false), Move, Remove, and the watches
+/// ([`super::watch`]); another method answers `unimplemented` naming it.
+pub async fn filesystem(
+    State(g): State<Arc<Gateway>>,
+    Path(method): Path<String>,
+    envd: Result<EnvdCall, ConnectError>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let (codec, stream) = match connect::codec_of(&headers) {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
+    };
+    let not_yet = |m: &str| {
+        ConnectError::new(
+            Code::Unimplemented,
+            format!(
+                "filesystem.Filesystem/{} is not served yet",
+                crate::types::names::shown(m)
+            ),
+        )
+    };
+    let call = match envd.and_then(|c| default_user_only(&c.user).map(|_| c)) {
+        Ok(c) => c,
+        Err(e) => return connect::failed(codec, stream, e),
+    };
+    match method.as_str() {
+        "Stat" => {
+            let r = async {
+                let req: fs::StatRequest = connect::request(codec, stream, body).await?;
+                let f = stat(&g, &call, &req.path).await?;
+                Ok(fs::StatResponse { entry: Some(f) })
+            }
+            .await;
+            connect::unary(codec, call.checked(&g, r).await)
+        }
+        "ListDir" => {
+            let r = async {
+                let req: fs::ListDirRequest = connect::request(codec, stream, body).await?;
+                let depth = req.depth.max(1);
+                if depth > MAX_DEPTH {
+                    return Err(ConnectError::new(
+                        Code::InvalidArgument,
+                        format!("depth {depth} is over {MAX_DEPTH}"),
+                    ));
+                }
+                let mut entries = Vec::new();
+                list(&g, &call, &req.path, depth, &mut entries).await?;
+                Ok(fs::ListDirResponse { entries })
+            }
+            .await;
+            connect::unary(codec, call.checked(&g, r).await)
+        }
+        "MakeDir" => {
+            let r = async {
+                let req: fs::MakeDirRequest = connect::request(codec, stream, body).await?;
+                let mk = pb::PathRequest {
+                    sandbox_id: call.sandbox_id.clone(),
+                    path: req.path,
+                    session: String::new(),
+                };
+                let f = g
+                    .api()
+                    .make_dir(g.req(&call.caller, mk))
+                    .await
+                    .map_err(|s| {
+                        let e = ConnectError::from(s);
+                        if e.code == Code::FailedPrecondition {
+                            ConnectError::new(Code::AlreadyExists, e.message)
+                        } else {
+                            e
+                        }
+                    })?;
+                Ok(fs::MakeDirResponse {
+                    entry: Some(entry_of(f.into_inner())),
+                })
+            }
+            .await;
+            connect::unary(codec, call.checked(&g, r).await)
+        }
+        "Move" => {
+            let r = async {
+                let req: fs::MoveRequest = connect::request(codec, stream, body).await?;
+                let mv = pb::MoveRequest {
+                    sandbox_id: call.sandbox_id.clone(),
+                    source: req.source,
+                    destination: req.destination,
+                    session: String::new(),
+                };
+                let f = g.api().r#move(g.req(&call.caller, mv)).await?;
+                Ok(fs::MoveResponse {
+                    entry: Some(entry_of(f.into_inner())),
+                })
+            }
+            .await;
+            connect::unary(codec, call.checked(&g, r).await)
+        }
+        "Remove" => {
+            let r = async {
+                let req: fs::RemoveRequest = connect::request(codec, stream, body).await?;
+                let rreq = pb::RemoveRequest {
+                    sandbox_id: call.sandbox_id.clone(),
+                    path: req.path,
+                    recursive: true,
+                    session: String::new(),
+                };
+                g.api().remove(g.req(&call.caller, rreq)).await?;
+                Ok(fs::RemoveResponse {})
+            }
+            .await;
+            connect::unary(codec, call.checked(&g, r).await)
+        }
+        "WatchDir" => super::watch::watch_dir(g, call, codec, &headers, body).await,
+        "CreateWatcher" => super::watch::create(&g, &call, codec, body).await,
+        "GetWatcherEvents" => super::watch::events(&g, &call, codec, body).await,
+        "RemoveWatcher" => super::watch::remove(&g, &call, codec, body).await,
+        other => connect::failed(codec, stream, not_yet(other)),
+    }
+}
+
+async fn stat(g: &Gateway, call: &EnvdCall, path: &str) -> Result<fs::EntryInfo, ConnectError> {
+    let req = pb::PathRequest {
+        sandbox_id: call.sandbox_id.clone(),
+        path: path.to_string(),
+        session: String::new(),
+    };
+    Ok(entry_of(
+        g.api().stat(g.req(&call.caller, req)).await?.into_inner(),
+    ))
+}
+
+/// The entries under `path`, `depth` levels down (1 = the directory itself), breadth first.
+async fn list(
+    g: &Gateway,
+    call: &EnvdCall,
+    path: &str,
+    depth: u32,
+    out: &mut Vec<fs::EntryInfo>,
+) -> Result<(), ConnectError> {
+    let mut level = vec![path.to_string()];
+    for d in 0..depth {
+        let mut next = Vec::new();
+        for dir in level {
+            let req = pb::PathRequest {
+                sandbox_id: call.sandbox_id.clone(),
+                path: dir,
+                session: String::new(),
+            };
+            let r = g
+                .api()
+                .list_dir(g.req(&call.caller, req))
+                .await?
+                .into_inner();
+            for f in r.entries {
+                if f.r#type == "dir" && d + 1 < depth {
+                    next.push(f.path.clone());
+                }
+                out.push(entry_of(f));
+                if out.len() > MAX_ENTRIES {
+                    return Err(ConnectError::new(
+                        Code::ResourceExhausted,
+                        format!("more than {MAX_ENTRIES} entries; list less deep"),
+                    ));
+                }
+            }
+        }
+        level = next;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permissions_read_like_ls() {
+        assert_eq!(permissions(0o644, "file"), "-rw-r--r--");
+        assert_eq!(permissions(0o755, "dir"), "drwxr-xr-x");
+        assert_eq!(permissions(0o777, "symlink"), "lrwxrwxrwx");
+    }
+
+    #[test]
+    fn the_files_query_takes_path_and_refuses_signatures() {
+        assert_eq!(
+            files_query(Some("path=%2Ftmp%2Fa%20b.txt&username=")).ok(),
+            Some(("/tmp/a b.txt".to_string(), String::new()))
+        );
+        assert!(files_query(Some("path=/a&signature=v1_x")).is_err());
+    }
+}

@@ -1,0 +1,149 @@
+//! `opendsec e2b` as its own process (docs/e2b.md "For administrators"): it serves E2B's
+//! control plane for a cluster started apart from it, answers `/readyz`, and on SIGTERM
+//! fails `/readyz` at once while it keeps serving for `-drain-delay`, then exits 0.
+
+// Tests may unwrap, expect, panic and index (the codebase's rules are for non-test code).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use std::io::{Read, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// One HTTP/1.1 request to 127.0.0.1:port: the status and the body.
+fn call(port: u16, method: &str, path: &str, key: &str, body: &str) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nX-API-KEY: {key}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let code = out.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|x| x.1.to_string())
+        .unwrap_or_default();
+    (code, body)
+}
+
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_gateway_of_its_own_serves_drains_and_stops() {
+    let c = common::cluster_up(&common::UpOptions {
+        write_config: true,
+        extra: vec!["-e2b-addr".into(), "off".into()],
+        ..Default::default()
+    });
+    // The cluster's own config, with a gateway on a port of our choosing.
+    let mut cfg: serde_json::Value = serde_json::from_str(&common::read(&c.config_path)).unwrap();
+    let (port, ready) = (common::free_port(), common::free_port());
+    cfg["e2b"] = serde_json::json!({
+        "gateways": [{"addr": "127.0.0.1:1"}, {"addr": format!("127.0.0.1:{port}")}],
+        "project": "root",
+        "templates": {"base": {"image": "host"}}
+    });
+    let path = c.dir.path().join("e2b.json");
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    let log = std::fs::File::create(c.dir.path().join("e2b.log")).unwrap();
+    let mut gw = Command::new(common::BIN)
+        .args(["e2b", "-config"])
+        .arg(&path)
+        .args(["-index", "1", "-drain-delay", "2s", "-log", "info"])
+        .args(["-metrics", &format!("127.0.0.1:{ready}")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    wait_for("/readyz", || {
+        common::http_get(ready, "/readyz").is_some_and(|(code, _)| code == 200)
+    });
+
+    let (code, body) = call(
+        port,
+        "POST",
+        "/v2/sandboxes",
+        &c.token,
+        r#"{"templateID":"base"}"#,
+    );
+    assert_eq!(code, 201, "{body}");
+    let sb: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let id = sb["sandboxID"].as_str().unwrap().to_string();
+    assert_eq!(sb["templateID"], "base");
+    // The same sandbox through the cluster's own API, under our id.
+    let (edge, suffix) = id.rsplit_once('-').unwrap();
+    let ours = common::run(
+        &["ctl", "sandbox", "get", &format!("{edge}.{suffix}")],
+        &[("OPENDSEC_ADDR", &c.addr), ("OPENDSEC_TOKEN", &c.token)],
+    );
+    assert_eq!(ours.code, 0, "{}", ours.err);
+    assert!(
+        ours.out.contains("\"e2b.template\": \"base\""),
+        "{}",
+        ours.out
+    );
+    // Another caller's token is refused by the apiserver, as for any call.
+    let (code, body) = call(port, "GET", &format!("/sandboxes/{id}"), "dsk.x.y", "");
+    assert_eq!(code, 401, "{body}");
+
+    // SIGTERM: /readyz fails at once, calls are still served during the drain delay.
+    let _ = Command::new("kill")
+        .args(["-TERM", &gw.id().to_string()])
+        .status();
+    wait_for("/readyz to fail", || {
+        common::http_get(ready, "/readyz").is_none_or(|(code, _)| code == 503)
+    });
+    let (code, body) = call(port, "GET", &format!("/sandboxes/{id}"), &c.token, "");
+    assert_eq!(code, 200, "{body}");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = gw.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the gateway did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status:?}");
+    assert!(started.elapsed() >= Duration::from_secs(1));
+    // A wrong index is a clear start error.
+    let r = common::run(
+        &[
+            "e2b",
+            "-config",
+            path.to_str().unwrap(),
+            "-index",
+            "5",
+            "-metrics",
+            "127.0.0.1:0",
+        ],
+        &[],
+    );
+    assert_eq!(r.code, 1, "{}", r.err);
+    assert!(
+        r.err
+            .contains("-index 5: the config has 2 e2b.gateways entries"),
+        "{}",
+        r.err
+    );
+}
