@@ -43,7 +43,9 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 rootfs=$work/rootfs
 echo "build-base-image: debootstrap $suite from $mirror (about a minute)" >&2
-if ! debootstrap --variant=minbase --include=python3 "$suite" "$rootfs" "$mirror" >"$work/debootstrap.log" 2>&1; then
+# OPENDSEC_EXTRA_PACKAGES: more Debian packages, comma-separated (the code interpreter's
+# image adds python3-venv).
+if ! debootstrap --variant=minbase --include="python3${OPENDSEC_EXTRA_PACKAGES:+,$OPENDSEC_EXTRA_PACKAGES}" "$suite" "$rootfs" "$mirror" >"$work/debootstrap.log" 2>&1; then
   tail -n 30 "$work/debootstrap.log" >&2
   exit 1
 fi

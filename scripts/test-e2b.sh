@@ -6,11 +6,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 while read -r pin; do
   case "$pin" in ''|'#'*) continue ;; esac
-  venv=".venv-e2b/${pin//[^a-zA-Z0-9.]/_}"
+  # A line may name more than one package (the code interpreter's SDK beside `e2b`); the
+  # first names the environment.
+  first=${pin%% *}
+  venv=".venv-e2b/${first//[^a-zA-Z0-9.]/_}"
   if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
   fi
-  "$venv/bin/pip" install -q --disable-pip-version-check "$pin" pytest pytest-asyncio pytest-timeout
+  # shellcheck disable=SC2086 # one word per package
+  "$venv/bin/pip" install -q --disable-pip-version-check $pin pytest pytest-asyncio pytest-timeout
   echo "== tests/e2b with $pin"
   (cd tests/e2b && "../../$venv/bin/python" -m pytest -q .)
 done < tests/e2b/versions.txt

@@ -145,12 +145,6 @@ impl E2bConfig {
                     "gateways[{i}]: max_connections and max_connections_per_address must be at least 1"
                 ));
             }
-            if !g.tls_cert.is_empty() {
-                return bad(format!(
-                    "gateways[{i}]: tls_cert and tls_key are not built yet; terminate TLS \
-                     in front of the gateway"
-                ));
-            }
         }
         if self.max_timeout_s < 0 {
             return bad("max_timeout_s may not be negative".into());
@@ -174,12 +168,6 @@ impl E2bConfig {
             if t.cpu < 0.0 || !t.cpu.is_finite() || t.memory_mb < 0 || t.disk_mb < 0 {
                 return bad(format!(
                     "templates.{name}: cpu, memory_mb and disk_mb must be positive"
-                ));
-            }
-            if !t.start_cmd.is_empty() || t.ready_port > 0 {
-                // Parsed so a spec-shaped file loads, refused so nobody believes it applies.
-                return bad(format!(
-                    "templates.{name}: start_cmd and ready_port are not built yet; remove them"
                 ));
             }
             if t.ready_timeout_s < 0 {
@@ -222,15 +210,6 @@ mod tests {
             (
                 r#"{"gateways":[{"addr":"a:1","tls_cert":"c"}],"project":"root"}"#,
                 "set both tls_cert and tls_key",
-            ),
-            (
-                r#"{"gateways":[{"addr":"a:1","tls_cert":"c","tls_key":"k"}],"project":"root"}"#,
-                "tls_cert and tls_key are not built yet",
-            ),
-            (
-                r#"{"gateways":[{"addr":"a:1"}],"project":"root",
-                    "templates":{"ci":{"image":"root/ci:1","start_cmd":"jupyter"}}}"#,
-                "start_cmd and ready_port are not built yet",
             ),
             (
                 r#"{"gateways":[{"addr":"a:1"}],"project":"root","templates":{"base":{}}}"#,

@@ -2,7 +2,7 @@
 //! the sandbox's own /etc/passwd and /etc/group (never the host's NSS), and the environment a
 //! session or process of that user starts with.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 /// Why a user could not be resolved.
@@ -51,8 +51,28 @@ struct PasswdEntry {
     shell: String,
 }
 
+/// Most bytes of /etc/passwd or /etc/group read: the files are the sandbox's, and a huge
+/// one must not make an agent hold it all.
+const MAX_DB_BYTES: u64 = 4 << 20;
+
+/// `path`'s text, at most [`MAX_DB_BYTES`] of it ("" when it cannot be read); a line cut
+/// at the end is dropped.
+fn read_db(path: &Path) -> String {
+    use std::io::Read;
+    let mut buf = Vec::new();
+    let read = std::fs::File::open(path).and_then(|f| f.take(MAX_DB_BYTES).read_to_end(&mut buf));
+    if read.is_err() {
+        return String::new();
+    }
+    if buf.len() as u64 == MAX_DB_BYTES {
+        let end = buf.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+        buf.truncate(end);
+    }
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
 fn passwd(root: &Path) -> Vec<PasswdEntry> {
-    let text = std::fs::read_to_string(root.join("etc/passwd")).unwrap_or_default();
+    let text = read_db(&root.join("etc/passwd"));
     text.lines()
         .filter_map(|l| {
             let f: Vec<&str> = l.split(':').collect();
@@ -71,7 +91,7 @@ fn passwd(root: &Path) -> Vec<PasswdEntry> {
 }
 
 fn groups_of(root: &Path, name: &str, primary: u32) -> Vec<u32> {
-    let text = std::fs::read_to_string(root.join("etc/group")).unwrap_or_default();
+    let text = read_db(&root.join("etc/group"));
     let mut out: Vec<u32> = text
         .lines()
         .filter_map(|l| {
@@ -177,6 +197,82 @@ pub fn resolve(spec: &str, root: &Path) -> Result<Credentials, UserError> {
             found.shell
         },
     })
+}
+
+/// The names of users and groups by number, from the sandbox's /etc/passwd and /etc/group
+/// (file owners as `stat` and `list_dir` show them).
+#[derive(Debug, Default)]
+pub struct Names {
+    users: HashMap<u32, String>,
+    groups: HashMap<u32, String>,
+}
+
+impl Names {
+    /// Reads `<root>/etc/passwd` and `<root>/etc/group`; the first name of a number wins.
+    pub fn load(root: &Path) -> Names {
+        let mut n = Names::default();
+        for e in passwd(root) {
+            n.users.entry(e.uid).or_insert(e.name);
+        }
+        for l in read_db(&root.join("etc/group")).lines() {
+            let f: Vec<&str> = l.split(':').collect();
+            if let [name, _, gid, ..] = f.as_slice() {
+                if let Ok(gid) = gid.parse::<u32>() {
+                    n.groups.entry(gid).or_insert_with(|| name.to_string());
+                }
+            }
+        }
+        n
+    }
+
+    /// The user's name, or the uid as text.
+    pub fn user(&self, uid: u32) -> String {
+        self.users
+            .get(&uid)
+            .cloned()
+            .unwrap_or_else(|| uid.to_string())
+    }
+
+    /// The group's name, or the gid as text.
+    pub fn group(&self, gid: u32) -> String {
+        self.groups
+            .get(&gid)
+            .cloned()
+            .unwrap_or_else(|| gid.to_string())
+    }
+}
+
+/// What identifies a version of a file: inode, size and change time (a rewrite in place
+/// within the same nanosecond with the same size goes unseen, which costs a stale name).
+type Stamp = Option<(u64, u64, i64, i64)>;
+
+fn stamp(path: &Path) -> Stamp {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path)
+        .ok()
+        .map(|m| (m.ino(), m.size(), m.ctime(), m.ctime_nsec()))
+}
+
+/// The sandbox's [`Names`] (root `/`), read again only when /etc/passwd or /etc/group
+/// changed: two `stat` calls when they did not.
+pub fn names() -> std::sync::Arc<Names> {
+    use std::sync::{Arc, Mutex};
+    type Cached = Option<((Stamp, Stamp), Arc<Names>)>;
+    static CACHE: Mutex<Cached> = Mutex::new(None);
+    let root = Path::new("/");
+    let now = (
+        stamp(&root.join("etc/passwd")),
+        stamp(&root.join("etc/group")),
+    );
+    let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    match &*cache {
+        Some((at, n)) if *at == now => n.clone(),
+        _ => {
+            let n = Arc::new(Names::load(root));
+            *cache = Some((now, n.clone()));
+            n
+        }
+    }
 }
 
 /// The default `PATH` when the image sets none.

@@ -2,6 +2,7 @@
 //! (and back), metadata helpers for tokens, and client channels.
 
 pub mod client;
+pub mod grant;
 pub mod serve;
 pub mod status;
 pub mod uds;

@@ -68,3 +68,24 @@ def bash_image(linux, tmp_path_factory) -> str:
     r = ctl(linux, "image", "import", str(layout), "-as", name, "-q")
     assert r.returncode == 0, r.stderr
     return name
+
+
+# The code interpreter's tests run where its SDK is installed (scripts/test-e2b.sh installs it
+# beside the current `e2b` release only).
+collect_ignore = [] if __import__("importlib").util.find_spec("e2b_code_interpreter") else ["test_code_interpreter.py"]
+
+
+@pytest.fixture(scope="module")
+def code_interpreter(linux) -> str:
+    """The `linux` cluster with the code interpreter's image imported (built first into
+    target/code-interpreter-image when it is not there: a few minutes, PyPI needed)."""
+    import subprocess
+
+    from cluster_fixture import ctl
+
+    layout = REPO / "target" / "code-interpreter-image"
+    if not (layout / "index.json").is_file():
+        subprocess.run(["bash", str(REPO / "packaging" / "code-interpreter" / "build.sh"), str(layout)], check=True)
+    r = ctl(linux, "image", "import", f"{layout}#v1", "-as", "root/code-interpreter:v1", "-q")
+    assert r.returncode == 0, r.stderr
+    return "code-interpreter-v1"

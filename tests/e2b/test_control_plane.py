@@ -167,12 +167,15 @@ def test_wire_details_the_sdks_rely_on(gateway):
     assert status == 400 and "limit" in body["message"]
     status, _, body = raw("GET", "/nope")
     assert status == 404 and body["code"] == 404
-    # The Sandbox object carries what the SDK requires, and the caller's own token for envd.
+    # The Sandbox object carries what the SDK requires, and the sandbox's own access token
+    # for envd (never the caller's API key).
     status, _, body = raw("POST", "/v2/sandboxes", {"templateID": "base", "metadata": {}, "envVars": {}})
     assert status == 201
     try:
         assert set(body) >= {"templateID", "sandboxID", "clientID", "envdVersion", "envdAccessToken"}
-        assert body["envdAccessToken"] == os.environ["E2B_API_KEY"]
+        token = body["envdAccessToken"]
+        assert token.startswith("dsg.") and token != os.environ["E2B_API_KEY"]
+        assert body["trafficAccessToken"] == token
     finally:
         assert raw("DELETE", f"/sandboxes/{body['sandboxID']}")[0] == 204
 

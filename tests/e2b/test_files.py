@@ -186,3 +186,130 @@ async def test_the_async_sdk_reads_and_writes(linux):
         assert [e.name for e in await s.files.list("/tmp") if e.name == "async.bin"] == ["async.bin"]
     finally:
         await s.kill()
+
+
+def sdk_takes(method, param: str) -> bool:
+    """Whether this release of the SDK has `param` on `method` (older ones lack metadata
+    and the newer watch flags)."""
+    import inspect
+
+    return param in inspect.signature(method).parameters
+
+
+def test_file_metadata_is_kept_replaced_and_shown_everywhere(sbx):
+    """envd 0.6.2's metadata: `user.e2b.*` attributes on the file, set by an upload's
+    headers, replaced (or cleared) by the next upload, shown by get_info, list and rename,
+    and the same attributes a process in the sandbox sees."""
+    if not sdk_takes(sbx.files.write, "metadata"):
+        pytest.skip("this SDK release has no file metadata")
+    info = sbx.files.write("/tmp/meta/a.txt", "x", metadata={"Kind": "report", "step": "1"})
+    # Keys travel as header names: lower-cased.
+    assert info.metadata == {"kind": "report", "step": "1"}
+    assert sbx.files.get_info("/tmp/meta/a.txt").metadata == {"kind": "report", "step": "1"}
+    got = sbx.commands.run("getfattr --version >/dev/null 2>&1 && getfattr -d /tmp/meta/a.txt || true").stdout
+    if got:
+        assert 'user.e2b.kind="report"' in got, got
+    # Set in the sandbox, seen through the API.
+    sbx.commands.run("cd /tmp/meta && touch b.txt && python3 -c \"import os; os.setxattr('b.txt', 'user.e2b.by', b'sandbox')\"")
+    entries = {e.name: e for e in sbx.files.list("/tmp/meta")}
+    assert entries["a.txt"].metadata == {"kind": "report", "step": "1"}
+    assert entries["b.txt"].metadata == {"by": "sandbox"}
+    moved = sbx.files.rename("/tmp/meta/a.txt", "/tmp/meta/c.txt")
+    assert moved.metadata == {"kind": "report", "step": "1"}
+    # The next upload replaces it all; one with none clears it.
+    sbx.files.write("/tmp/meta/c.txt", "y", metadata={"step": "2"})
+    assert sbx.files.get_info("/tmp/meta/c.txt").metadata == {"step": "2"}
+    info = sbx.files.write("/tmp/meta/c.txt", "z")
+    assert info.metadata is None
+    assert sbx.files.get_info("/tmp/meta/c.txt").metadata is None
+    # Octet-stream and gzip uploads carry it too.
+    info = sbx.files.write("/tmp/meta/d.bin", b"1234", metadata={"k": "v"}, gzip=True)
+    assert info.metadata == {"k": "v"}
+    assert sbx.files.get_info("/tmp/meta/d.bin").metadata == {"k": "v"}
+    # Owners by name, and a symlink's target.
+    sbx.commands.run("ln -sf c.txt /tmp/meta/link")
+    link = sbx.files.get_info("/tmp/meta/link")
+    assert link.symlink_target == "c.txt" and link.metadata is None
+    me = sbx.commands.run("id -un; id -gn").stdout.split()
+    got = sbx.files.get_info("/tmp/meta/c.txt")
+    assert [got.owner, got.group] == me
+
+
+def test_metadata_the_sandbox_refuses_is_invalid_and_writes_nothing(sbx):
+    from e2b import InvalidArgumentException
+
+    if not sdk_takes(sbx.files.write, "metadata"):
+        pytest.skip("this SDK release has no file metadata")
+    sbx.files.write("/tmp/meta2/f", "before", metadata={"k": "v"})
+    for bad in ({"k": "v" * 4097}, {"k" * 201: "v"}, {f"k{i}": "v" for i in range(65)}):
+        with pytest.raises(InvalidArgumentException):
+            sbx.files.write("/tmp/meta2/f", "after", metadata=bad)
+        assert sbx.files.read("/tmp/meta2/f") == "before"
+        assert sbx.files.get_info("/tmp/meta2/f").metadata == {"k": "v"}
+    # By hand: a value that is not printable ASCII, and a key sent twice.
+    url = f"{os.environ['E2B_SANDBOX_URL']}/files"
+    headers = [
+        ("E2b-Sandbox-Id", sbx.sandbox_id),
+        ("X-Access-Token", os.environ["E2B_API_KEY"]),
+        ("Content-Type", "application/octet-stream"),
+    ]
+    for extra in ([("X-Metadata-k", "caf\u00e9".encode())], [("X-Metadata-k", "1"), ("X-Metadata-K", "2")]):
+        r = httpx.post(url, params={"path": "/tmp/meta2/f"}, content=b"after", headers=headers + extra)
+        assert r.status_code == 400 and "metadata" in r.json()["message"], r.text
+    assert sbx.files.read("/tmp/meta2/f") == "before"
+
+
+def test_watch_entries_carry_their_info_and_metadata(sbx):
+    if not sdk_takes(sbx.files.watch_dir, "include_entry"):
+        pytest.skip("this SDK release has no include_entry")
+    import time
+
+    from e2b import FilesystemEventType
+
+    sbx.files.make_dir("/tmp/meta3")
+    h = sbx.files.watch_dir("/tmp/meta3", include_entry=True)
+    sbx.files.write("/tmp/meta3/f", "hello", metadata={"k": "v"})
+    end, events = time.monotonic() + 20, []
+    # Setting the metadata, after the data, is a change of attributes: `chmod`.
+    while time.monotonic() < end:
+        events += h.get_new_events()
+        if any(e.name == "f" and e.type == FilesystemEventType.CHMOD for e in events):
+            break
+        time.sleep(0.2)
+    h.stop()
+    writes = [e for e in events if e.name == "f" and e.type == FilesystemEventType.WRITE]
+    assert writes, events
+    entry = writes[-1].entry
+    assert entry is not None and entry.name == "f" and entry.type == FileType.FILE
+    assert entry.path == "/tmp/meta3/f" and entry.size == 5
+    attrs = [e for e in events if e.name == "f" and e.type == FilesystemEventType.CHMOD]
+    assert attrs and attrs[-1].entry is not None and attrs[-1].entry.metadata == {"k": "v"}, events
+
+
+def test_files_as_another_user_are_that_user_s(sbx):
+    """`user=` on file calls: the calls run as that user, so the kernel decides what they may
+    touch, and what they write is theirs; an unknown user is refused."""
+    from e2b import InvalidArgumentException, SandboxException
+
+    sbx.files.write("/tmp/users/private", "the default user's")
+    sbx.commands.run("chmod 600 /tmp/users/private && chmod 1777 /tmp/users")
+    info = sbx.files.write("/tmp/users/theirs.txt", "nobody's", user="nobody")
+    assert info.path == "/tmp/users/theirs.txt"
+    entry = sbx.files.get_info("/tmp/users/theirs.txt", user="nobody")
+    assert entry.owner == "nobody"
+    assert sbx.commands.run("stat -c %U /tmp/users/theirs.txt").stdout.strip() == "nobody"
+    assert sbx.files.read("/tmp/users/theirs.txt", user="nobody") == "nobody's"
+    with pytest.raises(SandboxException) as ei:
+        sbx.files.read("/tmp/users/private", user="nobody")
+    assert "ermission denied" in str(ei.value), ei.value
+    with pytest.raises(SandboxException):
+        sbx.files.write("/tmp/users/private", "overwritten", user="nobody")
+    with pytest.raises(SandboxException):
+        sbx.files.remove("/tmp/users/private", user="nobody")
+    assert sbx.files.read("/tmp/users/private") == "the default user's"
+    names = {e.name for e in sbx.files.list("/tmp/users", user="nobody")}
+    assert names == {"private", "theirs.txt"}
+    with pytest.raises(InvalidArgumentException):
+        sbx.files.read("/tmp/users/theirs.txt", user="no-such-user")
+    with pytest.raises(InvalidArgumentException):
+        sbx.files.read("/tmp/users/theirs.txt", user="a b")

@@ -122,6 +122,14 @@ def env(v: Optional[object]) -> dict[str, str]:
     return str_map("env", v, _env_name)
 
 
+def metadata(v: Optional[object]) -> Optional[dict[str, str]]:
+    """A file's metadata: ``None`` (keep it), or ``str`` keys (not empty) to ``str`` values;
+    the agent checks the rest (docs/python-sdk.md "File metadata")."""
+    if v is None:
+        return None
+    return str_map("metadata", v, lambda k: text("metadata key", k, empty=False))
+
+
 def labels(v: Optional[object]) -> dict[str, str]:
     """A sandbox's labels: ``str`` names (not empty) to ``str`` values; errors name the label."""
     return str_map("labels", v, lambda k: text("label name", k, empty=False))

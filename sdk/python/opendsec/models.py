@@ -206,11 +206,31 @@ class FileInfo:
     mtime: int = 0
     #: Absolute path, when the server sends it.
     path: str = ""
+    #: The owner's name in the sandbox's /etc/passwd, else the uid as text.
+    owner: str = ""
+    #: The group's name in the sandbox's /etc/group, else the gid as text.
+    group: str = ""
+    #: A symlink's target as written; ``""`` for other types.
+    symlink_target: str = ""
+    #: The file's metadata (``user.e2b.*`` extended attributes), by key; see
+    #: docs/python-sdk.md "File metadata".
+    metadata: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_pb(cls, m: runtime_pb2.FileInfo) -> "FileInfo":
         """Builds a FileInfo from the protobuf message."""
-        return cls(name=m.name, type=m.type, size=m.size, mode=m.mode, mtime=m.mtime, path=m.path)
+        return cls(
+            name=m.name,
+            type=m.type,
+            size=m.size,
+            mode=m.mode,
+            mtime=m.mtime,
+            path=m.path,
+            owner=m.owner,
+            group=m.group,
+            symlink_target=m.symlink_target,
+            metadata=dict(m.metadata),
+        )
 
 
 @dataclass

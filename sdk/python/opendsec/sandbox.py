@@ -427,6 +427,7 @@ class Sandbox:
         mode: int = 0,
         append: bool = False,
         session: str = "default",
+        metadata: Optional[dict[str, str]] = None,
     ) -> FileInfo:
         """Writes a file (``str`` is encoded as UTF-8). Not retried automatically.
 
@@ -439,10 +440,14 @@ class Sandbox:
         Args:
             mode: Permission bits, e.g. ``0o755``; 0 for the default.
             append: Append instead of replacing.
+            metadata: The file's metadata becomes exactly this (``{}`` clears it); ``None``
+                keeps what it has. Keys and sizes: docs/python-sdk.md "File metadata";
+                ``invalid`` when refused.
         """
         raw = _args.data(data)
         path = _args.path(path)
         session = _args.session(session)
+        meta = _args.metadata(metadata)
         info: Optional[runtime_pb2.FileInfo] = None
         start = 0
         while info is None or start < len(raw):
@@ -455,6 +460,9 @@ class Sandbox:
                 append=append,
                 offset=0 if append else start,
                 session=session,
+                # The first piece carries it: the one that makes or replaces the file.
+                metadata=meta if info is None and meta is not None else {},
+                set_metadata=info is None and meta is not None,
             )
             info = await self._client._unary("WriteFile", req, retry=False)
             start += len(piece)

@@ -976,6 +976,49 @@ async def test_large_file_round_trip(linux):
             await sb.stop()
 
 
+async def test_file_metadata_owner_and_link_target(linux):
+    """docs/python-sdk.md "File metadata": write_file(metadata=) replaces the file's
+    metadata (the first piece of a large write carries it), None keeps it, {} clears it;
+    stat and list_dir show it, and metadata a process in the sandbox set; refused metadata
+    is `invalid` and leaves the file as it was; owners by name, a symlink's target."""
+    from opendsec.sandbox import FILE_CHUNK_BYTES
+
+    async with linux.client() as c:
+        sb = await c.run_sandbox(container(memory_limit_mb=256, disk_mb=256))
+        try:
+            await sh(sb, "mkdir -p /tmp/m")
+            big = os.urandom(FILE_CHUNK_BYTES + 5)
+            info = await sb.write_file("/tmp/m/big", big, metadata={"Kind": "blob", "n": "1"})
+            assert info.size == len(big) and info.metadata == {"Kind": "blob", "n": "1"}
+            assert (await sb.stat("/tmp/m/big")).metadata == {"Kind": "blob", "n": "1"}
+            await sb.write_file("/tmp/m/big", b"small")
+            assert (await sb.stat("/tmp/m/big")).metadata == {"Kind": "blob", "n": "1"}
+            await sb.write_file("/tmp/m/big", b"small", metadata={"n": "2"})
+            assert (await sb.stat("/tmp/m/big")).metadata == {"n": "2"}
+            await sh(sb, "cd /tmp/m && touch by-sandbox && python3 -c \"import os; os.setxattr('by-sandbox', 'user.e2b.who', b'me')\"")
+            entries = {e.name: e for e in await sb.list_dir("/tmp/m")}
+            assert entries["by-sandbox"].metadata == {"who": "me"}
+            assert entries["big"].metadata == {"n": "2"}
+            for bad in ({"a b": "v"}, {"k": "v" * 4097}, {f"k{i}": "" for i in range(65)}):
+                with pytest.raises(DSecError) as ei:
+                    await sb.write_file("/tmp/m/big", b"changed", metadata=bad)
+                assert ei.value.reason == opendsec.INVALID and "metadata" in str(ei.value), ei.value
+                assert await sb.read_file("/tmp/m/big") == b"small"
+            with pytest.raises(DSecError) as ei:
+                await sb.write_file("/tmp/m/big", b"changed", metadata={"k": 1})  # type: ignore[dict-item]
+            assert ei.value.reason == opendsec.INVALID
+            await sb.write_file("/tmp/m/big", b"small", metadata={})
+            assert (await sb.stat("/tmp/m/big")).metadata == {}
+            await sh(sb, "ln -s big /tmp/m/link")
+            link = await sb.stat("/tmp/m/link")
+            assert (link.type, link.symlink_target, link.metadata) == ("symlink", "big", {})
+            me = (await sh(sb, "id -un; id -gn")).stdout.split()
+            got = await sb.stat("/tmp/m/big")
+            assert [got.owner, got.group] == me
+        finally:
+            await sb.stop()
+
+
 async def test_http_inside_the_sandbox(linux):
     """sb.http() reaches a server listening on the sandbox's own loopback (its network
     namespace), and a closed port is `unavailable`."""

@@ -75,13 +75,14 @@ impl Aether {
         &self,
         r: &pb::WatchDirRequest,
     ) -> Result<(std::path::PathBuf, Options), Status> {
-        let live = self.live(&r.session, "", true).await?;
+        let live = self.live(&r.session, &r.user, true).await?;
         let mut c = live.client.clone();
         let info = c
             .stat(pb::PathRequest {
                 sandbox_id: r.sandbox_id.clone(),
                 path: r.path.clone(),
                 session: r.session.clone(),
+                user: r.user.clone(),
             })
             .await?
             .into_inner();
@@ -214,43 +215,43 @@ impl pb::runtime_server::Runtime for Aether {
 
     async fn read_file(&self, req: Request<pb::ReadFileRequest>) -> Res<pb::ReadFileResponse> {
         let r = req.into_inner();
-        let mut c = self.session(&r.session, "", true).await?;
+        let mut c = self.session(&r.session, &r.user, true).await?;
         c.read_file(r).await
     }
 
     async fn write_file(&self, req: Request<pb::WriteFileRequest>) -> Res<pb::FileInfo> {
         let r = req.into_inner();
-        let mut c = self.session(&r.session, "", true).await?;
+        let mut c = self.session(&r.session, &r.user, true).await?;
         c.write_file(r).await
     }
 
     async fn list_dir(&self, req: Request<pb::PathRequest>) -> Res<pb::ListDirResponse> {
         let r = req.into_inner();
-        let mut c = self.session(&r.session, "", true).await?;
+        let mut c = self.session(&r.session, &r.user, true).await?;
         c.list_dir(r).await
     }
 
     async fn stat(&self, req: Request<pb::PathRequest>) -> Res<pb::FileInfo> {
         let r = req.into_inner();
-        let mut c = self.session(&r.session, "", true).await?;
+        let mut c = self.session(&r.session, &r.user, true).await?;
         c.stat(r).await
     }
 
     async fn remove(&self, req: Request<pb::RemoveRequest>) -> Res<pb::Empty> {
         let r = req.into_inner();
-        let mut c = self.session(&r.session, "", true).await?;
+        let mut c = self.session(&r.session, &r.user, true).await?;
         c.remove(r).await
     }
 
     async fn make_dir(&self, req: Request<pb::PathRequest>) -> Res<pb::FileInfo> {
         let r = req.into_inner();
-        let mut c = self.session(&r.session, "", true).await?;
+        let mut c = self.session(&r.session, &r.user, true).await?;
         c.make_dir(r).await
     }
 
     async fn r#move(&self, req: Request<pb::MoveRequest>) -> Res<pb::FileInfo> {
         let r = req.into_inner();
-        let mut c = self.session(&r.session, "", true).await?;
+        let mut c = self.session(&r.session, &r.user, true).await?;
         c.r#move(r).await
     }
 

@@ -5,6 +5,8 @@ use std::io::{Read, Write};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
+use super::meta;
+use crate::guest::user;
 use crate::pb;
 use crate::types::{Failure, Reason};
 
@@ -84,7 +86,8 @@ fn open_regular(path: &Path) -> Result<(std::fs::File, std::fs::Metadata), Failu
     Ok((f, m))
 }
 
-/// Describes `path` from its (not followed) metadata.
+/// Describes `path` from its (not followed) metadata: owner and group by name
+/// ([`user::names`]), a symlink's target, the file's metadata ([`meta::read`]).
 pub fn info(path: &Path, m: &std::fs::Metadata) -> pb::FileInfo {
     let ft = m.file_type();
     let kind = if ft.is_symlink() {
@@ -96,6 +99,18 @@ pub fn info(path: &Path, m: &std::fs::Metadata) -> pb::FileInfo {
     } else {
         "other"
     };
+    let names = user::names();
+    let (symlink_target, metadata) = if ft.is_symlink() {
+        let target = std::fs::read_link(path)
+            .map(|t| t.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        (target, Default::default())
+    } else if ft.is_file() || ft.is_dir() {
+        (String::new(), meta::read(path))
+    } else {
+        // Devices, FIFOs and sockets keep no user attributes.
+        (String::new(), Default::default())
+    };
     pb::FileInfo {
         name: path
             .file_name()
@@ -106,6 +121,10 @@ pub fn info(path: &Path, m: &std::fs::Metadata) -> pb::FileInfo {
         mode: m.mode() & 0o7777,
         mtime: m.mtime(),
         path: path.to_string_lossy().into_owned(),
+        owner: names.user(m.uid()),
+        group: names.group(m.gid()),
+        symlink_target,
+        metadata,
     }
 }
 
@@ -200,8 +219,10 @@ fn too_big(path: &Path) -> Failure {
 /// WriteFile: creates or truncates (or appends to) the file, or with `offset` > 0 writes
 /// the data at that offset keeping the rest (one chunk of a larger write: repeating it
 /// changes nothing, so it can be retried); a new file gets `mode`, 0 meaning 0644; a
-/// non-zero `mode` is also applied to an existing file. The parent must exist. Errors:
-/// `invalid` for data over 64 MiB, a negative offset, an offset with `append`, a path
+/// non-zero `mode` is also applied to an existing file. With `set_metadata` the file's
+/// metadata becomes `metadata` once the data is written ([`meta::replace`]). The parent
+/// must exist. Errors: `invalid` for data over 64 MiB, a negative offset, an offset with
+/// `append`, metadata [`meta::check`] refuses or the file system cannot keep, a path
 /// that is not a regular file (a FIFO, socket or device: refused at once), a full
 /// disk (see [`failure`]; `disk_mb` is the sandbox's, 0 if unknown); the file system's (a
 /// missing parent is `not_found`).
@@ -226,6 +247,9 @@ pub async fn write(
         return Err(Failure::invalid(
             "offset and append exclude each other: append writes at the end",
         ));
+    }
+    if req.set_metadata {
+        meta::check(&req.metadata).map_err(|e| Failure::invalid(e.to_string()))?;
     }
     let path = resolve(&cwd, &req.path)?;
     blocking(move || {
@@ -280,6 +304,9 @@ pub async fn write(
         if req.mode != 0 {
             f.set_permissions(std::fs::Permissions::from_mode(mode))
                 .map_err(|e| fail("chmod", &e))?;
+        }
+        if req.set_metadata {
+            meta::replace(&f, &path, &req.metadata)?;
         }
         let m = f.metadata().map_err(|e| fail("stat", &e))?;
         Ok(info(&path, &m))
@@ -526,6 +553,72 @@ mod tests {
             .reason,
             Reason::NotFound
         );
+    }
+
+    #[tokio::test]
+    async fn metadata_owner_and_link_targets_are_described() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let cwd = d.path().to_path_buf();
+        let w = |data: &[u8], meta: Option<&[(&str, &str)]>| pb::WriteFileRequest {
+            path: "m.txt".into(),
+            data: data.to_vec(),
+            set_metadata: meta.is_some(),
+            metadata: meta
+                .unwrap_or_default()
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..Default::default()
+        };
+        let st = |p: &str| {
+            stat(
+                cwd.clone(),
+                pb::PathRequest {
+                    path: p.into(),
+                    ..Default::default()
+                },
+            )
+        };
+        let i = write(
+            cwd.clone(),
+            0,
+            w(b"1", Some(&[("kind", "report"), ("v", "1")])),
+        )
+        .await
+        .expect("write");
+        assert_eq!(i.metadata.get("kind").map(String::as_str), Some("report"));
+        assert_eq!(i.metadata.len(), 2);
+        // The tests run as root, and root is uid 0's first name everywhere.
+        assert_eq!((i.owner.as_str(), i.group.as_str()), ("root", "root"));
+        // A write without metadata keeps it; one with metadata replaces all of it.
+        write(cwd.clone(), 0, w(b"2", None)).await.expect("write");
+        assert_eq!(st("m.txt").await.expect("stat").metadata.len(), 2);
+        write(cwd.clone(), 0, w(b"3", Some(&[("v", "2")])))
+            .await
+            .expect("write");
+        let m = st("m.txt").await.expect("stat").metadata;
+        assert_eq!(
+            m.into_iter().collect::<Vec<_>>(),
+            [("v".to_string(), "2".to_string())]
+        );
+        // A bad key is refused before anything is written.
+        let e = write(cwd.clone(), 0, w(b"4", Some(&[("a b", "x")])))
+            .await
+            .expect_err("bad key");
+        assert_eq!(e.reason, Reason::Invalid);
+        assert!(e.message.contains("metadata key"), "{e:?}");
+        assert_eq!(std::fs::read(d.path().join("m.txt")).expect("read"), b"3");
+        write(cwd.clone(), 0, w(b"5", Some(&[])))
+            .await
+            .expect("write");
+        assert!(st("m.txt").await.expect("stat").metadata.is_empty());
+        std::os::unix::fs::symlink("m.txt", d.path().join("l")).expect("symlink");
+        let l = st("l").await.expect("stat");
+        assert_eq!(
+            (l.r#type.as_str(), l.symlink_target.as_str()),
+            ("symlink", "m.txt")
+        );
+        assert!(st("m.txt").await.expect("stat").symlink_target.is_empty());
     }
 
     fn rd(path: &str) -> pb::ReadFileRequest {

@@ -10,6 +10,7 @@ pub mod cmdcgroup;
 pub mod driver;
 pub mod files;
 pub mod http;
+pub mod meta;
 pub mod oom;
 pub mod oomkill;
 pub mod service;

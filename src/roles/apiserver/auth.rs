@@ -15,6 +15,7 @@ use tonic::transport::Channel;
 
 use crate::pb;
 use crate::pb::iam_client::IamClient;
+use crate::rpc::grant::{self, GrantKey};
 use crate::rpc::{client, failure_from_status};
 use crate::shutdown::Shutdown;
 use crate::types::{now_s, Failure};
@@ -32,6 +33,9 @@ pub struct Caller {
     pub project: String,
     pub token: String,
     pub client_addr: String,
+    /// For a sandbox access token (`dsg.`, docs/e2b.md "Access tokens and signed URLs"): the
+    /// one sandbox it may act on, and then only by runtime calls and `GetSandbox`.
+    pub grant: Option<String>,
 }
 
 #[derive(Clone)]
@@ -49,6 +53,8 @@ type AuthzKey = (String, String, String);
 pub struct AuthCache {
     iam: IamClient<Channel>,
     service_token: String,
+    /// Checks sandbox access tokens; none without a `service_token`.
+    grants: Option<GrantKey>,
     tokens: RwLock<HashMap<[u8; 32], TokenEntry>>,
     authz: RwLock<HashMap<AuthzKey, (bool, Instant)>>,
     epoch: AtomicU64,
@@ -64,6 +70,7 @@ impl AuthCache {
     pub fn new(iam: IamClient<Channel>, service_token: String) -> AuthCache {
         AuthCache {
             iam,
+            grants: GrantKey::from_service_token(&service_token),
             service_token,
             tokens: RwLock::new(HashMap::new()),
             authz: RwLock::new(HashMap::new()),
@@ -91,13 +98,32 @@ impl AuthCache {
             .clear();
     }
 
-    /// Token → caller. Errors: `unauthenticated` (bad, expired, revoked), `rate_limited`
-    /// (address locked out after failures), `unavailable` (IAM unreachable).
+    /// Token → caller. A sandbox access token is checked here, without IAM ([`GrantKey`]).
+    /// Errors: `unauthenticated` (bad, expired, revoked), `rate_limited` (address locked out
+    /// after failures), `unavailable` (IAM unreachable).
     pub async fn authenticate(&self, token: &str, client_addr: &str) -> Result<Caller, Failure> {
         if token.is_empty() {
             return Err(Failure::unauthenticated(
                 "no token: send authorization: Bearer dsk.<principal>.<id>.<secret>",
             ));
+        }
+        if grant::is_grant(token) {
+            let id = self
+                .grants
+                .as_ref()
+                .and_then(|k| k.check(token))
+                .ok_or_else(|| {
+                    Failure::unauthenticated(
+                        "not a valid sandbox access token (or the cluster's service_token changed)",
+                    )
+                })?;
+            return Ok(Caller {
+                principal: format!("sandbox-token:{id}"),
+                project: String::new(),
+                token: token.to_string(),
+                client_addr: client_addr.to_string(),
+                grant: Some(id.to_string()),
+            });
         }
         let k = key_of(token);
         if let Some(e) = self
@@ -112,6 +138,7 @@ impl AuthCache {
                     project: e.project.clone(),
                     token: token.to_string(),
                     client_addr: client_addr.to_string(),
+                    grant: None,
                 });
             }
         }
@@ -149,17 +176,21 @@ impl AuthCache {
             project: r.project,
             token: token.to_string(),
             client_addr: client_addr.to_string(),
+            grant: None,
         })
     }
 
-    /// Checks `perm` for the caller on `project`. Errors: `forbidden` naming the permission
-    /// and project, `unavailable`.
+    /// Checks `perm` for the caller on `project`; a sandbox access token holds no
+    /// permission. Errors: `forbidden` naming the permission and project, `unavailable`.
     pub async fn authorize(
         &self,
         caller: &Caller,
         project: &str,
         perm: &str,
     ) -> Result<(), Failure> {
+        if caller.grant.is_some() {
+            return Err(grant_only());
+        }
         let k = (
             caller.principal.clone(),
             project.to_string(),
@@ -223,6 +254,14 @@ impl AuthCache {
             }
         }
     }
+}
+
+/// What a sandbox access token is refused with outside what it may do.
+pub fn grant_only() -> Failure {
+    Failure::forbidden(
+        "a sandbox access token runs commands, file calls, watches and port connections in its \
+         own sandbox, and nothing else: use an API token",
+    )
 }
 
 fn forbidden(c: &Caller, project: &str, perm: &str) -> Failure {

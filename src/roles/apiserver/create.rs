@@ -586,6 +586,7 @@ mod tests {
             project: "root".into(),
             token: String::new(),
             client_addr: String::new(),
+            grant: None,
         }
     }
 

@@ -50,12 +50,20 @@ impl Inner {
     }
 
     /// Authorizes `sandbox.operate` on the sandbox's project and returns the edge address.
+    /// A sandbox access token passes for its own sandbox only (the calls that take one are
+    /// chosen by the service's `begin_as`). Errors: `invalid` id, `forbidden`, the edge's.
     pub(crate) async fn authorize_sandbox(
         &self,
         caller: &Caller,
         id: &str,
     ) -> Result<String, Failure> {
         let edge = edge_of(id)?;
+        if let Some(own) = &caller.grant {
+            if own != id {
+                return Err(super::auth::grant_only());
+            }
+            return self.addr_of(edge).await;
+        }
         let addr = self.addr_of(edge).await?;
         let cached = self
             .projects

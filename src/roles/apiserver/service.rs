@@ -47,6 +47,19 @@ impl Api {
         method: &'static str,
         audited: bool,
     ) -> Result<(Caller, Call), Status> {
+        self.begin_as(req, method, audited, false).await
+    }
+
+    /// [`Self::begin`] for the calls a sandbox access token may make (`grants`: the runtime
+    /// calls and `GetSandbox`, each then held to the token's sandbox by
+    /// `authorize_sandbox`); every other call refuses one with `forbidden`.
+    async fn begin_as<T>(
+        &self,
+        req: &Request<T>,
+        method: &'static str,
+        audited: bool,
+        grants: bool,
+    ) -> Result<(Caller, Call), Status> {
         let client = req
             .remote_addr()
             .map(|a| a.ip().to_string())
@@ -69,6 +82,9 @@ impl Api {
         };
         call.caller = Some(caller.clone());
         tracing::Span::current().record("principal", caller.principal.as_str());
+        if caller.grant.is_some() && !grants {
+            return Err(self.fail(call, super::auth::grant_only()));
+        }
         if let Err(wait) = self.inner.calls.try_take(&caller.principal, 1.0) {
             let f = Failure::new(
                 Reason::RateLimited,
@@ -139,7 +155,9 @@ impl Api {
         audited: bool,
         op: &str,
     ) -> Result<Response<pb::Sandbox>, Status> {
-        let (caller, mut call) = self.begin(&req, method, audited).await?;
+        let (caller, mut call) = self
+            .begin_as(&req, method, audited, method == "GetSandbox")
+            .await?;
         let id = req.into_inner().id;
         call.sandbox_id = id.clone();
         let r = self.inner.lifecycle(&caller, &id, op).await;
@@ -232,7 +250,7 @@ macro_rules! runtime_unary {
             Self: 'async_trait,
         {
             Box::pin(async move {
-                let (caller, mut call) = self.begin(&req, $method, false).await?;
+                let (caller, mut call) = self.begin_as(&req, $method, false, true).await?;
                 let msg = req.into_inner();
                 call.sandbox_id = msg.sandbox_id.clone();
                 // Commands are audited as their length and digest, never their text.
@@ -266,7 +284,7 @@ macro_rules! runtime_stream {
             Self: 'async_trait,
         {
             Box::pin(async move {
-                let (caller, mut call) = self.begin(&req, $method, false).await?;
+                let (caller, mut call) = self.begin_as(&req, $method, false, true).await?;
                 let msg = req.into_inner();
                 call.sandbox_id = msg.sandbox_id.clone();
                 // Commands are audited as their length and digest, never their text.
@@ -568,7 +586,7 @@ impl pb::d_sec_server::DSec for Api {
         &self,
         req: Request<tonic::Streaming<pb::PortFrame>>,
     ) -> Result<Response<Self::ConnectPortStream>, Status> {
-        let (caller, mut call) = self.begin(&req, "ConnectPort", false).await?;
+        let (caller, mut call) = self.begin_as(&req, "ConnectPort", false, true).await?;
         let mut inbound = req.into_inner();
         let first = match crate::guest::port::first_frame(&mut inbound).await {
             Ok(f) => f,

@@ -489,10 +489,32 @@ struct Listeners {
     e2b: Option<TcpListener>,
 }
 
+/// The image of E2B's code interpreter template, as packaging/code-interpreter/build.sh
+/// builds it and the docs import it (docs/e2b.md "Code interpreter").
+pub const CODE_INTERPRETER_IMAGE: &str = "root/code-interpreter:v1";
+
 /// The generated cluster's E2B gateway: sandboxes in the root project; template `base` is
-/// the development image `host` when it is offered.
+/// the development image `host` when it is offered; `code-interpreter-v1` runs our code
+/// interpreter server from [`CODE_INTERPRETER_IMAGE`] (a creation fails with the image's
+/// `not_found` until it is imported).
 fn local_e2b(addr: &str, host_image: bool) -> crate::config::E2bConfig {
     let mut templates = BTreeMap::new();
+    templates.insert(
+        "code-interpreter-v1".to_string(),
+        crate::config::E2bTemplate {
+            image: CODE_INTERPRETER_IMAGE.into(),
+            backend: "container".into(),
+            cpu: 1.0,
+            memory_mb: 1024,
+            start_cmd:
+                "exec /opt/code-interpreter/venv/bin/python /opt/code-interpreter/server.py \
+                        --port 49999 --cwd /home/user"
+                    .into(),
+            ready_port: 49999,
+            ready_timeout_s: 60,
+            ..Default::default()
+        },
+    );
     if host_image {
         templates.insert(
             "base".to_string(),

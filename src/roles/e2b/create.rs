@@ -254,24 +254,7 @@ pub(super) fn spec_of(
         Some(_) => return Err(ApiError::bad_request("templateID must be a string")),
         None => "base".to_string(),
     };
-    let t = match g.templates.get(&template) {
-        Some(t) => t.over(g.default_template.as_ref()),
-        None if template.contains('/') => crate::config::E2bTemplate {
-            image: template.clone(),
-            ..Default::default()
-        }
-        .over(g.default_template.as_ref()),
-        None => {
-            return Err(ApiError::new(
-                404,
-                format!(
-                    "template {} not found: this cluster offers {}",
-                    crate::types::names::shown(&template),
-                    offered(g)
-                ),
-            ))
-        }
-    };
+    let t = template_settings(g, &template)?;
     let timeout = timeout_field(m, "timeout", g.max_timeout_s)?.unwrap_or(DEFAULT_TIMEOUT_S);
     let auto_pause = bool_field(m, "autoPause")?.unwrap_or(false);
     if bool_field(m, "autoPauseMemory")? == Some(false) {
@@ -349,6 +332,95 @@ pub(super) fn spec_of(
     Ok((spec, template))
 }
 
+/// What template id `template` is: a template of `e2b.templates`, or an image name (one
+/// holding `/`), over `default_template`. Errors: 404 for another.
+fn template_settings(g: &Gateway, template: &str) -> Result<crate::config::E2bTemplate, ApiError> {
+    match g.templates.get(template) {
+        Some(t) => Ok(t.over(g.default_template.as_ref())),
+        None if template.contains('/') => Ok(crate::config::E2bTemplate {
+            image: template.to_string(),
+            ..Default::default()
+        }
+        .over(g.default_template.as_ref())),
+        None => Err(ApiError::new(
+            404,
+            format!(
+                "template {} not found: this cluster offers {}",
+                crate::types::names::shown(template),
+                offered(g)
+            ),
+        )),
+    }
+}
+
+/// Most often a template's ready port is tried while it waits.
+const READY_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Runs template `t`'s `start_cmd` in the new sandbox `id` (`bash -l -c`, a process of the
+/// process API tagged `e2b-start`, which outlives this call) and waits until its
+/// `ready_port` takes a connection, at most `ready_timeout_s` (docs/e2b.md "Templates").
+/// Errors: the apiserver's; 504 when the port did not listen in time.
+async fn start_template(
+    g: &Gateway,
+    caller: &Caller,
+    id: &str,
+    name: &str,
+    t: &crate::config::E2bTemplate,
+) -> Result<(), ApiError> {
+    if !t.start_cmd.is_empty() {
+        let req = pb::StartProcessRequest {
+            sandbox_id: id.to_string(),
+            cmd: "bash".into(),
+            args: vec!["-l".into(), "-c".into(), t.start_cmd.clone()],
+            tag: "e2b-start".into(),
+            ..Default::default()
+        };
+        let mut events = g
+            .api()
+            .start_process(g.req(caller, req))
+            .await?
+            .into_inner();
+        // Its first event says it started; the stream may go, the process stays.
+        events.message().await?;
+    }
+    if t.ready_port == 0 {
+        return Ok(());
+    }
+    let wait = std::time::Duration::from_secs(t.ready_timeout_s.max(1) as u64);
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        match super::ports::open(g, caller, id, t.ready_port).await {
+            Ok(_) => return Ok(()),
+            Err(s)
+                if matches!(
+                    s.code(),
+                    tonic::Code::Unavailable | tonic::Code::FailedPrecondition
+                ) && tokio::time::Instant::now() + READY_POLL < deadline =>
+            {
+                tokio::time::sleep(READY_POLL).await;
+            }
+            Err(s)
+                if matches!(
+                    s.code(),
+                    tonic::Code::Unavailable | tonic::Code::FailedPrecondition
+                ) =>
+            {
+                return Err(ApiError::new(
+                    504,
+                    format!(
+                        "template {}: nothing listened on port {} within {} s of its start_cmd; \
+                         the sandbox was stopped",
+                        crate::types::names::shown(name),
+                        t.ready_port,
+                        wait.as_secs()
+                    ),
+                ))
+            }
+            Err(s) => return Err(s.into()),
+        }
+    }
+}
+
 fn offered(g: &Gateway) -> String {
     if g.templates.is_empty() {
         "no templates (an image name such as root/py:3.12 works)".into()
@@ -386,7 +458,8 @@ pub async fn create(
     body: axum::body::Bytes,
 ) -> Result<Response, ApiError> {
     let m = object(&body)?;
-    let (spec, _template) = spec_of(&g, &m)?;
+    let (spec, template) = spec_of(&g, &m)?;
+    let settings = template_settings(&g, &template)?;
     let key = idempotency_key(&headers)?;
     let keyed = !key.is_empty();
     let req = pb::CreateSandboxRequest {
@@ -405,6 +478,14 @@ pub async fn create(
             e
         })?
         .into_inner();
+    if let Err(e) = start_template(&g, &caller, &sb.id, &template, &settings).await {
+        // A sandbox whose template did not start is no sandbox of that template.
+        let stop = pb::SandboxRef { id: sb.id.clone() };
+        if let Err(s) = g.api().stop_sandbox(g.req(&caller, stop)).await {
+            tracing::warn!(sandbox = %sb.id, error = %s.message(), "stopping a sandbox whose template did not start");
+        }
+        return Err(e);
+    }
     Ok((
         StatusCode::CREATED,
         axum::Json(sandboxes::sandbox_json(&g, &caller, &sb)),

@@ -17,13 +17,55 @@ use super::{ids, Caller, Gateway};
 /// The port envd listens on in an E2B sandbox; requests for it are ours to serve.
 pub const ENVD_PORT: u16 = 49983;
 
-/// An envd request: the sandbox (our id), the caller (their token, sent as the envd access
-/// token), and the user it names (`Authorization: Basic <user:>`; empty = the sandbox's
-/// default).
+/// An envd request: the sandbox (our id), the caller (the token sent as the envd access
+/// token), and the user it names (`Authorization: Basic <user:>`, or a `/files` call's
+/// `username`; empty = the sandbox's default).
 pub struct EnvdCall {
     pub sandbox_id: String,
     pub caller: Caller,
     pub user: String,
+}
+
+impl EnvdCall {
+    /// The session this call's file requests run in (docs/e2b.md "The in-sandbox API"):
+    /// the default one without a user, `e2b:<user>` for a user named, whose first call
+    /// fixes that session's user.
+    pub fn session(&self) -> String {
+        if self.user.is_empty() {
+            String::new()
+        } else {
+            format!("e2b:{}", self.user)
+        }
+    }
+
+    /// Takes `user` (a `/files` call's `username`) as the call's user when given.
+    /// Errors: `invalid_argument` for what cannot be a user name.
+    pub fn set_user(&mut self, user: String) -> Result<(), ConnectError> {
+        if !user.is_empty() {
+            check_user(&user)?;
+            self.user = user;
+        }
+        Ok(())
+    }
+}
+
+/// A user as the SDKs name one: a name of the sandbox's /etc/passwd or a uid, 1 to 64 of
+/// letters, digits, `.`, `_` and `-`, not starting with `-` (whether the sandbox has it is
+/// the sandbox's to say). Errors: `invalid_argument` naming it.
+fn check_user(u: &str) -> Result<(), ConnectError> {
+    let ok = !u.is_empty()
+        && u.len() <= 64
+        && !u.starts_with('-')
+        && u.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(ConnectError::new(
+            Code::InvalidArgument,
+            format!("user {} is not a user name", crate::types::names::shown(u)),
+        ))
+    }
 }
 
 /// The sandbox and port a request is for: the `E2b-Sandbox-Id` and `E2b-Sandbox-Port`
@@ -87,14 +129,16 @@ impl FromRequestParts<Arc<Gateway>> for EnvdCall {
                 ),
             )
         })?;
-        let token = super::header_text(h, "x-access-token");
+        let mut token = super::header_text(h, "x-access-token").to_string();
         if token.is_empty() {
-            return Err(ConnectError::new(
-                Code::Unauthenticated,
-                "no X-Access-Token: the sandbox's envdAccessToken is required",
-            ));
+            token = signed_file_url(parts, g, &sandbox_id)?.ok_or_else(|| {
+                ConnectError::new(
+                    Code::Unauthenticated,
+                    "no X-Access-Token: the sandbox's envdAccessToken is required",
+                )
+            })?;
         }
-        g.known.check(g, token).await?;
+        g.known.check(g, &token, Some(&sandbox_id)).await?;
         let user = basic_user(h)?;
         let addr = parts
             .extensions
@@ -104,12 +148,81 @@ impl FromRequestParts<Arc<Gateway>> for EnvdCall {
         Ok(EnvdCall {
             sandbox_id,
             caller: Caller {
-                token: token.to_string(),
+                token,
                 project: g.project.clone(),
                 addr,
             },
             user,
         })
+    }
+}
+
+/// The sandbox access token a signed `/files` URL stands for (docs/e2b.md "Access tokens and
+/// signed URLs"): with `signature=v1_<base64 of sha256("<path>:<read|write>:<username>:
+/// <token>[:<expiration>]")>` in the query, as E2B's SDKs make it, where `token` is the
+/// sandbox's access token and the operation is `read` for GET and `write` for POST.
+/// `None` for a request without a signature. Errors: `unauthenticated` for a signature
+/// that does not hold (compared in constant time), an expiration passed or not a number,
+/// and where the gateway makes no access tokens.
+fn signed_file_url(
+    parts: &Parts,
+    g: &Gateway,
+    sandbox_id: &str,
+) -> Result<Option<String>, ConnectError> {
+    use subtle::ConstantTimeEq;
+    let q = parts.uri.query().unwrap_or_default();
+    let (mut path, mut user, mut signature, mut expiration) = (None, None, None, None);
+    for pair in q.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let slot = match k {
+            "path" => &mut path,
+            "username" => &mut user,
+            "signature" => &mut signature,
+            "signature_expiration" => &mut expiration,
+            _ => continue,
+        };
+        *slot = ids::percent_decode(v);
+    }
+    let Some(signature) = signature else {
+        return Ok(None);
+    };
+    let refused =
+        |why: &str| ConnectError::new(Code::Unauthenticated, format!("signed URL: {why}"));
+    let op = match (parts.uri.path(), parts.method.as_str()) {
+        ("/files", "GET") => "read",
+        ("/files", "POST") => "write",
+        _ => return Err(refused("only /files is signed")),
+    };
+    let key = g
+        .grants
+        .as_ref()
+        .ok_or_else(|| refused("this gateway makes no access tokens (no service_token)"))?;
+    let token = key.mint(sandbox_id);
+    let mut raw = format!(
+        "{}:{op}:{}:{token}",
+        path.unwrap_or_default(),
+        user.unwrap_or_default()
+    );
+    if let Some(exp) = &expiration {
+        let at: i64 = exp
+            .parse()
+            .map_err(|_| refused("signature_expiration is not a number"))?;
+        if at <= crate::types::now_s() {
+            return Err(refused(&format!("it expired at {at} (unix seconds)")));
+        }
+        raw.push(':');
+        raw.push_str(exp);
+    }
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(raw.as_bytes());
+    let want = format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
+    );
+    if want.as_bytes().ct_eq(signature.as_bytes()).into() {
+        Ok(Some(token))
+    } else {
+        Err(refused("the signature does not match"))
     }
 }
 
@@ -125,7 +238,11 @@ fn basic_user(h: &HeaderMap) -> Result<String, ConnectError> {
         .decode(b64.trim())
         .map_err(|_| bad())?;
     let text = String::from_utf8(raw).map_err(|_| bad())?;
-    Ok(text.split(':').next().unwrap_or_default().to_string())
+    let user = text.split(':').next().unwrap_or_default();
+    if !user.is_empty() {
+        check_user(user)?;
+    }
+    Ok(user.to_string())
 }
 
 /// How long a token the apiserver recognised is taken as known.
@@ -140,8 +257,28 @@ const KNOWN_MAX: usize = 4096;
 pub struct KnownTokens(std::sync::Mutex<std::collections::HashMap<[u8; 32], std::time::Instant>>);
 
 impl KnownTokens {
-    /// Errors: `unauthenticated` for a token the apiserver refuses; its other failures.
-    pub async fn check(&self, g: &Gateway, token: &str) -> Result<(), tonic::Status> {
+    /// Checks `token` for a call on `sandbox` (ours; `None` for the control plane). A
+    /// sandbox access token is checked here, and holds only for its own sandbox; others are
+    /// asked of the apiserver. Errors: `unauthenticated` for a token refused; the
+    /// apiserver's other failures.
+    pub async fn check(
+        &self,
+        g: &Gateway,
+        token: &str,
+        sandbox: Option<&str>,
+    ) -> Result<(), tonic::Status> {
+        if crate::rpc::grant::is_grant(token) {
+            let for_sandbox = g.grants.as_ref().and_then(|k| k.check(token));
+            return match (for_sandbox, sandbox) {
+                (Some(id), Some(s)) if id == s => Ok(()),
+                (Some(_), None) => Err(tonic::Status::unauthenticated(
+                    "a sandbox's envdAccessToken is not an API key: send your API key",
+                )),
+                _ => Err(tonic::Status::unauthenticated(
+                    "X-Access-Token is not this sandbox's envdAccessToken",
+                )),
+            };
+        }
         use sha2::Digest;
         let key: [u8; 32] = sha2::Sha256::digest(token.as_bytes()).into();
         let fresh = {
@@ -298,6 +435,110 @@ mod tests {
         // Without a domain, hosts name no sandbox.
         assert_eq!(target(&h, None), None);
         assert_eq!(target(&headers(&[("host", "127.0.0.1:7400")]), None), None);
+    }
+
+    fn gateway() -> Gateway {
+        let mut cfg: crate::config::Config = serde_json::from_value(serde_json::json!({
+            "service_token": "s",
+            "apiserver": [{"addr": "127.0.0.1:1"}],
+            "e2b": {"gateways": [{"addr": "127.0.0.1:0"}], "project": "root"}
+        }))
+        .unwrap();
+        cfg.iam.admin_token = "dsk.admin.x".into();
+        Gateway::new(&cfg).unwrap()
+    }
+
+    /// A request's parts for `method uri`.
+    fn parts(method: &str, uri: &str) -> Parts {
+        axum::http::Request::builder()
+            .method(method)
+            .uri(uri)
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0
+    }
+
+    /// The signature E2B's SDK makes (`e2b/sandbox/signature.py`), percent-encoded.
+    fn sign(token: &str, path: &str, op: &str, exp: Option<i64>) -> String {
+        use sha2::Digest;
+        let mut raw = format!("{path}:{op}::{token}");
+        if let Some(e) = exp {
+            raw.push_str(&format!(":{e}"));
+        }
+        let b64 = base64::engine::general_purpose::STANDARD_NO_PAD
+            .encode(sha2::Sha256::digest(raw.as_bytes()));
+        format!("v1_{}", b64.replace('+', "%2B").replace('/', "%2F"))
+    }
+
+    #[tokio::test]
+    async fn a_signed_file_url_stands_for_the_sandbox_token_for_its_path_operation_and_time() {
+        let g = gateway();
+        let id = "n1.abc";
+        let token = g.grants.as_ref().unwrap().mint(id);
+        let p = "/tmp/a%20b.txt";
+        let now = crate::types::now_s();
+        let ok = format!(
+            "/files?path={p}&signature={}",
+            sign(&token, "/tmp/a b.txt", "read", None)
+        );
+        assert_eq!(
+            signed_file_url(&parts("GET", &ok), &g, id).unwrap(),
+            Some(token.clone())
+        );
+        let exp = now + 60;
+        let ok = format!(
+            "/files?path={p}&signature={}&signature_expiration={exp}",
+            sign(&token, "/tmp/a b.txt", "write", Some(exp))
+        );
+        assert_eq!(
+            signed_file_url(&parts("POST", &ok), &g, id).unwrap(),
+            Some(token.clone())
+        );
+        // No signature: not a signed URL.
+        assert_eq!(
+            signed_file_url(&parts("GET", "/files?path=/x"), &g, id).unwrap(),
+            None
+        );
+        let refused = [
+            // The same URL for another operation, sandbox or path.
+            ("GET", ok.clone(), id),
+            ("POST", ok.clone(), "n1.abd"),
+            ("POST", ok.replace("a%20b", "a%20c"), id),
+            // Another expiration than the one signed, one passed, one not a number.
+            (
+                "POST",
+                ok.replace(&exp.to_string(), &(exp + 1).to_string()),
+                id,
+            ),
+            (
+                "GET",
+                format!(
+                    "/files?path={p}&signature={}&signature_expiration={}",
+                    sign(&token, "/tmp/a b.txt", "read", Some(now - 1)),
+                    now - 1
+                ),
+                id,
+            ),
+            (
+                "GET",
+                format!("/files?path={p}&signature=v1_x&signature_expiration=soon"),
+                id,
+            ),
+            // Only /files is signed.
+            (
+                "POST",
+                format!(
+                    "/process.Process/Start?signature={}",
+                    sign(&token, "", "write", None)
+                ),
+                id,
+            ),
+        ];
+        for (m, uri, sb) in refused {
+            let e = signed_file_url(&parts(m, &uri), &g, sb).expect_err(&uri);
+            assert_eq!(e.code, Code::Unauthenticated, "{uri}");
+        }
     }
 
     #[test]

@@ -81,7 +81,8 @@ impl From<tonic::Status> for HttpError {
     }
 }
 
-/// The query of `/files`: `path` and `username` (signed URLs are not served yet).
+/// The query of `/files`: `path` and `username` (a signature was checked by
+/// [`EnvdCall`]'s extraction).
 fn files_query(raw: Option<&str>) -> Result<(String, String), HttpError> {
     let (mut path, mut user) = (String::new(), String::new());
     for pair in raw.unwrap_or_default().split('&').filter(|p| !p.is_empty()) {
@@ -95,35 +96,15 @@ fn files_query(raw: Option<&str>) -> Result<(String, String), HttpError> {
         match k {
             "path" => path = v,
             "username" => user = v,
-            "signature" | "signature_expiration" => {
-                return Err(HttpError(
-                    StatusCode::BAD_REQUEST,
-                    "signed file URLs are not served yet; send X-Access-Token".into(),
-                ))
-            }
             _ => {}
         }
     }
     Ok((path, user))
 }
 
-/// Files are read and written as the sandbox's own user; another is refused, never ignored.
-fn default_user_only(user: &str) -> Result<(), ConnectError> {
-    if user.is_empty() {
-        Ok(())
-    } else {
-        Err(ConnectError::new(
-            Code::InvalidArgument,
-            format!(
-                "user {}: files are read and written as the sandbox's own user here",
-                crate::types::names::shown(user)
-            ),
-        ))
-    }
-}
-
-/// `GET /files?path=P`: the file's bytes. Errors: 404 when missing, 400 for a directory
-/// or a user other than the sandbox's, 401 without the token.
+/// `GET /files?path=P[&username=U]`: the file's bytes, read as `U` (the sandbox's default
+/// user without one). Errors: 404 when missing, 400 for a directory or a user the sandbox
+/// does not have, 401 without the token, 403 for a file the user may not read.
 pub async fn download(
     State(g): State<Arc<Gateway>>,
     call: Result<EnvdCall, ConnectError>,
@@ -131,10 +112,9 @@ pub async fn download(
 ) -> Response {
     let probe = probe_of(&call);
     let r = async {
-        let call = call?;
+        let mut call = call?;
         let (path, user) = files_query(raw.as_deref())?;
-        default_user_only(&user)?;
-        default_user_only(&call.user)?;
+        call.set_user(user)?;
         if path.is_empty() {
             return Err(HttpError(
                 StatusCode::BAD_REQUEST,
@@ -186,7 +166,8 @@ async fn read_chunk(
         path: path.to_string(),
         offset,
         length: CHUNK as i64,
-        session: String::new(),
+        session: call.session(),
+        user: call.user.clone(),
     };
     Ok(g.api()
         .read_file(g.req(&call.caller, req))
@@ -199,9 +180,11 @@ async fn read_chunk(
 /// path, or `?path=` for a single one) or, as envd 0.5.7 takes it, the file itself as an
 /// `application/octet-stream` body for `?path=`, gzip-compressed with
 /// `Content-Encoding: gzip`. Writes each file, parents created, replacing what was there,
-/// in [`CHUNK`]-sized calls as the body arrives. Answers the non-empty list
-/// `[{"path", "name", "type": "file"}]`. Errors: 400 (no file, no path, a path that is a
-/// directory, another user, a body that is not what its headers say), 401, 404.
+/// in [`CHUNK`]-sized calls as the body arrives, with the metadata of the `X-Metadata-*`
+/// headers ([`upload_metadata`]). Answers the non-empty list
+/// `[{"path", "name", "type": "file", "metadata"?}]`. Errors: 400 (no file, no path, a
+/// path that is a directory, another user, a body that is not what its headers say,
+/// metadata refused), 401, 404.
 pub async fn upload(
     State(g): State<Arc<Gateway>>,
     call: Result<EnvdCall, ConnectError>,
@@ -211,14 +194,14 @@ pub async fn upload(
 ) -> Response {
     let probe = probe_of(&call);
     let r = async {
-        let call = call?;
+        let mut call = call?;
         let (query_path, user) = files_query(raw.as_deref())?;
-        default_user_only(&user)?;
-        default_user_only(&call.user)?;
+        call.set_user(user)?;
         let ct = headers
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .unwrap_or_default();
+        let meta = upload_metadata(&headers)?;
         let mut written = Vec::new();
         if ct.starts_with("application/octet-stream") {
             if query_path.is_empty() {
@@ -229,14 +212,14 @@ pub async fn upload(
             }
             let raw = tokio_util::io::StreamReader::new(idle_bounded(body));
             match content_encoding(&headers)? {
-                Encoding::Identity => write_from(&g, &call, &query_path, raw).await?,
+                Encoding::Identity => write_from(&g, &call, &query_path, &meta, raw).await?,
                 Encoding::Gzip => {
                     let mut gz = async_compression::tokio::bufread::GzipDecoder::new(raw);
                     gz.multiple_members(true);
-                    write_from(&g, &call, &query_path, gz).await?
+                    write_from(&g, &call, &query_path, &meta, gz).await?
                 }
             }
-            written.push(written_entry(&query_path));
+            written.push(written_entry(&query_path, &meta));
         } else if ct.starts_with("multipart/form-data") {
             let boundary = multer::parse_boundary(ct)
                 .map_err(|e| HttpError(StatusCode::BAD_REQUEST, format!("multipart: {e}")))?;
@@ -259,8 +242,8 @@ pub async fn upload(
                 let data = tokio_util::io::StreamReader::new(
                     part.map(|r| r.map_err(std::io::Error::other)),
                 );
-                write_from(&g, &call, &path, data).await?;
-                written.push(written_entry(&path));
+                write_from(&g, &call, &path, &meta, data).await?;
+                written.push(written_entry(&path, &meta));
             }
         } else {
             return Err(HttpError(
@@ -301,10 +284,53 @@ fn idle_bounded(
     })
 }
 
-/// What an upload answers for each file.
-fn written_entry(path: &str) -> serde_json::Value {
+/// What an upload answers for each file: its metadata too when it has some.
+fn written_entry(path: &str, meta: &Metadata) -> serde_json::Value {
     let name = path.rsplit('/').next().unwrap_or_default();
-    serde_json::json!({"path": path, "name": name, "type": "file"})
+    let mut v = serde_json::json!({"path": path, "name": name, "type": "file"});
+    if let (false, Some(o)) = (meta.is_empty(), v.as_object_mut()) {
+        o.insert("metadata".into(), serde_json::json!(meta));
+    }
+    v
+}
+
+/// A file's metadata, by key.
+type Metadata = std::collections::HashMap<String, String>;
+
+/// The header prefix of a metadata key on an upload (envd 0.6.2).
+const METADATA_HEADER: &str = "x-metadata-";
+
+/// The metadata an upload gives its files: each `X-Metadata-<key>: <value>` header, the
+/// key lower-cased (as header names are), the value printable ASCII. Every upload sets its
+/// files' metadata to exactly this, so one without such headers clears it, as envd does.
+/// The keys and sizes are checked by the agent before it writes (docs/python-sdk.md "File
+/// metadata"). Errors: 400 for a value that is not printable ASCII, or a key sent twice.
+fn upload_metadata(headers: &HeaderMap) -> Result<Metadata, HttpError> {
+    let mut out = Metadata::new();
+    for name in headers.keys() {
+        let Some(key) = name.as_str().strip_prefix(METADATA_HEADER) else {
+            continue;
+        };
+        let mut values = headers.get_all(name).iter();
+        let (Some(v), None) = (values.next(), values.next()) else {
+            return Err(HttpError(
+                StatusCode::BAD_REQUEST,
+                format!("metadata key {key} is sent more than once"),
+            ));
+        };
+        let value = v
+            .to_str()
+            .ok()
+            .filter(|v| v.bytes().all(|b| (0x20..0x7f).contains(&b)))
+            .ok_or_else(|| {
+                HttpError(
+                    StatusCode::BAD_REQUEST,
+                    format!("metadata value of {key} is not printable US-ASCII"),
+                )
+            })?;
+        out.insert(key.to_string(), value.to_string());
+    }
+    Ok(out)
 }
 
 /// An upload body's `Content-Encoding`.
@@ -338,11 +364,14 @@ fn content_encoding(headers: &HeaderMap) -> Result<Encoding, HttpError> {
 }
 
 /// Writes what `data` reads to `path` in [`CHUNK`]-sized calls as it arrives (an empty
-/// body makes an empty file). Errors: 400 for a body that breaks off or does not decode.
+/// body makes an empty file), the first call setting the file's metadata to `meta`.
+/// Errors: 400 for a body that breaks off or does not decode, or metadata the agent
+/// refuses.
 async fn write_from(
     g: &Gateway,
     call: &EnvdCall,
     path: &str,
+    meta: &Metadata,
     data: impl tokio::io::AsyncRead,
 ) -> Result<(), HttpError> {
     use tokio::io::AsyncReadExt;
@@ -359,7 +388,7 @@ async fn write_from(
         if n == 0 && off > 0 {
             return Ok(());
         }
-        write_chunk(g, call, path, off, buf).await?;
+        write_chunk(g, call, path, off, meta, buf).await?;
         off += n as i64;
         if n < CHUNK {
             return Ok(());
@@ -368,12 +397,13 @@ async fn write_from(
 }
 
 /// Writes `data` at `offset` (0 replaces the file, creating missing parents first, as
-/// envd does).
+/// envd does, and sets its metadata to `meta`).
 async fn write_chunk(
     g: &Gateway,
     call: &EnvdCall,
     path: &str,
     offset: i64,
+    meta: &Metadata,
     data: Vec<u8>,
 ) -> Result<(), HttpError> {
     let req = pb::WriteFileRequest {
@@ -381,6 +411,14 @@ async fn write_chunk(
         path: path.to_string(),
         data,
         offset,
+        set_metadata: offset == 0,
+        metadata: if offset == 0 {
+            meta.clone()
+        } else {
+            Metadata::new()
+        },
+        session: call.session(),
+        user: call.user.clone(),
         ..Default::default()
     };
     match g.api().write_file(g.req(&call.caller, req.clone())).await {
@@ -400,7 +438,8 @@ async fn write_chunk(
     let mk = pb::PathRequest {
         sandbox_id: call.sandbox_id.clone(),
         path: parent,
-        session: String::new(),
+        session: call.session(),
+        user: call.user.clone(),
     };
     match g.api().make_dir(g.req(&call.caller, mk)).await {
         Ok(_) => {}
@@ -449,7 +488,10 @@ pub(super) fn entry_of(f: pb::FileInfo) -> fs::EntryInfo {
             nanos: 0,
         }),
         is_symlink: f.r#type == "symlink",
-        ..Default::default()
+        owner: f.owner,
+        group: f.group,
+        symlink_target: (f.r#type == "symlink").then_some(f.symlink_target),
+        metadata: f.metadata.into_iter().collect(),
     }
 }
 
@@ -476,7 +518,7 @@ pub async fn filesystem(
             ),
         )
     };
-    let call = match envd.and_then(|c| default_user_only(&c.user).map(|_| c)) {
+    let call = match envd {
         Ok(c) => c,
         Err(e) => return connect::failed(codec, stream, e),
     };
@@ -513,7 +555,8 @@ pub async fn filesystem(
                 let mk = pb::PathRequest {
                     sandbox_id: call.sandbox_id.clone(),
                     path: req.path,
-                    session: String::new(),
+                    session: call.session(),
+                    user: call.user.clone(),
                 };
                 let f = g
                     .api()
@@ -541,7 +584,8 @@ pub async fn filesystem(
                     sandbox_id: call.sandbox_id.clone(),
                     source: req.source,
                     destination: req.destination,
-                    session: String::new(),
+                    session: call.session(),
+                    user: call.user.clone(),
                 };
                 let f = g.api().r#move(g.req(&call.caller, mv)).await?;
                 Ok(fs::MoveResponse {
@@ -558,7 +602,8 @@ pub async fn filesystem(
                     sandbox_id: call.sandbox_id.clone(),
                     path: req.path,
                     recursive: true,
-                    session: String::new(),
+                    session: call.session(),
+                    user: call.user.clone(),
                 };
                 g.api().remove(g.req(&call.caller, rreq)).await?;
                 Ok(fs::RemoveResponse {})
@@ -578,7 +623,8 @@ async fn stat(g: &Gateway, call: &EnvdCall, path: &str) -> Result<fs::EntryInfo,
     let req = pb::PathRequest {
         sandbox_id: call.sandbox_id.clone(),
         path: path.to_string(),
-        session: String::new(),
+        session: call.session(),
+        user: call.user.clone(),
     };
     Ok(entry_of(
         g.api().stat(g.req(&call.caller, req)).await?.into_inner(),
@@ -600,7 +646,8 @@ async fn list(
             let req = pb::PathRequest {
                 sandbox_id: call.sandbox_id.clone(),
                 path: dir,
-                session: String::new(),
+                session: call.session(),
+                user: call.user.clone(),
             };
             let r = g
                 .api()
@@ -637,11 +684,18 @@ mod tests {
     }
 
     #[test]
-    fn the_files_query_takes_path_and_refuses_signatures() {
+    fn the_files_query_takes_path_and_user_and_leaves_signatures_to_the_extractor() {
         assert_eq!(
             files_query(Some("path=%2Ftmp%2Fa%20b.txt&username=")).ok(),
             Some(("/tmp/a b.txt".to_string(), String::new()))
         );
-        assert!(files_query(Some("path=/a&signature=v1_x")).is_err());
+        assert_eq!(
+            files_query(Some(
+                "path=/a&username=nobody&signature=v1_x&signature_expiration=9"
+            ))
+            .ok(),
+            Some(("/a".to_string(), "nobody".to_string()))
+        );
+        assert!(files_query(Some("path=%zz")).is_err());
     }
 }

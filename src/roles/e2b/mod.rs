@@ -35,7 +35,7 @@ pub use error::ApiError;
 
 /// The envd version the gateway reports to SDKs. They switch features on by it
 /// (docs/e2b.md "Versions"); it moves up as the gateway serves more of envd.
-pub const ENVD_VERSION: &str = "0.5.7";
+pub const ENVD_VERSION: &str = "0.6.4";
 
 /// The gateway could not start.
 #[derive(Debug, thiserror::Error)]
@@ -46,12 +46,17 @@ pub enum GatewayError {
     NoApiserver,
     #[error("e2b: apiserver address")]
     Address(#[from] crate::rpc::client::ClientError),
+    #[error(transparent)]
+    Tls(#[from] serve::TlsError),
 }
 
 /// What every request handler shares: the apiserver client and the config, read once.
 pub struct Gateway {
     api: DSecClient<Channel>,
     service_token: String,
+    /// Makes and checks sandbox access tokens, E2B's `envdAccessToken` (docs/e2b.md
+    /// "Access tokens and signed URLs"); none without a `service_token`.
+    grants: Option<crate::rpc::grant::GrantKey>,
     project: String,
     domain: Option<String>,
     templates: std::collections::BTreeMap<String, E2bTemplate>,
@@ -95,6 +100,7 @@ impl Gateway {
         Ok(Gateway {
             api,
             service_token: cfg.service_token.clone(),
+            grants: crate::rpc::grant::GrantKey::from_service_token(&cfg.service_token),
             project: e.project.clone(),
             domain: (!e.domain.is_empty()).then(|| e.domain.clone()),
             templates: e.templates.clone(),
@@ -171,6 +177,15 @@ impl Gateway {
     /// Wraps `msg` for the apiserver as a call of `caller`.
     fn req<T>(&self, caller: &Caller, msg: T) -> tonic::Request<T> {
         crate::rpc::client::on_behalf(msg, &self.service_token, &caller.token, &caller.addr)
+    }
+
+    /// The envd access token E2B's SDKs get for sandbox `id` (ours): its sandbox access
+    /// token, or the caller's own token where the cluster has no `service_token`.
+    fn envd_token(&self, caller: &Caller, id: &str) -> String {
+        match &self.grants {
+            Some(k) => k.mint(id),
+            None => caller.token.clone(),
+        }
     }
 
     /// The client for one call (clones share the channel).
@@ -260,9 +275,9 @@ impl FromRequestParts<Arc<Gateway>> for Caller {
     }
 }
 
-/// Starts gateway `index` of `cfg.e2b.gateways` on `listener` (HTTP/1.1 and cleartext
-/// HTTP/2); it serves until `shutdown`. `ready` turns true once it serves.
-/// Errors: `NoEntry`, `NoApiserver`, `Address`.
+/// Starts gateway `index` of `cfg.e2b.gateways` on `listener` (HTTP/1.1 and HTTP/2, over TLS
+/// when the entry has `tls_cert` and `tls_key`); it serves until `shutdown`. `ready` turns
+/// true once it serves. Errors: `NoEntry`, `NoApiserver`, `Address`, `Tls`.
 pub async fn start(
     cfg: Arc<Config>,
     index: usize,
@@ -280,10 +295,17 @@ pub async fn start(
             .unwrap_or(serve::MAX_CONNECTIONS_PER_ADDRESS),
         header_timeout: serve::HEADER_TIMEOUT,
     };
+    let tls = if entry.tls_cert.is_empty() {
+        None
+    } else {
+        Some(serve::tls_acceptor(&entry.tls_cert, &entry.tls_key)?)
+    };
     let g = Arc::new(Gateway::new(&cfg)?);
     let app = g.router().layer(axum::middleware::from_fn(trace));
     ready.set(true, "e2b");
-    Ok(tokio::spawn(serve::serve(listener, app, shutdown, limits)))
+    Ok(tokio::spawn(serve::serve(
+        listener, app, shutdown, limits, tls,
+    )))
 }
 
 /// Header `name` as text, trimmed; "" when absent or not text.
@@ -313,7 +335,7 @@ async fn control_body(
     let token = header_text(req.headers(), "x-api-key").to_string();
     // No token at all: the handler's Caller answers 401 with E2B's words.
     if !token.is_empty() {
-        if let Err(s) = g.known.check(&g, &token).await {
+        if let Err(s) = g.known.check(&g, &token, None).await {
             return ApiError::from(s).into_response();
         }
     }

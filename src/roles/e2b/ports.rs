@@ -174,7 +174,7 @@ async fn proxy(g: Arc<Gateway>, mut req: Request, e2b_id: String, port: u16) -> 
 /// One TCP connection to `port` on the sandbox's loopback, as a local byte stream.
 /// Errors: the apiserver's (`not_found`, `unauthenticated`, `forbidden`), or `unavailable`
 /// when nothing listens there.
-async fn open(
+pub(super) async fn open(
     g: &Gateway,
     caller: &Caller,
     sandbox_id: &str,

@@ -52,18 +52,20 @@ fn remaining(sb: &pb::Sandbox, now: i64) -> Option<i64> {
     (max > 0).then(|| sb.created_at.saturating_add(max).saturating_sub(now))
 }
 
-/// E2B's `Sandbox` (create, connect, fork): the caller's own token is the envd access token,
-/// so the in-sandbox calls the SDK makes next carry it (docs/e2b.md "Tokens").
+/// E2B's `Sandbox` (create, connect, fork): its envd and traffic access tokens are the
+/// sandbox's access token, which the SDK's in-sandbox calls and port requests carry next
+/// and signs file URLs with (docs/e2b.md "Access tokens and signed URLs").
 pub(super) fn sandbox_json(g: &Gateway, caller: &Caller, sb: &pb::Sandbox) -> Value {
     let t = template_of(sb);
+    let token = g.envd_token(caller, &sb.id);
     json!({
         "templateID": t,
         "alias": t,
         "sandboxID": ids::to_e2b(&sb.id),
         "clientID": CLIENT_ID,
         "envdVersion": ENVD_VERSION,
-        "envdAccessToken": caller.token,
-        "trafficAccessToken": caller.token,
+        "envdAccessToken": token,
+        "trafficAccessToken": token,
         "domain": g.domain,
     })
 }
@@ -106,7 +108,10 @@ fn detail_json(g: &Gateway, caller: &Caller, sb: &pb::Sandbox) -> Value {
         .collect();
     allow.sort();
     if let Some(o) = v.as_object_mut() {
-        o.insert("envdAccessToken".into(), caller.token.clone().into());
+        o.insert(
+            "envdAccessToken".into(),
+            g.envd_token(caller, &sb.id).into(),
+        );
         o.insert("domain".into(), json!(g.domain));
         o.insert("allowInternetAccess".into(), internet.into());
         o.insert(

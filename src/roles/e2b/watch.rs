@@ -31,7 +31,8 @@ fn request(
         recursive,
         include_entry,
         allow_network_mounts,
-        session: String::new(),
+        session: call.session(),
+        user: call.user.clone(),
     }
 }
 

@@ -121,34 +121,51 @@ class CloseSessionRequest(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
 
 class FileInfo(_message.Message):
-    __slots__ = ("name", "type", "size", "mode", "mtime", "path")
+    __slots__ = ("name", "type", "size", "mode", "mtime", "path", "owner", "group", "symlink_target", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MTIME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SYMLINK_TARGET_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
     name: str
     type: str
     size: int
     mode: int
     mtime: int
     path: str
-    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., size: _Optional[int] = ..., mode: _Optional[int] = ..., mtime: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+    owner: str
+    group: str
+    symlink_target: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., size: _Optional[int] = ..., mode: _Optional[int] = ..., mtime: _Optional[int] = ..., path: _Optional[str] = ..., owner: _Optional[str] = ..., group: _Optional[str] = ..., symlink_target: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ReadFileRequest(_message.Message):
-    __slots__ = ("sandbox_id", "path", "offset", "length", "session")
+    __slots__ = ("sandbox_id", "path", "offset", "length", "session", "user")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     path: str
     offset: int
     length: int
     session: str
-    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
+    user: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., session: _Optional[str] = ..., user: _Optional[str] = ...) -> None: ...
 
 class ReadFileResponse(_message.Message):
     __slots__ = ("data",)
@@ -157,7 +174,14 @@ class ReadFileResponse(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class WriteFileRequest(_message.Message):
-    __slots__ = ("sandbox_id", "path", "data", "mode", "append", "session", "offset")
+    __slots__ = ("sandbox_id", "path", "data", "mode", "append", "session", "offset", "metadata", "set_metadata", "user")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +189,9 @@ class WriteFileRequest(_message.Message):
     APPEND_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    SET_METADATA_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     path: str
     data: bytes
@@ -172,17 +199,22 @@ class WriteFileRequest(_message.Message):
     append: bool
     session: str
     offset: int
-    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[str] = ..., data: _Optional[bytes] = ..., mode: _Optional[int] = ..., append: bool = ..., session: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+    metadata: _containers.ScalarMap[str, str]
+    set_metadata: bool
+    user: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[str] = ..., data: _Optional[bytes] = ..., mode: _Optional[int] = ..., append: bool = ..., session: _Optional[str] = ..., offset: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., set_metadata: bool = ..., user: _Optional[str] = ...) -> None: ...
 
 class PathRequest(_message.Message):
-    __slots__ = ("sandbox_id", "path", "session")
+    __slots__ = ("sandbox_id", "path", "session", "user")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     path: str
     session: str
-    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
+    user: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[str] = ..., session: _Optional[str] = ..., user: _Optional[str] = ...) -> None: ...
 
 class ListDirResponse(_message.Message):
     __slots__ = ("entries",)
@@ -191,20 +223,22 @@ class ListDirResponse(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ...) -> None: ...
 
 class WatchDirRequest(_message.Message):
-    __slots__ = ("sandbox_id", "path", "recursive", "include_entry", "allow_network_mounts", "session")
+    __slots__ = ("sandbox_id", "path", "recursive", "include_entry", "allow_network_mounts", "session", "user")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     RECURSIVE_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_ENTRY_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NETWORK_MOUNTS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     path: str
     recursive: bool
     include_entry: bool
     allow_network_mounts: bool
     session: str
-    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[str] = ..., recursive: bool = ..., include_entry: bool = ..., allow_network_mounts: bool = ..., session: _Optional[str] = ...) -> None: ...
+    user: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[str] = ..., recursive: bool = ..., include_entry: bool = ..., allow_network_mounts: bool = ..., session: _Optional[str] = ..., user: _Optional[str] = ...) -> None: ...
 
 class FileEvent(_message.Message):
     __slots__ = ("name", "type", "entry")
@@ -233,28 +267,32 @@ class WatcherEvents(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[FileEvent, _Mapping]]] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class RemoveRequest(_message.Message):
-    __slots__ = ("sandbox_id", "path", "recursive", "session")
+    __slots__ = ("sandbox_id", "path", "recursive", "session", "user")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     RECURSIVE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     path: str
     recursive: bool
     session: str
-    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[str] = ..., recursive: bool = ..., session: _Optional[str] = ...) -> None: ...
+    user: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[str] = ..., recursive: bool = ..., session: _Optional[str] = ..., user: _Optional[str] = ...) -> None: ...
 
 class MoveRequest(_message.Message):
-    __slots__ = ("sandbox_id", "source", "destination", "session")
+    __slots__ = ("sandbox_id", "source", "destination", "session", "user")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     source: str
     destination: str
     session: str
-    def __init__(self, sandbox_id: _Optional[str] = ..., source: _Optional[str] = ..., destination: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
+    user: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., source: _Optional[str] = ..., destination: _Optional[str] = ..., session: _Optional[str] = ..., user: _Optional[str] = ...) -> None: ...
 
 class HttpRequest(_message.Message):
     __slots__ = ("sandbox_id", "url", "method", "headers", "body", "timeout")
