@@ -31,6 +31,9 @@ pub struct E2bConfig {
     pub max_timeout_s: i64,
 }
 
+/// The longest `ready_timeout_s` a template may have, seconds (a creation waits that long).
+pub const MAX_READY_TIMEOUT_S: i64 = 600;
+
 /// One gateway instance.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -170,9 +173,9 @@ impl E2bConfig {
                     "templates.{name}: cpu, memory_mb and disk_mb must be positive"
                 ));
             }
-            if t.ready_timeout_s < 0 {
+            if !(0..=MAX_READY_TIMEOUT_S).contains(&t.ready_timeout_s) {
                 return bad(format!(
-                    "templates.{name}.ready_timeout_s may not be negative"
+                    "templates.{name}.ready_timeout_s must be 0 to {MAX_READY_TIMEOUT_S}"
                 ));
             }
         }
@@ -214,6 +217,11 @@ mod tests {
             (
                 r#"{"gateways":[{"addr":"a:1"}],"project":"root","templates":{"base":{}}}"#,
                 "e2b.templates.base.image is required",
+            ),
+            (
+                r#"{"gateways":[{"addr":"a:1"}],"project":"root",
+                    "templates":{"ci":{"image":"root/ci:1","ready_port":1,"ready_timeout_s":601}}}"#,
+                "ready_timeout_s must be 0 to 600",
             ),
             (
                 r#"{"gateways":[{"addr":"a:1","max_connections_per_address":0}],"project":"root"}"#,

@@ -55,12 +55,25 @@ struct PasswdEntry {
 /// one must not make an agent hold it all.
 const MAX_DB_BYTES: u64 = 4 << 20;
 
-/// `path`'s text, at most [`MAX_DB_BYTES`] of it ("" when it cannot be read); a line cut
-/// at the end is dropped.
+/// `path`'s text, at most [`MAX_DB_BYTES`] of it ("" when it cannot be read or is no
+/// regular file); a line cut at the end is dropped.
 fn read_db(path: &Path) -> String {
     use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
     let mut buf = Vec::new();
-    let read = std::fs::File::open(path).and_then(|f| f.take(MAX_DB_BYTES).read_to_end(&mut buf));
+    // Non-blocking, and a regular file only: the sandbox may put a FIFO there, which would
+    // hold the reader (and the lock of `names`) for ever.
+    let read = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .and_then(|f| {
+            if f.metadata()?.is_file() {
+                f.take(MAX_DB_BYTES).read_to_end(&mut buf)
+            } else {
+                Err(std::io::Error::other("not a regular file"))
+            }
+        });
     if read.is_err() {
         return String::new();
     }
@@ -306,6 +319,30 @@ mod tests {
         std::fs::write(d.path().join("etc/passwd"), passwd).expect("write");
         std::fs::write(d.path().join("etc/group"), group).expect("write");
         d
+    }
+
+    #[test]
+    fn owners_are_named_from_the_sandbox_files_and_a_fifo_there_reads_as_none() {
+        let d = root_with(
+            "root:x:0:0:root:/root:/bin/bash\nalice:x:1000:1000::/home/alice:/bin/bash\nalias:x:1000:1000::/:/bin/sh\n",
+            "root:x:0:\nstaff:x:50:\n",
+        );
+        let n = Names::load(d.path());
+        assert_eq!(
+            (n.user(0), n.user(1000), n.user(7)),
+            ("root".into(), "alice".into(), "7".into())
+        );
+        assert_eq!(
+            (n.group(50), n.group(1000)),
+            ("staff".into(), "1000".into())
+        );
+        // A FIFO in place of /etc/passwd is no database: read at once as empty.
+        std::fs::remove_file(d.path().join("etc/passwd")).expect("rm");
+        nix::unistd::mkfifo(&d.path().join("etc/passwd"), nix::sys::stat::Mode::S_IRWXU)
+            .expect("mkfifo");
+        let n = Names::load(d.path());
+        assert_eq!(n.user(0), "0");
+        assert_eq!(n.group(0), "root");
     }
 
     #[test]

@@ -113,6 +113,8 @@ def test_signed_urls_download_and_upload_without_a_token(pair):
             headers=route,
             params={"path": "/tmp/signed/f.txt", **_signed("/tmp/signed/f.txt", "read", b._envd_access_token, None, get_signature)},
         ),
+        # A signed URL used as another user than the one it was signed for.
+        httpx.get(a.download_url("/tmp/signed/f.txt"), headers={**route, "Authorization": "Basic bm9ib2R5Og=="}),
         # A changed expiration.
         httpx.get(
             files_url(),

@@ -14,7 +14,6 @@ from typing import Iterator
 
 import httpx
 import pytest
-from e2b import Sandbox
 
 E2B_VARS = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")
 
@@ -90,17 +89,7 @@ def own(tmp_path_factory) -> Iterator[dict[str, str]]:
                 assert gw.poll() is None and time.monotonic() < deadline, (d / "e2b.log").read_text()
                 time.sleep(0.1)
             url = f"https://127.0.0.1:{port}"
-            vars = {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": env["E2B_API_KEY"], "SSL_CERT_FILE": cert}
-            old = {k: os.environ.get(k) for k in vars}
-            os.environ.update(vars)
-            try:
-                yield {**vars, "cert": cert, "port": str(port)}
-            finally:
-                for k, v in old.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+            yield {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": env["E2B_API_KEY"], "cert": cert, "port": str(port)}
         finally:
             gw.terminate()
             gw.wait(timeout=30)
@@ -125,33 +114,60 @@ def test_the_gateway_serves_https_with_its_own_certificate(own):
             untrusting.wrap_socket(raw, server_hostname="localhost")
 
 
+def sdk(own: dict[str, str], code: str) -> dict:
+    """Runs `code` with E2B's SDK in a process of its own pointed at the TLS gateway and
+    trusting its certificate (the SDK's HTTP client reads the trusted certificates once per
+    process), and returns the JSON it prints last."""
+    import sys
+
+    env = {**os.environ, **{k: own[k] for k in E2B_VARS}, "SSL_CERT_FILE": own["cert"]}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def test_a_template_s_start_command_runs_and_its_port_is_waited_for(own):
-    sbx = Sandbox.create("ready")
-    try:
-        # The creation answered once the port took connections: the server is up at once.
-        r = sbx.commands.run("python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8123/').read().decode())\"")
-        assert r.stdout.strip() == "served"
-        procs = [p for p in sbx.commands.list() if p.tag == "e2b-start"]
-        assert len(procs) == 1 and procs[0].cmd == "bash" and procs[0].args[:2] == ["-l", "-c"], procs
-    finally:
-        sbx.kill()
-
-
-def listed() -> set[str]:
-    return {s.sandbox_id for s in Sandbox.list(limit=100).next_items()}
+    got = sdk(
+        own,
+        """
+import json
+from e2b import Sandbox
+sbx = Sandbox.create("ready")
+try:
+    # The creation answered once the port took connections: the server is up at once.
+    r = sbx.commands.run("python3 -c \\"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8123/').read().decode())\\"")
+    procs = [[p.tag, p.cmd, p.args[:2]] for p in sbx.commands.list()]
+    print(json.dumps({"out": r.stdout.strip(), "procs": procs}))
+finally:
+    sbx.kill()
+""",
+    )
+    assert got["out"] == "served"
+    assert [p for p in got["procs"] if p[0] == "e2b-start"] == [["e2b-start", "bash", ["-l", "-c"]]], got
 
 
 def test_a_template_whose_port_never_listens_fails_and_leaves_nothing(own):
-    from e2b import SandboxException
-
-    before = listed()
-    start = time.monotonic()
-    with pytest.raises(SandboxException) as ei:
-        Sandbox.create("never-ready")
-    assert "nothing listened on port 8124 within 2 s" in str(ei.value), ei.value
-    assert time.monotonic() - start < 20
-    # The sandbox it made is stopped.
-    deadline = time.monotonic() + 10
-    while listed() - before:
-        assert time.monotonic() < deadline, "the failed template's sandbox is still listed"
-        time.sleep(0.2)
+    got = sdk(
+        own,
+        """
+import json, time
+from e2b import Sandbox, SandboxException
+def listed():
+    return {s.sandbox_id for s in Sandbox.list(limit=100).next_items()}
+before = listed()
+start = time.monotonic()
+try:
+    Sandbox.create("never-ready")
+    err = None
+except SandboxException as e:
+    err = str(e)
+took = time.monotonic() - start
+# The sandbox it made is stopped.
+deadline = time.monotonic() + 10
+while listed() - before and time.monotonic() < deadline:
+    time.sleep(0.2)
+print(json.dumps({"err": err, "took": took, "left": sorted(listed() - before)}))
+""",
+    )
+    assert got["err"] and "nothing listened on port 8124 within 2 s" in got["err"], got
+    assert got["took"] < 20 and got["left"] == [], got

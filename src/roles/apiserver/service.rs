@@ -82,9 +82,6 @@ impl Api {
         };
         call.caller = Some(caller.clone());
         tracing::Span::current().record("principal", caller.principal.as_str());
-        if caller.grant.is_some() && !grants {
-            return Err(self.fail(call, super::auth::grant_only()));
-        }
         if let Err(wait) = self.inner.calls.try_take(&caller.principal, 1.0) {
             let f = Failure::new(
                 Reason::RateLimited,
@@ -95,6 +92,10 @@ impl Api {
                 ),
             );
             return Err(self.fail(call, f));
+        }
+        // After the rate limit, so refused calls are throttled as any other.
+        if caller.grant.is_some() && !grants {
+            return Err(self.fail(call, super::auth::grant_only()));
         }
         Ok((caller, call))
     }

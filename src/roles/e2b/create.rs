@@ -478,13 +478,24 @@ pub async fn create(
             e
         })?
         .into_inner();
-    if let Err(e) = start_template(&g, &caller, &sb.id, &template, &settings).await {
-        // A sandbox whose template did not start is no sandbox of that template.
-        let stop = pb::SandboxRef { id: sb.id.clone() };
-        if let Err(s) = g.api().stop_sandbox(g.req(&caller, stop)).await {
-            tracing::warn!(sandbox = %sb.id, error = %s.message(), "stopping a sandbox whose template did not start");
-        }
-        return Err(e);
+    if !settings.start_cmd.is_empty() || settings.ready_port > 0 {
+        // In a task of its own: a caller that hangs up meanwhile (its request timeout) drops
+        // this handler, and a sandbox whose template did not start must still be stopped.
+        let (g2, c2, id, name) = (g.clone(), caller.clone(), sb.id.clone(), template.clone());
+        let started = tokio::spawn(async move {
+            let r = start_template(&g2, &c2, &id, &name, &settings).await;
+            if r.is_err() {
+                // A sandbox whose template did not start is no sandbox of that template.
+                let stop = pb::SandboxRef { id: id.clone() };
+                if let Err(s) = g2.api().stop_sandbox(g2.req(&c2, stop)).await {
+                    tracing::warn!(sandbox = %id, error = %s.message(), "stopping a sandbox whose template did not start");
+                }
+            }
+            r
+        });
+        started
+            .await
+            .map_err(|e| ApiError::new(500, format!("starting the template: {e}")))??;
     }
     Ok((
         StatusCode::CREATED,

@@ -130,6 +130,7 @@ impl FromRequestParts<Arc<Gateway>> for EnvdCall {
             )
         })?;
         let mut token = super::header_text(h, "x-access-token").to_string();
+        let mut signed = false;
         if token.is_empty() {
             token = signed_file_url(parts, g, &sandbox_id)?.ok_or_else(|| {
                 ConnectError::new(
@@ -137,9 +138,22 @@ impl FromRequestParts<Arc<Gateway>> for EnvdCall {
                     "no X-Access-Token: the sandbox's envdAccessToken is required",
                 )
             })?;
+            signed = true;
         }
         g.known.check(g, &token, Some(&sandbox_id)).await?;
-        let user = basic_user(h)?;
+        // A signed URL's user is the one it was signed for (its `username`, which the
+        // handler takes): no header may name another.
+        let user = if signed {
+            if h.contains_key("authorization") {
+                return Err(ConnectError::new(
+                    Code::Unauthenticated,
+                    "signed URL: its user is the signed username; send no Authorization",
+                ));
+            }
+            String::new()
+        } else {
+            basic_user(h)?
+        };
         let addr = parts
             .extensions
             .get::<ConnectInfo<SocketAddr>>()

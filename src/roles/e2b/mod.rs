@@ -237,6 +237,7 @@ async fn not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiErr
 }
 
 /// Who is calling: the API key (an OpenDsec token), the project to work in, and the peer.
+#[derive(Clone)]
 pub struct Caller {
     pub token: String,
     pub project: String,
