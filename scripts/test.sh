@@ -26,6 +26,8 @@ fi
 
 # E2B's own SDKs against the gateway, each supported release (tests/e2b/versions.txt).
 bash scripts/test-e2b.sh
+# And E2B's JavaScript SDK (npm `e2b`, tests/e2b-js/versions.txt) with node:test.
+bash scripts/test-e2b-js.sh
 
 # The container backend on cgroup v2, which production runs and our v1-hybrid machines do not
 # (docs/testing.md "cgroup v2 in a guest"). About 6 minutes under emulation.

@@ -2,7 +2,7 @@
 # Builds the code interpreter's template image (docs/e2b.md "Code interpreter") as an OCI
 # layout tagged `v1`: a minimal Debian with python3 (scripts/build-base-image.sh's recipe),
 # a virtual environment /opt/code-interpreter/venv with jupyter_client, ipykernel and the
-# libraries code usually wants (numpy, pandas, matplotlib), and our server
+# libraries code usually wants (numpy, pandas, matplotlib), bash_kernel for Bash, and our server
 # (packaging/code-interpreter/server.py) with its IPython startup files. Packages come from
 # PyPI through the host's pip settings while the image is built; a sandbox of the image
 # needs no network.
@@ -17,7 +17,7 @@
 set -euo pipefail
 out=${1:?usage: build.sh OUT_LAYOUT}
 here=$(cd "$(dirname "$0")" && pwd)
-packages=${OPENDSEC_CI_PACKAGES:-"jupyter_client ipykernel numpy pandas matplotlib"}
+packages=${OPENDSEC_CI_PACKAGES:-"jupyter_client ipykernel bash_kernel numpy pandas matplotlib"}
 
 work=$(mktemp -d)
 # The image's /proc is mounted while pip runs: never remove anything under a mounted one.
@@ -47,7 +47,9 @@ env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
   ${PIP_TRUSTED_HOST:+PIP_TRUSTED_HOST=$PIP_TRUSTED_HOST} ${PIP_DEFAULT_TIMEOUT:+PIP_DEFAULT_TIMEOUT=$PIP_DEFAULT_TIMEOUT} \
   ${https_proxy:+https_proxy=$https_proxy} ${http_proxy:+http_proxy=$http_proxy} \
   chroot "$rootfs" /bin/sh -c "python3 -m venv /opt/code-interpreter/venv \
-    && /opt/code-interpreter/venv/bin/pip install -q --no-cache-dir --disable-pip-version-check $packages" \
+    && /opt/code-interpreter/venv/bin/pip install -q --no-cache-dir --disable-pip-version-check $packages \
+    && { ! /opt/code-interpreter/venv/bin/python -c 'import bash_kernel' 2>/dev/null \
+         || /opt/code-interpreter/venv/bin/python -m bash_kernel.install --sys-prefix; }" \
   >"$work/pip.log" 2>&1 || { tail -n 30 "$work/pip.log" >&2; exit 1; }
 umount "$rootfs/proc"
 rm -f "$rootfs/etc/resolv.conf" "$rootfs/tmp/host-ca.pem"

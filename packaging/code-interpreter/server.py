@@ -25,6 +25,8 @@ import asyncio
 import datetime
 import json
 import os
+import queue
+import sys
 import time
 import uuid
 from typing import Any, Callable, Optional
@@ -64,6 +66,10 @@ def kernel_for(language: str) -> Optional[str]:
     return None
 
 
+class KernelDied(Exception):
+    """The kernel went away while it ran something."""
+
+
 class Context:
     """One kernel, and the lock that runs its executions one at a time."""
 
@@ -96,20 +102,31 @@ class Context:
 
     async def restart(self) -> None:
         async with self.lock:
-            assert self.km is not None
-            self.client.stop_channels()
-            await self.km.restart_kernel(now=True)
-            kc = self.km.client()
-            kc.start_channels()
-            await kc.wait_for_ready(timeout=60)
-            self.client = kc
+            await self.restart_locked()
+
+    async def restart_locked(self) -> None:
+        """Restarts the kernel (its state is lost), the lock held by the caller."""
+        assert self.km is not None
+        self.client.stop_channels()
+        await self.km.restart_kernel(now=True)
+        kc = self.km.client()
+        kc.start_channels()
+        await kc.wait_for_ready(timeout=60)
+        self.client = kc
 
     async def run(self, code: str, silent: bool, emit: Callable[[dict[str, Any]], None]) -> None:
         """Runs `code` and passes what the kernel says about it to `emit`, until the kernel
         is idle again."""
         msg_id = self.client.execute(code, silent=silent, store_history=not silent, allow_stdin=False)
         while True:
-            msg = await self.client.get_iopub_msg()
+            try:
+                msg = await self.client.get_iopub_msg(timeout=1)
+            except queue.Empty:
+                # A kernel killed from inside (os._exit, a crash, the OOM killer) never
+                # says idle again: look whether it is still there.
+                if self.km is not None and not await self.km.is_alive():
+                    raise KernelDied() from None
+                continue
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
             kind, content = msg["msg_type"], msg["content"]
@@ -245,6 +262,10 @@ class Execute(Base):
         code, context_id, env = req.get("code"), req.get("context_id"), req.get("env_vars") or {}
         if not isinstance(code, str):
             return self.fail(400, "code must be a string")
+        if context_id is not None and (not isinstance(context_id, str) or not context_id):
+            return self.fail(400, "context_id must be a context's id")
+        if req.get("language") is not None and not isinstance(req.get("language"), str):
+            return self.fail(400, "language must be a string")
         if context_id and req.get("language"):
             return self.fail(400, "context_id and language exclude each other")
         if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
@@ -269,9 +290,24 @@ class Execute(Base):
                     if set_env:
                         await ctx.run(set_env, True, lambda _m: None)
                     await ctx.run(code, False, lines.put_nowait)
-                finally:
                     if put_back:
                         await ctx.run(put_back, True, lambda _m: None)
+                except KernelDied:
+                    # The context stays usable: a fresh kernel under the same id, its state
+                    # gone, which the caller learns from this error.
+                    lines.put_nowait(
+                        {
+                            "type": "error",
+                            "name": "KernelDied",
+                            "value": "the kernel died while running the code; it was restarted and its state is lost",
+                            "traceback": "",
+                        }
+                    )
+                    try:
+                        await ctx.restart_locked()
+                    except Exception as e:  # noqa: BLE001 - reported on the next execution
+                        print(f"restarting a dead kernel of context {ctx.id}: {e!r}", file=sys.stderr)
+                finally:
                     lines.put_nowait({"type": "end_of_execution"})
                     lines.put_nowait(None)
 

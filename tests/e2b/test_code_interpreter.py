@@ -73,3 +73,36 @@ def test_a_timeout_interrupts_the_kernel(ci):
     # The kernel was interrupted: the next code runs at once, not after the sleep.
     assert ci.run_code("'free'").text == "'free'"
     assert time.monotonic() - start < 30
+
+
+def test_a_kernel_killed_from_inside_is_an_error_and_its_context_lives_on(ci):
+    c = ci.create_code_context()
+    ci.run_code("state = 1", context=c)
+    start = time.monotonic()
+    e = ci.run_code("import os\nos.kill(os.getpid(), 9)", context=c, timeout=60)
+    assert e.error is not None and e.error.name == "KernelDied", e
+    assert time.monotonic() - start < 30
+    # The context has a fresh kernel: it runs code, and its state is gone.
+    assert ci.run_code("state", context=c).error.name == "NameError"
+    assert ci.run_code("6 * 7", context=c).text == "42"
+    ci.remove_code_context(c)
+
+
+def test_bash_runs_in_a_bash_kernel(ci):
+    e = ci.run_code("X=41; echo $((X + 1))", language="bash")
+    assert e.error is None and "".join(e.logs.stdout) == "42\n", e
+    assert "".join(ci.run_code("echo $X", language="bash").logs.stdout) == "41\n"
+
+
+def test_a_context_id_that_is_no_context_s_is_a_plain_400(ci):
+    import httpx
+
+    url = ci._jupyter_url + "/execute"
+    headers = {"E2b-Sandbox-Id": ci.sandbox_id, "E2b-Sandbox-Port": "49999"}
+    if ci._envd_access_token:
+        headers["X-Access-Token"] = ci._envd_access_token
+    for bad in (5, "", [1], {"a": 1}):
+        r = httpx.post(url, json={"code": "1", "context_id": bad}, headers=headers, timeout=30)
+        assert (r.status_code, r.text) == (400, "context_id must be a context's id"), bad
+    r = httpx.post(url, json={"code": "1", "context_id": "nope"}, headers=headers, timeout=30)
+    assert r.status_code == 404

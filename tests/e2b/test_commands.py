@@ -52,6 +52,8 @@ def test_environment_working_directory_and_user(sbx):
     r = sbx.commands.run("echo $FROM_CREATE $SHADOWED $ONLY; pwd", envs={"SHADOWED": "cmd", "ONLY": "1"}, cwd="/tmp")
     assert r.stdout == "made cmd 1\n/tmp\n"
     assert sbx.commands.run("id -u", user="root").stdout == "0\n"
+    # nobody's home (/nonexistent) is not there: its commands start in `/`, as login does.
+    assert sbx.commands.run("pwd; id -un", user="nobody").stdout == "/\nnobody\n"
 
 
 def started(s: Sandbox, marker: str) -> bool:

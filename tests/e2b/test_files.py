@@ -241,7 +241,15 @@ def test_metadata_the_sandbox_refuses_is_invalid_and_writes_nothing(sbx):
     if not sdk_takes(sbx.files.write, "metadata"):
         pytest.skip("this SDK release has no file metadata")
     sbx.files.write("/tmp/meta2/f", "before", metadata={"k": "v"})
-    for bad in ({"k": "v" * 4097}, {"k" * 201: "v"}, {f"k{i}": "v" for i in range(65)}):
+    # 2 KiB of keys and values fits on every file system with user attributes, even with
+    # 64 keys; a byte more is refused before anything is written.
+    most = {"k": "v" * 2047}
+    sbx.files.write("/tmp/meta2/most", "x", metadata=most)
+    assert sbx.files.get_info("/tmp/meta2/most").metadata == most
+    many = {f"key{i:02}": "v" * 27 for i in range(64)}
+    sbx.files.write("/tmp/meta2/many", "x", metadata=many)
+    assert sbx.files.get_info("/tmp/meta2/many").metadata == many
+    for bad in ({"k": "v" * 2048}, {"k" * 201: "v"}, {f"k{i}": "v" for i in range(65)}):
         with pytest.raises(InvalidArgumentException):
             sbx.files.write("/tmp/meta2/f", "after", metadata=bad)
         assert sbx.files.read("/tmp/meta2/f") == "before"
@@ -313,3 +321,21 @@ def test_files_as_another_user_are_that_user_s(sbx):
         sbx.files.read("/tmp/users/theirs.txt", user="no-such-user")
     with pytest.raises(InvalidArgumentException):
         sbx.files.read("/tmp/users/theirs.txt", user="a b")
+    # `user:group` is no user for files, as for commands (a uid alone is one).
+    with pytest.raises(InvalidArgumentException):
+        sbx.files.read("/tmp/users/theirs.txt", user="root:0")
+    with pytest.raises(InvalidArgumentException):
+        sbx.commands.run("id -u", user="root:0")
+    assert sbx.commands.run("id -un", user="65534").stdout == "nobody\n"
+
+
+def test_a_refused_upload_is_answered_not_cut_off(sbx):
+    """An upload refused before its body is read (here: a user the sandbox lacks) still
+    reads the body through, so the SDK sees the 400, not a broken pipe."""
+    from e2b import InvalidArgumentException
+
+    big = os.urandom(24 << 20)
+    with pytest.raises(InvalidArgumentException) as ei:
+        sbx.files.write("/tmp/refused.bin", big, user="no-such-user")
+    assert "no-such-user" in str(ei.value), ei.value
+    assert not sbx.files.exists("/tmp/refused.bin")

@@ -21,7 +21,23 @@ pub fn resolve(cwd: &Path, p: &str) -> Result<PathBuf, Failure> {
     if p.contains('\0') {
         return Err(Failure::invalid("path holds NUL"));
     }
+    let home = || HOME.get().map_or(Path::new("/"), PathBuf::as_path);
+    if p == "~" {
+        return Ok(home().to_path_buf());
+    }
+    if let Some(rest) = p.strip_prefix("~/") {
+        return Ok(home().join(rest));
+    }
     Ok(cwd.join(p))
+}
+
+/// The home directory of the user this chronus serves, which `~` names in paths.
+static HOME: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// Sets what `~` means to [`resolve`]: the session user's home (once; later calls change
+/// nothing, as a chronus serves one user).
+pub fn set_home(home: &str) {
+    let _ = HOME.set(PathBuf::from(if home.is_empty() { "/" } else { home }));
 }
 
 /// Maps an I/O error of `op` on `path` to its reason: ENOENT `not_found`, EACCES, EPERM
@@ -314,10 +330,17 @@ pub async fn write(
     .await
 }
 
-/// ListDir: the entries of a directory, by name. Errors: the file system's.
+/// ListDir: the entries of a directory, by name. Errors: `invalid` for a path that is
+/// not a directory; the file system's.
 pub async fn list(cwd: PathBuf, req: pb::PathRequest) -> Result<pb::ListDirResponse, Failure> {
     let path = resolve(&cwd, &req.path)?;
     blocking(move || {
+        if std::fs::metadata(&path).is_ok_and(|m| !m.is_dir()) {
+            return Err(Failure::invalid(format!(
+                "{} is not a directory",
+                path.display()
+            )));
+        }
         let rd = std::fs::read_dir(&path).map_err(|e| failure("list", &path, &e, 0))?;
         let mut entries = Vec::new();
         for e in rd {
@@ -346,14 +369,26 @@ pub async fn stat(cwd: PathBuf, req: pb::PathRequest) -> Result<pb::FileInfo, Fa
 }
 
 /// MakeDir: the directory and its missing parents (mode 0755 before the umask).
-/// Errors: `conflict` when the path already exists (a directory or not: E2B's `make_dir`
-/// reports false); the file system's.
+/// Errors: `conflict` when the directory already exists (E2B's `make_dir` reports false),
+/// `invalid` when something else is there; the file system's.
 pub async fn make_dir(cwd: PathBuf, req: pb::PathRequest) -> Result<pb::FileInfo, Failure> {
     let path = resolve(&cwd, &req.path)?;
     blocking(move || {
-        if std::fs::symlink_metadata(&path).is_ok() {
+        if let Ok(m) = std::fs::metadata(&path) {
+            if !m.is_dir() {
+                return Err(Failure::invalid(format!(
+                    "{} already exists and is not a directory",
+                    path.display()
+                )));
+            }
             return Err(Failure::conflict(format!(
                 "{} already exists",
+                path.display()
+            )));
+        }
+        if std::fs::symlink_metadata(&path).is_ok() {
+            return Err(Failure::invalid(format!(
+                "{} is a symlink to nothing",
                 path.display()
             )));
         }
@@ -406,6 +441,36 @@ pub async fn remove(cwd: PathBuf, req: pb::RemoveRequest) -> Result<pb::Empty, F
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tilde_is_the_home_and_relative_paths_start_from_cwd() {
+        set_home("/home/t");
+        let cwd = Path::new("/work");
+        assert_eq!(resolve(cwd, "~").unwrap(), PathBuf::from("/home/t"));
+        assert_eq!(resolve(cwd, "~/a/b").unwrap(), PathBuf::from("/home/t/a/b"));
+        assert_eq!(resolve(cwd, "a/~").unwrap(), PathBuf::from("/work/a/~"));
+        assert_eq!(resolve(cwd, "~x").unwrap(), PathBuf::from("/work/~x"));
+        assert_eq!(resolve(cwd, "/abs").unwrap(), PathBuf::from("/abs"));
+        assert!(resolve(cwd, "").is_err());
+    }
+
+    #[tokio::test]
+    async fn listing_a_file_and_making_a_directory_where_a_file_is_are_invalid() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("f");
+        std::fs::write(&f, b"x").unwrap();
+        let req = |p: &Path| pb::PathRequest {
+            path: p.display().to_string(),
+            ..Default::default()
+        };
+        let cwd = d.path().to_path_buf();
+        let e = list(cwd.clone(), req(&f)).await.unwrap_err();
+        assert_eq!(e.reason, Reason::Invalid, "{e:?}");
+        let e = make_dir(cwd.clone(), req(&f)).await.unwrap_err();
+        assert_eq!(e.reason, Reason::Invalid, "{e:?}");
+        let e = make_dir(cwd.clone(), req(d.path())).await.unwrap_err();
+        assert_eq!(e.reason, Reason::Conflict, "{e:?}");
+    }
 
     #[test]
     fn errors_map_to_reasons() {

@@ -18,9 +18,13 @@ pub const PREFIX: &str = "user.e2b.";
 pub const MAX_KEYS: usize = 64;
 /// Longest key, bytes (the kernel takes names of at most 255 bytes, the prefix included).
 pub const MAX_KEY: usize = 200;
-/// Longest value, bytes. The file system may keep less in all: ext4 keeps one 4 KiB block
-/// of attributes per file.
-pub const MAX_VALUE: usize = 4096;
+/// Most bytes of all keys and values together. ext4 keeps one 4 KiB block of attributes per
+/// file, and each attribute costs about 24 bytes more than its name and value (and overlayfs
+/// keeps attributes of its own there): 2 KiB of keys and values fits even with 64 keys.
+pub const MAX_TOTAL: usize = 2048;
+/// Longest value read: one a process in the sandbox set may be longer than [`MAX_TOTAL`],
+/// up to what ext4 keeps.
+const READ_VALUE: usize = 4096;
 /// Most bytes of attribute names read from one file (the kernel's own limit).
 const MAX_LIST: usize = 64 << 10;
 
@@ -29,8 +33,8 @@ const MAX_LIST: usize = 64 << 10;
 pub enum MetaError {
     #[error("metadata key {0}: keys are 1-{MAX_KEY} bytes of letters, digits and !#$%&'*+-.^_`|~")]
     BadKey(String),
-    #[error("metadata value of {key} is {len} bytes: at most {MAX_VALUE}")]
-    LongValue { key: String, len: usize },
+    #[error("metadata of {0} bytes (keys and values together): at most {MAX_TOTAL}")]
+    TooBig(usize),
     #[error("{0} metadata keys: at most {MAX_KEYS}")]
     TooMany(usize),
 }
@@ -46,16 +50,14 @@ pub fn check(meta: &HashMap<String, String>) -> Result<(), MetaError> {
     if meta.len() > MAX_KEYS {
         return Err(MetaError::TooMany(meta.len()));
     }
-    for (k, v) in meta {
+    for k in meta.keys() {
         if k.is_empty() || k.len() > MAX_KEY || !k.bytes().all(key_char) {
             return Err(MetaError::BadKey(crate::types::names::shown(k)));
         }
-        if v.len() > MAX_VALUE {
-            return Err(MetaError::LongValue {
-                key: k.clone(),
-                len: v.len(),
-            });
-        }
+    }
+    let total: usize = meta.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if total > MAX_TOTAL {
+        return Err(MetaError::TooBig(total));
     }
     Ok(())
 }
@@ -66,7 +68,7 @@ fn names(list: &[u8]) -> impl Iterator<Item = &[u8]> {
 }
 
 /// The metadata of `path` (not followed: a symlink has none). At most [`MAX_KEYS`] keys,
-/// values of at most [`MAX_VALUE`] bytes (a longer one, set by a process in the sandbox,
+/// values of at most [`READ_VALUE`] bytes (a longer one, set by a process in the sandbox,
 /// is left out); values that are not UTF-8 are shown lossily.
 pub fn read(path: &Path) -> HashMap<String, String> {
     let mut out = HashMap::new();
@@ -74,7 +76,7 @@ pub fn read(path: &Path) -> HashMap<String, String> {
     let Ok(n) = rustix::fs::llistxattr(path, &mut list[..]) else {
         return out;
     };
-    let mut value = vec![0u8; MAX_VALUE];
+    let mut value = vec![0u8; READ_VALUE];
     for name in names(list.get(..n).unwrap_or_default()) {
         let Some(key) = name.strip_prefix(PREFIX.as_bytes()) else {
             continue;
@@ -169,12 +171,10 @@ mod tests {
             check(&map(&[(&"k".repeat(MAX_KEY + 1), "v")])),
             Err(MetaError::BadKey(_))
         ));
+        assert_eq!(check(&map(&[("k", &"v".repeat(MAX_TOTAL - 1))])), Ok(()));
         assert_eq!(
-            check(&map(&[("k", &"v".repeat(MAX_VALUE + 1))])),
-            Err(MetaError::LongValue {
-                key: "k".into(),
-                len: MAX_VALUE + 1
-            })
+            check(&map(&[("k", &"v".repeat(MAX_TOTAL))])),
+            Err(MetaError::TooBig(MAX_TOTAL + 1))
         );
         let many: HashMap<String, String> = (0..=MAX_KEYS)
             .map(|i| (format!("k{i}"), String::new()))
@@ -185,6 +185,12 @@ mod tests {
     /// A directory on a file system with user attributes (tmpfs has had them since 6.6,
     /// ext4 always): /dev/shm where it takes them, else /var/tmp or /tmp.
     fn scratch() -> Option<tempfile::TempDir> {
+        scratches().into_iter().next()
+    }
+
+    /// Every such directory of [`scratch`]'s candidates.
+    fn scratches() -> Vec<tempfile::TempDir> {
+        let mut out = Vec::new();
         for base in ["/dev/shm", "/var/tmp", "/tmp"] {
             let Ok(d) = tempfile::tempdir_in(base) else {
                 continue;
@@ -199,10 +205,10 @@ mod tests {
                 )
                 .is_ok()
             {
-                return Some(d);
+                out.push(d);
             }
         }
-        None
+        out
     }
 
     #[test]
@@ -234,17 +240,44 @@ mod tests {
     }
 
     #[test]
+    fn the_most_metadata_check_allows_fits_with_any_number_of_keys() {
+        let dirs = scratches();
+        assert!(
+            !dirs.is_empty(),
+            "no directory here keeps user extended attributes"
+        );
+        for d in &dirs {
+            fits(d.path());
+        }
+    }
+
+    fn fits(d: &Path) {
+        let one = map(&[("k", &"v".repeat(MAX_TOTAL - 1))]);
+        // 64 keys of 200-byte names would pass MAX_TOTAL alone: 64 keys of 32 bytes in all.
+        let many: HashMap<String, String> = (0..MAX_KEYS)
+            .map(|i| (format!("key{i:02}"), "v".repeat(MAX_TOTAL / MAX_KEYS - 5)))
+            .collect();
+        for (i, meta) in [one, many].into_iter().enumerate() {
+            check(&meta).unwrap();
+            let p = d.join(format!("f{i}"));
+            let f = std::fs::File::create(&p).unwrap();
+            replace(&f, &p, &meta).unwrap_or_else(|e| panic!("{}: {e:?}", d.display()));
+            assert_eq!(read(&p), meta);
+        }
+    }
+
+    #[test]
     fn metadata_that_does_not_fit_is_invalid_and_names_the_file() {
         let Some(d) = scratch() else {
             panic!("no directory here keeps user extended attributes");
         };
         let p = d.path().join("f");
         let f = std::fs::File::create(&p).unwrap();
-        // 64 values of 4 KiB: more than ext4's block, and than tmpfs takes per inode.
+        // 64 values of 4 KiB (more than `check` lets by, as a process in the sandbox may
+        // try): more than ext4's block, and than tmpfs takes per inode.
         let big: HashMap<String, String> = (0..MAX_KEYS)
-            .map(|i| (format!("k{i}"), "v".repeat(MAX_VALUE)))
+            .map(|i| (format!("k{i}"), "v".repeat(4096)))
             .collect();
-        check(&big).unwrap();
         match replace(&f, &p, &big) {
             Err(e) => {
                 assert_eq!(e.reason, Reason::Invalid, "{e:?}");

@@ -239,6 +239,7 @@ async fn serve(
     listener: std::os::unix::net::UnixListener,
 ) -> Result<(), ChronusError> {
     let reaper = Reaper::start().map_err(ChronusError::Runtime)?;
+    files::set_home(&creds.home);
     let dirs = start_dirs(&cfg, &creds);
     let env = user::environ(&creds, &cfg.env, &BTreeMap::new());
     let mut spec = shell::ShellSpec::find(env, dirs.clone(), cfg.protect_from_oom);

@@ -41,7 +41,7 @@ pub(super) fn prepare(
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     let env = user::environ(&creds, &cfg.env, &extra);
-    let cwd = working_dir(&req.cwd, &cfg.workdir, &creds.home);
+    let cwd = working_dir(&req.cwd, &cfg.workdir, &creds.home, |p| p.is_dir());
     if !cwd.is_dir() {
         return Err(ProcError::Cwd { path: cwd });
     }
@@ -89,9 +89,18 @@ fn ids_for(creds: &Credentials) -> Option<Ids> {
 
 /// `requested`, else the image's `workdir`, else `home`; `~` and `~/x` expand to the home,
 /// other relative paths are taken from the home (as E2B's envd does).
-fn working_dir(requested: &str, workdir: &str, home: &str) -> PathBuf {
+///
+/// A home directory that does not exist (`nobody`'s `/nonexistent`) is `/` when nothing else
+/// names a directory, as `login` does; a directory the caller names must exist.
+fn working_dir(
+    requested: &str,
+    workdir: &str,
+    home: &str,
+    is_dir: impl Fn(&Path) -> bool,
+) -> PathBuf {
     let home = Path::new(if home.is_empty() { "/" } else { home });
     let p = match (requested, workdir) {
+        ("", "") if !is_dir(home) => return PathBuf::from("/"),
         ("", "") => return home.to_path_buf(),
         ("", w) => w,
         (r, _) => r,
@@ -132,25 +141,41 @@ mod tests {
 
     #[test]
     fn working_dirs() {
-        assert_eq!(working_dir("", "", "/home/a"), PathBuf::from("/home/a"));
-        assert_eq!(working_dir("", "/app", "/home/a"), PathBuf::from("/app"));
         assert_eq!(
-            working_dir("/tmp", "/app", "/home/a"),
-            PathBuf::from("/tmp")
-        );
-        assert_eq!(
-            working_dir("~", "/app", "/home/a"),
+            working_dir("", "", "/home/a", |_| true),
             PathBuf::from("/home/a")
         );
         assert_eq!(
-            working_dir("~/x", "", "/home/a"),
+            working_dir("", "/app", "/home/a", |_| true),
+            PathBuf::from("/app")
+        );
+        assert_eq!(
+            working_dir("/tmp", "/app", "/home/a", |_| true),
+            PathBuf::from("/tmp")
+        );
+        assert_eq!(
+            working_dir("~", "/app", "/home/a", |_| true),
+            PathBuf::from("/home/a")
+        );
+        assert_eq!(
+            working_dir("~/x", "", "/home/a", |_| true),
             PathBuf::from("/home/a/x")
         );
         assert_eq!(
-            working_dir("x/y", "", "/home/a"),
+            working_dir("x/y", "", "/home/a", |_| true),
             PathBuf::from("/home/a/x/y")
         );
-        assert_eq!(working_dir("", "", ""), PathBuf::from("/"));
+        assert_eq!(working_dir("", "", "", |_| true), PathBuf::from("/"));
+        // nobody's home does not exist: `/`, unless the caller named a directory.
+        let none = |_: &Path| false;
+        assert_eq!(
+            working_dir("", "", "/nonexistent", none),
+            PathBuf::from("/")
+        );
+        assert_eq!(
+            working_dir("~/x", "", "/nonexistent", none),
+            PathBuf::from("/nonexistent/x")
+        );
     }
 
     #[test]

@@ -252,7 +252,9 @@ fn basic_user(h: &HeaderMap) -> Result<String, ConnectError> {
         .decode(b64.trim())
         .map_err(|_| bad())?;
     let text = String::from_utf8(raw).map_err(|_| bad())?;
-    let user = text.split(':').next().unwrap_or_default();
+    // `<user>:<password>`, the password empty: a `:` in the user part is the user's, and
+    // refused below as `/files`'s `username` is.
+    let user = text.rsplit_once(':').map_or(text.as_str(), |(u, _)| u);
     if !user.is_empty() {
         check_user(user)?;
     }
@@ -561,5 +563,11 @@ mod tests {
         let h = headers(&[("authorization", "Basic dXNlcjo=")]);
         assert_eq!(basic_user(&h).unwrap(), "user");
         assert!(basic_user(&headers(&[("authorization", "Bearer x")])).is_err());
+        // "root:0:" is the user "root:0", which is no user name (as `username=root:0` is not).
+        let b64 = |t: &str| base64::engine::general_purpose::STANDARD.encode(t);
+        let h = headers(&[("authorization", &format!("Basic {}", b64("root:0:")))]);
+        assert_eq!(basic_user(&h).unwrap_err().code, Code::InvalidArgument);
+        let h = headers(&[("authorization", &format!("Basic {}", b64("nobody")))]);
+        assert_eq!(basic_user(&h).unwrap(), "nobody");
     }
 }

@@ -193,6 +193,8 @@ pub async fn upload(
     body: Body,
 ) -> Response {
     let probe = probe_of(&call);
+    let body = SharedBody::new(body);
+    let rest = body.clone();
     let r = async {
         let mut call = call?;
         let (query_path, user) = files_query(raw.as_deref())?;
@@ -210,20 +212,20 @@ pub async fn upload(
                     "an octet-stream upload needs ?path=".into(),
                 ));
             }
-            let raw = tokio_util::io::StreamReader::new(idle_bounded(body));
-            match content_encoding(&headers)? {
+            let raw = tokio_util::io::StreamReader::new(body);
+            let at = match content_encoding(&headers)? {
                 Encoding::Identity => write_from(&g, &call, &query_path, &meta, raw).await?,
                 Encoding::Gzip => {
                     let mut gz = async_compression::tokio::bufread::GzipDecoder::new(raw);
                     gz.multiple_members(true);
                     write_from(&g, &call, &query_path, &meta, gz).await?
                 }
-            }
-            written.push(written_entry(&query_path, &meta));
+            };
+            written.push(written_entry(&at, &meta));
         } else if ct.starts_with("multipart/form-data") {
             let boundary = multer::parse_boundary(ct)
                 .map_err(|e| HttpError(StatusCode::BAD_REQUEST, format!("multipart: {e}")))?;
-            let mut parts = multer::Multipart::new(idle_bounded(body), boundary);
+            let mut parts = multer::Multipart::new(body, boundary);
             while let Some(part) = parts
                 .next_field()
                 .await
@@ -242,8 +244,8 @@ pub async fn upload(
                 let data = tokio_util::io::StreamReader::new(
                     part.map(|r| r.map_err(std::io::Error::other)),
                 );
-                write_from(&g, &call, &path, &meta, data).await?;
-                written.push(written_entry(&path, &meta));
+                let at = write_from(&g, &call, &path, &meta, data).await?;
+                written.push(written_entry(&at, &meta));
             }
         } else {
             return Err(HttpError(
@@ -260,7 +262,53 @@ pub async fn upload(
         Ok(axum::Json(written).into_response())
     }
     .await;
+    if r.is_err() && probe.is_some() {
+        // A refusal before the body is read (a bad user, a path that is a directory) would
+        // otherwise reach a client still sending it as a broken pipe instead of the answer.
+        // Only an authenticated caller's body is read through: anyone else's is never held.
+        rest.drain().await;
+    }
     explained(&g, probe, r).await
+}
+
+/// Longest a refused upload's unread body is read through before the answer goes.
+const DRAIN_FOR: std::time::Duration = std::time::Duration::from_secs(30);
+
+type BodyStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static>>;
+
+/// An upload's body ([`idle_bounded`]), shared between the reader that writes it and
+/// [`SharedBody::drain`], which reads what a refused upload left.
+#[derive(Clone)]
+struct SharedBody(Arc<std::sync::Mutex<BodyStream>>);
+
+impl SharedBody {
+    fn new(body: Body) -> SharedBody {
+        SharedBody(Arc::new(std::sync::Mutex::new(Box::pin(idle_bounded(
+            body,
+        )))))
+    }
+
+    /// Reads and drops the rest of the body, for at most [`DRAIN_FOR`].
+    async fn drain(mut self) {
+        let _ = tokio::time::timeout(DRAIN_FOR, async {
+            while let Some(Ok(_)) = self.next().await {}
+        })
+        .await;
+    }
+}
+
+impl futures::Stream for SharedBody {
+    type Item = Result<Bytes, std::io::Error>;
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        // One reader at a time in practice (the writer, then the drain): never contended.
+        let mut inner = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        inner.as_mut().poll_next(cx)
+    }
 }
 
 /// How long an upload's body may send nothing before it is given up (envd's idle limit):
@@ -364,19 +412,21 @@ fn content_encoding(headers: &HeaderMap) -> Result<Encoding, HttpError> {
 }
 
 /// Writes what `data` reads to `path` in [`CHUNK`]-sized calls as it arrives (an empty
-/// body makes an empty file), the first call setting the file's metadata to `meta`.
-/// Errors: 400 for a body that breaks off or does not decode, or metadata the agent
-/// refuses.
+/// body makes an empty file), the first call setting the file's metadata to `meta`; the
+/// file's absolute path, as the sandbox resolved `path` (relative to the working directory,
+/// `~` the user's home). Errors: 400 for a body that breaks off or does not decode, or
+/// metadata the agent refuses.
 async fn write_from(
     g: &Gateway,
     call: &EnvdCall,
     path: &str,
     meta: &Metadata,
     data: impl tokio::io::AsyncRead,
-) -> Result<(), HttpError> {
+) -> Result<String, HttpError> {
     use tokio::io::AsyncReadExt;
     let mut data = std::pin::pin!(data);
     let mut off: i64 = 0;
+    let mut written = path.to_string();
     loop {
         let mut buf = Vec::with_capacity(CHUNK);
         (&mut data)
@@ -386,18 +436,21 @@ async fn write_from(
             .map_err(|e| HttpError(StatusCode::BAD_REQUEST, format!("the upload's body: {e}")))?;
         let n = buf.len();
         if n == 0 && off > 0 {
-            return Ok(());
+            return Ok(written);
         }
-        write_chunk(g, call, path, off, meta, buf).await?;
+        let at = write_chunk(g, call, path, off, meta, buf).await?;
+        if off == 0 {
+            written = at;
+        }
         off += n as i64;
         if n < CHUNK {
-            return Ok(());
+            return Ok(written);
         }
     }
 }
 
 /// Writes `data` at `offset` (0 replaces the file, creating missing parents first, as
-/// envd does, and sets its metadata to `meta`).
+/// envd does, and sets its metadata to `meta`); the file's absolute path.
 async fn write_chunk(
     g: &Gateway,
     call: &EnvdCall,
@@ -405,7 +458,7 @@ async fn write_chunk(
     offset: i64,
     meta: &Metadata,
     data: Vec<u8>,
-) -> Result<(), HttpError> {
+) -> Result<String, HttpError> {
     let req = pb::WriteFileRequest {
         sandbox_id: call.sandbox_id.clone(),
         path: path.to_string(),
@@ -422,7 +475,7 @@ async fn write_chunk(
         ..Default::default()
     };
     match g.api().write_file(g.req(&call.caller, req.clone())).await {
-        Ok(_) => return Ok(()),
+        Ok(r) => return Ok(r.into_inner().path),
         Err(s) if offset == 0 && s.code() == tonic::Code::NotFound => {}
         Err(s) => return Err(s.into()),
     }
@@ -447,8 +500,11 @@ async fn write_chunk(
         Err(s) if crate::rpc::failure_from_status(&s).reason == crate::types::Reason::Conflict => {}
         Err(s) => return Err(s.into()),
     }
-    g.api().write_file(g.req(&call.caller, req)).await?;
-    Ok(())
+    Ok(g.api()
+        .write_file(g.req(&call.caller, req))
+        .await?
+        .into_inner()
+        .path)
 }
 
 /// `-rw-r--r--` for a mode and a type.
@@ -605,7 +661,19 @@ pub async fn filesystem(
                     session: call.session(),
                     user: call.user.clone(),
                 };
-                g.api().remove(g.req(&call.caller, rreq)).await?;
+                match g.api().remove(g.req(&call.caller, rreq)).await {
+                    Ok(_) => {}
+                    // envd removes with RemoveAll: a path that is not there is removed
+                    // already, unless it is the sandbox that is not there.
+                    Err(s)
+                        if s.code() == tonic::Code::NotFound
+                            && matches!(
+                                super::envd::sandbox_gone(&g, &call.caller.token, &call.sandbox_id)
+                                    .await,
+                                Ok(false)
+                            ) => {}
+                    Err(s) => return Err(s.into()),
+                }
                 Ok(fs::RemoveResponse {})
             }
             .await;

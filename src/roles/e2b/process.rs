@@ -230,6 +230,10 @@ async fn list(g: &Gateway, call: &EnvdCall) -> Result<e2b::ListResponse, Connect
         .list_processes(g.req(&call.caller, req))
         .await?
         .into_inner();
+    // The creation's envVars went into every Start here; envd keeps them apart and lists
+    // what the Start itself gave, so they are taken out again (a command's own value for
+    // one of them stays).
+    let defaults = creation_env(g, call).await?;
     let processes = r
         .processes
         .into_iter()
@@ -237,7 +241,11 @@ async fn list(g: &Gateway, call: &EnvdCall) -> Result<e2b::ListResponse, Connect
             config: Some(e2b::ProcessConfig {
                 cmd: p.cmd,
                 args: p.args,
-                envs: p.env,
+                envs: p
+                    .env
+                    .into_iter()
+                    .filter(|(k, v)| defaults.get(k) != Some(v))
+                    .collect(),
                 cwd: (!p.cwd.is_empty()).then_some(p.cwd),
             }),
             pid: p.pid,
