@@ -29,6 +29,10 @@ pub struct E2bConfig {
     pub default_template: Option<E2bTemplate>,
     /// The longest timeout a caller may ask for, seconds; 0 = only admission's cap.
     pub max_timeout_s: i64,
+    /// Where template builds keep the files their `COPY` steps uploaded (docs/e2b.md
+    /// "Template builds"); empty = `opendsec-e2b-builds` in the system's temporary
+    /// directory.
+    pub build_dir: String,
 }
 
 /// The longest `ready_timeout_s` a template may have, seconds (a creation waits that long).
@@ -70,7 +74,10 @@ pub struct E2bTemplate {
     pub start_cmd: String,
     /// Wait for this TCP port to listen in the sandbox before handing it out; 0 = none.
     pub ready_port: u16,
-    /// Longest wait for `ready_port`, seconds; default 60.
+    /// Or wait until this shell command (`sh -c`) exits 0 in the sandbox, tried every
+    /// half second; empty = none.
+    pub ready_cmd: String,
+    /// Longest wait for `ready_port` or `ready_cmd`, seconds; default 60.
     pub ready_timeout_s: i64,
 }
 
@@ -114,6 +121,7 @@ impl E2bTemplate {
             } else {
                 d.ready_port
             },
+            ready_cmd: pick_s(&self.ready_cmd, &d.ready_cmd, ""),
             ready_timeout_s: pick_i(self.ready_timeout_s, d.ready_timeout_s, 60),
         }
     }
@@ -267,6 +275,7 @@ mod tests {
                 disk_mb: 0,
                 start_cmd: String::new(),
                 ready_port: 0,
+                ready_cmd: String::new(),
                 ready_timeout_s: 60,
             }
         );

@@ -410,6 +410,9 @@ class ImageInfo:
     snapshot: bool = False
     #: A snapshot that includes a microVM's memory.
     memory: bool = False
+    #: What else is kept about it (a template built through the E2B gateway keeps its
+    #: start and ready commands as ``e2b.start_cmd`` and ``e2b.ready_cmd``).
+    labels: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_pb(cls, m: opendsec_pb2.ImageInfo) -> "ImageInfo":
@@ -426,4 +429,5 @@ class ImageInfo:
             created_by=m.created_by,
             snapshot=m.snapshot,
             memory=m.memory,
+            labels=dict(m.labels),
         )

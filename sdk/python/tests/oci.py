@@ -106,9 +106,16 @@ def bash_layout(path: Path) -> None:
             files[lib.lstrip("/")] = Path(lib).resolve().read_bytes()
     busybox = next(p for p in ("/bin/busybox", "/usr/bin/busybox") if os.path.isfile(p))
     files["bin/busybox"] = Path(busybox).read_bytes()
-    for tool in ("sh", "cat", "echo", "ls", "mkdir", "rm", "sleep", "sha256sum", "cut", "stat", "id", "env"):
+    tools = ("sh", "cat", "echo", "ls", "mkdir", "rm", "sleep", "sha256sum", "cut", "stat", "id", "env")
+    # What E2B's template builds run (docs/e2b.md "Template builds"): tar for COPY steps,
+    # cut and grep for USER steps.
+    tools += ("tar", "gzip", "cp", "mv", "chown", "chmod", "mktemp", "dirname", "basename", "grep", "pwd", "touch", "test", "[")
+    for tool in tools:
         files[f"bin/{tool}"] = "busybox"
     files["etc/passwd"] = b"root:x:0:0:root:/root:/bin/bash\n"
+    files["etc/group"] = b"root:x:0:\n"
     files["root/.keep"] = b""
+    files["home/.keep"] = b""
+    files["tmp/.keep"] = b""
     files["srv/from-image"] = b"image\n"
     oci_layout(path, [files], env=["PATH=/bin"], workdir="/root")

@@ -35,7 +35,42 @@ pub(crate) fn info(image: &ImageRef, m: &ImageManifest) -> pb::ImageInfo {
         created_by: m.created_by.clone(),
         snapshot: m.snapshot,
         memory: m.memory,
+        labels: m.labels.clone().into_iter().collect(),
     }
+}
+
+/// Most labels one image keeps, longest key and value.
+const MAX_LABELS: usize = 32;
+const MAX_LABEL_KEY: usize = 128;
+const MAX_LABEL_VALUE: usize = 4096;
+
+/// Checks an image's labels. Errors: `invalid` naming the first wrong one.
+fn check_labels(labels: &std::collections::HashMap<String, String>) -> Result<(), Failure> {
+    if labels.len() > MAX_LABELS {
+        return Err(Failure::invalid(format!(
+            "{} labels: an image keeps at most {MAX_LABELS}",
+            labels.len()
+        )));
+    }
+    for (k, v) in labels {
+        let ok = !k.is_empty()
+            && k.len() <= MAX_LABEL_KEY
+            && k.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._/-".contains(&b));
+        if !ok {
+            return Err(Failure::invalid(format!(
+                "label {}: keys are 1-{MAX_LABEL_KEY} of a-z, 0-9, '.', '_', '/' and '-'",
+                shown(k)
+            )));
+        }
+        if v.len() > MAX_LABEL_VALUE {
+            return Err(Failure::invalid(format!(
+                "label {k}: its value is {} bytes, at most {MAX_LABEL_VALUE}",
+                v.len()
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn now_rfc3339() -> String {
@@ -62,7 +97,7 @@ impl Inner {
 
     /// `RegisterImage`: records an image whose layers are already in the store (written by
     /// `opendsec ctl image import`). Errors: `invalid` (bad name, a layer not in the store, a
-    /// bad env, workdir, user or parent), `forbidden` (no `layer.publish`), `conflict` (the
+    /// bad env, workdir, user, parent or label), `forbidden` (no `layer.publish`), `conflict` (the
     /// name exists and `overwrite` is off). With `dry_run` the same checks, and nothing
     /// written.
     pub(crate) async fn register_image(
@@ -111,6 +146,7 @@ impl Inner {
         if img.source.len() > 4096 {
             return Err(Failure::invalid("source longer than 4096 bytes"));
         }
+        check_labels(&img.labels)?;
         let store = self.store()?;
         let m = ImageManifest {
             layers,
@@ -119,6 +155,7 @@ impl Inner {
             user: img.user,
             parent: img.parent,
             source: img.source,
+            labels: img.labels.into_iter().collect(),
             created: now_rfc3339(),
             created_by: caller.principal.clone(),
             ..Default::default()
@@ -393,5 +430,31 @@ impl Inner {
             Ok(info(&name, &m))
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_are_bounded_and_named_plainly() {
+        let one = |k: &str, v: &str| [(k.to_string(), v.to_string())].into_iter().collect();
+        assert!(check_labels(&one("e2b.start_cmd", "python3 -m http.server")).is_ok());
+        assert!(check_labels(&one("a/b-c_d.9", &"v".repeat(MAX_LABEL_VALUE))).is_ok());
+        for (k, v) in [
+            ("", "v"),
+            ("Upper", "v"),
+            ("a b", "v"),
+            (&*"k".repeat(MAX_LABEL_KEY + 1), "v"),
+            ("k", &*"v".repeat(MAX_LABEL_VALUE + 1)),
+        ] {
+            let e = check_labels(&one(k, v)).unwrap_err();
+            assert_eq!(e.reason, crate::types::Reason::Invalid, "{k:?}");
+        }
+        let many = (0..=MAX_LABELS)
+            .map(|i| (format!("k{i}"), String::new()))
+            .collect();
+        assert!(check_labels(&many).is_err());
     }
 }

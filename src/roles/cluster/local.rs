@@ -80,6 +80,9 @@ pub struct UpOptions {
     pub network: bool,
     /// Listen address of the E2B gateway (docs/e2b.md); empty = no gateway.
     pub e2b_addr: String,
+    /// `network.upstream_dns`: the resolvers the sandboxes' DNS proxy asks (empty = the
+    /// host's).
+    pub upstream_dns: Vec<String>,
 }
 
 impl Default for UpOptions {
@@ -103,6 +106,7 @@ impl Default for UpOptions {
             image_store: String::new(),
             network: false,
             e2b_addr: String::new(),
+            upstream_dns: Vec::new(),
         }
     }
 }
@@ -209,6 +213,8 @@ impl LocalCluster {
         let admin_token = format!("dsk.admin.{}", secret());
         cfg.iam.admin_token = admin_token.clone();
         cfg.iam.state = o.iam_state.clone();
+        cfg.network.upstream_dns = o.upstream_dns.clone();
+        cfg.network.upstream_dns()?;
         let iam_l = bind("127.0.0.1:0", "iam").await?;
         cfg.iam.addr = local_addr(&iam_l);
         let w_l = bind("127.0.0.1:0", "watcher").await?;
@@ -298,6 +304,10 @@ impl LocalCluster {
         } else {
             let l = bind(&o.e2b_addr, "e2b gateway").await?;
             cfg.e2b = local_e2b(&local_addr(&l), o.host_image);
+            cfg.e2b.build_dir = std::path::Path::new(&o.state_dir)
+                .join("e2b-builds")
+                .display()
+                .to_string();
             Some(l)
         };
         cfg.validate()?;

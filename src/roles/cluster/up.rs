@@ -76,6 +76,10 @@ struct UpFlags {
     /// median simulated creation time of the sim backends, ms (default 0)
     #[argh(option, default = "0.0")]
     sim_latency_ms: f64,
+    /// the resolvers sandboxes' DNS proxy asks, address[:port], comma-separated (default:
+    /// the host's, from /etc/resolv.conf)
+    #[argh(option, default = "String::new()")]
+    upstream_dns: String,
 }
 
 /// Runs `cluster up` with `args` (after `up`).
@@ -164,6 +168,13 @@ async fn run(f: UpFlags) -> anyhow::Result<()> {
                 _ => f.runtime == "linux",
             },
             e2b_addr: e2b_addr(&f.e2b_addr, &f.addr),
+            upstream_dns: f
+                .upstream_dns
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(String::from)
+                .collect(),
             ..Default::default()
         };
         LocalCluster::up(&o).await?

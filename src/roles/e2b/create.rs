@@ -244,17 +244,31 @@ pub(super) fn network_rules(
 /// The spec of a creation body, and the template id it names.
 /// Errors: 400 for a malformed body or an option that cannot be honoured, 404 for an
 /// unknown template.
-pub(super) fn spec_of(
+#[cfg(test)]
+fn spec_of(g: &Gateway, m: &Map<String, Value>) -> Result<(pb::SandboxSpec, String), ApiError> {
+    let template = template_of(m)?;
+    let t = template_settings(g, &template)?;
+    spec_with(g, m, template, t)
+}
+
+/// The template id a creation body names (`base` when none). Errors: 400 for one that is
+/// no string.
+fn template_of(m: &Map<String, Value>) -> Result<String, ApiError> {
+    match field(m, "templateID") {
+        Some(Value::String(t)) if !t.is_empty() => Ok(t.clone()),
+        Some(_) => Err(ApiError::bad_request("templateID must be a string")),
+        None => Ok("base".to_string()),
+    }
+}
+
+/// The spec of a creation body for `template`, whose settings are `t`.
+fn spec_with(
     g: &Gateway,
     m: &Map<String, Value>,
+    template: String,
+    t: crate::config::E2bTemplate,
 ) -> Result<(pb::SandboxSpec, String), ApiError> {
     only(m, CREATE_KEYS, "create")?;
-    let template = match field(m, "templateID") {
-        Some(Value::String(t)) if !t.is_empty() => t.clone(),
-        Some(_) => return Err(ApiError::bad_request("templateID must be a string")),
-        None => "base".to_string(),
-    };
-    let t = template_settings(g, &template)?;
     let timeout = timeout_field(m, "timeout", g.max_timeout_s)?.unwrap_or(DEFAULT_TIMEOUT_S);
     let auto_pause = bool_field(m, "autoPause")?.unwrap_or(false);
     if bool_field(m, "autoPauseMemory")? == Some(false) {
@@ -332,6 +346,58 @@ pub(super) fn spec_of(
     Ok((spec, template))
 }
 
+/// How often a template's ready command is tried.
+const READY_CMD_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Waits until template `t`'s `ready_cmd` (`sh -c`) exits 0 in sandbox `id`, trying it
+/// every [`READY_CMD_EVERY`] until `deadline`. Errors: the apiserver's; 504 when it never
+/// did.
+async fn ready_by_command(
+    g: &Gateway,
+    caller: &Caller,
+    id: &str,
+    name: &str,
+    t: &crate::config::E2bTemplate,
+    deadline: tokio::time::Instant,
+) -> Result<(), ApiError> {
+    use pb::process_event::Kind;
+    loop {
+        let req = pb::StartProcessRequest {
+            sandbox_id: id.to_string(),
+            cmd: "/bin/sh".into(),
+            args: vec!["-c".into(), t.ready_cmd.clone()],
+            ..Default::default()
+        };
+        let mut events = g
+            .api()
+            .start_process(g.req(caller, req))
+            .await?
+            .into_inner();
+        let mut code = None;
+        while let Some(ev) = events.message().await? {
+            if let Some(Kind::End(e)) = ev.kind {
+                code = Some(e.exit_code);
+                break;
+            }
+        }
+        if code == Some(0) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() + READY_CMD_EVERY >= deadline {
+            return Err(ApiError::new(
+                504,
+                format!(
+                    "template {}: its ready command did not succeed within {} s of its start; \
+                     the sandbox was stopped",
+                    crate::types::names::shown(name),
+                    t.ready_timeout_s.max(1)
+                ),
+            ));
+        }
+        tokio::time::sleep(READY_CMD_EVERY).await;
+    }
+}
+
 /// What template id `template` is: a template of `e2b.templates`, or an image name (one
 /// holding `/`), over `default_template`. Errors: 404 for another.
 fn template_settings(g: &Gateway, template: &str) -> Result<crate::config::E2bTemplate, ApiError> {
@@ -350,6 +416,50 @@ fn template_settings(g: &Gateway, template: &str) -> Result<crate::config::E2bTe
                 offered(g)
             ),
         )),
+    }
+}
+
+/// What template id `template` is for `caller`: as [`template_settings`] says, else a
+/// template built through the template API (docs/e2b.md "Template builds"): the image
+/// `<project>/<name>:<tag>` of the caller's project (tag `default` without one), its start
+/// and ready commands from its labels. Errors: 404 naming the templates offered when there
+/// is none; the apiserver's others (403 for an image the caller may not use).
+pub(super) async fn resolve_template(
+    g: &Gateway,
+    caller: &Caller,
+    template: &str,
+) -> Result<crate::config::E2bTemplate, ApiError> {
+    let missing = match template_settings(g, template) {
+        Ok(t) => return Ok(t),
+        Err(e) => e,
+    };
+    let Ok((name, tag)) = super::templates::template_name(&caller.project, template) else {
+        return Err(missing);
+    };
+    let image = super::templates::image_name(&caller.project, &name, &tag)?;
+    match g
+        .api()
+        .get_image(g.req(
+            caller,
+            pb::ImageRef {
+                name: image.clone(),
+            },
+        ))
+        .await
+    {
+        Ok(info) => {
+            let labels = info.into_inner().labels;
+            let label = |k: &str| labels.get(k).cloned().unwrap_or_default();
+            Ok(crate::config::E2bTemplate {
+                image,
+                start_cmd: label(super::build::START_LABEL),
+                ready_cmd: label(super::build::READY_LABEL),
+                ..Default::default()
+            }
+            .over(g.default_template.as_ref()))
+        }
+        Err(s) if s.code() == tonic::Code::NotFound => Err(missing),
+        Err(s) => Err(s.into()),
     }
 }
 
@@ -383,11 +493,14 @@ async fn start_template(
         // Its first event says it started; the stream may go, the process stays.
         events.message().await?;
     }
+    let wait = std::time::Duration::from_secs(t.ready_timeout_s.max(1) as u64);
+    let deadline = tokio::time::Instant::now() + wait;
+    if !t.ready_cmd.is_empty() {
+        return ready_by_command(g, caller, id, name, t, deadline).await;
+    }
     if t.ready_port == 0 {
         return Ok(());
     }
-    let wait = std::time::Duration::from_secs(t.ready_timeout_s.max(1) as u64);
-    let deadline = tokio::time::Instant::now() + wait;
     loop {
         match super::ports::open(g, caller, id, t.ready_port).await {
             Ok(_) => return Ok(()),
@@ -458,8 +571,9 @@ pub async fn create(
     body: axum::body::Bytes,
 ) -> Result<Response, ApiError> {
     let m = object(&body)?;
-    let (spec, template) = spec_of(&g, &m)?;
-    let settings = template_settings(&g, &template)?;
+    let template = template_of(&m)?;
+    let settings = resolve_template(&g, &caller, &template).await?;
+    let (spec, template) = spec_with(&g, &m, template, settings.clone())?;
     let key = idempotency_key(&headers)?;
     let keyed = !key.is_empty();
     let req = pb::CreateSandboxRequest {
@@ -478,7 +592,7 @@ pub async fn create(
             e
         })?
         .into_inner();
-    if !settings.start_cmd.is_empty() || settings.ready_port > 0 {
+    if !settings.start_cmd.is_empty() || settings.ready_port > 0 || !settings.ready_cmd.is_empty() {
         // In a task of its own: a caller that hangs up meanwhile (its request timeout) drops
         // this handler, and a sandbox whose template did not start must still be stopped.
         let (g2, c2, id, name) = (g.clone(), caller.clone(), sb.id.clone(), template.clone());

@@ -2,6 +2,7 @@
 //! translated into calls to the apiserver made with the caller's own token, so permissions,
 //! quotas, rate limits and the audit log apply as to any caller. It keeps no state.
 
+mod build;
 mod connect;
 mod create;
 mod envd;
@@ -13,6 +14,7 @@ mod process;
 mod sandboxes;
 mod serve;
 mod snapshots;
+mod templates;
 mod watch;
 
 use std::net::SocketAddr;
@@ -72,6 +74,10 @@ pub struct Gateway {
     /// Tokens the apiserver recognised lately (their digests), so an in-sandbox call is
     /// refused before its body is read unless its token is one.
     known: envd::KnownTokens,
+    /// Template builds this gateway follows, and their uploaded files.
+    builds: templates::Builds,
+    /// `https` when this gateway serves TLS, else `http`: the scheme of links it makes.
+    scheme: &'static str,
 }
 
 impl Gateway {
@@ -117,7 +123,14 @@ impl Gateway {
             default_rules: cfg.network.default_rules.keys().cloned().collect(),
             envs: process::EnvCache::default(),
             known: envd::KnownTokens::default(),
+            builds: templates::Builds::new(&e.build_dir),
+            scheme: "http",
         })
+    }
+
+    /// Whether `name` is a template of `e2b.templates`.
+    fn has_template(&self, name: &str) -> bool {
+        self.templates.contains_key(name)
     }
 
     /// The HTTP routes of the control plane and of envd (docs/e2b.md "What works").
@@ -150,6 +163,18 @@ impl Gateway {
                 axum::routing::delete(snapshots::delete_snapshot),
             )
             .route("/sandboxes/{id}/fork", post(snapshots::fork))
+            .route("/v3/templates", post(templates::request_build))
+            .route("/v2/templates", post(templates::request_build))
+            .route("/templates/{id}/files/{hash}", get(templates::file_link))
+            .route(
+                "/v2/templates/{id}/builds/{build}",
+                post(templates::start_build),
+            )
+            .route(
+                "/templates/{id}/builds/{build}/status",
+                get(templates::build_status),
+            )
+            .route("/templates/aliases/{name}", get(templates::alias))
             .route_layer(axum::middleware::from_fn_with_state(
                 self.clone(),
                 control_body,
@@ -161,6 +186,11 @@ impl Gateway {
             .route("/process.Process/{method}", post(process::call))
             .route("/health", get(envd::health))
             .route("/files", get(files::download).post(files::upload))
+            // A template build's upload: its link is its authority, and its body streams.
+            .route(
+                "/templates/{id}/files/{hash}",
+                axum::routing::put(templates::upload),
+            )
             .route("/filesystem.Filesystem/{method}", post(files::filesystem))
             .fallback(not_served)
             .method_not_allowed_fallback(not_allowed)
@@ -301,7 +331,11 @@ pub async fn start(
     } else {
         Some(serve::tls_acceptor(&entry.tls_cert, &entry.tls_key)?)
     };
-    let g = Arc::new(Gateway::new(&cfg)?);
+    let mut g = Gateway::new(&cfg)?;
+    if tls.is_some() {
+        g.scheme = "https";
+    }
+    let g = Arc::new(g);
     let app = g.router().layer(axum::middleware::from_fn(trace));
     ready.set(true, "e2b");
     Ok(tokio::spawn(serve::serve(

@@ -341,7 +341,14 @@ class IamRestoreRequest(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class ImageInfo(_message.Message):
-    __slots__ = ("name", "layers", "env", "workdir", "user", "parent", "source", "created_at", "created_by", "snapshot", "memory")
+    __slots__ = ("name", "layers", "env", "workdir", "user", "parent", "source", "created_at", "created_by", "snapshot", "memory", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
@@ -353,6 +360,7 @@ class ImageInfo(_message.Message):
     CREATED_BY_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     name: str
     layers: _containers.RepeatedScalarFieldContainer[str]
     env: _containers.RepeatedScalarFieldContainer[str]
@@ -364,7 +372,8 @@ class ImageInfo(_message.Message):
     created_by: str
     snapshot: bool
     memory: bool
-    def __init__(self, name: _Optional[str] = ..., layers: _Optional[_Iterable[str]] = ..., env: _Optional[_Iterable[str]] = ..., workdir: _Optional[str] = ..., user: _Optional[str] = ..., parent: _Optional[str] = ..., source: _Optional[str] = ..., created_at: _Optional[int] = ..., created_by: _Optional[str] = ..., snapshot: bool = ..., memory: bool = ...) -> None: ...
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., layers: _Optional[_Iterable[str]] = ..., env: _Optional[_Iterable[str]] = ..., workdir: _Optional[str] = ..., user: _Optional[str] = ..., parent: _Optional[str] = ..., source: _Optional[str] = ..., created_at: _Optional[int] = ..., created_by: _Optional[str] = ..., snapshot: bool = ..., memory: bool = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RegisterImageRequest(_message.Message):
     __slots__ = ("image", "overwrite", "dry_run")
