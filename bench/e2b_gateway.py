@@ -1,7 +1,8 @@
 """The E2B gateway's cost: E2B's own SDK through the gateway against our SDK straight to the
 apiserver, in one run on one cluster (docs/e2b.md, docs/benchmarks.md "E2B gateway").
 
-    sudo .venv-e2b/<release>/bin/python bench/e2b_gateway.py [-n 40] [-exec-n 300] [-snap-n 20] [-json]
+    sudo .venv-e2b/<release>/bin/python bench/e2b_gateway.py [-n 40] [-exec-n 300] [-snap-n 20]
+        [-ci-n 10] [-ci-exec-n 100] [-json]
 
 Needs root (real containers), E2B's SDK and ours in one environment (`pip install e2b
 ./sdk/python`), and starts its own `opendsec cluster up -runtime linux -network off` (the
@@ -21,8 +22,14 @@ block by block so that the machine's noise falls on both alike:
      here), SNAP_N times each: E2B's `create_snapshot()` against our `create_snapshot`,
      E2B's `fork(count=2)` against our `fork(count=2)` (the copies stopped untimed), and
      creation from the snapshot to a first command's output, E2B's against ours.
-Prints medians and p99 in ms, and what the gateway adds. The code
-interpreter's `run_code("6*7")` is reported as not built until its template exists.
+  5. the code interpreter (template `code-interpreter-v1`, image target/code-interpreter-image
+     imported here as root/code-interpreter:v1), when `e2b_code_interpreter` is importable
+     and the layout exists (else the output says why not): `Sandbox.create()` of
+     `e2b_code_interpreter` (which waits for the Jupyter server) → `run_code("6*7")` giving
+     "42", CI_N times (killed untimed), and a warm `run_code("6*7")`, CI_EXEC_N times. Our
+     SDK has no run_code; its peer on the same image is a new process,
+     `run_shell("python3 -c 'print(6*7)'")`, after `run_sandbox` and warm.
+Prints medians and p99 in ms, and what the gateway adds.
 (Not named e2b.py: a script of that name would be what `import e2b` finds.)
 """
 
@@ -33,6 +40,7 @@ import asyncio
 import json
 import os
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -269,6 +277,128 @@ async def measure_snapshots(a: argparse.Namespace, res: dict[str, list[float]]) 
             await o.stop()
 
 
+CI_IMAGE = "root/code-interpreter:v1"
+CI_LAYOUT = os.path.join(ROOT, "target", "code-interpreter-image")
+
+
+def code_interpreter_missing() -> str | None:
+    """Why run_code cannot be measured here, or None when it can."""
+    try:
+        import e2b_code_interpreter  # noqa: F401,PLC0415
+    except ImportError as e:
+        return f"not measured: e2b_code_interpreter is not importable ({e})"
+    if not os.path.isfile(os.path.join(CI_LAYOUT, "index.json")):
+        return (f"not measured: no image layout at {CI_LAYOUT} "
+                "(sudo bash packaging/code-interpreter/build.sh target/code-interpreter-image)")
+    return None
+
+
+async def measure_code_interpreter(a: argparse.Namespace, res: dict[str, list[float]]) -> str:
+    """The code interpreter (template code-interpreter-v1): create → first `run_code("6*7")`
+    and a warm `run_code("6*7")`; beside them our SDK's nearest peer on the same image, a
+    new `python3 -c 'print(6*7)'` through run_shell (our SDK has no run_code). Returns a
+    note on the peer."""
+    from e2b_code_interpreter import Sandbox as CISandbox
+    from opendsec import DSecClient, DSecRunArgs
+
+    env = dict(os.environ, OPENDSEC_PROJECT="root")
+    subprocess.run([BIN, "ctl", "image", "import", CI_LAYOUT + "#v1", "-as", CI_IMAGE, "-q"],
+                   env=env, check=True, stdout=subprocess.DEVNULL)
+    loop = asyncio.get_running_loop()
+    run = loop.run_in_executor
+    py = "python3 -c 'print(6*7)'"
+    args = DSecRunArgs(backend="container", image=CI_IMAGE, cpu_cores_limit=1, memory_limit_mb=512)
+
+    def e2b_create_code(k: int) -> list[float]:
+        out = []
+        for _ in range(k):
+            t0 = time.perf_counter()
+            s = CISandbox.create()
+            ex = s.run_code("6*7")
+            took = ms(t0)
+            assert ex.text == "42", (ex.text, ex.error, ex.logs)
+            out.append(took)
+            s.kill()
+        return out
+
+    def e2b_code(s, k: int) -> list[float]:
+        out = []
+        for _ in range(k):
+            t0 = time.perf_counter()
+            ex = s.run_code("6*7")
+            took = ms(t0)
+            assert ex.text == "42", (ex.text, ex.error, ex.logs)
+            out.append(took)
+        return out
+
+    async def ours_create_py(c, k: int) -> list[float]:
+        out = []
+        for _ in range(k):
+            t0 = time.perf_counter()
+            sb = await c.run_sandbox(args)
+            r = await sb.run_shell(py)
+            took = ms(t0)
+            assert _stdout(r).strip() == "42", r
+            out.append(took)
+            await sb.stop()
+        return out
+
+    async def ours_py(sb, k: int) -> list[float]:
+        out = []
+        for _ in range(k):
+            t0 = time.perf_counter()
+            r = await sb.run_shell(py)
+            took = ms(t0)
+            assert _stdout(r).strip() == "42", r
+            out.append(took)
+        return out
+
+    for k in ("e2b_ci_create_first_run_code", "ours_ci_create_first_python3", "e2b_ci_run_code", "ours_ci_python3"):
+        res[k] = []
+    note = "our SDK has no run_code; peer: run_sandbox(image=%s) + run_shell(%r)" % (CI_IMAGE, py)
+    async with DSecClient() as c:
+        peer = True
+        try:
+            await ours_create_py(c, 1)
+        except Exception as e:  # noqa: BLE001 (the peer is optional)
+            peer = False
+            note = f"our SDK has no run_code; the python3 peer failed, left out: {e!r}"[:300]
+        await run(None, e2b_create_code, 1)
+        done = 0
+        while done < a.ci_n:
+            k = min(5, a.ci_n - done)
+            res["e2b_ci_create_first_run_code"] += await run(None, e2b_create_code, k)
+            if peer:
+                res["ours_ci_create_first_python3"] += await ours_create_py(c, k)
+            done += k
+        s = await run(None, CISandbox.create)
+        o = await c.run_sandbox(args) if peer else None
+        try:
+            await run(None, e2b_code, s, 3)
+            if o is not None:
+                await ours_py(o, 3)
+            done = 0
+            while done < a.ci_exec_n:
+                k = min(BLOCK * 2, a.ci_exec_n - done)
+                res["e2b_ci_run_code"] += await run(None, e2b_code, s, k)
+                if o is not None:
+                    res["ours_ci_python3"] += await ours_py(o, k)
+                done += k
+        finally:
+            await run(None, s.kill)
+            if o is not None:
+                await o.stop()
+    for k in [k for k, v in res.items() if k.startswith("ours_ci_") and not v]:
+        del res[k]
+    return note
+
+
+def _stdout(r) -> str:
+    """run_shell's result as text, whatever its shape (an object with stdout, bytes, str)."""
+    v = getattr(r, "stdout", r)
+    return v.decode() if isinstance(v, (bytes, bytearray)) else str(v)
+
+
 async def measure(a: argparse.Namespace) -> dict:
     from e2b import Sandbox
     from opendsec import DSecClient, DSecRunArgs
@@ -303,7 +433,10 @@ async def measure(a: argparse.Namespace) -> dict:
     await measure_start(a, res)
     if a.snap_n > 0:
         await measure_snapshots(a, res)
-    out = {k: summary(v) for k, v in res.items()}
+    ci = code_interpreter_missing() if a.ci_n > 0 or a.ci_exec_n > 0 else "not measured: -ci-n 0 -ci-exec-n 0"
+    if ci is None:
+        ci = await measure_code_interpreter(a, res)
+    out = {k: summary(v) for k, v in res.items() if v}
     out["added_by_gateway_ms"] = {
         "create_first_p50 (E2B SDK vs ours, incl. bash -l)": round(out["e2b_create_first"]["p50"] - out["ours_create_first"]["p50"], 3),
         "exec_p50 (E2B SDK vs ours, incl. bash -l)": round(out["e2b_exec"]["p50"] - out["ours_exec"]["p50"], 3),
@@ -312,7 +445,7 @@ async def measure(a: argparse.Namespace) -> dict:
     if a.snap_n > 0:
         for k in ("snapshot", "fork2"):
             out["added_by_gateway_ms"][f"{k}_p50"] = round(out[f"e2b_{k}"]["p50"] - out[f"ours_{k}"]["p50"], 3)
-    out["run_code"] = "not built: the code-interpreter template does not exist yet"
+    out["run_code"] = ci
     return out
 
 
@@ -321,6 +454,8 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=40, help="creations per SDK")
     ap.add_argument("-exec-n", dest="exec_n", type=int, default=300, help="warm round trips per SDK")
     ap.add_argument("-snap-n", dest="snap_n", type=int, default=20, help="snapshots, forks and creations from a snapshot per SDK (0: none)")
+    ap.add_argument("-ci-n", dest="ci_n", type=int, default=10, help="code-interpreter creations → first run_code")
+    ap.add_argument("-ci-exec-n", dest="ci_exec_n", type=int, default=100, help="warm run_code round trips")
     ap.add_argument("-json", action="store_true", help="print JSON only")
     a = ap.parse_args()
     if os.geteuid() != 0:
@@ -334,6 +469,8 @@ def main() -> None:
         p.send_signal(signal.SIGTERM)
         try:
             p.wait(timeout=30)
+            # The sandboxes' disks are gone with them once the cluster stopped them.
+            shutil.rmtree(state, ignore_errors=True)
         except subprocess.TimeoutExpired:
             p.kill()
     if a.json:

@@ -8,7 +8,7 @@
 # needs no network.
 #
 #   bash packaging/code-interpreter/build.sh OUT_LAYOUT
-#   opendsec ctl image import OUT_LAYOUT#v1 -as root/code-interpreter:v1
+#   opendsec ctl image import ./OUT_LAYOUT#v1 -as root/code-interpreter:v1
 #
 # `cluster up` offers the image as E2B's template `code-interpreter-v1` (its start command
 # runs the server, which listens on 127.0.0.1:49999). Needs root, debootstrap and umoci;

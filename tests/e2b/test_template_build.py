@@ -113,3 +113,28 @@ def test_what_the_gateway_cannot_build_is_refused_by_name(linux, bash_image):
     with pytest.raises(BuildException) as ei:
         Template.build(Template().from_template("base"), "tpl-on-host")
     assert "store image" in str(ei.value)
+
+
+def test_builds_that_change_no_files_chain_and_start(bash_image):
+    """Each build of a template that changed nothing packs the same empty layer its base
+    ended with; sandboxes of the chain still start."""
+    Template.build(Template().from_image(bash_image).run_cmd("true"), "tpl-chain-a")
+    Template.build(Template().from_template("tpl-chain-a").run_cmd("true"), "tpl-chain-b")
+    Template.build(Template().from_template("tpl-chain-b").set_envs({"CHAIN": "c"}), "tpl-chain-c")
+    sbx = Sandbox.create("tpl-chain-c")
+    try:
+        assert sbx.commands.run("echo $CHAIN; cat /srv/from-image").stdout == "c\nimage\n"
+    finally:
+        sbx.kill()
+
+
+def test_refused_builds_hold_no_place_and_config_names_are_refused(bash_image):
+    # More refused builds than a caller may run at once: each is over when refused.
+    for _ in range(6):
+        with pytest.raises(BuildException) as ei:
+            Template.build(Template().from_image(bash_image, username="u", password="p"), "tpl-refused")
+        assert "fromImageRegistry" in str(ei.value)
+    Template.build(Template().from_image(bash_image).run_cmd("true"), "tpl-after-refusals")
+    with pytest.raises(BuildException) as ei:
+        Template.build(Template().from_image(bash_image), "base")
+    assert "config" in str(ei.value), ei.value

@@ -171,3 +171,31 @@ print(json.dumps({"err": err, "took": took, "left": sorted(listed() - before)}))
     )
     assert got["err"] and "nothing listened on port 8124 within 2 s" in got["err"], got
     assert got["took"] < 20 and got["left"] == [], got
+
+
+def test_a_replayed_keyed_creation_starts_the_template_once_and_keeps_the_sandbox(own):
+    import ssl
+
+    trusting = ssl.create_default_context(cafile=own["cert"])
+    headers = {"X-API-Key": own["E2B_API_KEY"], "Idempotency-Key": f"replay-{time.time_ns()}"}
+    url = f"{own['E2B_API_URL']}/v2/sandboxes"
+    with httpx.Client(verify=trusting, timeout=60) as c:
+        first = c.post(url, json={"templateID": "ready", "timeout": 120}, headers=headers)
+        assert first.status_code == 201, first.text
+        again = c.post(url, json={"templateID": "ready", "timeout": 120}, headers=headers)
+        assert again.status_code == 201, again.text
+        sid = first.json()["sandboxID"]
+        assert again.json()["sandboxID"] == sid
+        info = c.get(f"{own['E2B_API_URL']}/sandboxes/{sid}", headers={"X-API-Key": own["E2B_API_KEY"]})
+        assert info.status_code == 200 and info.json()["state"] == "running", info.text
+        got = sdk(
+            own,
+            f"""
+import json
+from e2b import Sandbox
+sbx = Sandbox.connect("{sid}")
+print(json.dumps([p.tag for p in sbx.commands.list()]))
+sbx.kill()
+""",
+        )
+        assert got.count("e2b-start") == 1, got

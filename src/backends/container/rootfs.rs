@@ -176,6 +176,12 @@ pub fn overlay_on(
     let (upper, work) = (disk.join("upper"), disk.join("work"));
     mkdir(&upper, 0o755)?;
     mkdir(&work, 0o700)?;
+    // overlayfs refuses a lower named twice. The same layer twice in a row is the same tree
+    // as once (an image packed from a sandbox that changed nothing ends with the empty
+    // layer its parent ended with), so a run of one layer counts once.
+    let mut lowers = lowers.to_vec();
+    lowers.dedup();
+    let lowers = lowers.as_slice();
     for p in hide {
         hide_in_upper(&upper, lowers, p)?;
     }

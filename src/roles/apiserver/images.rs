@@ -383,7 +383,7 @@ impl Inner {
             .await
             .map_err(|s| failure_from_status(&s))?
             .into_inner();
-        let layers = packed
+        let mut layers = packed
             .layers
             .iter()
             .map(|l| {
@@ -392,6 +392,9 @@ impl Inner {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
+        // A sandbox that changed nothing packs the empty layer, which its image may end
+        // with already (made the same way): once is the same tree.
+        layers.dedup();
         if layers.len() > crate::images::compose::MAX_LAYERS {
             return Err(Failure::invalid(format!(
                 "the new image would have {} layers; at most {} can be stacked (compose fewer parts)",

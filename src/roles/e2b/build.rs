@@ -296,14 +296,20 @@ async fn steps_and_image(
 /// `useradd`, else busybox's `adduser`, else by hand with the next free uid from 1000.
 const ADD_USER: &str = r#"set -e
 id -u "$1" >/dev/null 2>&1 && exit 0
-if command -v useradd >/dev/null 2>&1; then exec useradd -m -s /bin/sh "$1"; fi
-if command -v adduser >/dev/null 2>&1; then exec adduser -D "$1"; fi
-uid=1000
-while cut -d: -f3 /etc/passwd /etc/group | grep -qx "$uid"; do uid=$((uid + 1)); done
-echo "$1:x:$uid:$uid::/home/$1:/bin/sh" >> /etc/passwd
-echo "$1:x:$uid:" >> /etc/group
-mkdir -p "/home/$1"
-chown "$uid:$uid" "/home/$1"
+if command -v useradd >/dev/null 2>&1; then
+  useradd -m -s /bin/sh "$1"
+elif command -v adduser >/dev/null 2>&1; then
+  adduser -D "$1"
+else
+  uid=1000
+  while cut -d: -f3 /etc/passwd /etc/group | grep -qx "$uid"; do uid=$((uid + 1)); done
+  echo "$1:x:$uid:$uid::/home/$1:/bin/sh" >> /etc/passwd
+  echo "$1:x:$uid:" >> /etc/group
+  mkdir -p "/home/$1"
+fi
+# A home the image had already (root's) becomes the new user's.
+home=$(grep "^$1:" /etc/passwd | cut -d: -f6)
+if [ -n "$home" ] && [ -d "$home" ]; then chown "$(id -u "$1"):$(id -g "$1")" "$home"; fi
 "#;
 
 /// Unpacks the tar `$1` (`$2`: 1 when gzip-compressed) and copies what `$3` (its matched

@@ -373,24 +373,35 @@ async fn ready_by_command(
             .start_process(g.req(caller, req))
             .await?
             .into_inner();
-        let mut code = None;
+        let (mut code, mut said) = (None, Vec::new());
         while let Some(ev) = events.message().await? {
-            if let Some(Kind::End(e)) = ev.kind {
-                code = Some(e.exit_code);
-                break;
+            match ev.kind {
+                Some(Kind::Stdout(d)) | Some(Kind::Stderr(d)) if said.len() < 4096 => {
+                    said.extend_from_slice(&d)
+                }
+                Some(Kind::End(e)) => {
+                    code = Some(e.exit_code);
+                    break;
+                }
+                _ => {}
             }
         }
         if code == Some(0) {
             return Ok(());
         }
         if tokio::time::Instant::now() + READY_CMD_EVERY >= deadline {
+            let said = String::from_utf8_lossy(&said);
+            let said: String = said.trim().chars().take(512).collect();
             return Err(ApiError::new(
                 504,
                 format!(
-                    "template {}: its ready command did not succeed within {} s of its start; \
-                     the sandbox was stopped",
+                    "template {}: its ready command did not succeed within {} s of its start \
+                     (last exit {}{}{}); the sandbox was stopped",
                     crate::types::names::shown(name),
-                    t.ready_timeout_s.max(1)
+                    t.ready_timeout_s.max(1),
+                    code.map_or("none".to_string(), |c| c.to_string()),
+                    if said.is_empty() { "" } else { ", saying: " },
+                    said
                 ),
             ));
         }
@@ -485,13 +496,18 @@ async fn start_template(
             tag: "e2b-start".into(),
             ..Default::default()
         };
-        let mut events = g
-            .api()
-            .start_process(g.req(caller, req))
-            .await?
-            .into_inner();
-        // Its first event says it started; the stream may go, the process stays.
-        events.message().await?;
+        match g.api().start_process(g.req(caller, req)).await {
+            Ok(events) => {
+                // Its first event says it started; the stream may go, the process stays.
+                events.into_inner().message().await?;
+            }
+            // The tag is taken: the start command runs already, as it does when a keyed
+            // creation is replayed (the same sandbox comes back): wait for it, once.
+            Err(s)
+                if crate::rpc::failure_from_status(&s).reason == crate::types::Reason::Conflict => {
+            }
+            Err(s) => return Err(s.into()),
+        }
     }
     let wait = std::time::Duration::from_secs(t.ready_timeout_s.max(1) as u64);
     let deadline = tokio::time::Instant::now() + wait;

@@ -23,6 +23,8 @@ pub const CHUNK: usize = 8 << 20;
 /// Deepest `ListDir` served, and most entries one answer holds.
 const MAX_DEPTH: u32 = 16;
 const MAX_ENTRIES: usize = 100_000;
+/// Most bytes of paths and names one `ListDir` answer holds.
+const MAX_LIST_BYTES: usize = 32 << 20;
 
 /// An error of envd's plain HTTP API: `{"code": <status>, "message": ...}` (E2B's SDKs map
 /// 400, 401, 404, 429, 502 and 507 to their exceptions).
@@ -708,6 +710,7 @@ async fn list(
     out: &mut Vec<fs::EntryInfo>,
 ) -> Result<(), ConnectError> {
     let mut level = vec![path.to_string()];
+    let mut bytes = 0usize;
     for d in 0..depth {
         let mut next = Vec::new();
         for dir in level {
@@ -726,11 +729,15 @@ async fn list(
                 if f.r#type == "dir" && d + 1 < depth {
                     next.push(f.path.clone());
                 }
+                // Names are what can be long (4 KiB paths): they bound the answer too.
+                bytes += f.path.len() + f.name.len() + f.symlink_target.len();
                 out.push(entry_of(f));
-                if out.len() > MAX_ENTRIES {
+                if out.len() > MAX_ENTRIES || bytes > MAX_LIST_BYTES {
                     return Err(ConnectError::new(
                         Code::ResourceExhausted,
-                        format!("more than {MAX_ENTRIES} entries; list less deep"),
+                        format!(
+                            "more than {MAX_ENTRIES} entries or {MAX_LIST_BYTES} bytes of names; list less deep"
+                        ),
                     ));
                 }
             }

@@ -45,6 +45,8 @@ const LINK_FOR: Duration = Duration::from_secs(3600);
 const KEEP_FILES: Duration = Duration::from_secs(86_400);
 /// The largest file one `COPY` step uploads (a tar of its sources).
 pub const MAX_UPLOAD: u64 = 4 << 30;
+/// How long a build waits for its steps before it is given up.
+const WAIT_FOR_STEPS: Duration = Duration::from_secs(600);
 /// Log entries one status answer holds at most (E2B's `limit` default).
 const MAX_LIMIT: usize = 100;
 
@@ -65,10 +67,6 @@ impl Status {
             Status::Ready => "ready",
             Status::Error => "error",
         }
-    }
-
-    fn finished(self) -> bool {
-        matches!(self, Status::Ready | Status::Error)
     }
 }
 
@@ -93,6 +91,9 @@ pub struct Build {
     pub cpu: Option<f64>,
     pub memory_mb: Option<i64>,
     owner: [u8; 32],
+    /// When it was asked for: a build whose steps never come is given up after
+    /// [`WAIT_FOR_STEPS`].
+    asked: Instant,
     progress: Mutex<Progress>,
 }
 
@@ -154,6 +155,27 @@ impl Build {
 
     fn status(&self) -> Status {
         self.lock().status
+    }
+
+    /// Whether the build still takes one of its caller's places: started and not finished,
+    /// or waiting for its steps for less than [`WAIT_FOR_STEPS`] (one waiting longer is
+    /// given up here).
+    fn running(&self) -> bool {
+        match self.status() {
+            Status::Building => true,
+            Status::Waiting if self.asked.elapsed() < WAIT_FOR_STEPS => true,
+            Status::Waiting => {
+                self.finish(Err((
+                    format!(
+                        "its steps did not come within {} s",
+                        WAIT_FOR_STEPS.as_secs()
+                    ),
+                    None,
+                )));
+                false
+            }
+            Status::Ready | Status::Error => false,
+        }
     }
 }
 
@@ -217,7 +239,7 @@ impl Builds {
         });
         let running = all
             .values()
-            .filter(|x| x.owner == b.owner && !x.status().finished())
+            .filter(|x| x.owner == b.owner && x.running())
             .count();
         if running >= MAX_RUNNING {
             let mut e = ApiError::new(
@@ -306,6 +328,12 @@ pub async fn request_build(
         _ => return Err(ApiError::bad_request("name must be given, a string")),
     };
     let (template, tag) = template_name(&caller.project, &name)?;
+    if g.has_template(&template) {
+        return Err(ApiError::bad_request(format!(
+            "template name {}: a template of this cluster's config has it, which              Sandbox.create would start instead; choose another",
+            shown(&template)
+        )));
+    }
     let mut tags = vec![tag];
     if let Some(v) = field(&m, "tags") {
         let list = v
@@ -343,6 +371,7 @@ pub async fn request_build(
         cpu,
         memory_mb,
         owner: owner_of(&caller),
+        asked: Instant::now(),
         progress: Mutex::new(Progress {
             status: Status::Waiting,
             entries: Vec::new(),
@@ -568,8 +597,16 @@ pub async fn start_build(
         .builds
         .get(&template, &id, &owner_of(&caller))
         .ok_or_else(|| not_found(&template, &id))?;
-    let m = object(&body)?;
-    let spec = parse_spec(&m)?;
+    let spec = match object(&body).and_then(|m| parse_spec(&m)) {
+        Ok(s) => s,
+        Err(e) => {
+            // A build whose steps were refused is over: it holds none of its caller's places.
+            if b.status() == Status::Waiting {
+                b.finish(Err((e.message.clone(), None)));
+            }
+            return Err(e);
+        }
+    };
     {
         let mut p = b.lock();
         if p.started {
@@ -752,10 +789,12 @@ fn parse_step(n: usize, v: &Value) -> Result<Step, ApiError> {
             }
             Step::User(u)
         }
-        other => return Err(bad(format!(
+        other => {
+            return Err(bad(format!(
             "step type {} is not supported by this gateway (RUN, COPY, ENV, WORKDIR and USER are)",
             shown(other)
-        ))),
+        )))
+        }
     };
     Ok(step)
 }
