@@ -409,6 +409,20 @@ impl EnvdCall {
     }
 }
 
+/// A call refused before its body is read, `e`: a known caller's (small) body is read
+/// through first, for at most 1 MiB and 5 s, so a client still sending it gets the answer
+/// rather than a broken connection; an unauthenticated one's is never read.
+pub async fn refuse_after_body(e: ConnectError, body: axum::body::Body) -> ConnectError {
+    if e.code != Code::Unauthenticated {
+        let _ = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            axum::body::to_bytes(body, 1 << 20),
+        )
+        .await;
+    }
+    e
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

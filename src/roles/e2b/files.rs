@@ -195,6 +195,11 @@ pub async fn upload(
     body: Body,
 ) -> Response {
     let probe = probe_of(&call);
+    // A known caller's refused upload is read through below (see there).
+    let known = match &call {
+        Ok(_) => true,
+        Err(e) => e.code != Code::Unauthenticated,
+    };
     let body = SharedBody::new(body);
     let rest = body.clone();
     let r = async {
@@ -264,7 +269,7 @@ pub async fn upload(
         Ok(axum::Json(written).into_response())
     }
     .await;
-    if r.is_err() && probe.is_some() {
+    if r.is_err() && known {
         // A refusal before the body is read (a bad user, a path that is a directory) would
         // otherwise reach a client still sending it as a broken pipe instead of the answer.
         // Only an authenticated caller's body is read through: anyone else's is never held.
@@ -578,7 +583,10 @@ pub async fn filesystem(
     };
     let call = match envd {
         Ok(c) => c,
-        Err(e) => return connect::failed(codec, stream, e),
+        Err(e) => {
+            let e = super::envd::refuse_after_body(e, body).await;
+            return connect::failed(codec, stream, e);
+        }
     };
     match method.as_str() {
         "Stat" => {

@@ -92,7 +92,7 @@ pub async fn call(
     let fail = |e: ConnectError| connect::failed(codec, stream, e);
     let call = match envd {
         Ok(c) => c,
-        Err(e) => return fail(e),
+        Err(e) => return fail(super::envd::refuse_after_body(e, body).await),
     };
     let streaming = matches!(method.as_str(), "Start" | "Connect" | "StreamInput");
     if streaming != stream {
