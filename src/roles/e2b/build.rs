@@ -393,7 +393,9 @@ async fn copy(
     n: &str,
 ) -> Result<(), Failed> {
     let fail = at(n);
-    let file = sh.g.builds.file(&owner_digest(sh.caller), hash);
+    let file =
+        sh.g.builds
+            .file(&super::templates::owner_of(sh.caller), hash);
     let data = tokio::fs::read(&file).await.map_err(|_| {
         fail(format!(
             "COPY {}: its files were not uploaded (hash {hash})",
@@ -450,11 +452,6 @@ async fn copy(
         )));
     }
     Ok(())
-}
-
-fn owner_digest(caller: &Caller) -> [u8; 32] {
-    use sha2::Digest;
-    sha2::Sha256::digest(caller.token.as_bytes()).into()
 }
 
 /// Packs the sandbox into the build's images with the template's settings.

@@ -262,7 +262,7 @@ impl Builds {
 }
 
 /// Who owns what a caller builds and uploads: a digest of its token.
-fn owner_of(caller: &Caller) -> [u8; 32] {
+pub(super) fn owner_of(caller: &Caller) -> [u8; 32] {
     Sha256::digest(caller.token.as_bytes()).into()
 }
 
