@@ -7,7 +7,9 @@ cd "$(dirname "$0")/.."
 while read -r pin; do
   case "$pin" in ''|'#'*) continue ;; esac
   # A line may name more than one package (the code interpreter's SDK beside `e2b`); the
-  # first names the environment.
+  # first names the environment. Test files after ` -- ` narrow the run to them.
+  tests=.
+  case "$pin" in *' -- '*) tests=${pin#* -- }; pin=${pin%% -- *} ;; esac
   first=${pin%% *}
   venv=".venv-e2b/${first//[^a-zA-Z0-9.]/_}"
   if [ ! -x "$venv/bin/python" ]; then
@@ -15,6 +17,7 @@ while read -r pin; do
   fi
   # shellcheck disable=SC2086 # one word per package
   "$venv/bin/pip" install -q --disable-pip-version-check $pin pytest pytest-asyncio pytest-timeout
-  echo "== tests/e2b with $pin"
-  (cd tests/e2b && "../../$venv/bin/python" -m pytest -q .)
+  echo "== tests/e2b/$tests with $pin"
+  # shellcheck disable=SC2086 # one word per test file
+  (cd tests/e2b && "../../$venv/bin/python" -m pytest -q $tests)
 done < tests/e2b/versions.txt

@@ -30,6 +30,14 @@ use tonic::transport::Channel;
 async fn cluster(
     edges: &[(f64, f64)],
 ) -> (LocalCluster, DSecClient<Channel>, String, tempfile::TempDir) {
+    cluster_with(edges, |_| {}).await
+}
+
+/// [`cluster`], with `tune` applied to the config last.
+async fn cluster_with(
+    edges: &[(f64, f64)],
+    tune: impl FnOnce(&mut Config),
+) -> (LocalCluster, DSecClient<Channel>, String, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let secret = || hex::encode(rand::random::<[u8; 16]>());
     let mut cfg = Config {
@@ -76,6 +84,7 @@ async fn cluster(
             ..Default::default()
         });
     }
+    tune(&mut cfg);
     let c = LocalCluster::from_config(cfg).await.unwrap();
     let client = DSecClient::new(channel(&c.api_addrs[0], Duration::from_secs(2)).unwrap())
         .max_decoding_message_size(80 << 20);
@@ -167,6 +176,67 @@ async fn project_with_quota(c: &mut DSecClient<Channel>, t: &str, name: &str, sa
     ))
     .await
     .unwrap();
+}
+
+/// A sandbox access token spends the call rate of its sandbox's creator: a caller with
+/// three sandboxes gets no more calls through their three tokens than by itself, and the
+/// calls it made through them count against its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_tokens_spend_their_creator_s_call_rate() {
+    const BURST: f64 = 12.0;
+    let (cluster, mut c, t, _d) = cluster_with(&[(64.0, 0.0)], |cfg| {
+        // Next to no refill: what passes is the burst.
+        cfg.admission.request_rate = 0.01;
+        cfg.admission.request_burst = BURST;
+    })
+    .await;
+    let key =
+        opendsec::rpc::grant::GrantKey::from_service_token(&cluster.cfg.service_token).unwrap();
+    let made = batch(&mut c, &t, "", spec(1.0), 3, "").await;
+    let tokens: Vec<(String, String)> = made
+        .into_iter()
+        .map(|r| {
+            let id = r.unwrap().id;
+            (key.mint(&id), id)
+        })
+        .collect();
+    let (mut passed, mut limited) = (0, 0);
+    for round in 0..BURST as usize {
+        for (token, id) in &tokens {
+            let r = c
+                .get_sandbox(with_token(pb::SandboxRef { id: id.clone() }, token))
+                .await;
+            match r.map_err(|s| failure_from_status(&s)) {
+                Ok(sb) => {
+                    assert_eq!(&sb.into_inner().id, id);
+                    passed += 1;
+                }
+                Err(f) => {
+                    assert_eq!(f.reason, Reason::RateLimited, "round {round}: {f}");
+                    assert!(f.message.contains("\"admin\""), "{f}");
+                    limited += 1;
+                }
+            }
+        }
+    }
+    // One burst in all (less the creation's call); per sandbox, each token would have had
+    // a whole burst of its own and none would have been refused.
+    assert!(passed <= BURST as usize, "{passed} calls passed");
+    assert!(limited >= 2 * BURST as usize, "{limited} calls refused");
+    assert_eq!(passed + limited, 3 * BURST as usize);
+    // The creator's own calls are out of rate now too.
+    let f = c
+        .get_sandbox(with_token(
+            pb::SandboxRef {
+                id: tokens[0].1.clone(),
+            },
+            &t,
+        ))
+        .await
+        .map_err(|s| failure_from_status(&s))
+        .unwrap_err();
+    assert_eq!(f.reason, Reason::RateLimited, "{f}");
+    cluster.down().await;
 }
 
 /// Item 10: the edge used to queue the lease of a stopped sandbox for a batched release

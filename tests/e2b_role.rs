@@ -18,11 +18,42 @@ use std::time::{Duration, Instant};
 
 /// One HTTP/1.1 request to 127.0.0.1:port: the status and the body.
 fn call(port: u16, method: &str, path: &str, key: &str, body: &str) -> (u16, String) {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    call_from("127.0.0.1", port, method, path, &[("X-API-KEY", key)], body)
+}
+
+/// One HTTP/1.1 request to 127.0.0.1:port from the loopback address `from` (any of
+/// 127.0.0.0/8), with `headers`: the status and the body.
+fn call_from(
+    from: &str,
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, String) {
+    let sock = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async {
+            let s = tokio::net::TcpSocket::new_v4().unwrap();
+            s.bind(format!("{from}:0").parse().unwrap()).unwrap();
+            s.connect(([127, 0, 0, 1], port).into())
+                .await
+                .unwrap()
+                .into_std()
+                .unwrap()
+        });
+    sock.set_nonblocking(false).unwrap();
+    let mut s = sock;
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut head = String::new();
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nX-API-KEY: {key}\r\nContent-Type: application/json\r\n\
+        "{method} {path} HTTP/1.1\r\nHost: x\r\n{head}Content-Type: application/json\r\n\
          Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
@@ -45,8 +76,18 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
-#[test]
-fn a_gateway_of_its_own_serves_drains_and_stops() {
+/// A cluster without a gateway, and `opendsec e2b` for it started apart (index 1 of two
+/// gateways in its config, with `extra` flags): the cluster, the config's path, the gateway's
+/// process, its port and its `/readyz` port, once ready.
+fn gateway(
+    extra: &[&str],
+) -> (
+    common::Cluster,
+    std::path::PathBuf,
+    std::process::Child,
+    u16,
+    u16,
+) {
     let c = common::cluster_up(&common::UpOptions {
         write_config: true,
         extra: vec!["-e2b-addr".into(), "off".into()],
@@ -63,10 +104,11 @@ fn a_gateway_of_its_own_serves_drains_and_stops() {
     let path = c.dir.path().join("e2b.json");
     std::fs::write(&path, cfg.to_string()).unwrap();
     let log = std::fs::File::create(c.dir.path().join("e2b.log")).unwrap();
-    let mut gw = Command::new(common::BIN)
+    let gw = Command::new(common::BIN)
         .args(["e2b", "-config"])
         .arg(&path)
-        .args(["-index", "1", "-drain-delay", "2s", "-log", "info"])
+        .args(["-index", "1", "-log", "info"])
+        .args(extra)
         .args(["-metrics", &format!("127.0.0.1:{ready}")])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -77,6 +119,12 @@ fn a_gateway_of_its_own_serves_drains_and_stops() {
         common::http_get(ready, "/readyz").is_some_and(|(code, _)| code == 200)
     });
 
+    (c, path, gw, port, ready)
+}
+
+#[test]
+fn a_gateway_of_its_own_serves_drains_and_stops() {
+    let (c, path, mut gw, port, ready) = gateway(&["-drain-delay", "2s"]);
     let (code, body) = call(
         port,
         "POST",
@@ -146,4 +194,53 @@ fn a_gateway_of_its_own_serves_drains_and_stops() {
         "{}",
         r.err
     );
+}
+
+/// IAM locks out an address after too many failed authentications
+/// (`admission.auth_fail_rate`). Through the gateway that address is the gateway's client,
+/// not the gateway: one client's bad keys lock out that client only, and a sandbox port
+/// answers the lockout as the control plane does (429), not as a closed port.
+#[test]
+fn bad_keys_through_the_gateway_lock_out_their_client_not_the_gateway() {
+    let (c, _path, mut gw, port, _ready) = gateway(&[]);
+    let fresh = c
+        .ctl(&["principal", "create", "root", "fresh", "-kind", "agent"])
+        .ok()
+        .json()["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    c.ctl(&["grant", "root", "fresh", "sandbox.create,sandbox.operate"])
+        .ok();
+    // A guesser at 127.0.0.2: refused, then locked out.
+    let mut codes = Vec::new();
+    for i in 0..12 {
+        let key = format!("dsk.fresh.guess{i}.wrong");
+        let (code, body) = call_from(
+            "127.0.0.2",
+            port,
+            "GET",
+            "/v2/sandboxes",
+            &[("X-API-KEY", &key)],
+            "",
+        );
+        assert!(code == 401 || code == 429, "{code} {body}");
+        codes.push(code);
+    }
+    assert_eq!(codes.first(), Some(&401), "{codes:?}");
+    assert_eq!(codes.last(), Some(&429), "{codes:?}");
+    // From there even a good key it never used is refused for now, on a port as on the
+    // control plane: the same 429, not E2B's "port is not open" 502.
+    let port_headers = [
+        ("E2b-Sandbox-Id", "node-0-0123456789abcdef"),
+        ("E2b-Sandbox-Port", "8000"),
+        ("X-Access-Token", fresh.as_str()),
+    ];
+    let (code, body) = call_from("127.0.0.2", port, "GET", "/", &port_headers, "");
+    assert_eq!(code, 429, "{body}");
+    assert!(body.contains("too many failed authentications"), "{body}");
+    // Every other client of the gateway goes on: the good key, first used from 127.0.0.1.
+    let (code, body) = call(port, "GET", "/v2/sandboxes", &fresh, "");
+    assert_eq!(code, 200, "{body}");
+    common::terminate(&mut gw);
 }

@@ -15,11 +15,10 @@ import pytest
 from e2b import NotFoundException, Sandbox, SandboxException
 
 
-def raw(method: str, path: str, body: object) -> tuple[int, object]:
+def raw(method: str, path: str, body: object = None) -> tuple[int, object]:
     """One control-plane request without the SDK: status and decoded body."""
-    req = urllib.request.Request(
-        os.environ["E2B_API_URL"] + path, data=json.dumps(body).encode(), method=method
-    )
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(os.environ["E2B_API_URL"] + path, data=data, method=method)
     req.add_header("Content-Type", "application/json")
     req.add_header("X-API-KEY", os.environ["E2B_API_KEY"])
     try:
@@ -116,6 +115,9 @@ def test_snapshot_refusals(source, bash_image):
     ]:
         status, err = raw("POST", f"/sandboxes/{source.sandbox_id}/snapshots", body)
         assert status == 400 and why in err["message"], (body, status, err)
+    for query, why in [("limit=0", "limit"), ("limit=x", "limit"), ("nextToken=%3C%3E", "nextToken")]:
+        status, err = raw("GET", f"/snapshots?{query}")
+        assert status == 400 and why in err["message"], (query, status, err)
     # The image the sandbox came from is no snapshot: its name is not taken over.
     status, err = raw("POST", f"/sandboxes/{source.sandbox_id}/snapshots", {"name": "e2b-bash:1"})
     assert status == 409 and "not a snapshot" in err["message"], err

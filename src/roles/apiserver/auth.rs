@@ -98,6 +98,23 @@ impl AuthCache {
             .clear();
     }
 
+    /// The address a call's token came from, for IAM's failed-authentication limit and the
+    /// audit log: the client address a component (the E2B gateway) forwarded on a caller's
+    /// behalf when the call carries the component secret, else the peer's IP. Without it
+    /// every caller of a gateway would share the gateway's address, so one caller's bad
+    /// tokens would lock all of them out.
+    pub fn client_addr<T>(&self, req: &tonic::Request<T>) -> String {
+        if !self.service_token.is_empty()
+            && crate::rpc::check_service_token(req, &self.service_token).is_ok()
+        {
+            crate::rpc::peer_addr(req)
+        } else {
+            req.remote_addr()
+                .map(|a| a.ip().to_string())
+                .unwrap_or_default()
+        }
+    }
+
     /// Token → caller. A sandbox access token is checked here, without IAM ([`GrantKey`]).
     /// Errors: `unauthenticated` (bad, expired, revoked), `rate_limited` (address locked out
     /// after failures), `unavailable` (IAM unreachable).

@@ -364,10 +364,7 @@ impl Inner {
                                         .lock()
                                         .unwrap_or_else(|p| p.into_inner())
                                         .settle(&edge, &res, &inc, seq, &sb.id);
-                                    self.projects
-                                        .lock()
-                                        .unwrap_or_else(|p| p.into_inner())
-                                        .insert(sb.id.clone(), sb.project.clone());
+                                    self.remember_owner(&sb);
                                     done.push((l.item.index, Ok(sb)));
                                 }
                                 other => {

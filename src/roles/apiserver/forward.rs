@@ -9,6 +9,13 @@ use crate::rpc::failure_from_status;
 use crate::types::{names, Failure};
 
 /// The edge part of a sandbox id; `invalid` when the id cannot be one.
+/// Whose a sandbox is: its project and the principal that created it.
+#[derive(Clone, Debug)]
+pub struct Owner {
+    pub project: String,
+    pub principal: String,
+}
+
 pub(crate) fn edge_of(id: &str) -> Result<&str, Failure> {
     let bad = || Failure::invalid(format!("sandbox id {id:?} is not <edge-id>.<random>"));
     let (edge, rest) = id.split_once('.').ok_or_else(bad)?;
@@ -64,36 +71,49 @@ impl Inner {
             }
             return self.addr_of(edge).await;
         }
-        let addr = self.addr_of(edge).await?;
-        let cached = self
-            .projects
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(id)
-            .cloned();
-        let project = match cached {
-            Some(p) => p,
-            None => {
-                let sb = self
-                    .edges
-                    .edge(&addr)?
-                    .get_sandbox(self.edges.req(pb::SandboxRef { id: id.to_string() }))
-                    .await
-                    .map_err(|s| failure_from_status(&s))?
-                    .into_inner();
-                let mut m = self.projects.lock().unwrap_or_else(|p| p.into_inner());
-                if m.len() > 1_000_000 {
-                    m.clear();
-                }
-                m.insert(id.to_string(), sb.project.clone());
-                sb.project
-            }
-        };
+        let project = self.owner_of(id).await?.project;
         tracing::Span::current().record("project", project.as_str());
         self.auth
             .authorize(caller, &project, "sandbox.operate")
             .await?;
-        Ok(addr)
+        self.addr_of(edge).await
+    }
+
+    /// The project and creator of sandbox `id`: cached, else asked of its edge (and kept).
+    /// Errors: `invalid` id, the edge's (`not_found` for an id it never had or forgot).
+    pub(crate) async fn owner_of(&self, id: &str) -> Result<Owner, Failure> {
+        let cached = self
+            .owners
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned();
+        if let Some(o) = cached {
+            return Ok(o);
+        }
+        let addr = self.addr_of(edge_of(id)?).await?;
+        let sb = self
+            .edges
+            .edge(&addr)?
+            .get_sandbox(self.edges.req(pb::SandboxRef { id: id.to_string() }))
+            .await
+            .map_err(|s| failure_from_status(&s))?
+            .into_inner();
+        Ok(self.remember_owner(&sb))
+    }
+
+    /// Keeps the project and creator of `sb` for [`Self::owner_of`].
+    pub(crate) fn remember_owner(&self, sb: &pb::Sandbox) -> Owner {
+        let o = Owner {
+            project: sb.project.clone(),
+            principal: sb.principal.clone(),
+        };
+        let mut m = self.owners.lock().unwrap_or_else(|p| p.into_inner());
+        if m.len() > 1_000_000 {
+            m.clear();
+        }
+        m.insert(sb.id.clone(), o.clone());
+        o
     }
 
     /// Runs one lifecycle call (`op`) on the sandbox's edge after authorization.

@@ -57,8 +57,9 @@ pub(crate) struct Inner {
     pub edges: edges::EdgeClients,
     pub audit: Option<audit::Audit>,
     pub audit_runtime: bool,
-    /// Sandbox id → project, so operations need not ask the edge first. Projects never change.
-    pub projects: Mutex<std::collections::HashMap<String, String>>,
+    /// Sandbox id → its project and creator, so operations need not ask the edge first.
+    /// Neither ever changes for an id.
+    pub owners: Mutex<std::collections::HashMap<String, forward::Owner>>,
     /// The shared image store (`image_store.root`), when the cluster has one.
     pub images: Option<Arc<crate::images::store::Store>>,
     /// Placement draws k candidates; `random` (k = 1) is the `bench -compare` baseline.
@@ -131,7 +132,7 @@ pub async fn start_with(
         edges: edges::EdgeClients::new(cfg.service_token.clone()),
         audit,
         audit_runtime: entry.audit_runtime,
-        projects: Mutex::new(std::collections::HashMap::new()),
+        owners: Mutex::new(std::collections::HashMap::new()),
         images,
         net_rules,
         cfg: cfg.clone(),

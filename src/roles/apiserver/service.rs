@@ -60,10 +60,7 @@ impl Api {
         audited: bool,
         grants: bool,
     ) -> Result<(Caller, Call), Status> {
-        let client = req
-            .remote_addr()
-            .map(|a| a.ip().to_string())
-            .unwrap_or_default();
+        let client = self.inner.auth.client_addr(req);
         let mut call = Call {
             method,
             started: Instant::now(),
@@ -82,12 +79,21 @@ impl Api {
         };
         call.caller = Some(caller.clone());
         tracing::Span::current().record("principal", caller.principal.as_str());
-        if let Err(wait) = self.inner.calls.try_take(&caller.principal, 1.0) {
+        // A sandbox access token spends its sandbox creator's call rate, so a caller with
+        // many sandboxes gets no more calls through their tokens than by itself. A token
+        // whose sandbox is gone is limited on its own: its calls fail anyway.
+        let limited_as = match &caller.grant {
+            Some(id) => match self.inner.owner_of(id).await {
+                Ok(o) if !o.principal.is_empty() => o.principal,
+                _ => caller.principal.clone(),
+            },
+            None => caller.principal.clone(),
+        };
+        if let Err(wait) = self.inner.calls.try_take(&limited_as, 1.0) {
             let f = Failure::new(
                 Reason::RateLimited,
                 format!(
-                    "principal {:?} is over its call rate (admission.request_rate); retry in {} ms",
-                    caller.principal,
+                    "principal {limited_as:?} is over its call rate (admission.request_rate); retry in {} ms",
                     wait.as_millis()
                 ),
             );

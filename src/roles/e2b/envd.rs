@@ -2,10 +2,9 @@
 //! API"): which sandbox a request is for, who makes it, and `/health`. The services are in
 //! `process` (commands and terminals).
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::extract::{ConnectInfo, FromRequestParts};
+use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -140,7 +139,8 @@ impl FromRequestParts<Arc<Gateway>> for EnvdCall {
             })?;
             signed = true;
         }
-        g.known.check(g, &token, Some(&sandbox_id)).await?;
+        let addr = super::peer_ip(&parts.extensions);
+        g.known.check(g, &token, &addr, Some(&sandbox_id)).await?;
         // A signed URL's user is the one it was signed for (its `username`, which the
         // handler takes): no header may name another.
         let user = if signed {
@@ -154,11 +154,6 @@ impl FromRequestParts<Arc<Gateway>> for EnvdCall {
         } else {
             basic_user(h)?
         };
-        let addr = parts
-            .extensions
-            .get::<ConnectInfo<SocketAddr>>()
-            .map(|c| c.0.ip().to_string())
-            .unwrap_or_default();
         Ok(EnvdCall {
             sandbox_id,
             caller: Caller {
@@ -275,12 +270,15 @@ pub struct KnownTokens(std::sync::Mutex<std::collections::HashMap<[u8; 32], std:
 impl KnownTokens {
     /// Checks `token` for a call on `sandbox` (ours; `None` for the control plane). A
     /// sandbox access token is checked here, and holds only for its own sandbox; others are
-    /// asked of the apiserver. Errors: `unauthenticated` for a token refused; the
+    /// asked of the apiserver, on behalf of the client at `addr` (so IAM's failed-
+    /// authentication limit counts that client, not the gateway). Errors:
+    /// `unauthenticated` for a token refused; `rate_limited` for a client locked out; the
     /// apiserver's other failures.
     pub async fn check(
         &self,
         g: &Gateway,
         token: &str,
+        addr: &str,
         sandbox: Option<&str>,
     ) -> Result<(), tonic::Status> {
         if crate::rpc::grant::is_grant(token) {
@@ -305,7 +303,12 @@ impl KnownTokens {
             return Ok(());
         }
         g.api()
-            .who_am_i(crate::rpc::client::with_token(crate::pb::Empty {}, token))
+            .who_am_i(crate::rpc::client::on_behalf(
+                crate::pb::Empty {},
+                &g.service_token,
+                token,
+                addr,
+            ))
             .await?;
         let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
         if m.len() >= KNOWN_MAX {

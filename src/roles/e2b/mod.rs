@@ -266,6 +266,14 @@ async fn not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiErr
     )
 }
 
+/// The IP a request came from (what the gateway forwards to the apiserver as the caller's
+/// address), or "" where the server recorded none.
+fn peer_ip(ext: &axum::http::Extensions) -> String {
+    ext.get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip().to_string())
+        .unwrap_or_default()
+}
+
 /// Who is calling: the API key (an OpenDsec token), the project to work in, and the peer.
 #[derive(Clone)]
 pub struct Caller {
@@ -293,11 +301,7 @@ impl FromRequestParts<Arc<Gateway>> for Caller {
                 .map_err(|_| ApiError::bad_request("X-OpenDsec-Project is not text"))?
                 .to_string(),
         };
-        let addr = parts
-            .extensions
-            .get::<ConnectInfo<SocketAddr>>()
-            .map(|c| c.0.ip().to_string())
-            .unwrap_or_default();
+        let addr = peer_ip(&parts.extensions);
         Ok(Caller {
             token: token.to_string(),
             project,
@@ -370,7 +374,11 @@ async fn control_body(
     let token = header_text(req.headers(), "x-api-key").to_string();
     // No token at all: the handler's Caller answers 401 with E2B's words.
     if !token.is_empty() {
-        if let Err(s) = g.known.check(&g, &token, None).await {
+        if let Err(s) = g
+            .known
+            .check(&g, &token, &peer_ip(req.extensions()), None)
+            .await
+        {
             return ApiError::from(s).into_response();
         }
     }

@@ -84,7 +84,7 @@ async fn proxy(g: Arc<Gateway>, mut req: Request, e2b_id: String, port: u16) -> 
     let caller = Caller {
         token,
         project: g.project.clone(),
-        addr: String::new(),
+        addr: super::peer_ip(req.extensions()),
     };
     let io = match open(&g, &caller, &sandbox_id, port).await {
         Ok(io) => io,
