@@ -4,6 +4,11 @@
 # the release binary of this checkout (docs/testing.md "E2B's SDKs").
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The code interpreter's image, built before the suite (a few minutes the first time, which
+# no single test's time limit should have to hold); later runs keep it.
+if [ ! -f target/code-interpreter-image/index.json ]; then
+  bash packaging/code-interpreter/build.sh target/code-interpreter-image
+fi
 while read -r pin; do
   case "$pin" in ''|'#'*) continue ;; esac
   # A line may name more than one package (the code interpreter's SDK beside `e2b`); the

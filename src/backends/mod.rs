@@ -15,6 +15,7 @@ mod caps;
 pub mod container;
 mod error;
 mod factory;
+pub mod microvm;
 pub mod sim;
 
 use std::collections::HashSet;

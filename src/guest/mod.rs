@@ -6,11 +6,13 @@ pub mod aether;
 pub mod chronus;
 pub mod config;
 pub mod port;
+pub mod portmux;
 pub mod procs;
 pub mod proctree;
 pub mod reaper;
 pub mod uds;
 pub mod user;
+pub mod vminit;
 pub mod watch;
 
 use std::sync::{Mutex, MutexGuard};

@@ -41,6 +41,25 @@ pub async fn serve<S: Runtime>(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
     let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+    serve_incoming(svc, incoming, shutdown).await
+}
+
+/// [`serve`] over any stream of connections (a microVM's agent port gives its sessions).
+pub async fn serve_incoming<S, I, IO>(
+    svc: S,
+    incoming: I,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), tonic::transport::Error>
+where
+    S: Runtime,
+    I: tokio_stream::Stream<Item = std::io::Result<IO>>,
+    IO: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + tonic::transport::server::Connected
+        + Unpin
+        + Send
+        + 'static,
+{
     tonic::transport::Server::builder()
         .initial_stream_window_size(Some(4 << 20))
         .initial_connection_window_size(Some(16 << 20))

@@ -61,8 +61,19 @@ pub enum AetherError {
 /// aether: the agent in a sandbox serving the runtime API.
 pub struct AetherArgs {
     /// the config file (JSON, see AetherConfig)
-    #[argh(option)]
+    #[argh(option, default = "String::new()")]
     pub config: String,
+    /// run as a microVM's PID 1 from its initramfs: bring the VM up and serve on the
+    /// agent's virtio-serial port (docs/microvm.md "In the guest")
+    #[argh(switch)]
+    pub vm_init: bool,
+}
+
+/// Where aether takes the edge's connections.
+enum Listen {
+    Unix(tokio::net::UnixListener),
+    /// A microVM's agent port (a virtio-serial device), spoken in `portmux` frames.
+    Port(PathBuf),
 }
 
 /// `opendsec aether --config PATH`: serves until SIGTERM, then exits 0; 1 if it cannot
@@ -79,12 +90,18 @@ pub fn main(args: Vec<String>) -> ExitCode {
         tracing::error!(error = %e, "cannot make aether non-dumpable");
         return ExitCode::FAILURE;
     }
+    if a.vm_init {
+        return vm_main();
+    }
     let r = load(&a.config).and_then(|cfg| {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(AetherError::Runtime)?;
-        rt.block_on(run(cfg))
+        rt.block_on(async {
+            let l = listener(&cfg)?;
+            run(cfg, Listen::Unix(l)).await
+        })
     });
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -93,6 +110,85 @@ pub fn main(args: Vec<String>) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `--vm-init`: PID 1 of a microVM. It never returns while the VM runs; when it cannot
+/// bring the VM up or stops serving, it says why on the console and powers the VM off (a
+/// PID 1 that exits panics the kernel).
+fn vm_main() -> ExitCode {
+    if std::process::id() != 1 {
+        tracing::error!("--vm-init is for a microVM's PID 1");
+        return ExitCode::from(2);
+    }
+    let r = crate::guest::vminit::boot()
+        .map_err(|e| e.to_string())
+        .and_then(|booted| {
+            let c = booted.config;
+            let cfg = AetherConfig {
+                sandbox_id: c.sandbox_id,
+                run_dir: "/run/opendsec".into(),
+                agent: "/init".into(),
+                init_user: c.init_user,
+                env: c.env,
+                workdir: c.workdir,
+                pid1: true,
+                protect_from_oom: true,
+                disk_mb: c.disk_mb,
+                ..Default::default()
+            };
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            rt.block_on(run(cfg, Listen::Port(booted.port)))
+                .map_err(|e| crate::types::chain(&e).to_string())
+        });
+    if let Err(e) = r {
+        tracing::error!(error = %e, "the VM's init failed");
+    }
+    let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_POWER_OFF);
+    ExitCode::FAILURE
+}
+
+/// Serves `svc` on a microVM's agent port until the port cannot be read: each host
+/// connection's sessions become connections of the runtime server.
+async fn serve_port<S: crate::pb::runtime_server::Runtime>(
+    svc: S,
+    port: &Path,
+) -> Result<(), AetherError> {
+    use crate::guest::portmux::Mux;
+    let open = || {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(port)
+            .map_err(AetherError::Runtime)
+    };
+    // One open for the life of the VM: opening a port drops what was queued for it.
+    let r = open()?;
+    let w = r.try_clone().map_err(AetherError::Runtime)?;
+    let (acc_tx, acc_rx) = tokio::sync::mpsc::channel(16);
+    let mut reader = Mux::guest(
+        tokio::fs::File::from_std(r),
+        tokio::fs::File::from_std(w),
+        acc_tx,
+    );
+    tokio::spawn(async move {
+        loop {
+            if let Err(e) = reader.run().await {
+                tracing::warn!(error = %e, "agent port");
+            }
+            // The port reads end-of-stream while no host is connected (before the
+            // edge's first connection, after a restore): look again shortly.
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    });
+    let incoming = tokio_stream::StreamExt::map(
+        tokio_stream::wrappers::ReceiverStream::new(acc_rx),
+        Ok::<_, std::io::Error>,
+    );
+    uds::serve_incoming(svc, incoming, std::future::pending()).await?;
+    Ok(())
 }
 
 /// Reads and checks the config: `agent` and `run_dir` are required, and a socket.
@@ -154,7 +250,7 @@ fn listener(cfg: &AetherConfig) -> Result<tokio::net::UnixListener, AetherError>
     tokio::net::UnixListener::from_std(std_l).map_err(AetherError::Runtime)
 }
 
-async fn run(cfg: AetherConfig) -> Result<(), AetherError> {
+async fn run(cfg: AetherConfig, listen: Listen) -> Result<(), AetherError> {
     if cfg.protect_from_oom {
         if let Err(e) = std::fs::write("/proc/self/oom_score_adj", "-1000") {
             // Expected without CAP_SYS_RESOURCE.
@@ -180,7 +276,6 @@ async fn run(cfg: AetherConfig) -> Result<(), AetherError> {
         path: PathBuf::from(&cfg.run_dir),
         source,
     })?;
-    let listener = listener(&cfg)?;
     let cfg = Arc::new(cfg);
     let procs = crate::guest::procs::Procs::new(cfg.clone(), reaper.clone(), PathBuf::from("/"));
     let workload = cgroups::Workload::take(&cfg).map_err(AetherError::SessionCgroups)?;
@@ -201,8 +296,14 @@ async fn run(cfg: AetherConfig) -> Result<(), AetherError> {
         tokio::spawn(async move { sessions.prewarm().await });
     }
     tracing::info!(sandbox_id = %cfg.sandbox_id, pid1 = is_pid1, "aether serving");
+    let serving = async move {
+        match listen {
+            Listen::Unix(l) => Ok(uds::serve(svc, l, std::future::pending()).await?),
+            Listen::Port(p) => serve_port(svc, &p).await,
+        }
+    };
     tokio::select! {
-        r = uds::serve(svc, listener, std::future::pending()) => r?,
+        r = serving => r?,
         _ = term.recv() => {},
         _ = int.recv() => {},
     }

@@ -1,0 +1,47 @@
+//! The `microvm` backend's parts (docs/microvm.md): QEMU's `microvm` machine and its
+//! machine protocol, the guest's initramfs, and the agent channel over a virtio-serial
+//! port. Firecracker's API and jailer fit the same shape later; see docs/microvm.md for
+//! what runs where.
+
+pub mod initramfs;
+pub mod qemu;
+pub mod qmp;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+use crate::guest::portmux::Mux;
+
+/// Connects to a VM's agent port at `socket` (QEMU's chardev) and returns a channel to
+/// aether's runtime service over it. The connection resets whatever sessions the guest
+/// held (a restored copy's are its source's). Errors: the socket's, when QEMU is not
+/// there; the transport's.
+pub async fn agent_channel(socket: &Path) -> Result<Channel, std::io::Error> {
+    let s = tokio::net::UnixStream::connect(socket).await?;
+    let (r, w) = s.into_split();
+    let mux: Arc<Mux> = Mux::host(r, w);
+    let ch = Endpoint::from_static("http://aether")
+        .connect_timeout(Duration::from_secs(10))
+        .initial_stream_window_size(Some(4 << 20))
+        .initial_connection_window_size(Some(16 << 20))
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let mux = mux.clone();
+            async move { Ok::<_, std::io::Error>(TokioIo::new(mux.open().await?)) }
+        }))
+        .await
+        .map_err(std::io::Error::other)?;
+    Ok(ch)
+}
+
+/// Where QEMU is: `qemu-system-x86_64` on `PATH`.
+pub fn qemu_binary() -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join("qemu-system-x86_64"))
+            .find(|f| f.is_file())
+    })
+}

@@ -1,0 +1,296 @@
+//! QEMU's command line for one microVM (docs/microvm.md "QEMU"): the `microvm` machine with
+//! ACPI on (Debian's kernel finds virtio-mmio devices only through ACPI), guest RAM in a
+//! file of the sandbox's (so a snapshot can leave it out of the migration stream and copies
+//! can map it copy-on-write), devices always in the same order (a restore needs the saved
+//! device list), the agent's virtio-serial port and QMP on unix sockets, and QEMU's own
+//! seccomp sandbox.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+pub use crate::guest::vminit::AGENT_PORT;
+
+/// How the guest's CPU runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accel {
+    /// Hardware virtualization (`-accel kvm -cpu host,-arch-capabilities`: some nested
+    /// KVMs refuse the arch-capabilities MSR).
+    Kvm,
+    /// Software emulation. `tsc_khz` is the host's TSC rate, passed as `tsc_early_khz`:
+    /// without it about a quarter of TCG boots hang calibrating the TSC against the PIT.
+    Tcg { tsc_khz: u32 },
+}
+
+/// One block device, in the order given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Disk {
+    pub path: PathBuf,
+    pub read_only: bool,
+    /// The serial number the guest finds it by (`/sys/block/vd*/serial`; at most 20
+    /// bytes, letters, digits and `-`).
+    pub serial: String,
+}
+
+/// Guest RAM backed by a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RamFile {
+    pub path: PathBuf,
+    /// `true`: QEMU writes guest memory to the file (a VM that will be snapshotted);
+    /// `false`: a private copy-on-write mapping of it (a restored copy).
+    pub shared: bool,
+}
+
+/// Everything that makes one VM's command line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Machine {
+    pub kernel: PathBuf,
+    pub initrd: Option<PathBuf>,
+    /// The kernel's parameters (what [`Accel::Tcg`] needs is added).
+    pub append: String,
+    /// Arguments for the guest's init, after the kernel's `--`.
+    pub init_args: Vec<String>,
+    pub memory_mb: u64,
+    pub vcpus: u32,
+    pub accel: Accel,
+    pub ram: RamFile,
+    pub disks: Vec<Disk>,
+    /// The unix socket QEMU serves the agent port on.
+    pub agent_socket: PathBuf,
+    /// The unix socket QEMU serves QMP on.
+    pub qmp_socket: PathBuf,
+    /// The TAP device of the VM's network namespace, when it has networking.
+    pub tap: Option<String>,
+    /// Where the guest's serial console goes (a file), for boot diagnostics.
+    pub console_log: Option<PathBuf>,
+    /// Start waiting for a migration stream (`-incoming defer`): a restore.
+    pub incoming: bool,
+}
+
+/// The guest MAC every VM gets: copies of one snapshot keep it, each in a network
+/// namespace of its own.
+pub const GUEST_MAC: &str = "02:fc:00:00:00:02";
+
+impl Machine {
+    /// `qemu-system-x86_64`'s arguments (without the program name).
+    pub fn args(&self) -> Vec<OsString> {
+        let mut a: Vec<OsString> = Vec::new();
+        let mut push = |s: &str| a.push(OsString::from(s));
+        push("-M");
+        push("microvm,memory-backend=mem,acpi=on");
+        match self.accel {
+            Accel::Kvm => {
+                push("-accel");
+                push("kvm");
+                push("-cpu");
+                push("host,-arch-capabilities");
+            }
+            Accel::Tcg { .. } => {
+                push("-accel");
+                push("tcg");
+                push("-cpu");
+                push("max");
+            }
+        }
+        push("-m");
+        push(&format!("{}M", self.memory_mb));
+        push("-smp");
+        push(&self.vcpus.max(1).to_string());
+        for s in [
+            "-nodefaults",
+            "-no-user-config",
+            "-nographic",
+            "-no-reboot",
+            "-display",
+            "none",
+        ] {
+            push(s);
+        }
+        // QEMU's own seccomp filter: no exec, no privilege changes, no resource control.
+        push("-sandbox");
+        push("on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny");
+        let mut mem = OsString::from(format!(
+            "memory-backend-file,id=mem,size={}M,share={},mem-path=",
+            self.memory_mb,
+            if self.ram.shared { "on" } else { "off" }
+        ));
+        mem.push(escape(&self.ram.path));
+        a.push("-object".into());
+        a.push(mem);
+        a.push("-kernel".into());
+        a.push(self.kernel.clone().into_os_string());
+        if let Some(i) = &self.initrd {
+            a.push("-initrd".into());
+            a.push(i.clone().into_os_string());
+        }
+        let mut append = self.append.clone();
+        if let Accel::Tcg { tsc_khz } = self.accel {
+            if tsc_khz > 0 {
+                append.push_str(&format!(" tsc_early_khz={tsc_khz}"));
+            }
+        }
+        // The kernel hands what follows `--` to init, so it comes last.
+        if !self.init_args.is_empty() {
+            append.push_str(" -- ");
+            append.push_str(&self.init_args.join(" "));
+        }
+        a.push("-append".into());
+        a.push(append.trim().into());
+        // The serial console (the kernel's ttyS0) goes to a file, or nowhere.
+        a.push("-serial".into());
+        match &self.console_log {
+            Some(p) => {
+                let mut s = OsString::from("file:");
+                s.push(p);
+                a.push(s);
+            }
+            None => a.push("null".into()),
+        }
+        for (i, d) in self.disks.iter().enumerate() {
+            let mut drive = OsString::from(format!(
+                "if=none,id=d{i},format=raw,cache=unsafe,readonly={},file=",
+                if d.read_only { "on" } else { "off" }
+            ));
+            drive.push(escape(&d.path));
+            a.push("-drive".into());
+            a.push(drive);
+            a.push("-device".into());
+            a.push(format!("virtio-blk-device,drive=d{i},serial={}", d.serial).into());
+        }
+        a.push("-device".into());
+        a.push("virtio-serial-device".into());
+        let mut chardev = OsString::from("socket,id=agent,server=on,wait=off,path=");
+        chardev.push(escape(&self.agent_socket));
+        a.push("-chardev".into());
+        a.push(chardev);
+        a.push("-device".into());
+        a.push(format!("virtserialport,chardev=agent,name={AGENT_PORT}").into());
+        a.push("-device".into());
+        a.push("virtio-rng-device".into());
+        if let Some(tap) = &self.tap {
+            a.push("-netdev".into());
+            a.push(format!("tap,id=n0,ifname={tap},script=no,downscript=no").into());
+            a.push("-device".into());
+            a.push(format!("virtio-net-device,netdev=n0,mac={GUEST_MAC}").into());
+        }
+        let mut qmp = OsString::from("unix:");
+        qmp.push(escape(&self.qmp_socket));
+        qmp.push(",server=on,wait=off");
+        a.push("-qmp".into());
+        a.push(qmp);
+        if self.incoming {
+            a.push("-incoming".into());
+            a.push("defer".into());
+        }
+        a
+    }
+}
+
+/// A path inside one of QEMU's `key=value,...` options: a comma is written twice.
+fn escape(p: &std::path::Path) -> OsString {
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    let mut out = Vec::new();
+    for &b in p.as_os_str().as_bytes() {
+        out.push(b);
+        if b == b',' {
+            out.push(b',');
+        }
+    }
+    OsString::from_vec(out)
+}
+
+/// The host's TSC rate in kHz from `/proc/cpuinfo`'s first "cpu MHz" (0 when unknown).
+pub fn host_tsc_khz() -> u32 {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("cpu MHz"))
+                .and_then(|l| l.split(':').nth(1))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+        })
+        .map_or(0, |mhz| (mhz * 1000.0) as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn machine() -> Machine {
+        Machine {
+            kernel: "/k/vmlinuz".into(),
+            initrd: Some("/k/initrd".into()),
+            append: "console=ttyS0 panic=-1".into(),
+            init_args: vec!["aether".into(), "--vm-init".into()],
+            memory_mb: 256,
+            vcpus: 2,
+            accel: Accel::Tcg { tsc_khz: 2_100_000 },
+            ram: RamFile {
+                path: "/s/a,b/ram".into(),
+                shared: true,
+            },
+            disks: vec![
+                Disk {
+                    path: "/s/image.ext4".into(),
+                    read_only: true,
+                    serial: "odsec-image".into(),
+                },
+                Disk {
+                    path: "/s/rw.ext4".into(),
+                    read_only: false,
+                    serial: "odsec-rw".into(),
+                },
+            ],
+            agent_socket: "/s/agent.sock".into(),
+            qmp_socket: "/s/qmp.sock".into(),
+            tap: Some("tap0".into()),
+            console_log: None,
+            incoming: false,
+        }
+    }
+
+    fn text(m: &Machine) -> Vec<String> {
+        m.args()
+            .into_iter()
+            .map(|s| s.to_string_lossy().into_owned())
+            .collect()
+    }
+
+    #[test]
+    fn the_command_line_names_every_device_in_a_fixed_order() {
+        let a = text(&machine());
+        let at = |s: &str| a.iter().position(|x| x.contains(s)).unwrap_or(usize::MAX);
+        assert!(a.contains(&"microvm,memory-backend=mem,acpi=on".to_string()));
+        assert!(a.contains(
+            &"console=ttyS0 panic=-1 tsc_early_khz=2100000 -- aether --vm-init".to_string()
+        ));
+        // A comma in a path is doubled, so it cannot start another option.
+        assert!(a
+            .iter()
+            .any(|x| x.ends_with("share=on,mem-path=/s/a,,b/ram")));
+        assert!(at("id=d0,") < at("id=d1,"));
+        assert!(a
+            .iter()
+            .any(|x| x.contains("readonly=on,file=/s/image.ext4")));
+        assert!(a.iter().any(|x| x.contains("readonly=off,file=/s/rw.ext4")));
+        assert!(at("virtio-blk-device,drive=d1,serial=odsec-rw") < at("virtio-serial-device"));
+        assert!(at("virtserialport") < at("virtio-net-device"));
+        assert!(a.contains(&format!("virtserialport,chardev=agent,name={AGENT_PORT}")));
+        assert!(a.iter().any(|x| x.starts_with("on,obsolete=deny")));
+        assert!(!a.contains(&"-incoming".to_string()));
+    }
+
+    #[test]
+    fn a_restored_copy_maps_the_ram_privately_and_waits_for_its_state() {
+        let mut m = machine();
+        m.ram.shared = false;
+        m.incoming = true;
+        m.accel = Accel::Kvm;
+        m.tap = None;
+        let a = text(&m);
+        assert!(a.iter().any(|x| x.contains("share=off")));
+        assert_eq!(a.last().map(String::as_str), Some("defer"));
+        assert!(a.contains(&"host,-arch-capabilities".to_string()));
+        assert!(!a.iter().any(|x| x.contains("tsc_early_khz")));
+        assert!(!a.iter().any(|x| x.contains("virtio-net")));
+    }
+}

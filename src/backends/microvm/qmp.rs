@@ -1,0 +1,242 @@
+//! QEMU's machine protocol (QMP) over the VM's unix socket: line-delimited JSON, a greeting,
+//! `qmp_capabilities`, then one command at a time; asynchronous events arrive between
+//! answers and are set aside (docs/microvm.md "QEMU").
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::UnixStream;
+
+/// The longest line QEMU's answers may take (a `query-*` of a large VM stays far below).
+const MAX_LINE: usize = 4 << 20;
+
+/// Why a QMP exchange failed.
+#[derive(Debug, thiserror::Error)]
+pub enum QmpError {
+    #[error("QMP socket: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("QMP: the connection closed")]
+    Closed,
+    #[error("QMP: {0}")]
+    Protocol(String),
+    /// QEMU refused the command: its error class and description.
+    #[error("QMP {command}: {class}: {desc}")]
+    Command {
+        command: String,
+        class: String,
+        desc: String,
+    },
+    #[error("QMP {0}: no answer in time")]
+    Timeout(String),
+}
+
+/// One QMP connection, capabilities negotiated.
+pub struct Qmp {
+    reader: BufReader<OwnedReadHalf>,
+    writer: OwnedWriteHalf,
+    /// Events seen while waiting for answers, oldest first (bounded).
+    pub events: Vec<Value>,
+}
+
+impl Qmp {
+    /// Connects to the QMP socket at `path`, reads the greeting and leaves negotiation
+    /// mode. Errors: `Io` when nothing listens, `Protocol` for a greeting that is not QMP's.
+    pub async fn connect(path: &Path) -> Result<Qmp, QmpError> {
+        let (r, w) = UnixStream::connect(path).await?.into_split();
+        let mut q = Qmp {
+            reader: BufReader::new(r),
+            writer: w,
+            events: Vec::new(),
+        };
+        let greeting = q.read_value().await?;
+        if greeting.get("QMP").is_none() {
+            return Err(QmpError::Protocol(format!("greeting {greeting}")));
+        }
+        q.execute("qmp_capabilities", None).await?;
+        Ok(q)
+    }
+
+    async fn read_value(&mut self) -> Result<Value, QmpError> {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = (&mut self.reader)
+                .take(MAX_LINE as u64)
+                .read_line(&mut line)
+                .await?;
+            if n == 0 {
+                return Err(QmpError::Closed);
+            }
+            if !line.ends_with('\n') && n >= MAX_LINE {
+                return Err(QmpError::Protocol("an answer over 4 MiB".into()));
+            }
+            if line.trim().is_empty() {
+                continue;
+            }
+            return serde_json::from_str(line.trim())
+                .map_err(|e| QmpError::Protocol(format!("not JSON ({e}): {}", line.trim())));
+        }
+    }
+
+    /// Runs `command` with `arguments` and returns its `return` value. Events that come
+    /// first are kept in [`Qmp::events`]. Errors: `Command` with QEMU's class and text.
+    pub async fn execute(
+        &mut self,
+        command: &str,
+        arguments: Option<Value>,
+    ) -> Result<Value, QmpError> {
+        let msg = match arguments {
+            Some(a) => json!({ "execute": command, "arguments": a }),
+            None => json!({ "execute": command }),
+        };
+        let mut line = msg.to_string();
+        line.push('\n');
+        self.writer.write_all(line.as_bytes()).await?;
+        loop {
+            let v = self.read_value().await?;
+            if v.get("event").is_some() {
+                if self.events.len() >= 256 {
+                    self.events.remove(0);
+                }
+                self.events.push(v);
+                continue;
+            }
+            if let Some(r) = v.get("return") {
+                return Ok(r.clone());
+            }
+            if let Some(e) = v.get("error") {
+                let text = |k: &str| e.get(k).and_then(Value::as_str).unwrap_or("").to_string();
+                return Err(QmpError::Command {
+                    command: command.to_string(),
+                    class: text("class"),
+                    desc: text("desc"),
+                });
+            }
+            return Err(QmpError::Protocol(format!("unexpected answer {v}")));
+        }
+    }
+
+    /// [`Qmp::execute`] within `limit`. Errors: `Timeout`, or the command's.
+    pub async fn execute_within(
+        &mut self,
+        command: &str,
+        arguments: Option<Value>,
+        limit: Duration,
+    ) -> Result<Value, QmpError> {
+        match tokio::time::timeout(limit, self.execute(command, arguments)).await {
+            Ok(r) => r,
+            Err(_) => Err(QmpError::Timeout(command.to_string())),
+        }
+    }
+
+    /// The VM's run state (`query-status`'s `status`: `running`, `paused`, `inmigrate`,
+    /// `postmigrate`, ...).
+    pub async fn status(&mut self) -> Result<String, QmpError> {
+        let v = self.execute("query-status", None).await?;
+        Ok(v.get("status")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A QMP server that greets, answers `qmp_capabilities`, then answers each command
+    /// by the `script` (an event first where asked).
+    async fn fake(path: std::path::PathBuf, script: Vec<&'static str>) {
+        let l = tokio::net::UnixListener::bind(&path).expect("bind");
+        tokio::spawn(async move {
+            let (s, _) = l.accept().await.expect("accept");
+            let (r, mut w) = s.into_split();
+            let mut r = BufReader::new(r);
+            w.write_all(b"{\"QMP\": {\"version\": {}, \"capabilities\": []}}\r\n")
+                .await
+                .expect("greet");
+            let mut line = String::new();
+            r.read_line(&mut line).await.expect("caps");
+            assert!(line.contains("qmp_capabilities"), "{line}");
+            w.write_all(b"{\"return\": {}}\r\n")
+                .await
+                .expect("caps answer");
+            for answer in script {
+                line.clear();
+                if r.read_line(&mut line).await.expect("command") == 0 {
+                    return;
+                }
+                w.write_all(answer.as_bytes()).await.expect("answer");
+            }
+            // One more command, then QEMU goes away without answering it.
+            line.clear();
+            let _ = r.read_line(&mut line).await;
+        });
+    }
+
+    #[tokio::test]
+    async fn commands_answer_their_return_and_events_are_set_aside() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("qmp.sock");
+        fake(
+            path.clone(),
+            vec![
+                "{\"event\": \"STOP\", \"timestamp\": {}}\r\n{\"return\": {\"status\": \"paused\", \"running\": false}}\r\n",
+                "{\"error\": {\"class\": \"GenericError\", \"desc\": \"Can't migrate the vm that was paused due to previous migration\"}}\r\n",
+                "not json\r\n",
+            ],
+        )
+        .await;
+        let mut q = Qmp::connect(&path).await.expect("connect");
+        assert_eq!(q.status().await.expect("status"), "paused");
+        assert_eq!(q.events.len(), 1);
+        assert_eq!(q.events[0]["event"], "STOP");
+        match q
+            .execute("migrate", Some(json!({"uri": "exec:cat > f"})))
+            .await
+        {
+            Err(QmpError::Command {
+                command,
+                class,
+                desc,
+            }) => {
+                assert_eq!(command, "migrate");
+                assert_eq!(class, "GenericError");
+                assert!(desc.contains("previous migration"), "{desc}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            q.execute("cont", None).await,
+            Err(QmpError::Protocol(_))
+        ));
+        assert!(matches!(
+            q.execute("cont", None).await,
+            Err(QmpError::Closed)
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_socket_that_is_not_qmp_is_refused() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("x.sock");
+        let l = tokio::net::UnixListener::bind(&path).expect("bind");
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.expect("accept");
+            s.write_all(b"{\"hello\": 1}\n").await.expect("write");
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest).await;
+        });
+        assert!(matches!(
+            Qmp::connect(&path).await,
+            Err(QmpError::Protocol(_))
+        ));
+        assert!(matches!(
+            Qmp::connect(&dir.path().join("none.sock")).await,
+            Err(QmpError::Io(_))
+        ));
+    }
+}
