@@ -795,6 +795,37 @@ def sandbox_ooms(edge_id: str, sandbox_id: str) -> int:
     return n
 
 
+def sandbox_cpu_stat(edge_id: str, sandbox_id: str) -> str:
+    """The sandbox cgroup's cpu.stat (throttling counts), v1 or v2, on one line."""
+    for root in ("/sys/fs/cgroup/cpu,cpuacct", "/sys/fs/cgroup/cpu", "/sys/fs/cgroup"):
+        try:
+            return " ".join(Path(root, "opendsec", edge_id, sandbox_id, "cpu.stat").read_text().split())
+        except OSError:
+            continue
+    return "unreadable"
+
+
+async def answer_within(linux, sb: Sandbox, call, name: str, what: str, limit: float = 40):
+    """Awaits ``call`` for at most ``limit`` s; past that, fails with what the sandbox's
+    cgroups say (processes, OOMs, throttling) at the moment and once more 30 s later, so a
+    rare hang on a loaded machine says whether the bomb was still running or the sandbox was
+    held by its CPU quota."""
+    try:
+        return await asyncio.wait_for(call, limit)
+    except TimeoutError:
+        def state() -> str:
+            return (
+                f"pids {sandbox_pids(linux.edge_id, sb.id)}, ooms {sandbox_ooms(linux.edge_id, sb.id)}, "
+                f"cpu.stat {sandbox_cpu_stat(linux.edge_id, sb.id)}"
+            )
+
+        first = state()
+        await asyncio.sleep(30)
+        raise AssertionError(
+            f"{name} did not answer within {limit:.0f} s during the bomb ({what}); then: {first}; 30 s later: {state()}"
+        ) from None
+
+
 async def assert_answers_during_bomb(linux, args: DSecRunArgs, bomb: str, loaded, what: str, after=None) -> None:
     """Starts ``bomb`` in session "bomb", waits for ``loaded(sb)`` to say it is at its limit,
     then times a command in an existing session, a new session's first command and a file
@@ -820,11 +851,11 @@ async def assert_answers_during_bomb(linux, args: DSecRunArgs, bomb: str, loaded
             ]
             for name, call, want in calls:
                 t0 = time.monotonic()
-                r = await asyncio.wait_for(call(), 40)
+                r = await answer_within(linux, sb, call(), name, what)
                 took[name] = time.monotonic() - t0
                 assert (r.exit_code, r.stdout) == (0, want), (name, r)
             t0 = time.monotonic()
-            fi = await asyncio.wait_for(sb.stat("/tmp"), 40)
+            fi = await answer_within(linux, sb, sb.stat("/tmp"), "stat", what)
             took["stat"] = time.monotonic() - t0
             assert fi.type == "dir", fi
             if after is not None:
