@@ -17,10 +17,7 @@ use crate::rpc::MAX_MESSAGE;
 pub async fn connect(path: &Path) -> Result<RuntimeClient<Channel>, tonic::transport::Error> {
     let path: PathBuf = path.to_path_buf();
     // The URI is required by the API and ignored by the connector.
-    let ch = Endpoint::from_static("http://chronus")
-        .connect_timeout(Duration::from_secs(5))
-        .initial_stream_window_size(Some(4 << 20))
-        .initial_connection_window_size(Some(16 << 20))
+    let ch = endpoint("http://chronus", Duration::from_secs(5))
         .connect_with_connector(tower::service_fn(move |_: Uri| {
             let path = path.clone();
             async move {
@@ -32,6 +29,16 @@ pub async fn connect(path: &Path) -> Result<RuntimeClient<Channel>, tonic::trans
     Ok(RuntimeClient::new(ch)
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE))
+}
+
+/// The runtime API's client settings over a connector of the caller's (`uri` is required by
+/// tonic and ignored by the connector): `connect_timeout`, and flow-control windows large
+/// enough for file transfers (4 MiB a stream, 16 MiB a connection).
+pub fn endpoint(uri: &'static str, connect_timeout: Duration) -> Endpoint {
+    Endpoint::from_static(uri)
+        .connect_timeout(connect_timeout)
+        .initial_stream_window_size(Some(4 << 20))
+        .initial_connection_window_size(Some(16 << 20))
 }
 
 /// Serves `svc` on `listener` until `shutdown` resolves, with the 80 MB message limit.

@@ -81,10 +81,13 @@ pub fn boot() -> Result<Booted, VmInitError> {
     mount_fs("tmpfs", "/run", MsFlags::MS_NOSUID | MsFlags::MS_NODEV)?;
     load_modules(Path::new("/modules"))?;
     let port = wait_for(DEVICE_WAIT, find_port).ok_or(VmInitError::NoPort(DEVICE_WAIT))?;
-    let config = match find_disk(CONFIG_SERIAL) {
-        Some(dev) => read_config(&dev)?,
-        None => VmConfig::default(),
-    };
+    // The edge always gives one: a VM without it would come up as no sandbox in particular.
+    let config_dev = wait_for(DEVICE_WAIT, || find_disk(CONFIG_SERIAL)).ok_or_else(|| {
+        VmInitError::Config(format!(
+            "no disk with serial {CONFIG_SERIAL} in {DEVICE_WAIT:?}"
+        ))
+    })?;
+    let config = read_config(&config_dev)?;
     if !config.hostname.is_empty() {
         let _ = nix::unistd::sethostname(&config.hostname);
     }
@@ -95,12 +98,23 @@ pub fn boot() -> Result<Booted, VmInitError> {
 /// (built in, or loaded) is fine. Errors: a module that is there and fails to load.
 pub fn load_modules(dir: &Path) -> Result<(), VmInitError> {
     let order = std::fs::read_to_string(dir.join("order")).unwrap_or_default();
-    for name in order.lines().map(str::trim).filter(|l| !l.is_empty()) {
-        let path = dir.join(format!("{name}.ko"));
+    // The order file names each module's file (`virtio_blk.ko`, or `.ko.xz`/`.ko.zst`/
+    // `.ko.gz` as the kernel's package ships it): the kernel inflates a compressed one itself
+    // when asked to (MODULE_INIT_COMPRESSED_FILE, Linux 5.17+ built with module
+    // decompression, as distribution kernels that compress their modules are).
+    const MODULE_INIT_COMPRESSED_FILE: u32 = 4;
+    for file in order.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        let name = file.split(".ko").next().unwrap_or(file);
+        let path = dir.join(file);
         let Ok(f) = std::fs::File::open(&path) else {
             continue;
         };
-        match nix::kmod::finit_module(&f, c"", nix::kmod::ModuleInitFlags::empty()) {
+        let flags = if file.ends_with(".ko") {
+            nix::kmod::ModuleInitFlags::empty()
+        } else {
+            nix::kmod::ModuleInitFlags::from_bits_retain(MODULE_INIT_COMPRESSED_FILE)
+        };
+        match nix::kmod::finit_module(&f, c"", flags) {
             Ok(()) | Err(nix::Error::EEXIST) => {}
             Err(e) => {
                 return Err(VmInitError::Module {

@@ -8,7 +8,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// Modules loaded before anything else, dependencies first (a kernel with them built in
-/// has none of these files; each missing one is skipped).
+/// has none of these files; a missing one is skipped unless it is [`REQUIRED`]).
 pub const MODULES: &[&str] = &[
     "virtio_ring",
     "virtio",
@@ -25,6 +25,19 @@ pub const MODULES: &[&str] = &[
     "overlay",
 ];
 
+/// What a guest cannot come up without (its disks and the agent port): each must be a
+/// module file or built in (`modules.builtin`), or the initramfs is refused.
+pub const REQUIRED: &[&str] = &[
+    "virtio_ring",
+    "virtio",
+    "virtio_mmio",
+    "virtio_blk",
+    "virtio_console",
+];
+
+/// The file names a module may have in a kernel's package, plain first.
+const MODULE_SUFFIXES: &[&str] = &[".ko", ".ko.xz", ".ko.zst", ".ko.gz"];
+
 /// Where aether finds the modules in the initramfs, and the file naming their order.
 pub const MODULE_DIR: &str = "modules";
 pub const MODULE_ORDER: &str = "modules/order";
@@ -40,6 +53,14 @@ pub enum Entry {
         path: String,
         mode: u32,
         data: Vec<u8>,
+    },
+    /// A character device node (`/dev/console` for the kernel to open as init's stdio
+    /// before anything mounts devtmpfs).
+    CharDev {
+        path: String,
+        mode: u32,
+        major: u32,
+        minor: u32,
     },
 }
 
@@ -63,10 +84,16 @@ pub fn write_newc<W: Write>(w: &mut W, entries: &[Entry]) -> std::io::Result<()>
         data: Vec::new(),
     };
     for (ino, e) in entries.iter().chain(std::iter::once(&trailer)).enumerate() {
-        let (path, mode, data): (&str, u32, &[u8]) = match e {
-            Entry::Dir { path, mode } => (path, 0o040000 | mode, &[]),
-            Entry::File { path, mode, data } if path == "TRAILER!!!" => (path, *mode, data),
-            Entry::File { path, mode, data } => (path, 0o100000 | mode, data),
+        let (path, mode, data, rdev): (&str, u32, &[u8], (u32, u32)) = match e {
+            Entry::Dir { path, mode } => (path, 0o040000 | mode, &[], (0, 0)),
+            Entry::File { path, mode, data } if path == "TRAILER!!!" => (path, *mode, data, (0, 0)),
+            Entry::File { path, mode, data } => (path, 0o100000 | mode, data, (0, 0)),
+            Entry::CharDev {
+                path,
+                mode,
+                major,
+                minor,
+            } => (path, 0o020000 | mode, &[], (*major, *minor)),
         };
         let nlink = if matches!(e, Entry::Dir { .. }) { 2 } else { 1 };
         let header = format!(
@@ -80,8 +107,8 @@ pub fn write_newc<W: Write>(w: &mut W, entries: &[Entry]) -> std::io::Result<()>
             data.len(),
             0,
             0,
-            0,
-            0,
+            rdev.0,
+            rdev.1,
             path.len() + 1,
             0
         );
@@ -108,6 +135,9 @@ pub enum InitramfsError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// A module the guest needs is neither in `dir` nor built into the kernel.
+    #[error("kernel module {name} is neither under {dir} nor built in (modules.builtin)")]
+    MissingModule { name: String, dir: PathBuf },
 }
 
 /// The modules directory of `kernel` (`.../boot/vmlinuz-<release>` →
@@ -121,9 +151,13 @@ pub fn modules_of(kernel: &Path) -> Option<PathBuf> {
     dir.is_dir().then_some(dir)
 }
 
-/// Finds `<name>.ko` under `dir` (any depth).
-fn find_module(dir: &Path, name: &str) -> Option<PathBuf> {
-    let want = format!("{name}.ko");
+/// Finds module `name`'s file under `dir` (any depth, plain or compressed) and returns it
+/// with its file name.
+fn find_module(dir: &Path, name: &str) -> Option<(PathBuf, String)> {
+    let wanted: Vec<String> = MODULE_SUFFIXES
+        .iter()
+        .map(|x| format!("{name}{x}"))
+        .collect();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
         let Ok(rd) = std::fs::read_dir(&d) else {
@@ -131,11 +165,10 @@ fn find_module(dir: &Path, name: &str) -> Option<PathBuf> {
         };
         for e in rd.flatten() {
             let p = e.path();
+            let file = e.file_name().to_string_lossy().into_owned();
             match e.file_type() {
                 Ok(t) if t.is_dir() => stack.push(p),
-                Ok(t) if t.is_file() && e.file_name().to_str() == Some(want.as_str()) => {
-                    return Some(p)
-                }
+                Ok(t) if t.is_file() && wanted.contains(&file) => return Some((p, file)),
                 _ => {}
             }
         }
@@ -143,9 +176,24 @@ fn find_module(dir: &Path, name: &str) -> Option<PathBuf> {
     None
 }
 
-/// Writes the guest initramfs to `out` (atomically: a temporary file renamed): `agent` as
-/// `/init` and, from `modules` when given, the [`MODULES`] it has with their order.
-/// Returns the modules included. Errors: the file that could not be read or written.
+/// Whether `modules.builtin` in `dir` lists module `name` (lines such as
+/// `kernel/drivers/block/virtio_blk.ko`; `-` and `_` are the same in module names).
+fn built_in(dir: &Path, name: &str) -> bool {
+    let norm = |n: &str| n.replace('-', "_");
+    let want = norm(name);
+    std::fs::read_to_string(dir.join("modules.builtin"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.rsplit('/').next())
+        .any(|f| norm(f.split(".ko").next().unwrap_or(f)) == want)
+}
+
+/// Writes the guest initramfs to `out` (atomically: a temporary file of its own renamed, so
+/// builders racing for the same `out` each leave a whole one): `agent` as `/init`,
+/// `/dev/console` and `/dev/null`, and, from `modules` when given, the [`MODULES`] it has
+/// with their order (a kernel given no modules directory is taken to have them built in).
+/// Returns the modules included. Errors: `MissingModule` for a [`REQUIRED`] module neither
+/// there nor built in; the file that could not be read or written.
 pub fn build(
     agent: &Path,
     modules: Option<&Path>,
@@ -161,6 +209,18 @@ pub fn build(
         Entry::Dir {
             path: "dev".into(),
             mode: 0o755,
+        },
+        Entry::CharDev {
+            path: "dev/console".into(),
+            mode: 0o600,
+            major: 5,
+            minor: 1,
+        },
+        Entry::CharDev {
+            path: "dev/null".into(),
+            mode: 0o666,
+            major: 1,
+            minor: 3,
         },
         Entry::Dir {
             path: "proc".into(),
@@ -191,13 +251,22 @@ pub fn build(
     let mut included = Vec::new();
     if let Some(dir) = modules {
         for m in MODULES {
-            if let Some(p) = find_module(dir, m) {
-                entries.push(Entry::File {
-                    path: format!("{MODULE_DIR}/{m}.ko"),
-                    mode: 0o644,
-                    data: read(&p)?,
-                });
-                included.push((*m).to_string());
+            match find_module(dir, m) {
+                Some((p, file)) => {
+                    entries.push(Entry::File {
+                        path: format!("{MODULE_DIR}/{file}"),
+                        mode: 0o644,
+                        data: read(&p)?,
+                    });
+                    included.push(file);
+                }
+                None if REQUIRED.contains(m) && !built_in(dir, m) => {
+                    return Err(InitramfsError::MissingModule {
+                        name: (*m).to_string(),
+                        dir: dir.to_path_buf(),
+                    });
+                }
+                None => {}
             }
         }
     }
@@ -206,18 +275,25 @@ pub fn build(
         mode: 0o644,
         data: included.join("\n").into_bytes(),
     });
-    let tmp = out.with_extension("tmp");
+    let tmp = out.with_extension(format!(
+        "tmp.{}.{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
     let werr = |source| InitramfsError::Write {
         path: out.to_path_buf(),
         source,
     };
-    let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(werr)?);
-    write_newc(&mut f, &entries).map_err(werr)?;
-    f.into_inner()
-        .map_err(|e| werr(e.into_error()))?
-        .sync_all()
-        .map_err(werr)?;
-    std::fs::rename(&tmp, out).map_err(werr)?;
+    let written = (|| {
+        let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
+        write_newc(&mut f, &entries)?;
+        f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        std::fs::rename(&tmp, out)
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(werr(e));
+    }
     Ok(included)
 }
 
@@ -235,6 +311,12 @@ mod tests {
                     path: "modules".into(),
                     mode: 0o755,
                 },
+                Entry::CharDev {
+                    path: "modules/console".into(),
+                    mode: 0o600,
+                    major: 5,
+                    minor: 1,
+                },
                 Entry::File {
                     path: "modules/order".into(),
                     mode: 0o644,
@@ -249,6 +331,14 @@ mod tests {
         assert!(text.contains("modules/order\0"));
         assert!(text.contains("virtio\nvirtio_blk"));
         assert!(text.contains("TRAILER!!!\0"));
+        // The node's header carries its device numbers (rdevmajor, rdevminor: the 10th
+        // and 11th of its 8-digit fields).
+        let at = text.find("modules/console\0").expect("node") - 110;
+        let field = |i: usize| &text[at + 6 + 8 * i..at + 14 + 8 * i];
+        assert_eq!(
+            (field(1), field(9), field(10)),
+            ("00002180", "00000005", "00000001")
+        );
         // Where busybox is there, its cpio lists exactly our members.
         let dir = tempfile::tempdir().expect("dir");
         let path = dir.path().join("a.cpio");
@@ -261,8 +351,20 @@ mod tests {
             let listed = String::from_utf8_lossy(&out.stdout);
             assert_eq!(
                 listed.lines().collect::<Vec<_>>(),
-                ["modules", "modules/order"]
+                ["modules", "modules/console", "modules/order"]
             );
+            // The node is a character device 5,1 (`crw-------`, "5, 1" in the size column).
+            let out = std::process::Command::new("busybox")
+                .args(["cpio", "-tv", "-F"])
+                .arg(&path)
+                .output()
+                .expect("cpio -tv");
+            let long = String::from_utf8_lossy(&out.stdout).into_owned();
+            let node = long
+                .lines()
+                .find(|l| l.ends_with("modules/console"))
+                .expect("listed");
+            assert!(node.starts_with("crw-------"), "{node}");
         }
     }
 
@@ -278,6 +380,7 @@ mod tests {
         std::fs::write(boot.join("vmlinuz-6.1.0-x-cloud-amd64"), b"k").expect("kernel");
         std::fs::write(mods.join("virtio/virtio_blk.ko"), b"blk").expect("blk");
         std::fs::write(mods.join("virtio/virtio.ko"), b"core").expect("core");
+        std::fs::write(mods.join("erofs.ko.xz"), b"xz").expect("erofs");
         let kernel = boot.join("vmlinuz-6.1.0-x-cloud-amd64");
         let dir = modules_of(&kernel).expect("modules dir");
         assert!(dir.ends_with("lib/modules/6.1.0-x-cloud-amd64"));
@@ -285,11 +388,30 @@ mod tests {
         let agent = root.path().join("agent");
         std::fs::write(&agent, b"#!agent").expect("agent");
         let out = root.path().join("initrd");
+        // The required modules this kernel lacks as files must be built in.
+        match build(&agent, Some(&dir), &out) {
+            Err(InitramfsError::MissingModule { name, .. }) => assert_eq!(name, "virtio_ring"),
+            other => panic!("{other:?}"),
+        }
+        assert!(!out.exists());
+        std::fs::write(
+            dir.join("modules.builtin"),
+            "kernel/drivers/virtio/virtio_ring.ko\nkernel/drivers/virtio/virtio_mmio.ko\n\
+             kernel/drivers/char/virtio_console.ko\n",
+        )
+        .expect("builtin");
         let got = build(&agent, Some(&dir), &out).expect("build");
-        assert_eq!(got, ["virtio", "virtio_blk"]);
+        assert_eq!(got, ["virtio.ko", "virtio_blk.ko", "erofs.ko.xz"]);
         let text = String::from_utf8_lossy(&std::fs::read(&out).expect("read")).into_owned();
         assert!(text.contains("init\0") && text.contains("#!agent"));
-        assert!(text.contains("virtio\nvirtio_blk"));
-        assert!(!out.with_extension("tmp").exists());
+        assert!(text.contains("virtio.ko\nvirtio_blk.ko\nerofs.ko.xz"));
+        assert!(text.contains("dev/console\0") && text.contains("dev/null\0"));
+        let left: Vec<_> = std::fs::read_dir(root.path())
+            .expect("list")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains("tmp"))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
     }
 }

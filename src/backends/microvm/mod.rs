@@ -12,22 +12,26 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
-use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::transport::{Channel, Uri};
 
 use crate::guest::portmux::Mux;
+use crate::guest::uds;
 
 /// Connects to a VM's agent port at `socket` (QEMU's chardev) and returns a channel to
 /// aether's runtime service over it. The connection resets whatever sessions the guest
-/// held (a restored copy's are its source's). Errors: the socket's, when QEMU is not
-/// there; the transport's.
+/// held (a restored copy's are its source's). Once the connection is done (QEMU gone, or
+/// the guest sent what is none of ours) the channel's calls fail `unavailable`, and a new
+/// channel makes a new connection. Errors: the socket's, when QEMU is not there; the
+/// transport's.
 pub async fn agent_channel(socket: &Path) -> Result<Channel, std::io::Error> {
     let s = tokio::net::UnixStream::connect(socket).await?;
     let (r, w) = s.into_split();
     let mux: Arc<Mux> = Mux::host(r, w);
-    let ch = Endpoint::from_static("http://aether")
-        .connect_timeout(Duration::from_secs(10))
-        .initial_stream_window_size(Some(4 << 20))
-        .initial_connection_window_size(Some(16 << 20))
+    // Pings find a guest that stopped answering (a hung or killed VM) within 15 s; a
+    // running VM answers them even while its workload is busy (aether runs first).
+    let ch = uds::endpoint("http://aether", Duration::from_secs(10))
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(5))
         .connect_with_connector(tower::service_fn(move |_: Uri| {
             let mux = mux.clone();
             async move { Ok::<_, std::io::Error>(TokioIo::new(mux.open().await?)) }

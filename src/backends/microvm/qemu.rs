@@ -70,9 +70,93 @@ pub struct Machine {
 /// namespace of its own.
 pub const GUEST_MAC: &str = "02:fc:00:00:00:02";
 
+/// Why a [`Machine`] cannot be turned into a command line.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum MachineError {
+    #[error("{what} {path:?} is not an absolute path")]
+    RelativePath { what: &'static str, path: PathBuf },
+    #[error("{what} {value:?} must be 1 to {max} of A-Z, a-z, 0-9 and '-'")]
+    BadName {
+        what: &'static str,
+        value: String,
+        max: usize,
+    },
+    #[error("init argument {0:?} is empty or holds white space")]
+    BadInitArg(String),
+    #[error("the console log {0:?} holds a comma")]
+    CommaInConsole(PathBuf),
+}
+
+/// A name QEMU takes inside `key=value,...` (a disk's serial, a tap's name): a short run
+/// of letters, digits and '-', so it can neither end its option nor start another.
+fn check_name(what: &'static str, value: &str, max: usize) -> Result<(), MachineError> {
+    let ok = !value.is_empty()
+        && value.len() <= max
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(MachineError::BadName {
+            what,
+            value: value.to_string(),
+            max,
+        })
+    }
+}
+
 impl Machine {
-    /// `qemu-system-x86_64`'s arguments (without the program name).
-    pub fn args(&self) -> Vec<OsString> {
+    /// Checks what `args` puts on the command line: every path absolute (QEMU's working
+    /// directory is not ours to rely on), serials at most 20 and the tap's name at most 15
+    /// of `[A-Za-z0-9-]`, init arguments without white space (the kernel splits its
+    /// command line there).
+    pub fn check(&self) -> Result<(), MachineError> {
+        let mut paths: Vec<(&'static str, &std::path::Path)> = vec![
+            ("kernel", &self.kernel),
+            ("RAM file", &self.ram.path),
+            ("agent socket", &self.agent_socket),
+            ("QMP socket", &self.qmp_socket),
+        ];
+        if let Some(i) = &self.initrd {
+            paths.push(("initrd", i));
+        }
+        if let Some(c) = &self.console_log {
+            paths.push(("console log", c));
+            if c.to_string_lossy().contains(',') {
+                return Err(MachineError::CommaInConsole(c.clone()));
+            }
+        }
+        for d in &self.disks {
+            paths.push(("disk", &d.path));
+            check_name("disk serial", &d.serial, 20)?;
+        }
+        for (what, p) in paths {
+            if !p.is_absolute() {
+                return Err(MachineError::RelativePath {
+                    what,
+                    path: p.to_path_buf(),
+                });
+            }
+        }
+        if let Some(tap) = &self.tap {
+            check_name("tap device", tap, 15)?;
+        }
+        if let Some(bad) = self
+            .init_args
+            .iter()
+            .find(|a| a.is_empty() || a.chars().any(char::is_whitespace))
+        {
+            return Err(MachineError::BadInitArg(bad.clone()));
+        }
+        Ok(())
+    }
+
+    /// `qemu-system-x86_64`'s arguments (without the program name), after [`Machine::check`].
+    /// The kernel always gets `panic=-1`: a guest kernel that panics ends its VM (with
+    /// `-no-reboot`, QEMU exits) rather than hang with its memory held.
+    pub fn args(&self) -> Result<Vec<OsString>, MachineError> {
+        self.check()?;
         let mut a: Vec<OsString> = Vec::new();
         let mut push = |s: &str| a.push(OsString::from(s));
         push("-M");
@@ -123,6 +207,9 @@ impl Machine {
             a.push(i.clone().into_os_string());
         }
         let mut append = self.append.clone();
+        if !append.split_whitespace().any(|w| w.starts_with("panic=")) {
+            append.push_str(" panic=-1");
+        }
         if let Accel::Tcg { tsc_khz } = self.accel {
             if tsc_khz > 0 {
                 append.push_str(&format!(" tsc_early_khz={tsc_khz}"));
@@ -181,7 +268,7 @@ impl Machine {
             a.push("-incoming".into());
             a.push("defer".into());
         }
-        a
+        Ok(a)
     }
 }
 
@@ -250,6 +337,7 @@ mod tests {
 
     fn text(m: &Machine) -> Vec<String> {
         m.args()
+            .expect("a good machine")
             .into_iter()
             .map(|s| s.to_string_lossy().into_owned())
             .collect()
@@ -292,5 +380,54 @@ mod tests {
         assert!(a.contains(&"host,-arch-capabilities".to_string()));
         assert!(!a.iter().any(|x| x.contains("tsc_early_khz")));
         assert!(!a.iter().any(|x| x.contains("virtio-net")));
+    }
+
+    #[test]
+    fn names_that_could_reach_other_options_and_relative_paths_are_refused() {
+        let refused = |f: &dyn Fn(&mut Machine)| {
+            let mut m = machine();
+            f(&mut m);
+            m.args().expect_err("refused")
+        };
+        for serial in ["", "odsec,x=1", "a b", "abcdefghijklmnopqrstu"] {
+            assert!(matches!(
+                refused(&|m| m.disks[0].serial = serial.into()),
+                MachineError::BadName {
+                    what: "disk serial",
+                    ..
+                }
+            ));
+        }
+        for tap in ["tap0,script=/x", "tap0123456789abc", ""] {
+            assert!(matches!(
+                refused(&|m| m.tap = Some(tap.into())),
+                MachineError::BadName {
+                    what: "tap device",
+                    ..
+                }
+            ));
+        }
+        assert!(matches!(
+            refused(&|m| m.disks[1].path = "rw.ext4".into()),
+            MachineError::RelativePath { what: "disk", .. }
+        ));
+        assert!(matches!(
+            refused(&|m| m.kernel = "vmlinuz".into()),
+            MachineError::RelativePath { what: "kernel", .. }
+        ));
+        assert_eq!(
+            refused(&|m| m.init_args.push("--x y".into())),
+            MachineError::BadInitArg("--x y".into())
+        );
+        assert!(matches!(
+            refused(&|m| m.console_log = Some("/s/a,b.log".into())),
+            MachineError::CommaInConsole(_)
+        ));
+        // panic=-1 is added where the caller gave no panic= of its own.
+        let mut m = machine();
+        m.append = "console=ttyS0".into();
+        assert!(text(&m)
+            .iter()
+            .any(|x| x.starts_with("console=ttyS0 panic=-1")));
     }
 }

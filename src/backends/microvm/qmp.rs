@@ -39,6 +39,9 @@ pub struct Qmp {
     writer: OwnedWriteHalf,
     /// Events seen while waiting for answers, oldest first (bounded).
     pub events: Vec<Value>,
+    /// The id the next command carries: QEMU echoes it in the answer, so the answer of a
+    /// command given up on ([`Qmp::execute_within`]) is never taken for a later one's.
+    next_id: u64,
 }
 
 impl Qmp {
@@ -50,6 +53,7 @@ impl Qmp {
             reader: BufReader::new(r),
             writer: w,
             events: Vec::new(),
+            next_id: 1,
         };
         let greeting = q.read_value().await?;
         if greeting.get("QMP").is_none() {
@@ -88,9 +92,11 @@ impl Qmp {
         command: &str,
         arguments: Option<Value>,
     ) -> Result<Value, QmpError> {
+        let id = self.next_id;
+        self.next_id += 1;
         let msg = match arguments {
-            Some(a) => json!({ "execute": command, "arguments": a }),
-            None => json!({ "execute": command }),
+            Some(a) => json!({ "execute": command, "arguments": a, "id": id }),
+            None => json!({ "execute": command, "id": id }),
         };
         let mut line = msg.to_string();
         line.push('\n');
@@ -102,6 +108,11 @@ impl Qmp {
                     self.events.remove(0);
                 }
                 self.events.push(v);
+                continue;
+            }
+            if v.get("id").and_then(Value::as_u64) != Some(id) {
+                // An earlier command's late answer (or one without our id).
+                tracing::debug!(answer = %v, "QMP: an answer for another command, skipped");
                 continue;
             }
             if let Some(r) = v.get("return") {
@@ -147,6 +158,25 @@ impl Qmp {
 mod tests {
     use super::*;
 
+    /// `answer`'s lines, each answer given the id of the command `command` (as QEMU does).
+    fn with_id(command: &str, answer: &str) -> String {
+        let id = serde_json::from_str::<Value>(command.trim())
+            .ok()
+            .and_then(|c| c.get("id").cloned());
+        answer
+            .split_inclusive('\n')
+            .map(|l| match serde_json::from_str::<Value>(l.trim()) {
+                Ok(Value::Object(mut m)) if !m.contains_key("event") => {
+                    if let Some(id) = &id {
+                        m.insert("id".into(), id.clone());
+                    }
+                    format!("{}\r\n", Value::Object(m))
+                }
+                _ => l.to_string(),
+            })
+            .collect()
+    }
+
     /// A QMP server that greets, answers `qmp_capabilities`, then answers each command
     /// by the `script` (an event first where asked).
     async fn fake(path: std::path::PathBuf, script: Vec<&'static str>) {
@@ -161,15 +191,34 @@ mod tests {
             let mut line = String::new();
             r.read_line(&mut line).await.expect("caps");
             assert!(line.contains("qmp_capabilities"), "{line}");
-            w.write_all(b"{\"return\": {}}\r\n")
+            w.write_all(with_id(&line, "{\"return\": {}}\r\n").as_bytes())
                 .await
                 .expect("caps answer");
+            let mut read_ahead: Option<String> = None;
             for answer in script {
-                line.clear();
-                if r.read_line(&mut line).await.expect("command") == 0 {
-                    return;
+                match read_ahead.take() {
+                    Some(next) => line = next,
+                    None => {
+                        line.clear();
+                        if r.read_line(&mut line).await.expect("command") == 0 {
+                            return;
+                        }
+                    }
                 }
-                w.write_all(answer.as_bytes()).await.expect("answer");
+                // "SLOW:" answers late: once the next command came, the client having
+                // given up on this one.
+                let (late, answer) = match answer.strip_prefix("SLOW:") {
+                    Some(a) => (true, a),
+                    None => (false, answer),
+                };
+                if late {
+                    let mut next = String::new();
+                    r.read_line(&mut next).await.expect("the next command");
+                    read_ahead = Some(next);
+                }
+                w.write_all(with_id(&line, answer).as_bytes())
+                    .await
+                    .expect("answer");
             }
             // One more command, then QEMU goes away without answering it.
             line.clear();
@@ -217,6 +266,29 @@ mod tests {
             q.execute("cont", None).await,
             Err(QmpError::Closed)
         ));
+    }
+
+    #[tokio::test]
+    async fn an_answer_that_comes_after_its_command_was_given_up_on_is_not_the_next_one_s() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("qmp.sock");
+        fake(
+            path.clone(),
+            vec![
+                "SLOW:{\"return\": {\"status\": \"inmigrate\", \"running\": false}}\r\n",
+                "{\"return\": {\"status\": \"running\", \"running\": true}}\r\n",
+            ],
+        )
+        .await;
+        let mut q = Qmp::connect(&path).await.expect("connect");
+        assert!(matches!(
+            q.execute_within("query-status", None, Duration::from_millis(100))
+                .await,
+            Err(QmpError::Timeout(_))
+        ));
+        // The fake answers the first command only once the second is sent, just before the
+        // second's own answer.
+        assert_eq!(q.status().await.expect("status"), "running");
     }
 
     #[tokio::test]
