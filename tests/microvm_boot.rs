@@ -19,7 +19,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use opendsec::backends::microvm::{agent_channel, initramfs, qemu, qemu_binary};
-use opendsec::guest::vminit::{config_disk, VmConfig, CONFIG_SERIAL};
+use opendsec::guest::vminit::{
+    config_disk, VmConfig, AGENT_DIR, AGENT_FILE, AGENT_SERIAL, CONFIG_SERIAL, IMAGE_SERIAL,
+    RW_SERIAL,
+};
 use opendsec::pb;
 use opendsec::pb::runtime_client::RuntimeClient;
 
@@ -68,6 +71,44 @@ fn agent(dir: &Path) -> PathBuf {
     out
 }
 
+/// An ext4 disk image at `out` holding `dir`'s files (none: an empty file system) with
+/// `spare_mb` beyond them, as `mkfs.ext4 -d` makes it.
+fn ext4(out: &Path, dir: Option<&Path>, spare_mb: u64) {
+    let used: u64 = dir.map_or(0, |d| {
+        walk(d)
+            .iter()
+            .map(|p| std::fs::metadata(p).map_or(0, |m| m.len()))
+            .sum()
+    });
+    let size_mb = used / (1 << 20) + used / (1 << 22) + spare_mb;
+    let f = std::fs::File::create(out).unwrap();
+    f.set_len(size_mb << 20).unwrap();
+    let mut cmd = Command::new("mkfs.ext4");
+    cmd.args(["-q", "-F", "-E", "root_owner=0:0"]);
+    if let Some(d) = dir {
+        cmd.arg("-d").arg(d);
+    }
+    let out = cmd.arg(out).output().unwrap();
+    assert!(
+        out.status.success(),
+        "mkfs.ext4: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn walk(d: &Path) -> Vec<PathBuf> {
+    let mut all = Vec::new();
+    for e in std::fs::read_dir(d).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            all.extend(walk(&p));
+        } else {
+            all.push(p);
+        }
+    }
+    all
+}
+
 struct Vm {
     child: std::process::Child,
     console: PathBuf,
@@ -98,6 +139,20 @@ async fn a_microvm_boots_with_aether_as_init_and_answers_on_its_agent_port() {
         loaded.iter().any(|m| m.starts_with("virtio_console.ko")),
         "{loaded:?}"
     );
+    // The three disks the guest assembles its root from: an image with one file of its own,
+    // an empty writable disk, and the agent disk with this build's binary.
+    let image_dir = dir.path().join("image");
+    std::fs::create_dir_all(image_dir.join("etc")).unwrap();
+    std::fs::write(image_dir.join("etc/image-marker"), "from the image\n").unwrap();
+    let image_disk = dir.path().join("image.ext4");
+    ext4(&image_disk, Some(&image_dir), 8);
+    let rw_disk = dir.path().join("rw.ext4");
+    ext4(&rw_disk, None, 64);
+    let agent_dir = dir.path().join("agentdisk");
+    std::fs::create_dir_all(&agent_dir).unwrap();
+    std::fs::rename(agent(dir.path()), agent_dir.join(AGENT_FILE)).unwrap();
+    let agent_disk = dir.path().join("agent.ext4");
+    ext4(&agent_disk, Some(&agent_dir), 8);
     let cfg_disk = dir.path().join("config.img");
     std::fs::write(
         &cfg_disk,
@@ -122,11 +177,28 @@ async fn a_microvm_boots_with_aether_as_init_and_answers_on_its_agent_port() {
             path: dir.path().join("ram"),
             shared: true,
         },
-        disks: vec![qemu::Disk {
-            path: cfg_disk,
-            read_only: true,
-            serial: CONFIG_SERIAL.into(),
-        }],
+        disks: vec![
+            qemu::Disk {
+                path: agent_disk,
+                read_only: true,
+                serial: AGENT_SERIAL.into(),
+            },
+            qemu::Disk {
+                path: image_disk,
+                read_only: true,
+                serial: IMAGE_SERIAL.into(),
+            },
+            qemu::Disk {
+                path: rw_disk,
+                read_only: false,
+                serial: RW_SERIAL.into(),
+            },
+            qemu::Disk {
+                path: cfg_disk,
+                read_only: true,
+                serial: CONFIG_SERIAL.into(),
+            },
+        ],
         agent_socket: dir.path().join("agent.sock"),
         qmp_socket: dir.path().join("qmp.sock"),
         tap: None,
@@ -162,9 +234,52 @@ async fn a_microvm_boots_with_aether_as_init_and_answers_on_its_agent_port() {
     )
     .await;
     eprintln!("guest answered {:?} after QEMU started", start.elapsed());
-    // A process started straight from the agent binary, inside the guest.
-    let out = run(&mut rt, &["/init", "version"]).await;
+    // The second stage runs from the agent disk, in the sandbox's root: the image's files
+    // under an overlay, the initramfs gone.
+    let agent_bin = format!("{AGENT_DIR}/{AGENT_FILE}");
+    let out = run(&mut rt, &[&agent_bin, "version"]).await;
     assert_eq!(out.trim(), format!("opendsec {}", opendsec::VERSION));
+    assert_eq!(read(&mut rt, "/etc/image-marker").await, "from the image\n");
+    let mounts = read(&mut rt, "/proc/self/mountinfo").await;
+    let root = mounts
+        .lines()
+        .find(|l| l.split(' ').nth(4) == Some("/"))
+        .unwrap_or_default();
+    assert!(root.contains(" - overlay "), "root mount: {root}\n{mounts}");
+    // Its upper layer is on the writable disk, its lower the image disk.
+    assert!(
+        root.contains("lowerdir=/mnt/image,upperdir=/mnt/rw/upper"),
+        "root mount: {root}"
+    );
+    let agent_mount = mounts
+        .lines()
+        .find(|l| l.split(' ').nth(4) == Some(AGENT_DIR))
+        .unwrap_or_default();
+    assert!(
+        agent_mount
+            .split(' ')
+            .nth(5)
+            .is_some_and(|o| o.split(',').any(|f| f == "ro")),
+        "agent disk mount: {agent_mount}"
+    );
+    assert!(
+        read_err(&mut rt, "/init").await,
+        "the initramfs's /init is still there"
+    );
+    assert!(read_err(&mut rt, "/modules/order").await);
+    // The machine id comes from the sandbox id.
+    use sha2::Digest;
+    let want_id = hex::encode(&sha2::Sha256::digest(b"n1.vmtest")[..16]);
+    assert_eq!(read(&mut rt, "/etc/machine-id").await.trim(), want_id);
+    // What the sandbox writes goes to its writable disk's upper layer.
+    rt.write_file(pb::WriteFileRequest {
+        path: "/etc/written-in-the-vm".into(),
+        data: b"kept\n".to_vec(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert_eq!(read(&mut rt, "/etc/written-in-the-vm").await, "kept\n");
     // The guest's own kernel and hostname, not the host's.
     let host_release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
     let release = kernel
@@ -199,9 +314,20 @@ async fn a_microvm_boots_with_aether_as_init_and_answers_on_its_agent_port() {
     )
     .await;
     eprintln!("a second connection answered after {:?}", again.elapsed());
-    let out = run(&mut rt, &["/init", "version"]).await;
+    let out = run(&mut rt, &[&agent_bin, "version"]).await;
     assert_eq!(out.trim(), format!("opendsec {}", opendsec::VERSION));
+    drop(rt);
     drop(vm);
+}
+
+/// Whether reading `path` in the guest fails.
+async fn read_err(rt: &mut RuntimeClient<tonic::transport::Channel>, path: &str) -> bool {
+    rt.read_file(pb::ReadFileRequest {
+        path: path.into(),
+        ..Default::default()
+    })
+    .await
+    .is_err()
 }
 
 /// Connects to the agent port at `socket` and lists sessions, try after try (each bounded
@@ -217,6 +343,12 @@ async fn connect_within(
     let start = Instant::now();
     loop {
         assert!(start.elapsed() < limit, "{}", why());
+        // A guest that powered off (its init failed) answers never.
+        let said = why();
+        assert!(
+            !said.contains("reboot: Power down") && !said.contains("Kernel panic"),
+            "{said}"
+        );
         let attempt = async {
             let ch = agent_channel(socket).await.ok()?;
             let mut c = RuntimeClient::new(ch);

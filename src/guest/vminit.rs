@@ -17,6 +17,19 @@ use serde::{Deserialize, Serialize};
 pub const AGENT_PORT: &str = "org.opendsec.agent";
 /// The serial number of the config disk.
 pub const CONFIG_SERIAL: &str = "odsec-config";
+/// The serial numbers of the read-only agent disk (the binary, as [`AGENT_FILE`]), the
+/// read-only image disk and the sandbox's writable disk.
+pub const AGENT_SERIAL: &str = "odsec-agent";
+pub const IMAGE_SERIAL: &str = "odsec-image";
+pub const RW_SERIAL: &str = "odsec-rw";
+/// Where the agent disk is mounted in the sandbox's root (where a container has its agent
+/// too), and the binary's name on it.
+pub const AGENT_DIR: &str = "/run/opendsec/bin";
+pub const AGENT_FILE: &str = "opendsec";
+/// Where the first stage leaves the second its config, in the sandbox's `/run`.
+pub const HANDOFF: &str = "/run/opendsec/vm.json";
+/// Where the sandbox's root is assembled before it becomes `/`.
+const NEW_ROOT: &str = "/mnt/root";
 /// The config disk's first bytes; the JSON follows, then zeros.
 pub const CONFIG_MAGIC: &[u8] = b"OPENDSEC-VM-CONFIG\n";
 /// The most a config disk is read.
@@ -35,6 +48,17 @@ pub struct VmConfig {
     pub workdir: String,
     pub init_user: String,
     pub disk_mb: u64,
+    /// The resolvers written to `/etc/resolv.conf`; none: the image's file stays.
+    pub nameservers: Vec<String>,
+}
+
+/// What the first stage (from the initramfs) hands the second (from the agent disk, in
+/// the sandbox's root).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Handoff {
+    pub config: VmConfig,
+    pub port: PathBuf,
 }
 
 /// Why the VM could not be brought up.
@@ -51,6 +75,27 @@ pub enum VmInitError {
     NoPort(Duration),
     #[error("config disk: {0}")]
     Config(String),
+    #[error("no disk with serial {serial} appeared in {limit:?}")]
+    NoDisk { serial: String, limit: Duration },
+    /// A step of assembling or entering the sandbox's root.
+    #[error("{what}: {source}")]
+    Root {
+        what: String,
+        source: std::io::Error,
+    },
+}
+
+fn root_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> VmInitError {
+    let what = what.into();
+    move |source| VmInitError::Root { what, source }
+}
+
+fn nix_root_err(what: impl Into<String>) -> impl FnOnce(nix::Error) -> VmInitError {
+    let what = what.into();
+    move |e| VmInitError::Root {
+        what,
+        source: e.into(),
+    }
 }
 
 /// The VM, brought up: its config and the agent port's device.
@@ -92,6 +137,181 @@ pub fn boot() -> Result<Booted, VmInitError> {
         let _ = nix::unistd::sethostname(&config.hostname);
     }
     Ok(Booted { config, port })
+}
+
+/// The device of the disk with `serial`, waiting for it as for the port.
+fn wait_disk(serial: &str) -> Result<PathBuf, VmInitError> {
+    wait_for(DEVICE_WAIT, || find_disk(serial)).ok_or_else(|| VmInitError::NoDisk {
+        serial: serial.to_string(),
+        limit: DEVICE_WAIT,
+    })
+}
+
+/// Mounts the read-only file system on `dev` (EROFS or ext4, whichever it is) at `target`.
+fn mount_ro(dev: &Path, target: &str, flags: MsFlags) -> Result<(), VmInitError> {
+    std::fs::create_dir_all(target).map_err(root_err(format!("mkdir {target}")))?;
+    let mut last = nix::Error::EINVAL;
+    for fstype in ["erofs", "ext4"] {
+        // noload: a read-only ext4 disk's journal is never replayed.
+        let data = (fstype == "ext4").then_some("noload");
+        match mount(
+            Some(dev),
+            target,
+            Some(fstype),
+            flags | MsFlags::MS_RDONLY,
+            data,
+        ) {
+            Ok(()) => return Ok(()),
+            Err(e) => last = e,
+        }
+    }
+    Err(nix_root_err(format!(
+        "mounting {} on {target}",
+        dev.display()
+    ))(last))
+}
+
+/// Assembles the sandbox's root from its disks and makes it `/` (what `switch_root` does):
+/// the image disk read-only under an overlay whose upper layer is on the writable disk,
+/// the kernel's file systems and `/run` moved into it, the agent disk read-only at
+/// [`AGENT_DIR`]; the initramfs's files are deleted (their memory is the guest's) and the
+/// process chroots into the new root. Returns the agent to exec for the second stage.
+/// Errors: a disk that never appeared, a mount or a step that failed.
+pub fn enter_sandbox_root() -> Result<PathBuf, VmInitError> {
+    let image = wait_disk(IMAGE_SERIAL)?;
+    let rw = wait_disk(RW_SERIAL)?;
+    let agent = wait_disk(AGENT_SERIAL)?;
+    mount_ro(&image, "/mnt/image", MsFlags::empty())?;
+    // Mounted here while /dev still holds its device, moved into place below.
+    mount_ro(&agent, "/mnt/agent", MsFlags::MS_NODEV | MsFlags::MS_NOSUID)?;
+    std::fs::create_dir_all("/mnt/rw").map_err(root_err("mkdir /mnt/rw"))?;
+    mount(
+        Some(&rw),
+        "/mnt/rw",
+        Some("ext4"),
+        MsFlags::MS_NOATIME,
+        None::<&str>,
+    )
+    .map_err(nix_root_err(format!(
+        "mounting {} on /mnt/rw",
+        rw.display()
+    )))?;
+    for d in ["/mnt/rw/upper", "/mnt/rw/work", NEW_ROOT] {
+        std::fs::create_dir_all(d).map_err(root_err(format!("mkdir {d}")))?;
+    }
+    mount(
+        Some("overlay"),
+        NEW_ROOT,
+        Some("overlay"),
+        MsFlags::empty(),
+        Some("lowerdir=/mnt/image,upperdir=/mnt/rw/upper,workdir=/mnt/rw/work"),
+    )
+    .map_err(nix_root_err("mounting the overlay root"))?;
+    for d in ["/dev", "/proc", "/sys", "/run"] {
+        let to = format!("{NEW_ROOT}{d}");
+        std::fs::create_dir_all(&to).map_err(root_err(format!("mkdir {to}")))?;
+        mount(
+            Some(d),
+            to.as_str(),
+            None::<&str>,
+            MsFlags::MS_MOVE,
+            None::<&str>,
+        )
+        .map_err(nix_root_err(format!("moving {d}")))?;
+    }
+    let agent_dir = format!("{NEW_ROOT}{AGENT_DIR}");
+    std::fs::create_dir_all(&agent_dir).map_err(root_err(format!("mkdir {agent_dir}")))?;
+    mount(
+        Some("/mnt/agent"),
+        agent_dir.as_str(),
+        None::<&str>,
+        MsFlags::MS_MOVE,
+        None::<&str>,
+    )
+    .map_err(nix_root_err("moving the agent disk"))?;
+    let root_dev = nix::sys::stat::stat("/")
+        .map_err(nix_root_err("stat /"))?
+        .st_dev;
+    std::env::set_current_dir(NEW_ROOT).map_err(root_err("chdir to the new root"))?;
+    clear_initramfs(Path::new("/"), root_dev);
+    mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>)
+        .map_err(nix_root_err("moving the new root onto /"))?;
+    nix::unistd::chroot(".").map_err(nix_root_err("chroot"))?;
+    std::env::set_current_dir("/").map_err(root_err("chdir /"))?;
+    Ok(Path::new(AGENT_DIR).join(AGENT_FILE))
+}
+
+/// Deletes what the initramfs holds under `dir`: files of the device `dev` only (mount
+/// points, such as the new root, belong to other devices and are left). Best effort: what
+/// cannot be deleted only costs its memory.
+fn clear_initramfs(dir: &Path, dev: u64) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let p = e.path();
+        let Ok(st) = nix::sys::stat::lstat(&p) else {
+            continue;
+        };
+        if st.st_dev != dev {
+            continue;
+        }
+        if st.st_mode & nix::libc::S_IFMT == nix::libc::S_IFDIR {
+            clear_initramfs(&p, dev);
+            let _ = std::fs::remove_dir(&p);
+        } else {
+            let _ = std::fs::remove_file(&p);
+        }
+    }
+}
+
+/// In the sandbox's root: writes `/etc/machine-id` (from the sandbox id, so a sandbox
+/// keeps its own across restarts and each copy of a snapshot gets the id it is given) and,
+/// when the config names resolvers, `/etc/resolv.conf`. Symbolic links resolve inside the
+/// sandbox's root, as the process is already chrooted. Errors: the file that could not be
+/// written.
+pub fn write_identity(cfg: &VmConfig) -> Result<(), VmInitError> {
+    use sha2::Digest;
+    let _ = std::fs::create_dir_all("/etc");
+    let digest = sha2::Sha256::digest(cfg.sandbox_id.as_bytes());
+    let id = hex::encode(digest.get(..16).unwrap_or_default());
+    std::fs::write("/etc/machine-id", format!("{id}\n")).map_err(root_err("/etc/machine-id"))?;
+    if !cfg.nameservers.is_empty() {
+        let text: String = cfg
+            .nameservers
+            .iter()
+            .map(|n| format!("nameserver {n}\n"))
+            .collect();
+        let _ = std::fs::remove_file("/etc/resolv.conf");
+        std::fs::write("/etc/resolv.conf", text).map_err(root_err("/etc/resolv.conf"))?;
+    }
+    Ok(())
+}
+
+/// Leaves `h` for the second stage at [`HANDOFF`] (0600, in the new root's `/run`).
+pub fn hand_off(h: &Handoff) -> Result<(), VmInitError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let json = serde_json::to_vec(h).map_err(|e| VmInitError::Config(e.to_string()))?;
+    if let Some(dir) = Path::new(HANDOFF).parent() {
+        std::fs::create_dir_all(dir).map_err(root_err(format!("mkdir {}", dir.display())))?;
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(HANDOFF)
+        .and_then(|mut f| f.write_all(&json))
+        .map_err(root_err(HANDOFF))
+}
+
+/// The second stage's start: what the first left at [`HANDOFF`]. Errors: `Config` when
+/// it is missing or not a [`Handoff`].
+pub fn take_handoff() -> Result<Handoff, VmInitError> {
+    let bytes =
+        std::fs::read(HANDOFF).map_err(|e| VmInitError::Config(format!("{HANDOFF}: {e}")))?;
+    serde_json::from_slice(&bytes).map_err(|e| VmInitError::Config(format!("{HANDOFF}: {e}")))
 }
 
 /// Loads the modules named in `dir/order`, in order. A module the kernel already has
@@ -200,6 +420,25 @@ pub fn config_disk(cfg: &VmConfig) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn clearing_the_initramfs_deletes_its_device_s_files_only() {
+        let dir = tempfile::tempdir().expect("dir");
+        let root = dir.path();
+        std::fs::create_dir_all(root.join("modules/sub")).expect("mkdir");
+        std::fs::write(root.join("init"), b"x").expect("init");
+        std::fs::write(root.join("modules/sub/a.ko"), b"x").expect("ko");
+        std::os::unix::fs::symlink("/etc/passwd", root.join("link")).expect("link");
+        let dev = nix::sys::stat::stat(root).expect("stat").st_dev;
+        // Another device's files (a mount point's) are left.
+        clear_initramfs(root, dev.wrapping_add(1));
+        assert!(root.join("modules/sub/a.ko").exists());
+        clear_initramfs(root, dev);
+        let left: Vec<_> = std::fs::read_dir(root).expect("list").flatten().collect();
+        assert!(left.is_empty(), "{left:?}");
+        // The link was removed, not followed.
+        assert!(Path::new("/etc/passwd").exists());
+    }
 
     #[test]
     fn a_config_disk_reads_back_as_written_and_others_are_refused() {

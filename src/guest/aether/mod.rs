@@ -67,6 +67,10 @@ pub struct AetherArgs {
     /// agent's virtio-serial port (docs/microvm.md "In the guest")
     #[argh(switch)]
     pub vm_init: bool,
+    /// the second stage of --vm-init, re-executed from the agent disk once the sandbox's
+    /// root is `/` (docs/microvm.md "In the guest")
+    #[argh(switch)]
+    pub vm_rooted: bool,
 }
 
 /// Where aether takes the edge's connections.
@@ -90,8 +94,8 @@ pub fn main(args: Vec<String>) -> ExitCode {
         tracing::error!(error = %e, "cannot make aether non-dumpable");
         return ExitCode::FAILURE;
     }
-    if a.vm_init {
-        return vm_main();
+    if a.vm_init || a.vm_rooted {
+        return vm_main(a.vm_rooted);
     }
     let r = load(&a.config).and_then(|cfg| {
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -115,34 +119,12 @@ pub fn main(args: Vec<String>) -> ExitCode {
 /// `--vm-init`: PID 1 of a microVM. It never returns while the VM runs; when it cannot
 /// bring the VM up or stops serving, it says why on the console and powers the VM off (a
 /// PID 1 that exits panics the kernel).
-fn vm_main() -> ExitCode {
+fn vm_main(rooted: bool) -> ExitCode {
     if std::process::id() != 1 {
         tracing::error!("--vm-init is for a microVM's PID 1");
         return ExitCode::from(2);
     }
-    let r = crate::guest::vminit::boot()
-        .map_err(|e| e.to_string())
-        .and_then(|booted| {
-            let c = booted.config;
-            let cfg = AetherConfig {
-                sandbox_id: c.sandbox_id,
-                run_dir: "/run/opendsec".into(),
-                agent: "/init".into(),
-                init_user: c.init_user,
-                env: c.env,
-                workdir: c.workdir,
-                pid1: true,
-                protect_from_oom: true,
-                disk_mb: c.disk_mb,
-                ..Default::default()
-            };
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map_err(|e| e.to_string())?;
-            rt.block_on(run(cfg, Listen::Port(booted.port)))
-                .map_err(|e| crate::types::chain(&e).to_string())
-        });
+    let r = if rooted { vm_serve() } else { vm_first_stage() };
     if let Err(e) = r {
         tracing::error!(error = %e, "the VM's init failed");
     }
@@ -150,11 +132,59 @@ fn vm_main() -> ExitCode {
     ExitCode::FAILURE
 }
 
-/// Serves `svc` on a microVM's agent port until the port cannot be read: each host
-/// connection's sessions become connections of the runtime server.
+/// The first stage, from the initramfs: brings the VM up, enters the sandbox's root and
+/// re-executes the agent from the agent disk, so the initramfs's copy of the binary (the
+/// guest's memory, for as long as a process maps it) is freed. Returns only on failure.
+fn vm_first_stage() -> Result<(), String> {
+    use crate::guest::vminit;
+    let booted = vminit::boot().map_err(|e| e.to_string())?;
+    let agent = vminit::enter_sandbox_root().map_err(|e| e.to_string())?;
+    vminit::hand_off(&vminit::Handoff {
+        config: booted.config,
+        port: booted.port,
+    })
+    .map_err(|e| e.to_string())?;
+    let path =
+        std::ffi::CString::new(agent.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    let argv = [c"opendsec", c"aether", c"--vm-rooted"];
+    let e = nix::unistd::execv(&path, &argv).err();
+    Err(format!("exec {}: {e:?}", agent.display()))
+}
+
+/// The second stage, in the sandbox's root: serves the runtime API on the agent port.
+fn vm_serve() -> Result<(), String> {
+    use crate::guest::vminit;
+    let h = vminit::take_handoff().map_err(|e| e.to_string())?;
+    let c = h.config;
+    vminit::write_identity(&c).map_err(|e| e.to_string())?;
+    let cfg = AetherConfig {
+        sandbox_id: c.sandbox_id,
+        run_dir: "/run/opendsec".into(),
+        agent: Path::new(vminit::AGENT_DIR)
+            .join(vminit::AGENT_FILE)
+            .to_string_lossy()
+            .into_owned(),
+        init_user: c.init_user,
+        env: c.env,
+        workdir: c.workdir,
+        pid1: true,
+        protect_from_oom: true,
+        disk_mb: c.disk_mb,
+        ..Default::default()
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    rt.block_on(run(cfg, Listen::Port(h.port)))
+        .map_err(|e| crate::types::chain(&e).to_string())
+}
+
 const PORT_POLL_MIN: std::time::Duration = std::time::Duration::from_millis(20);
 const PORT_POLL_MAX: std::time::Duration = std::time::Duration::from_millis(100);
 
+/// Serves `svc` on a microVM's agent port until the port cannot be read: each host
+/// connection's sessions become connections of the runtime server.
 async fn serve_port<S: crate::pb::runtime_server::Runtime>(
     svc: S,
     port: &Path,
