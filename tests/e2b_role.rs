@@ -242,5 +242,29 @@ fn bad_keys_through_the_gateway_lock_out_their_client_not_the_gateway() {
     // Every other client of the gateway goes on: the good key, first used from 127.0.0.1.
     let (code, body) = call(port, "GET", "/v2/sandboxes", &fresh, "");
     assert_eq!(code, 200, "{body}");
+    // A guesser at 127.0.0.3 on envd's /health (the SDKs' is_running()), which checks no
+    // key of its own first: locked out itself, the gateway's other clients not.
+    let mut codes = Vec::new();
+    for i in 0..12 {
+        let key = format!("dsk.fresh.health{i}.wrong");
+        let headers = [
+            ("E2b-Sandbox-Id", "node-0-0123456789abcdef"),
+            ("X-Access-Token", key.as_str()),
+        ];
+        let (code, _) = call_from("127.0.0.3", port, "GET", "/health", &headers, "");
+        codes.push(code);
+    }
+    assert_eq!(codes.last(), Some(&429), "{codes:?}");
+    let newer = c
+        .ctl(&["principal", "create", "root", "newer", "-kind", "agent"])
+        .ok()
+        .json()["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    c.ctl(&["grant", "root", "newer", "sandbox.create,sandbox.operate"])
+        .ok();
+    let (code, body) = call(port, "GET", "/v2/sandboxes", &newer, "");
+    assert_eq!(code, 200, "{body}");
     common::terminate(&mut gw);
 }

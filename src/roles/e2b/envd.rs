@@ -325,15 +325,17 @@ impl KnownTokens {
 /// it says whether the gateway serves.
 pub async fn health(
     axum::extract::State(g): axum::extract::State<Arc<Gateway>>,
-    headers: HeaderMap,
+    parts: axum::http::request::Parts,
 ) -> Response {
-    let Some((e2b_id, _)) = target(&headers, g.domain.as_deref()) else {
+    let headers = &parts.headers;
+    let Some((e2b_id, _)) = target(headers, g.domain.as_deref()) else {
         return StatusCode::NO_CONTENT.into_response();
     };
-    let token = super::header_text(&headers, "x-access-token");
+    let token = super::header_text(headers, "x-access-token");
     if token.is_empty() {
         return StatusCode::NO_CONTENT.into_response();
     }
+    let addr = super::peer_ip(&parts.extensions);
     let gone = || {
         let body = serde_json::json!({"sandboxId": e2b_id, "message": "The sandbox was not found", "code": 502});
         (StatusCode::BAD_GATEWAY, axum::Json(body)).into_response()
@@ -341,6 +343,12 @@ pub async fn health(
     let Some(id) = ids::from_e2b(&e2b_id) else {
         return gone();
     };
+    // Checked as every envd call is, with the caller's address: asked straight of the
+    // apiserver, a bad token would count against the gateway's own address and lock every
+    // other client out (found by a new user's trial).
+    if let Err(s) = g.known.check(&g, token, &addr, Some(&id)).await {
+        return ConnectError::from(s).into_response();
+    }
     match sandbox_gone(&g, token, &id).await {
         Ok(true) => gone(),
         Ok(false) => StatusCode::NO_CONTENT.into_response(),
