@@ -5,6 +5,14 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+/// Where the agent executable appears inside every sandbox: bound read-only there in a
+/// container, on the read-only agent disk mounted at [`AGENT_DIR`] in a microVM.
+pub const AGENT_PATH: &str = "/run/opendsec/bin/opendsec";
+/// The directory of [`AGENT_PATH`] (a microVM's agent disk is mounted there).
+pub const AGENT_DIR: &str = "/run/opendsec/bin";
+/// The agent's file name in [`AGENT_DIR`].
+pub const AGENT_FILE: &str = "opendsec";
+
 /// aether's start-up configuration (`/run/opendsec/aether.json` in containers).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -98,5 +106,15 @@ impl OomFd {
     /// The fd numbers, for inheriting them.
     pub fn fds(self) -> [i32; 2] {
         [self.events, self.usage]
+    }
+}
+
+#[cfg(test)]
+mod agent_path_tests {
+    use super::*;
+
+    #[test]
+    fn the_agent_s_directory_and_name_make_its_path() {
+        assert_eq!(format!("{AGENT_DIR}/{AGENT_FILE}"), AGENT_PATH);
     }
 }

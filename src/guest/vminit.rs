@@ -24,8 +24,7 @@ pub const IMAGE_SERIAL: &str = "odsec-image";
 pub const RW_SERIAL: &str = "odsec-rw";
 /// Where the agent disk is mounted in the sandbox's root (where a container has its agent
 /// too), and the binary's name on it.
-pub const AGENT_DIR: &str = "/run/opendsec/bin";
-pub const AGENT_FILE: &str = "opendsec";
+pub use crate::guest::config::{AGENT_DIR, AGENT_FILE, AGENT_PATH};
 /// Where the first stage leaves the second its config, in the sandbox's `/run`.
 pub const HANDOFF: &str = "/run/opendsec/vm.json";
 /// Where the sandbox's root is assembled before it becomes `/`.
@@ -238,7 +237,7 @@ pub fn enter_sandbox_root() -> Result<PathBuf, VmInitError> {
         .map_err(nix_root_err("moving the new root onto /"))?;
     nix::unistd::chroot(".").map_err(nix_root_err("chroot"))?;
     std::env::set_current_dir("/").map_err(root_err("chdir /"))?;
-    Ok(Path::new(AGENT_DIR).join(AGENT_FILE))
+    Ok(PathBuf::from(AGENT_PATH))
 }
 
 /// Deletes what the initramfs holds under `dir`: files of the device `dev` only (mount

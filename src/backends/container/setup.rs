@@ -76,7 +76,7 @@ pub struct SetupResult {
 }
 
 /// Where the agent executable appears inside the sandbox.
-pub const AGENT_PATH: &str = "/run/opendsec/bin/opendsec";
+pub use crate::guest::config::AGENT_PATH;
 /// Where aether's configuration appears inside the sandbox.
 pub const AETHER_CONFIG: &str = "/run/opendsec/aether.json";
 /// The run directory inside the sandbox (sessions, records).

@@ -160,10 +160,7 @@ fn vm_serve() -> Result<(), String> {
     let cfg = AetherConfig {
         sandbox_id: c.sandbox_id,
         run_dir: "/run/opendsec".into(),
-        agent: Path::new(vminit::AGENT_DIR)
-            .join(vminit::AGENT_FILE)
-            .to_string_lossy()
-            .into_owned(),
+        agent: vminit::AGENT_PATH.into(),
         init_user: c.init_user,
         env: c.env,
         workdir: c.workdir,
