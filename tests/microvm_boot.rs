@@ -18,10 +18,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use opendsec::backends::microvm::{agent_channel, initramfs, qemu, qemu_binary};
+use opendsec::backends::microvm::{agent_channel, disks, initramfs, qemu, qemu_binary};
 use opendsec::guest::vminit::{
-    config_disk, VmConfig, AGENT_DIR, AGENT_FILE, AGENT_SERIAL, CONFIG_SERIAL, IMAGE_SERIAL,
-    RW_SERIAL,
+    VmConfig, AGENT_DIR, AGENT_FILE, AGENT_SERIAL, CONFIG_SERIAL, IMAGE_SERIAL, RW_SERIAL,
 };
 use opendsec::pb;
 use opendsec::pb::runtime_client::RuntimeClient;
@@ -148,19 +147,15 @@ async fn a_microvm_boots_with_aether_as_init_and_answers_on_its_agent_port() {
     ext4(&image_disk, Some(&image_dir), 8);
     let rw_disk = dir.path().join("rw.ext4");
     ext4(&rw_disk, None, 64);
-    let agent_dir = dir.path().join("agentdisk");
-    std::fs::create_dir_all(&agent_dir).unwrap();
-    std::fs::rename(agent(dir.path()), agent_dir.join(AGENT_FILE)).unwrap();
-    let agent_disk = dir.path().join("agent.ext4");
-    ext4(&agent_disk, Some(&agent_dir), 8);
+    let agent_disk = disks::agent_disk(&agent(dir.path()), &dir.path().join("disks")).unwrap();
     let cfg_disk = dir.path().join("config.img");
-    std::fs::write(
+    disks::config_disk(
         &cfg_disk,
-        config_disk(&VmConfig {
+        &VmConfig {
             sandbox_id: "n1.vmtest".into(),
             hostname: "vm-under-test".into(),
             ..Default::default()
-        }),
+        },
     )
     .unwrap();
     let machine = qemu::Machine {

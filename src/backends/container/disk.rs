@@ -227,7 +227,7 @@ fn unique() -> String {
 }
 
 /// The mkfs.ext4 program: on PATH, else in /usr/sbin or /sbin (often off a service's PATH).
-fn mkfs_program() -> Option<&'static Path> {
+pub(crate) fn mkfs_program() -> Option<&'static Path> {
     static FOUND: OnceLock<Option<PathBuf>> = OnceLock::new();
     FOUND
         .get_or_init(|| {

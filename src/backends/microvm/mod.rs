@@ -3,6 +3,7 @@
 //! port. Firecracker's API and jailer fit the same shape later; see docs/microvm.md for
 //! what runs where.
 
+pub mod disks;
 pub mod initramfs;
 pub mod qemu;
 pub mod qmp;
