@@ -242,6 +242,13 @@ fn bad_keys_through_the_gateway_lock_out_their_client_not_the_gateway() {
     // Every other client of the gateway goes on: the good key, first used from 127.0.0.1.
     let (code, body) = call(port, "GET", "/v2/sandboxes", &fresh, "");
     assert_eq!(code, 200, "{body}");
+    // That key, now known to the gateway and the apiserver from 127.0.0.1, still gets the
+    // locked-out address the answer every key gets there: a guesser learns nothing from it.
+    let fresh_key = [("X-API-KEY", fresh.as_str())];
+    let (code, body) = call_from("127.0.0.2", port, "GET", "/v2/sandboxes", &fresh_key, "");
+    assert_eq!(code, 429, "{body}");
+    let (code, body) = call_from("127.0.0.2", port, "GET", "/", &port_headers, "");
+    assert_eq!(code, 429, "{body}");
     // A guesser at 127.0.0.3 on envd's /health (the SDKs' is_running()), which checks no
     // key of its own first: locked out itself, the gateway's other clients not.
     let mut codes = Vec::new();

@@ -1,5 +1,5 @@
 //! The apiserver's authentication and authorization caches (docs/architecture.md): results are
-//! kept 30 s (never past the token's own expiry), and dropped whenever IAM's security epoch
+//! kept per token and client address 30 s (never past the token's own expiry), and dropped whenever IAM's security epoch
 //! moves, which a background task checks every second — so a revocation bites within ~1 s.
 //! A refusal is kept only 1 s: a grant does not move the epoch (it would empty every
 //! apiserver's caches for a change that takes nothing away), so this is what makes a grant
@@ -62,8 +62,16 @@ pub struct AuthCache {
     pub last_iam_ok: AtomicI64,
 }
 
-fn key_of(token: &str) -> [u8; 32] {
-    Sha256::digest(token.as_bytes()).into()
+/// A cached authentication holds for the address it was made from only: IAM's failed-
+/// authentication limit answers a locked-out address alike for every token, and a result
+/// cached for another address would tell a guesser there which of its tokens is real.
+fn key_of(token: &str, client_addr: &str) -> [u8; 32] {
+    Sha256::new()
+        .chain_update(token.as_bytes())
+        .chain_update([0])
+        .chain_update(client_addr.as_bytes())
+        .finalize()
+        .into()
 }
 
 impl AuthCache {
@@ -142,7 +150,7 @@ impl AuthCache {
                 grant: Some(id.to_string()),
             });
         }
-        let k = key_of(token);
+        let k = key_of(token, client_addr);
         if let Some(e) = self
             .tokens
             .read()

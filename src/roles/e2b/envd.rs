@@ -261,7 +261,8 @@ const KNOWN_FOR: std::time::Duration = std::time::Duration::from_secs(10);
 /// Digests kept before the expired ones are dropped.
 const KNOWN_MAX: usize = 4096;
 
-/// Digests of tokens the apiserver recognised in the last [`KNOWN_FOR`]. An in-sandbox call
+/// Digests of (token, client address) pairs the apiserver recognised in the last
+/// [`KNOWN_FOR`]. An in-sandbox call
 /// with another token gets `unauthenticated` before its body is read, so nobody without a
 /// token can make the gateway hold large bodies (the apiserver still checks every call).
 #[derive(Default)]
@@ -293,8 +294,15 @@ impl KnownTokens {
                 )),
             };
         }
+        // Keyed by the client's address too: a token known from one address says nothing
+        // for a locked-out one, which must get the same answer for every token.
         use sha2::Digest;
-        let key: [u8; 32] = sha2::Sha256::digest(token.as_bytes()).into();
+        let key: [u8; 32] = sha2::Sha256::new()
+            .chain_update(token.as_bytes())
+            .chain_update([0])
+            .chain_update(addr.as_bytes())
+            .finalize()
+            .into();
         let fresh = {
             let m = self.0.lock().unwrap_or_else(|p| p.into_inner());
             m.get(&key).is_some_and(|at| at.elapsed() < KNOWN_FOR)

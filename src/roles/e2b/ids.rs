@@ -123,6 +123,31 @@ pub fn parse_page_token(t: &str) -> Result<(i64, String), String> {
     Ok((at.parse().map_err(|_| bad())?, id.to_string()))
 }
 
+/// A snapshot list's page token: the last name of the page before, wrapped so that no
+/// name a caller types is taken for one (it would silently skip the names before it).
+pub fn snapshot_page_token(last: &str) -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("snapshots:{last}"))
+}
+
+/// Reads a snapshot page token back to the name the page ended at. The name need not be a
+/// snapshot still: one deleted between two pages still marks where the next one starts.
+/// Errors: a message for a token this gateway did not hand out.
+pub fn parse_snapshot_page_token(t: &str) -> Result<String, String> {
+    let bad = || {
+        format!(
+            "nextToken {} is not a page token this API gave",
+            crate::types::names::shown(t)
+        )
+    };
+    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(t)
+        .map_err(|_| bad())?;
+    let text = String::from_utf8(raw).map_err(|_| bad())?;
+    let name = text.strip_prefix("snapshots:").ok_or_else(bad)?;
+    crate::images::name::ImageRef::parse(name).map_err(|_| bad())?;
+    Ok(name.to_string())
+}
+
 /// Unix seconds as the RFC 3339 time the SDKs parse (`2026-12-05T09:00:00Z`).
 pub fn rfc3339(unix_s: i64) -> String {
     chrono::DateTime::from_timestamp(unix_s, 0)
@@ -180,6 +205,21 @@ mod tests {
         );
         for bad in ["", "!!", "bm9jb2xvbg", "eDp5"] {
             assert!(parse_page_token(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn snapshot_page_tokens_round_trip_and_names_are_no_tokens() {
+        let t = snapshot_page_token("root/e2b/a:default");
+        assert_eq!(parse_snapshot_page_token(&t).unwrap(), "root/e2b/a:default");
+        let wrapped_junk = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode("snapshots:<>");
+        for bad in [
+            "",
+            "root/e2b/a:default",
+            &page_token(1, "n1.ab"),
+            &wrapped_junk,
+        ] {
+            assert!(parse_snapshot_page_token(bad).is_err(), "{bad}");
         }
     }
 

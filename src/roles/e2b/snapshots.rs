@@ -144,7 +144,7 @@ fn name_matches(image: &ImageRef, want: &str) -> bool {
 /// `GET /snapshots?sandboxID=&name=&limit=&nextToken=`: the snapshots of the caller's
 /// project (its subprojects included), by name, `limit` (≤ 100) at a time with
 /// `x-next-token`; `sandboxID` keeps those taken of that sandbox. Errors: 400 naming a
-/// malformed parameter (`limit` out of range, a `nextToken` that names no image).
+/// malformed parameter (`limit` out of range, a `nextToken` this API did not give).
 pub async fn list_snapshots(
     State(g): State<Arc<Gateway>>,
     caller: Caller,
@@ -174,14 +174,8 @@ pub async fn list_snapshots(
                         ApiError::bad_request(format!("limit must be within 1..={MAX_PAGE}"))
                     })?
             }
-            // A page token is the last name of the page before; anything else is no
-            // token of ours, and taking it as one would silently skip names.
-            "nextToken" if ImageRef::parse(&v).is_ok() => after = Some(v),
             "nextToken" => {
-                return Err(ApiError::bad_request(format!(
-                    "nextToken {} is not a page token this API gave",
-                    shown(&v)
-                )))
+                after = Some(ids::parse_snapshot_page_token(&v).map_err(ApiError::bad_request)?)
             }
             _ => {}
         }
@@ -215,7 +209,7 @@ pub async fn list_snapshots(
     let body: Vec<Value> = names.iter().map(|n| snapshot_json(n)).collect();
     let mut r = axum::Json(body).into_response();
     if let (true, Some(last)) = (more, names.last()) {
-        if let Ok(v) = last.parse() {
+        if let Ok(v) = ids::snapshot_page_token(last).parse() {
             r.headers_mut().insert("x-next-token", v);
         }
     }
