@@ -12,6 +12,10 @@
 # layout or archive, a docker save tar, FILE#name:tag); OPENDSEC_IMAGE=host uses the
 # development image `host` (the host's own /) and imports nothing. Progress goes to stderr;
 # stdout is the sandbox's output alone.
+#
+# OPENDSEC_BACKEND=microvm runs the sandbox in a microVM instead (docs/microvm.md): it needs
+# QEMU and a guest kernel, OPENDSEC_MICROVM_KERNEL=FILE or else the newest installed
+# /boot/vmlinuz-* (packaging/kernel/fetch-debian.sh DIR unpacks Debian's without installing it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" != 0 ]; then
@@ -39,7 +43,12 @@ fi
 STATE=$(mktemp -d)
 # In the state directory, which no sandbox sees (the token is the cluster's admin's).
 OUT=$STATE/cluster.env
-"$BIN" cluster up -runtime linux -sim-edges 1 -addr 127.0.0.1:0 -state-dir "$STATE" -log warn >"$OUT" &
+KERNEL=()
+if [ -n "${OPENDSEC_MICROVM_KERNEL:-}" ]; then
+  KERNEL=(-microvm-kernel "$OPENDSEC_MICROVM_KERNEL")
+fi
+"$BIN" cluster up -runtime linux -sim-edges 1 -addr 127.0.0.1:0 -state-dir "$STATE" -log warn \
+  "${KERNEL[@]}" >"$OUT" &
 PID=$!
 trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null; rm -rf "$STATE" "$OUT"' EXIT
 for _ in $(seq 1 300); do

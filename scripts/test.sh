@@ -44,3 +44,11 @@ if [ "$out" != "42" ]; then
   exit 1
 fi
 echo "scripts/quickstart.sh printed 42"
+# And again in a microVM (under emulation here), with the kernel the Rust tests fetched.
+kernel=$(ls "$PWD"/target/guest-kernel/boot/vmlinuz-* | head -n 1)
+out=$(OPENDSEC_BACKEND=microvm OPENDSEC_MICROVM_KERNEL="$kernel" bash scripts/quickstart.sh)
+if [ "$out" != "42" ]; then
+  echo "scripts/quickstart.sh in a microVM printed ${out@Q}, not 42" >&2
+  exit 1
+fi
+echo "scripts/quickstart.sh in a microVM printed 42"

@@ -29,27 +29,7 @@ use opendsec::types::Reason;
 const LAYERS: usize = 60;
 
 fn busybox(rootfs: &Path) {
-    std::fs::create_dir_all(rootfs.join("bin")).expect("mkdir");
-    let bin = ["/bin/busybox", "/usr/bin/busybox"]
-        .into_iter()
-        .find(|p| Path::new(p).is_file())
-        .expect("busybox-static is installed (.ci/run installs it)");
-    std::fs::copy(bin, rootfs.join("bin/busybox")).expect("copy busybox");
-    for tool in ["sh", "cat", "ls", "id", "pwd", "echo", "test"] {
-        std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(tool)).expect("symlink");
-    }
-}
-
-/// A 0:0 character device: the store's whiteout.
-fn whiteout(p: &Path) {
-    rustix::fs::mknodat(
-        rustix::fs::CWD,
-        p,
-        rustix::fs::FileType::CharacterDevice,
-        rustix::fs::Mode::empty(),
-        0,
-    )
-    .expect("whiteout");
+    common::busybox_into(rootfs, &["sh", "cat", "ls", "id", "pwd", "echo", "test"]);
 }
 
 /// Puts a layer made by `fill` into the store; its digest is only its name here.
@@ -81,9 +61,9 @@ fn image(store: &Store) -> ImageManifest {
     // The importer expands an opaque directory into whiteouts of what lies below.
     layers.push(layer(store, 1, |r| {
         std::fs::create_dir_all(r.join("etc")).expect("etc");
-        whiteout(&r.join("etc/gone"));
+        common::whiteout(&r.join("etc/gone"));
         std::fs::create_dir_all(r.join("srv/old")).expect("srv");
-        whiteout(&r.join("srv/old/x"));
+        common::whiteout(&r.join("srv/old/x"));
         std::fs::write(r.join("srv/old/new"), "new\n").expect("new");
     }));
     for n in 2..LAYERS {

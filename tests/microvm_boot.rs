@@ -25,36 +25,6 @@ use opendsec::guest::vminit::{
 use opendsec::pb;
 use opendsec::pb::runtime_client::RuntimeClient;
 
-/// The guest kernel: `OPENDSEC_TEST_KERNEL`, else Debian's cloud kernel in
-/// target/guest-kernel (fetched there the first time).
-fn kernel() -> PathBuf {
-    if let Some(k) = std::env::var_os("OPENDSEC_TEST_KERNEL") {
-        return PathBuf::from(k);
-    }
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/guest-kernel");
-    let find = || {
-        std::fs::read_dir(dir.join("boot"))
-            .ok()?
-            .flatten()
-            .map(|e| e.path())
-            .find(|p| {
-                p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with("vmlinuz-"))
-            })
-    };
-    if let Some(k) = find() {
-        return k;
-    }
-    let st = Command::new("bash")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kernel/fetch-debian.sh"))
-        .arg(&dir)
-        .status()
-        .expect("run fetch-debian.sh");
-    assert!(st.success(), "fetch-debian.sh failed");
-    find().expect("a kernel after fetch-debian.sh")
-}
-
 /// This build's binary without its debug sections (a third of the size in the initramfs).
 fn agent(dir: &Path) -> PathBuf {
     let out = dir.join("opendsec");
@@ -130,7 +100,7 @@ impl Vm {
 async fn a_microvm_boots_with_aether_as_init_and_answers_on_its_agent_port() {
     let qemu_bin = qemu_binary().expect("qemu-system-x86_64 on PATH (.ci/run installs it)");
     let dir = tempfile::tempdir().unwrap();
-    let kernel = kernel();
+    let kernel = common::guest_kernel();
     let modules = initramfs::modules_of(&kernel);
     let initrd = dir.path().join("initrd");
     let loaded = initramfs::build(&agent(dir.path()), modules.as_deref(), &initrd).unwrap();

@@ -5,9 +5,10 @@ use std::sync::Arc;
 use super::{container::ContainerBackend, sim::SimBackend, Backend, BackendContext, BackendError};
 use crate::config::BackendConfig;
 
-/// Builds the backend `name` from `cfg`. Runtimes `sim` and `linux` (containers) are built; `firecracker`
-/// and `qemu` fail with `BackendError::Config` ("runtime ... is not built yet"), as does an
-/// unknown runtime or a sim config out of range.
+/// Builds the backend `name` from `cfg`. Runtimes `sim`, `linux` (containers) and `qemu`
+/// (microVMs) are built; `firecracker` fails with `BackendError::Config` ("runtime ... is
+/// not built yet"), as does an unknown runtime, a sim config out of range, or a `qemu`
+/// backend without its kernel.
 pub fn build(
     name: &str,
     cfg: &BackendConfig,
@@ -16,9 +17,14 @@ pub fn build(
     match cfg.runtime() {
         "sim" => Ok(Arc::new(SimBackend::new(name, cfg)?)),
         "linux" => Ok(Arc::new(ContainerBackend::new(name, cfg, ctx)?)),
-        r @ ("firecracker" | "qemu") => Err(BackendError::Config {
+        "qemu" => Ok(Arc::new(super::microvm::MicrovmBackend::new(
+            name, cfg, ctx,
+        )?)),
+        r @ "firecracker" => Err(BackendError::Config {
             backend: name.to_string(),
-            message: format!("runtime {r:?} is not built yet in this version; use runtime \"sim\""),
+            message: format!(
+                "runtime {r:?} is not built yet in this version; use runtime \"qemu\""
+            ),
         }),
         other => Err(BackendError::Config {
             backend: name.to_string(),
@@ -32,7 +38,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sim_is_built_and_real_runtimes_are_not_yet() {
+    fn sim_is_built_and_firecracker_is_not_yet() {
         let ctx = BackendContext::default();
         let b = build("sim", &BackendConfig::default(), &ctx).map_err(|e| e.to_string());
         let b = match b {
@@ -42,17 +48,25 @@ mod tests {
         assert_eq!(b.name(), "sim");
         assert_eq!(b.runtime_kind(), "sim");
         assert!(b.simulated());
-        for r in ["firecracker", "qemu"] {
-            let cfg = BackendConfig {
-                runtime: r.into(),
-                ..Default::default()
-            };
-            let err = build("x", &cfg, &ctx)
-                .err()
-                .map(|e| e.to_string())
-                .unwrap_or_default();
-            assert!(err.contains("not built yet"), "{r}: {err}");
-        }
+        let cfg = BackendConfig {
+            runtime: "firecracker".into(),
+            ..Default::default()
+        };
+        let err = build("x", &cfg, &ctx)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("not built yet"), "{err}");
+        // A qemu backend is built, and needs its guest kernel.
+        let cfg = BackendConfig {
+            runtime: "qemu".into(),
+            ..Default::default()
+        };
+        let err = build("vm", &cfg, &ctx)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("\"kernel\" is required"), "{err}");
         let cfg = BackendConfig {
             runtime: "docker".into(),
             ..Default::default()

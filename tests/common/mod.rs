@@ -262,3 +262,58 @@ pub fn store_tempdir() -> tempfile::TempDir {
         _ => tempfile::tempdir().unwrap(),
     }
 }
+
+/// The guest kernel: `OPENDSEC_TEST_KERNEL`, else Debian's cloud kernel in
+/// target/guest-kernel (fetched there the first time).
+pub fn guest_kernel() -> PathBuf {
+    if let Some(k) = std::env::var_os("OPENDSEC_TEST_KERNEL") {
+        return PathBuf::from(k);
+    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/guest-kernel");
+    let find = || {
+        std::fs::read_dir(dir.join("boot"))
+            .ok()?
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("vmlinuz-"))
+            })
+    };
+    if let Some(k) = find() {
+        return k;
+    }
+    let st = Command::new("bash")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kernel/fetch-debian.sh"))
+        .arg(&dir)
+        .status()
+        .expect("run fetch-debian.sh");
+    assert!(st.success(), "fetch-debian.sh failed");
+    find().expect("a kernel after fetch-debian.sh")
+}
+
+/// Puts the host's static busybox at `rootfs/bin/busybox` with `tools` as links to it.
+pub fn busybox_into(rootfs: &Path, tools: &[&str]) {
+    std::fs::create_dir_all(rootfs.join("bin")).expect("mkdir");
+    let bin = ["/bin/busybox", "/usr/bin/busybox"]
+        .into_iter()
+        .find(|p| Path::new(p).is_file())
+        .expect("busybox-static is installed (.ci/run installs it)");
+    std::fs::copy(bin, rootfs.join("bin/busybox")).expect("copy busybox");
+    for tool in tools {
+        std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(tool)).expect("symlink");
+    }
+}
+
+/// A 0:0 character device at `p`: how a layer carries a deletion (a whiteout).
+pub fn whiteout(p: &Path) {
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        p,
+        rustix::fs::FileType::CharacterDevice,
+        rustix::fs::Mode::empty(),
+        0,
+    )
+    .expect("whiteout");
+}

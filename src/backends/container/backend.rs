@@ -628,7 +628,7 @@ fn parse_disk_io(v: &serde_json::Value) -> Result<Option<DiskIo>, String> {
 /// The start time of process `pid` (field 22 of `/proc/<pid>/stat`): `Ok(None)` when no
 /// such process runs (gone, or a zombie). Errors: /proc could not be read for another reason
 /// (too many open files, say): then nobody can tell.
-fn start_time(pid: u32) -> std::io::Result<Option<u64>> {
+pub fn start_time(pid: u32) -> std::io::Result<Option<u64>> {
     let stat = match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(s) => s,
         Err(e)

@@ -12,4 +12,6 @@ pub mod resolve;
 pub mod rootfs;
 pub mod setup;
 
-pub use backend::{ContainerBackend, ContainerState, MIN_CPU_CORES, MIN_DISK_MB, MIN_MEMORY_MB};
+pub use backend::{
+    start_time, ContainerBackend, ContainerState, MIN_CPU_CORES, MIN_DISK_MB, MIN_MEMORY_MB,
+};

@@ -1,7 +1,9 @@
 //! The read-only disks a microVM gets besides its writable one (docs/microvm.md "Disks"):
 //! the agent disk, holding this build's binary, made once per node and binary and shared by
-//! every VM; and each VM's config disk. The writable disk is the container backend's
-//! sparse ext4 disk (`container::disk`), attached to QEMU instead of a loop device.
+//! every VM; the image disk, one per image per node, its layers flattened into one tree and
+//! shared by every VM of that image; and each VM's config disk. The writable disk is the
+//! container backend's sparse ext4 disk (`container::disk`), attached to QEMU instead of a
+//! loop device.
 //!
 //! Read-only disks are ext4 without a journal, made by `mkfs.ext4 -d` from a directory:
 //! nothing ever writes them, and the guest mounts them read-only with `noload`.
@@ -31,6 +33,9 @@ pub enum DisksError {
     /// mkfs.ext4 is not installed, could not start, or failed.
     #[error("making {path}: {message}")]
     Mkfs { path: PathBuf, message: String },
+    /// The image's layers could not be stacked to be read as one tree.
+    #[error("stacking the layers of {path}: {message}")]
+    Stack { path: PathBuf, message: String },
 }
 
 fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> DisksError {
@@ -66,6 +71,96 @@ pub fn agent_disk(binary: &Path, dir: &Path) -> Result<PathBuf, DisksError> {
     ext4_from(&tmp, &files)?;
     fs::rename(&tmp, &out).map_err(io_err("renaming a new agent disk to", &out))?;
     Ok(out)
+}
+
+/// The image disk for an image whose layers are `lowers` (topmost first, as containers
+/// stack them) in `dir`: `image-<key>.ext4`, made the first time and shared after by every
+/// VM of the image. `key` names the image's content (a digest of its store layers), so a
+/// changed image gets a disk of its own. Several layers are read as one tree through a
+/// read-only overlay mount, which applies their whiteouts, and the disk holds that tree's
+/// files with their owners, modes and extended attributes. Errors: `Stack` when the layers
+/// cannot be mounted together, `Io`, `Mkfs`.
+pub fn image_disk(lowers: &[PathBuf], key: &str, dir: &Path) -> Result<PathBuf, DisksError> {
+    let out = dir.join(format!("image-{key}.ext4"));
+    if out.is_file() {
+        return Ok(out);
+    }
+    fs::create_dir_all(dir).map_err(io_err("creating", dir))?;
+    let stage = Staging(dir.join(format!(
+        ".image-{}-{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    )));
+    fs::create_dir_all(&stage.0).map_err(io_err("creating", &stage.0))?;
+    let mut lowers = lowers.to_vec();
+    // overlayfs refuses a lower named twice; a run of one layer is the same tree as one.
+    lowers.dedup();
+    let tmp = stage.0.join("disk.ext4");
+    match lowers.as_slice() {
+        [] => {
+            let empty = stage.0.join("empty");
+            fs::create_dir_all(&empty).map_err(io_err("creating", &empty))?;
+            ext4_from(&tmp, &empty)?;
+        }
+        [one] => ext4_from(&tmp, one)?,
+        many => {
+            let merged = Merged::mount(&stage.0, many, &out)?;
+            ext4_from(&tmp, &merged.0)?;
+        }
+    }
+    fs::rename(&tmp, &out).map_err(io_err("renaming a new image disk to", &out))?;
+    Ok(out)
+}
+
+/// A read-only overlay of an image's layers, unmounted when dropped.
+struct Merged(PathBuf);
+
+/// The kernel reads one page of mount options; a little less leaves room for its own.
+const MAX_MOUNT_OPTIONS: usize = 4000;
+
+impl Merged {
+    /// Mounts `lowers` (topmost first) at `<stage>/merged`, each named by a short link in
+    /// `<stage>/l` so that images of many layers fit the mount's options.
+    fn mount(stage: &Path, lowers: &[PathBuf], out: &Path) -> Result<Merged, DisksError> {
+        let err = |message: String| DisksError::Stack {
+            path: out.to_path_buf(),
+            message,
+        };
+        let links = stage.join("l");
+        fs::create_dir_all(&links).map_err(io_err("creating", &links))?;
+        let mut names = Vec::with_capacity(lowers.len());
+        for (i, l) in lowers.iter().enumerate() {
+            let link = links.join(i.to_string());
+            std::os::unix::fs::symlink(l, &link).map_err(io_err("linking", &link))?;
+            names.push(link.display().to_string());
+        }
+        let opts = format!("lowerdir={}", names.join(":"));
+        if opts.len() > MAX_MOUNT_OPTIONS {
+            return Err(err(format!(
+                "{} layers are more than one mount can stack",
+                lowers.len()
+            )));
+        }
+        let merged = stage.join("merged");
+        fs::create_dir_all(&merged).map_err(io_err("creating", &merged))?;
+        nix::mount::mount(
+            Some("overlay"),
+            &merged,
+            Some("overlay"),
+            nix::mount::MsFlags::MS_RDONLY
+                | nix::mount::MsFlags::MS_NODEV
+                | nix::mount::MsFlags::MS_NOSUID,
+            Some(opts.as_str()),
+        )
+        .map_err(|e| err(format!("mount overlay: {e}")))?;
+        Ok(Merged(merged))
+    }
+}
+
+impl Drop for Merged {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+    }
 }
 
 /// A directory removed with everything in it when dropped.
@@ -107,19 +202,26 @@ fn file_digest(path: &Path) -> Result<String, DisksError> {
     Ok(hex::encode(h.finalize()))
 }
 
-/// Bytes `dir`'s regular files take, each rounded up to 4 KiB blocks.
-fn tree_size(dir: &Path) -> io::Result<u64> {
-    let mut total = 0;
+/// An inode's share of the disk (ext4's inode size).
+const INODE_BYTES: u64 = 256;
+
+/// Bytes `dir`'s regular files take, each rounded up to 4 KiB blocks, and how many entries
+/// it holds (directories included).
+fn tree_size(dir: &Path) -> io::Result<(u64, u64)> {
+    let (mut total, mut entries) = (0, 0);
     for e in fs::read_dir(dir)? {
         let e = e?;
         let t = e.file_type()?;
+        entries += 1;
         if t.is_dir() {
-            total += tree_size(&e.path())? + 4096;
+            let (t, n) = tree_size(&e.path())?;
+            total += t + 4096;
+            entries += n;
         } else {
             total += e.metadata()?.len().div_ceil(4096) * 4096;
         }
     }
-    Ok(total)
+    Ok((total, entries))
 }
 
 /// Makes a journal-less ext4 image at `out` holding `dir`'s files, owned by root, sized to
@@ -131,9 +233,12 @@ fn ext4_from(out: &Path, dir: &Path) -> Result<(), DisksError> {
     };
     let program = crate::backends::container::disk::mkfs_program()
         .ok_or_else(|| err("mkfs.ext4 not found (e2fsprogs)".into()))?;
-    let used = tree_size(dir).map_err(io_err("measuring", dir))?;
+    let (used, entries) = tree_size(dir).map_err(io_err("measuring", dir))?;
     // An eighth more for the inode tables and directories of many small files.
-    let size_mb = (used + used / 8).div_ceil(1 << 20) + SLACK_MB;
+    let size_mb = (used + used / 8 + entries * INODE_BYTES).div_ceil(1 << 20) + SLACK_MB;
+    // Inodes for every entry: ext4's default of one per 16 KiB runs out on an image of
+    // many small files (a Debian base has one file per 10 KiB).
+    let inodes = entries + entries / 8 + 1024;
     let f = fs::File::create(out).map_err(io_err("creating", out))?;
     f.set_len(size_mb << 20).map_err(io_err("sizing", out))?;
     drop(f);
@@ -142,6 +247,7 @@ fn ext4_from(out: &Path, dir: &Path) -> Result<(), DisksError> {
         .args(["-q", "-F", "-m", "0", "-b", "4096"])
         .args(["-O", "^has_journal,^resize_inode"])
         .args(["-E", "root_owner=0:0"])
+        .args(["-N", &inodes.to_string()])
         .arg("-d")
         .arg(dir)
         .arg(out)
@@ -183,24 +289,11 @@ mod tests {
         let disks = dir.path().join("disks");
         let disk = agent_disk(&bin, &disks).expect("agent disk");
         assert_eq!(debugfs_cat(&disk, &format!("/{AGENT_FILE}")), body);
-        let made = fs::metadata(&disk)
-            .expect("stat")
-            .modified()
-            .expect("mtime");
+        let made = mtime(&disk);
         // The same binary: the same disk, not made again; nothing else left behind.
         assert_eq!(agent_disk(&bin, &disks).expect("again"), disk);
-        assert_eq!(
-            fs::metadata(&disk)
-                .expect("stat")
-                .modified()
-                .expect("mtime"),
-            made
-        );
-        let names: Vec<_> = fs::read_dir(&disks)
-            .expect("list")
-            .flatten()
-            .map(|e| e.file_name())
-            .collect();
+        assert_eq!(mtime(&disk), made);
+        let names = names_in(&disks);
         assert_eq!(names.len(), 1, "{names:?}");
         // Another binary: another disk.
         fs::write(&bin, b"another build").expect("binary");
@@ -210,6 +303,104 @@ mod tests {
             debugfs_cat(&other, &format!("/{AGENT_FILE}")),
             b"another build"
         );
+    }
+
+    fn mtime(p: &Path) -> std::time::SystemTime {
+        fs::metadata(p).expect("stat").modified().expect("mtime")
+    }
+
+    fn names_in(dir: &Path) -> Vec<std::ffi::OsString> {
+        fs::read_dir(dir)
+            .expect("list")
+            .flatten()
+            .map(|e| e.file_name())
+            .collect()
+    }
+
+    /// The names in an ext4 image's directory, read with debugfs.
+    fn debugfs_ls(disk: &Path, path: &str) -> Vec<String> {
+        let out = Command::new("debugfs")
+            .args(["-R", &format!("ls -l {path}")])
+            .arg(disk)
+            .stderr(Stdio::null())
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        out.lines()
+            .filter_map(|l| l.split_whitespace().last().map(str::to_string))
+            .filter(|n| n != "." && n != "..")
+            .collect()
+    }
+
+    #[test]
+    fn an_image_disk_is_its_layers_as_one_tree_made_once() {
+        assert!(
+            nix::unistd::geteuid().is_root(),
+            "stacking layers needs root (the tests run as root)"
+        );
+        let dir = tempfile::tempdir().expect("dir");
+        let (lower, upper) = (dir.path().join("lower"), dir.path().join("upper"));
+        for d in [&lower, &upper] {
+            fs::create_dir_all(d.join("etc")).expect("mkdir");
+        }
+        fs::write(lower.join("etc/kept"), "kept\n").expect("write");
+        fs::write(lower.join("etc/changed"), "old\n").expect("write");
+        fs::write(lower.join("etc/deleted"), "gone\n").expect("write");
+        std::os::unix::fs::chown(lower.join("etc/kept"), Some(1234), Some(5678)).expect("chown");
+        fs::write(upper.join("etc/changed"), "new\n").expect("write");
+        // A whiteout, as layers carry a deletion: a character device 0/0.
+        nix::sys::stat::mknod(
+            &upper.join("etc/deleted"),
+            nix::sys::stat::SFlag::S_IFCHR,
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+            0,
+        )
+        .expect("whiteout");
+        let disks = dir.path().join("disks");
+        let disk = image_disk(&[upper.clone(), lower.clone()], "k1", &disks).expect("disk");
+        assert_eq!(debugfs_cat(&disk, "/etc/kept"), b"kept\n");
+        assert_eq!(debugfs_cat(&disk, "/etc/changed"), b"new\n");
+        let mut names = debugfs_ls(&disk, "/etc");
+        names.sort();
+        assert_eq!(names, ["changed", "kept"]);
+        let stat = Command::new("debugfs")
+            .args(["-R", "stat /etc/kept"])
+            .arg(&disk)
+            .stderr(Stdio::null())
+            .output()
+            .expect("debugfs");
+        let stat = String::from_utf8_lossy(&stat.stdout);
+        assert!(
+            stat.contains("User:  1234") && stat.contains("Group:  5678"),
+            "{stat}"
+        );
+        // Made once per key; nothing left mounted or staged.
+        let made = mtime(&disk);
+        assert_eq!(
+            image_disk(&[upper, lower], "k1", &disks).expect("again"),
+            disk
+        );
+        assert_eq!(mtime(&disk), made);
+        let left = names_in(&disks);
+        assert_eq!(left.len(), 1, "{left:?}");
+        let mounts = fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+        assert!(!mounts.contains(&disks.display().to_string()), "{mounts}");
+    }
+
+    #[test]
+    fn an_image_of_many_small_files_fits_its_disk() {
+        let dir = tempfile::tempdir().expect("dir");
+        let tree = dir.path().join("tree");
+        for d in 0..50 {
+            let sub = tree.join(format!("d{d}"));
+            fs::create_dir_all(&sub).expect("mkdir");
+            for f in 0..100 {
+                fs::write(sub.join(format!("f{f}")), b"x").expect("write");
+            }
+        }
+        let disk = image_disk(&[tree], "many", &dir.path().join("disks")).expect("disk");
+        assert_eq!(debugfs_cat(&disk, "/d49/f99"), b"x");
+        assert_eq!(debugfs_ls(&disk, "/d0").len(), 100);
     }
 
     #[test]

@@ -3,10 +3,13 @@
 //! port. Firecracker's API and jailer fit the same shape later; see docs/microvm.md for
 //! what runs where.
 
+mod backend;
 pub mod disks;
 pub mod initramfs;
 pub mod qemu;
 pub mod qmp;
+
+pub use backend::{MicrovmBackend, VmState, DEFAULT_VM_OVERHEAD_MB, MIN_MEMORY_MB};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -83,6 +83,9 @@ pub struct UpOptions {
     /// `network.upstream_dns`: the resolvers the sandboxes' DNS proxy asks (empty = the
     /// host's).
     pub upstream_dns: Vec<String>,
+    /// The guest kernel of the generated linux edges' `microvm` backend (runtime `qemu`,
+    /// docs/microvm.md); empty = no microvm backend.
+    pub microvm_kernel: String,
 }
 
 impl Default for UpOptions {
@@ -107,6 +110,7 @@ impl Default for UpOptions {
             network: false,
             e2b_addr: String::new(),
             upstream_dns: Vec::new(),
+            microvm_kernel: String::new(),
         }
     }
 }
@@ -260,6 +264,15 @@ impl LocalCluster {
                     ..Default::default()
                 };
                 backends.insert("container".to_string(), container);
+                if !o.microvm_kernel.is_empty() {
+                    let microvm = BackendConfig {
+                        runtime: "qemu".into(),
+                        kernel: o.microvm_kernel.clone(),
+                        default_disk_mb: 1024,
+                        ..Default::default()
+                    };
+                    backends.insert("microvm".to_string(), microvm);
+                }
             } else {
                 backends.insert("container".to_string(), sim);
             }

@@ -26,7 +26,9 @@ struct UpFlags {
     /// containers; needs root) (default sim)
     #[argh(option, default = "String::from(\"sim\")")]
     runtime: String,
-    /// the microvm backend's guest kernel (not built yet: refused)
+    /// the guest kernel of the microvm backend (runtime qemu) of the generated linux edges
+    /// (default: the newest installed /boot/vmlinuz-* with its modules, when QEMU is
+    /// installed; none: no microvm backend)
     #[argh(option, default = "String::new()")]
     microvm_kernel: String,
     /// shared image store directory (default: images under -state-dir)
@@ -118,10 +120,45 @@ fn check_flags(f: &UpFlags) -> Result<(), &'static str> {
     if f.config.is_empty() && f.apiservers == 0 {
         return Err("-apiservers 0: a cluster needs at least one apiserver");
     }
-    if !f.microvm_kernel.is_empty() {
-        return Err("-microvm-kernel: the microvm backend is not built yet");
+    if !f.microvm_kernel.is_empty() && f.runtime != "linux" {
+        return Err("-microvm-kernel needs -runtime linux (VMs are real; sim edges run nothing)");
     }
     Ok(())
+}
+
+/// The microvm backend's kernel: `-microvm-kernel`, else for real edges the newest installed
+/// Debian kernel (`/boot/vmlinuz-*` whose `/lib/modules/<version>` is there) when QEMU is
+/// installed too, else none.
+fn microvm_kernel(f: &UpFlags) -> String {
+    if !f.microvm_kernel.is_empty() {
+        return std::path::absolute(&f.microvm_kernel)
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|_| f.microvm_kernel.clone());
+    }
+    if f.runtime != "linux" || crate::backends::microvm::qemu_binary().is_none() {
+        return String::new();
+    }
+    let mut found: Vec<(String, std::path::PathBuf)> = std::fs::read_dir("/boot")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let version = name.strip_prefix("vmlinuz-")?.to_string();
+            std::path::Path::new("/lib/modules")
+                .join(&version)
+                .is_dir()
+                .then(|| (version, e.path()))
+        })
+        .collect();
+    found.sort();
+    match found.pop() {
+        Some((_, path)) => {
+            tracing::info!(kernel = %path.display(), "microVMs use the installed kernel");
+            path.display().to_string()
+        }
+        None => String::new(),
+    }
 }
 
 /// The gateway's address: `off` none, else as given, else 7400 beside the apiserver's host
@@ -175,6 +212,7 @@ async fn run(f: UpFlags) -> anyhow::Result<()> {
                 .filter(|s| !s.is_empty())
                 .map(String::from)
                 .collect(),
+            microvm_kernel: microvm_kernel(&f),
             ..Default::default()
         };
         LocalCluster::up(&o).await?

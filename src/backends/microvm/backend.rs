@@ -1,0 +1,772 @@
+//! `MicrovmBackend`: the `Backend` of runtime `qemu` (docs/microvm.md "The backend"). Each
+//! sandbox is one QEMU process running the `microvm` machine, in the sandbox's own cgroup,
+//! with four disks: the node's agent disk, the image's disk (one per image per node, its
+//! layers flattened), the sandbox's sparse writable ext4 disk and its config disk. aether
+//! is the guest's PID 1 and serves the runtime API on a virtio-serial port, which QEMU
+//! offers on a unix socket in the sandbox's directory.
+//!
+//! The state the edge records is QEMU's pid and start time and the store layers the image
+//! stacks; everything else is found again by the sandbox id, so an edge restart re-adopts
+//! running VMs by reconnecting to their sockets.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use sha2::Digest as _;
+use tonic::transport::Channel;
+
+use super::qemu::{Accel, Disk, Machine, RamFile};
+use super::{agent_channel, disks, initramfs};
+use crate::backends::container::cgroup::{Cgroups, Limits};
+use crate::backends::container::disk::Disks;
+use crate::backends::container::resolve::Images;
+use crate::backends::{
+    Adopted, Backend, BackendContext, BackendError, BackendState, CleanupReport, CreateRequest,
+    Handle, Health, Recorded, Runtime,
+};
+use crate::config::BackendConfig;
+use crate::guest::vminit::{VmConfig, AGENT_SERIAL, CONFIG_SERIAL, IMAGE_SERIAL, RW_SERIAL};
+
+/// The default `vm_overhead_mb` (docs/configuration.md): QEMU itself, page tables and
+/// device buffers, charged on top of the guest's memory.
+pub const DEFAULT_VM_OVERHEAD_MB: i64 = 64;
+/// The least guest memory: the cloud kernel, aether and a session's shell fit in 64 MiB
+/// with room to spare; below it the guest's own OOM killer takes the agent's sessions.
+pub const MIN_MEMORY_MB: i64 = 128;
+/// How long a new VM has to answer on its agent port: a boot under emulation (TCG) takes
+/// 4 to 6 s alone and several times that beside other boots on 2 cores.
+const BOOT_TIMEOUT_TCG: Duration = Duration::from_secs(180);
+const BOOT_TIMEOUT_KVM: Duration = Duration::from_secs(30);
+/// Threads of one QEMU: vCPUs, the main loop, I/O and RCU threads.
+const QEMU_PIDS_MAX: i64 = 256;
+/// The kernel's parameters: the serial console stays quiet (its output goes nowhere, see
+/// [`MicrovmBackend::machine`]); a panic ends the VM.
+const APPEND: &str = "console=ttyS0 quiet panic=-1 reboot=t";
+
+/// What the edge records for one VM.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct VmState {
+    /// QEMU's pid.
+    pub pid: u32,
+    /// Its start time (clock ticks since boot, /proc/<pid>/stat field 22).
+    pub start_time: u64,
+    /// The store layers (hex) its image disk was made from, kept in the node's cache and
+    /// the store's in-use records while it runs.
+    pub layers: Vec<String>,
+}
+
+/// The microVM backend; see the module doc.
+pub struct MicrovmBackend {
+    name: String,
+    qemu: PathBuf,
+    kernel: PathBuf,
+    accel: Accel,
+    initrd: PathBuf,
+    agent_disk: PathBuf,
+    images: Images,
+    /// Image disks, one per image content.
+    image_dir: PathBuf,
+    /// Per-sandbox directories: sockets, config disk, guest RAM.
+    dir: PathBuf,
+    disks: Disks,
+    cgroups: Cgroups,
+    overhead_mb: i64,
+    /// Held while an image disk is made, so two creations of one image make it once.
+    building: tokio::sync::Mutex<()>,
+    channels: Mutex<HashMap<String, Channel>>,
+}
+
+fn cfg_err(backend: &str, message: impl std::fmt::Display) -> BackendError {
+    BackendError::Config {
+        backend: backend.to_string(),
+        message: message.to_string(),
+    }
+}
+
+fn create_err(id: &str, message: impl std::fmt::Display) -> BackendError {
+    BackendError::Create {
+        sandbox_id: id.to_string(),
+        message: message.to_string(),
+    }
+}
+
+/// Whether hardware virtualization works here: `/dev/kvm` opens and the CPU offers VMX or
+/// SVM. A nested paravirtual KVM (a PVM guest) has `/dev/kvm` without either flag and does
+/// not boot stock guest kernels, so it counts as none.
+fn kvm_works() -> bool {
+    let opens = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_ok();
+    let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let hw = flags
+        .lines()
+        .filter(|l| l.starts_with("flags"))
+        .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"));
+    opens && hw
+}
+
+/// A copy of the agent binary without its debug sections (`strip`, when installed), made
+/// once per binary in `dir`: it goes into every initramfs and agent disk, where a third of
+/// the size boots faster. Without `strip` the binary is used as it is.
+fn stripped_agent(src: &Path, dir: &Path) -> Result<PathBuf, String> {
+    let bytes = std::fs::read(src).map_err(|e| format!("reading {}: {e}", src.display()))?;
+    let digest = hex::encode(sha2::Sha256::digest(&bytes));
+    let out = dir.join(format!("agent-{}", digest.get(..16).unwrap_or(&digest)));
+    if out.is_file() {
+        return Ok(out);
+    }
+    std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let tmp = dir.join(format!(
+        ".agent-{}-{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    let stripped = std::process::Command::new("strip")
+        .arg("-o")
+        .arg(&tmp)
+        .arg(src)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !stripped {
+        std::fs::write(&tmp, &bytes).map_err(|e| format!("writing {}: {e}", tmp.display()))?;
+    }
+    std::fs::rename(&tmp, &out).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        format!("renaming {}: {e}", out.display())
+    })?;
+    Ok(out)
+}
+
+/// What names an image's content for its disk: the digests of its store layers, or for a
+/// node-local image its directories and when each last changed.
+fn image_key(layers: &[String], lowers: &[PathBuf]) -> String {
+    let mut h = sha2::Sha256::new();
+    if layers.is_empty() {
+        for l in lowers {
+            h.update(l.as_os_str().as_encoded_bytes());
+            let changed = std::fs::metadata(l)
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos());
+            h.update(changed.to_le_bytes());
+        }
+    } else {
+        for l in layers {
+            h.update(l.as_bytes());
+            h.update(b"\n");
+        }
+    }
+    let hex = hex::encode(h.finalize());
+    hex.get(..32).unwrap_or(&hex).to_string()
+}
+
+/// The host name a sandbox's id gives: its suffix, letters, digits and `-` only.
+fn hostname_of(id: &str) -> String {
+    let host = id.rsplit('.').next().unwrap_or(id);
+    let h: String = host
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '-')
+        .take(63)
+        .collect();
+    if h.is_empty() {
+        "sandbox".into()
+    } else {
+        h
+    }
+}
+
+impl MicrovmBackend {
+    /// Builds the backend: finds QEMU (`qemu`, else `qemu-system-x86_64` on PATH) and the
+    /// guest kernel (`kernel`, required), chooses KVM or emulation (one log line), and
+    /// makes the node's initramfs and agent disk for this binary (from `agent_dir`'s
+    /// `opendsec-aether` or `opendsec` if present, else this executable). Errors: `Config`
+    /// naming what is missing or the step that failed.
+    pub fn new(
+        name: &str,
+        cfg: &BackendConfig,
+        ctx: &BackendContext,
+    ) -> Result<MicrovmBackend, BackendError> {
+        if !nix::unistd::geteuid().is_root() {
+            return Err(cfg_err(name, "runtime \"qemu\" needs root"));
+        }
+        if cfg.kernel.is_empty() {
+            return Err(cfg_err(
+                name,
+                "\"kernel\" is required: a guest kernel (vmlinuz) for the VMs \
+                 (docs/microvm.md \"Guest kernel\")",
+            ));
+        }
+        let kernel = PathBuf::from(&cfg.kernel);
+        if !kernel.is_absolute() || !kernel.is_file() {
+            return Err(cfg_err(
+                name,
+                format!(
+                    "kernel {}: no such file (an absolute path)",
+                    kernel.display()
+                ),
+            ));
+        }
+        let qemu = if cfg.qemu.is_empty() {
+            super::qemu_binary().ok_or_else(|| {
+                cfg_err(
+                    name,
+                    "qemu-system-x86_64 is not on PATH (Debian: qemu-system-x86); or set \"qemu\"",
+                )
+            })?
+        } else {
+            PathBuf::from(&cfg.qemu)
+        };
+        let accel = if kvm_works() {
+            Accel::Kvm
+        } else {
+            Accel::Tcg {
+                tsc_khz: super::qemu::host_tsc_khz(),
+            }
+        };
+        tracing::info!(backend = name, accel = ?accel, kernel = %kernel.display(), "microVMs start with this accelerator");
+        let base = ctx.state_dir.join(&ctx.edge_id);
+        let node = base.join("vm");
+        let src = ["opendsec-aether", "opendsec"]
+            .iter()
+            .map(|n| ctx.agent_dir.join(n))
+            .find(|p| p.is_file())
+            .unwrap_or_else(|| PathBuf::from("/proc/self/exe"));
+        let agent = stripped_agent(&src, &node).map_err(|m| cfg_err(name, m))?;
+        let agent_disk =
+            disks::agent_disk(&agent, &node).map_err(|e| cfg_err(name, crate::types::chain(&e)))?;
+        let initrd = node_initrd(&agent, &kernel, &node).map_err(|m| cfg_err(name, m))?;
+        let cgroups =
+            Cgroups::detect(&format!("opendsec/{}", ctx.edge_id)).map_err(|e| cfg_err(name, e))?;
+        let dir = base.join("microvms");
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| cfg_err(name, format!("{}: {e}", dir.display())))?;
+        let cache = cfg.layer_cache.unwrap_or(true).then(|| base.join("layers"));
+        let images = Images::new(
+            name,
+            &ctx.edge_id,
+            ctx.images.clone(),
+            ctx.image_store.as_deref(),
+            cache,
+        )?;
+        Ok(MicrovmBackend {
+            name: name.to_string(),
+            qemu,
+            kernel,
+            accel,
+            initrd,
+            agent_disk,
+            images,
+            image_dir: node.join("images"),
+            dir,
+            disks: Disks::new(base.join("vm-disks")),
+            cgroups,
+            overhead_mb: if cfg.vm_overhead_mb > 0 {
+                cfg.vm_overhead_mb
+            } else {
+                DEFAULT_VM_OVERHEAD_MB
+            },
+            building: tokio::sync::Mutex::new(()),
+            channels: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.dir.join(id)
+    }
+
+    fn agent_socket(&self, id: &str) -> PathBuf {
+        self.sandbox_dir(id).join("agent.sock")
+    }
+
+    fn channels(&self) -> std::sync::MutexGuard<'_, HashMap<String, Channel>> {
+        self.channels
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn state_of(h: &Handle<'_>) -> VmState {
+        serde_json::from_value(h.state.clone()).unwrap_or_default()
+    }
+
+    /// QEMU's command line for sandbox `id`. The serial console goes nowhere: a guest's
+    /// root could write to it without end, and a file of it would fill the node's disk.
+    fn machine(&self, id: &str, spec: &crate::pb::SandboxSpec, image_disk: &Path) -> Machine {
+        let dir = self.sandbox_dir(id);
+        Machine {
+            kernel: self.kernel.clone(),
+            initrd: Some(self.initrd.clone()),
+            append: APPEND.into(),
+            init_args: vec!["aether".into(), "--vm-init".into()],
+            memory_mb: spec.memory_limit_mb.max(MIN_MEMORY_MB) as u64,
+            vcpus: spec.cpu_cores_limit.ceil().max(1.0) as u32,
+            accel: self.accel,
+            ram: RamFile {
+                path: dir.join("ram"),
+                shared: true,
+            },
+            disks: vec![
+                Disk {
+                    path: self.agent_disk.clone(),
+                    read_only: true,
+                    serial: AGENT_SERIAL.into(),
+                },
+                Disk {
+                    path: image_disk.to_path_buf(),
+                    read_only: true,
+                    serial: IMAGE_SERIAL.into(),
+                },
+                Disk {
+                    path: self.disks.path(id),
+                    read_only: false,
+                    serial: RW_SERIAL.into(),
+                },
+                Disk {
+                    path: dir.join("config.img"),
+                    read_only: true,
+                    serial: CONFIG_SERIAL.into(),
+                },
+            ],
+            agent_socket: self.agent_socket(id),
+            qmp_socket: dir.join("qmp.sock"),
+            tap: None,
+            console_log: None,
+            incoming: false,
+        }
+    }
+
+    /// The image disk for `lowers`, made the first time this node starts the image.
+    async fn image_disk(
+        &self,
+        image: &str,
+        layers: &[String],
+        lowers: &[PathBuf],
+    ) -> Result<PathBuf, BackendError> {
+        if lowers
+            .iter()
+            .any(|l| l.canonicalize().is_ok_and(|c| c == Path::new("/")))
+        {
+            return Err(BackendError::ImageUnavailable {
+                image: image.to_string(),
+                message: "the development image of the host's / cannot become a VM's disk; \
+                          use an image from the image store"
+                    .into(),
+            });
+        }
+        let key = image_key(layers, lowers);
+        let _one = self.building.lock().await;
+        let (lowers, dir) = (lowers.to_vec(), self.image_dir.clone());
+        tokio::task::spawn_blocking(move || disks::image_disk(&lowers, &key, &dir))
+            .await
+            .map_err(|e| BackendError::ImageUnavailable {
+                image: image.to_string(),
+                message: e.to_string(),
+            })?
+            .map_err(|e| BackendError::ImageUnavailable {
+                image: image.to_string(),
+                message: crate::types::chain(&e).to_string(),
+            })
+    }
+
+    /// Starts QEMU for `machine` in the sandbox's cgroup; returns its pid.
+    async fn start_qemu(&self, id: &str, machine: &Machine) -> Result<u32, BackendError> {
+        let args = machine.args().map_err(|e| create_err(id, e))?;
+        let cg = self.cgroups.open(id);
+        let procs: Vec<std::fs::File> = cg
+            .procs_files()
+            .iter()
+            .map(|p| {
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(p)
+                    .map_err(|e| create_err(id, format!("opening {}: {e}", p.display())))
+            })
+            .collect::<Result<_, _>>()?;
+        let log = std::fs::File::create(self.sandbox_dir(id).join("qemu.log"))
+            .map_err(|e| create_err(id, format!("creating qemu.log: {e}")))?;
+        let mut cmd = std::process::Command::new(&self.qemu);
+        cmd.args(&args)
+            .env_clear()
+            .current_dir(self.sandbox_dir(id))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(log);
+        // Its own process group: a signal to the edge's terminal leaves VMs running, as an
+        // edge restart must.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let fds: Vec<i32> = procs.iter().map(std::os::fd::AsRawFd::as_raw_fd).collect();
+        crate::sys::process::join_cgroups_at_exec(&mut cmd, &fds);
+        let mut cmd = tokio::process::Command::from(cmd);
+        cmd.kill_on_drop(false);
+        let child = tokio::task::spawn_blocking(move || cmd.spawn())
+            .await
+            .map_err(|e| create_err(id, e))?
+            .map_err(|e| create_err(id, format!("starting {}: {e}", self.qemu.display())))?;
+        drop(procs);
+        let pid = child
+            .id()
+            .ok_or_else(|| create_err(id, "QEMU exited at once"))?;
+        // Reaped when it exits, whoever stops it; its liveness is judged by its pid.
+        tokio::spawn(async move {
+            let mut child = child;
+            let _ = child.wait().await;
+        });
+        Ok(pid)
+    }
+
+    /// Waits until the VM's aether answers on its port, or QEMU ends, or `limit` passes.
+    async fn wait_for_agent(
+        &self,
+        id: &str,
+        pid: u32,
+        start_time: u64,
+        limit: Duration,
+    ) -> Result<Channel, BackendError> {
+        let socket = self.agent_socket(id);
+        let started = Instant::now();
+        loop {
+            let attempt = async {
+                let ch = agent_channel(&socket).await.ok()?;
+                let mut c = crate::pb::runtime_client::RuntimeClient::new(ch.clone());
+                c.list_sessions(crate::pb::ListSessionsRequest::default())
+                    .await
+                    .ok()?;
+                Some(ch)
+            };
+            if let Ok(Some(ch)) = tokio::time::timeout(Duration::from_secs(5), attempt).await {
+                return Ok(ch);
+            }
+            if !qemu_alive(pid, start_time) {
+                let log = std::fs::read_to_string(self.sandbox_dir(id).join("qemu.log"))
+                    .unwrap_or_default();
+                return Err(create_err(
+                    id,
+                    format!(
+                        "the VM ended before its agent answered{}",
+                        tail(&log)
+                            .map(|t| format!(": QEMU said {t:?}"))
+                            .unwrap_or_default()
+                    ),
+                ));
+            }
+            if started.elapsed() > limit {
+                return Err(create_err(
+                    id,
+                    format!("the VM's agent did not answer within {limit:?}"),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Removes everything of sandbox `id`: QEMU (with everything in its cgroup), the
+    /// cgroup, the writable disk and the sandbox's directory. Missing pieces are fine.
+    /// Errors: `Operation` listing every step that failed (each is tried).
+    async fn destroy(&self, id: &str) -> Result<(), BackendError> {
+        self.channels().remove(id);
+        self.images.release(id).await;
+        let cg = self.cgroups.open(id);
+        let (disks, dir) = (self.disks.clone(), self.sandbox_dir(id));
+        let sid = id.to_string();
+        let failed = tokio::task::spawn_blocking(move || {
+            let mut failed = Vec::new();
+            if cg.exists() {
+                match cg.kill_all() {
+                    Err(e) => failed.push(e.to_string()),
+                    Ok(()) => {
+                        if let Err(e) = cg.remove() {
+                            failed.push(e.to_string());
+                        }
+                    }
+                }
+            }
+            if !failed.is_empty() {
+                // QEMU may still hold its files: they stay for the next cleanup.
+                return failed;
+            }
+            if let Err(e) = disks.remove(&sid) {
+                failed.push(crate::types::chain(&e).to_string());
+            }
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => failed.push(format!("removing {}: {e}", dir.display())),
+            }
+            failed
+        })
+        .await
+        .map_err(|e| BackendError::Operation {
+            op: "stop",
+            sandbox_id: id.to_string(),
+            message: e.to_string(),
+        })?;
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(BackendError::Operation {
+                op: "stop",
+                sandbox_id: id.to_string(),
+                message: failed.join("; "),
+            })
+        }
+    }
+
+    async fn create_vm(&self, req: &CreateRequest) -> Result<VmState, BackendError> {
+        let id = &req.sandbox_id;
+        let image = self.images.resolve(id, &req.spec.image).await?;
+        let layers: Vec<String> = image.layers.iter().map(|d| d.hex().to_string()).collect();
+        self.images.mark_in_use(id, &image.layers).await?;
+        let image_disk = self
+            .image_disk(&req.spec.image, &layers, &image.lowers)
+            .await?;
+        let dir = self.sandbox_dir(id);
+        let cfg = VmConfig {
+            sandbox_id: id.clone(),
+            hostname: hostname_of(id),
+            env: image.env,
+            workdir: image.workdir,
+            init_user: [req.spec.init_user.as_str(), image.user.as_str()]
+                .into_iter()
+                .find(|u| !u.is_empty())
+                .unwrap_or("root")
+                .to_string(),
+            disk_mb: req.spec.disk_mb.max(1) as u64,
+            nameservers: Vec::new(),
+        };
+        let disk_mb = req.spec.disk_mb.max(1) as u64;
+        let (disks, sid, d) = (self.disks.clone(), id.clone(), dir.clone());
+        tokio::task::spawn_blocking(move || -> Result<(), String> {
+            std::fs::create_dir_all(&d).map_err(|e| format!("creating {}: {e}", d.display()))?;
+            disks
+                .create(&sid, disk_mb)
+                .map_err(|e| crate::types::chain(&e).to_string())?;
+            disks::config_disk(&d.join("config.img"), &cfg)
+                .map_err(|e| crate::types::chain(&e).to_string())
+        })
+        .await
+        .map_err(|e| create_err(id, e))?
+        .map_err(|m| create_err(id, m))?;
+        let limits = Limits {
+            cpu_cores: req.spec.cpu_cores_limit,
+            idle: false,
+            memory_mb: req.spec.memory_limit_mb.max(MIN_MEMORY_MB) + self.overhead_mb,
+            pids_max: QEMU_PIDS_MAX,
+            disk_io: None,
+        };
+        self.cgroups
+            .create(id, &limits)
+            .map_err(|e| create_err(id, e))?;
+        let machine = self.machine(id, &req.spec, &image_disk);
+        let pid = self.start_qemu(id, &machine).await?;
+        let start_time = crate::backends::container::start_time(pid)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let limit = match self.accel {
+            Accel::Kvm => BOOT_TIMEOUT_KVM,
+            Accel::Tcg { .. } => BOOT_TIMEOUT_TCG,
+        };
+        let ch = self.wait_for_agent(id, pid, start_time, limit).await?;
+        self.channels().insert(id.clone(), ch);
+        Ok(VmState {
+            pid,
+            start_time,
+            layers,
+        })
+    }
+}
+
+/// The last line QEMU wrote, if any.
+fn tail(log: &str) -> Option<&str> {
+    log.lines().rev().map(str::trim).find(|l| !l.is_empty())
+}
+
+/// Whether QEMU still runs. /proc that cannot be read counts as running: a VM is declared
+/// lost only on evidence.
+fn qemu_alive(pid: u32, start_time: u64) -> bool {
+    pid > 0
+        && match crate::backends::container::start_time(pid) {
+            Ok(t) => t == Some(start_time),
+            Err(_) => true,
+        }
+}
+
+/// The node's initramfs for `kernel` and the agent binary `agent`: `initrd-<digest>` in
+/// `dir`, made once per pair (the kernel's modules go in).
+fn node_initrd(agent: &Path, kernel: &Path, dir: &Path) -> Result<PathBuf, String> {
+    let mut h = sha2::Sha256::new();
+    h.update(agent.as_os_str().as_encoded_bytes());
+    h.update(b"\0");
+    h.update(kernel.as_os_str().as_encoded_bytes());
+    let modules = initramfs::modules_of(kernel);
+    if let Some(m) = &modules {
+        h.update(b"\0");
+        h.update(m.as_os_str().as_encoded_bytes());
+    }
+    let hex = hex::encode(h.finalize());
+    let out = dir.join(format!("initrd-{}", hex.get(..16).unwrap_or(&hex)));
+    if out.is_file() {
+        return Ok(out);
+    }
+    initramfs::build(agent, modules.as_deref(), &out)
+        .map_err(|e| format!("building the initramfs: {}", crate::types::chain(&e)))?;
+    Ok(out)
+}
+
+#[async_trait]
+impl Backend for MicrovmBackend {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn runtime_kind(&self) -> &'static str {
+        "qemu"
+    }
+
+    fn check_spec(&self, spec: &crate::pb::SandboxSpec) -> Result<(), BackendError> {
+        if spec.memory_limit_mb < MIN_MEMORY_MB {
+            return Err(BackendError::Config {
+                backend: self.name.clone(),
+                message: format!(
+                    "memory_limit_mb {} is below the least a microVM boots with ({MIN_MEMORY_MB})",
+                    spec.memory_limit_mb
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    async fn create(&self, req: &CreateRequest) -> Result<BackendState, BackendError> {
+        let id = &req.sandbox_id;
+        if req.fork.is_some() {
+            return Err(BackendError::Unsupported {
+                backend: self.name.clone(),
+                op: "fork",
+            });
+        }
+        let span = tracing::info_span!("microvm_create", sandbox_id = %id);
+        match tracing::Instrument::instrument(self.create_vm(req), span).await {
+            Ok(st) => serde_json::to_value(&st).map_err(|e| create_err(id, e)),
+            Err(e) => {
+                if let Err(d) = self.destroy(id).await {
+                    tracing::warn!(sandbox_id = %id, error = %d, "cleaning up a failed creation");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn stop(&self, sandbox: &Handle<'_>) -> Result<(), BackendError> {
+        self.destroy(sandbox.sandbox_id).await
+    }
+
+    async fn pause(&self, _sandbox: &Handle<'_>) -> Result<BackendState, BackendError> {
+        Err(BackendError::Unsupported {
+            backend: self.name.clone(),
+            op: "pause",
+        })
+    }
+
+    async fn resume(&self, _sandbox: &Handle<'_>) -> Result<BackendState, BackendError> {
+        Err(BackendError::Unsupported {
+            backend: self.name.clone(),
+            op: "resume",
+        })
+    }
+
+    async fn probe(&self, sandbox: &Handle<'_>) -> Health {
+        let st = Self::state_of(sandbox);
+        if qemu_alive(st.pid, st.start_time) {
+            Health::Alive
+        } else {
+            Health::Lost("the VM's QEMU exited".into())
+        }
+    }
+
+    async fn adopt(
+        &self,
+        sandbox: &Handle<'_>,
+        recorded: Recorded,
+    ) -> Result<Adopted, BackendError> {
+        let st = Self::state_of(sandbox);
+        let lost = |message: &str| BackendError::Lost {
+            sandbox_id: sandbox.sandbox_id.to_string(),
+            message: message.to_string(),
+        };
+        if recorded == Recorded::Paused {
+            return Err(lost("a paused microVM cannot be taken over yet"));
+        }
+        if !qemu_alive(st.pid, st.start_time) {
+            return Err(lost("the VM's QEMU is gone"));
+        }
+        self.images.hold(sandbox.sandbox_id, &st.layers);
+        Ok(Adopted {
+            state: sandbox.state.clone(),
+            paused: false,
+        })
+    }
+
+    async fn cleanup(&self, keep: &HashSet<String>) -> Result<CleanupReport, BackendError> {
+        let mut ids: HashSet<String> = self.disks.list().into_iter().collect();
+        if let Ok(rd) = std::fs::read_dir(&self.dir) {
+            ids.extend(
+                rd.flatten()
+                    .filter_map(|e| e.file_name().into_string().ok()),
+            );
+        }
+        let mut report = CleanupReport::default();
+        report
+            .removed
+            .extend(self.images.release_strays(keep).await);
+        let mut ids: Vec<String> = ids.into_iter().filter(|id| !keep.contains(id)).collect();
+        ids.sort();
+        let mut failed = Vec::new();
+        for id in ids {
+            match self.destroy(&id).await {
+                Ok(()) => report.removed.push(format!("microvm {id}")),
+                Err(e) => failed.push(format!("{id}: {e}")),
+            }
+        }
+        if failed.is_empty() {
+            Ok(report)
+        } else {
+            Err(BackendError::Operation {
+                op: "cleanup",
+                sandbox_id: String::new(),
+                message: failed.join("; "),
+            })
+        }
+    }
+
+    fn runtime(&self) -> Option<&dyn Runtime> {
+        Some(self)
+    }
+}
+
+#[async_trait]
+impl Runtime for MicrovmBackend {
+    async fn channel(&self, sandbox: &Handle<'_>) -> Result<Channel, BackendError> {
+        let id = sandbox.sandbox_id;
+        if let Some(ch) = self.channels().get(id) {
+            return Ok(ch.clone());
+        }
+        let ch = agent_channel(&self.agent_socket(id))
+            .await
+            .map_err(|e| BackendError::Lost {
+                sandbox_id: id.to_string(),
+                message: format!("the VM's agent port: {e}"),
+            })?;
+        self.channels().insert(id.to_string(), ch.clone());
+        Ok(ch)
+    }
+}

@@ -1,0 +1,280 @@
+//! The `microvm` backend, runtime `qemu` (docs/microvm.md "The backend"), under emulation
+//! here: a VM from a store image of two layers (one deleting a file of the other), its
+//! image disk made once and shared, QEMU in the sandbox's cgroup with the guest's memory
+//! plus `vm_overhead_mb`, the runtime API in the guest, a second backend (an edge
+//! restart) adopting the running VM, stop and cleanup leaving nothing. As root.
+
+// Tests may unwrap, expect, panic and index (the codebase's rules are for non-test code).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use opendsec::backends::microvm::VmState;
+use opendsec::backends::{self, Backend, BackendContext, CreateRequest, Handle, Health, Recorded};
+use opendsec::config::BackendConfig;
+use opendsec::images::digest::Digest;
+use opendsec::images::name::ImageRef;
+use opendsec::images::store::{ImageManifest, Store};
+use opendsec::pb::{self, runtime_client::RuntimeClient};
+
+fn layer(store: &Store, n: usize, fill: impl FnOnce(&Path)) -> Digest {
+    let d = Digest::of(format!("vm test layer {n} {}", std::process::id()).as_bytes());
+    store
+        .put_layer(&d, |r| {
+            fill(r);
+            Ok(())
+        })
+        .unwrap();
+    d
+}
+
+fn image(store: &Store) -> ImageManifest {
+    let base = layer(store, 0, |r| {
+        common::busybox_into(r, &["sh", "cat", "hostname", "echo", "test", "nproc"]);
+        std::fs::create_dir_all(r.join("etc")).unwrap();
+        std::fs::write(r.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n").unwrap();
+        std::fs::write(r.join("etc/group"), "root:x:0:\n").unwrap();
+        std::fs::write(r.join("etc/gone"), "deleted above\n").unwrap();
+        std::fs::write(r.join("etc/marker"), "base\n").unwrap();
+    });
+    let top = layer(store, 1, |r| {
+        std::fs::create_dir_all(r.join("etc")).unwrap();
+        common::whiteout(&r.join("etc/gone"));
+        std::fs::write(r.join("etc/marker"), "top\n").unwrap();
+    });
+    ImageManifest {
+        layers: vec![base, top],
+        env: vec!["PATH=/bin".into(), "GREETING=from-the-image".into()],
+        workdir: "/etc".into(),
+        ..Default::default()
+    }
+}
+
+fn backend(state: &Path, edge: &str, store: &Path) -> Arc<dyn Backend> {
+    let ctx = BackendContext {
+        edge_id: edge.into(),
+        state_dir: state.to_path_buf(),
+        agent_dir: PathBuf::from(common::BIN)
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default(),
+        images: BTreeMap::new(),
+        image_store: Some(store.to_path_buf()),
+        network: None,
+    };
+    let cfg = BackendConfig {
+        runtime: "qemu".into(),
+        kernel: common::guest_kernel().display().to_string(),
+        vm_overhead_mb: 48,
+        ..Default::default()
+    };
+    match backends::build("microvm", &cfg, &ctx) {
+        Ok(b) => b,
+        Err(e) => panic!("building the microvm backend: {e}"),
+    }
+}
+
+fn spec(image: &str) -> pb::SandboxSpec {
+    pb::SandboxSpec {
+        backend: "microvm".into(),
+        image: image.into(),
+        cpu_cores_limit: 1.5,
+        memory_limit_mb: 256,
+        disk_mb: 128,
+        ..Default::default()
+    }
+}
+
+async fn shell(b: &Arc<dyn Backend>, h: &Handle<'_>, cmd: &str) -> String {
+    let ch = b.runtime().unwrap().channel(h).await.unwrap();
+    let r = RuntimeClient::new(ch)
+        .run_shell(pb::RunShellRequest {
+            sandbox_id: h.sandbox_id.into(),
+            cmd: cmd.into(),
+            timeout: 60.0,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        r.exit_code,
+        0,
+        "{cmd}: {}",
+        String::from_utf8_lossy(&r.stderr)
+    );
+    String::from_utf8_lossy(&r.stdout).into_owned()
+}
+
+/// The pids in a cgroup file of every hierarchy the sandbox has.
+fn cgroup_pids(id: &str) -> HashSet<u32> {
+    let mut out = HashSet::new();
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    for m in mounts.lines().filter(|l| l.contains(" - cgroup")) {
+        let mount = m.split(' ').nth(4).unwrap();
+        let walk = walkdir(Path::new(mount));
+        for d in walk
+            .iter()
+            .filter(|d| d.ends_with(id) || d.to_string_lossy().contains(&format!("/{id}/")))
+        {
+            if let Ok(t) = std::fs::read_to_string(d.join("cgroup.procs")) {
+                out.extend(t.lines().filter_map(|l| l.parse::<u32>().ok()));
+            }
+        }
+    }
+    out
+}
+
+fn walkdir(d: &Path) -> Vec<PathBuf> {
+    let mut all = vec![d.to_path_buf()];
+    let Ok(rd) = std::fs::read_dir(d) else {
+        return all;
+    };
+    for e in rd.flatten() {
+        if e.file_type().is_ok_and(|t| t.is_dir()) {
+            all.extend(walkdir(&e.path()));
+        }
+    }
+    all
+}
+
+/// The memory limit of the sandbox's cgroup in MiB (v2 `memory.max`, else v1's).
+fn memory_limit_mb(edge: &str, id: &str) -> u64 {
+    for f in [
+        format!("/sys/fs/cgroup/opendsec/{edge}/{id}/memory.max"),
+        format!("/sys/fs/cgroup/memory/opendsec/{edge}/{id}/memory.limit_in_bytes"),
+    ] {
+        if let Ok(t) = std::fs::read_to_string(&f) {
+            return t.trim().parse::<u64>().unwrap() >> 20;
+        }
+    }
+    panic!("no memory limit file for {id}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_microvm_runs_a_store_image_is_adopted_after_a_restart_and_leaves_nothing() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "the microVM tests run as root"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let (state, store_dir) = (tmp.path().join("state"), tmp.path().join("store"));
+    let store = Store::open(&store_dir).unwrap();
+    let manifest = image(&store);
+    store
+        .write_manifest(&ImageRef::parse("root/t/vm:1").unwrap(), &manifest, false)
+        .unwrap();
+    let edge = "mvb-1";
+    let b = backend(&state, edge, &store_dir);
+    assert_eq!(b.runtime_kind(), "qemu");
+
+    // Too little memory for a VM is refused before anything is made.
+    let mut small = spec("root/t/vm:1");
+    small.memory_limit_mb = 32;
+    let err = b.check_spec(&small).unwrap_err().to_string();
+    assert!(err.contains("memory_limit_mb 32"), "{err}");
+
+    let (id, sp) = (format!("{edge}.a"), spec("root/t/vm:1"));
+    let st = b
+        .create(&CreateRequest {
+            fork: None,
+            sandbox_id: id.clone(),
+            project: "root".into(),
+            spec: sp.clone(),
+        })
+        .await
+        .expect("create a microVM");
+    let h = Handle {
+        sandbox_id: &id,
+        spec: &sp,
+        state: &st,
+    };
+    // The image's files with the top layer's deletion applied, its env and workdir; the
+    // guest's own kernel, hostname and two vCPUs for 1.5 cores.
+    let out = shell(
+        &b,
+        &h,
+        "cat /etc/marker; test -e /etc/gone || echo gone; echo $GREETING; pwd; hostname; nproc",
+    )
+    .await;
+    assert_eq!(out, "top\ngone\nfrom-the-image\n/etc\na\n2\n");
+    let kernel = shell(&b, &h, "cat /proc/version").await;
+    assert!(kernel.contains("6.1."), "the guest's own kernel: {kernel}");
+    // QEMU runs in the sandbox's cgroup, limited to the guest's memory and the overhead.
+    let vm: VmState = serde_json::from_value(st.clone()).unwrap();
+    assert_eq!(vm.layers.len(), 2);
+    assert!(
+        cgroup_pids(&id).contains(&vm.pid),
+        "QEMU {} in its cgroup",
+        vm.pid
+    );
+    assert_eq!(memory_limit_mb(edge, &id), 256 + 48);
+    assert_eq!(b.probe(&h).await, Health::Alive);
+
+    // A second VM of the same image shares its image disk: one disk for the image.
+    let (id2, sp2) = (format!("{edge}.b"), spec("root/t/vm:1"));
+    let st2 = b
+        .create(&CreateRequest {
+            fork: None,
+            sandbox_id: id2.clone(),
+            project: "root".into(),
+            spec: sp2.clone(),
+        })
+        .await
+        .expect("a second microVM");
+    let images: Vec<_> = std::fs::read_dir(state.join(edge).join("vm/images"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(images.len(), 1, "{images:?}");
+
+    // An edge restart: a new backend takes the running VM over and reaches its agent.
+    drop(b);
+    let b = backend(&state, edge, &store_dir);
+    let adopted = b.adopt(&h, Recorded::Running).await.expect("adopt");
+    assert!(!adopted.paused);
+    assert_eq!(shell(&b, &h, "cat /etc/marker").await, "top\n");
+    // A paused microVM cannot be taken over yet: it is reported lost, not half adopted.
+    assert!(b.adopt(&h, Recorded::Paused).await.is_err());
+
+    // The edge's cleanup keeps what it holds and removes what it does not (the second VM).
+    let keep: HashSet<String> = [id.clone()].into();
+    let report = b.cleanup(&keep).await.expect("cleanup");
+    assert!(
+        report.removed.iter().any(|r| r.contains(&id2)),
+        "{report:?}"
+    );
+    let h2 = Handle {
+        sandbox_id: &id2,
+        spec: &sp2,
+        state: &st2,
+    };
+    assert!(matches!(b.probe(&h2).await, Health::Lost(_)));
+    assert_eq!(shell(&b, &h, "echo still").await, "still\n");
+
+    // Stop: QEMU, its cgroup, disk and directory go; stopping again succeeds.
+    b.stop(&h).await.expect("stop");
+    assert!(matches!(b.probe(&h).await, Health::Lost(_)));
+    assert!(!state.join(edge).join("microvms").join(&id).exists());
+    assert!(cgroup_pids(&id).is_empty());
+    b.stop(&h).await.expect("stop again");
+    let left: Vec<_> = std::fs::read_dir(state.join(edge).join("vm-disks"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .filter(|n| !n.to_string_lossy().starts_with('.'))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    // The store's in-use records are gone with them.
+    assert!(!store_dir.join("inuse").join(edge).join(&id).exists());
+}
