@@ -2,7 +2,8 @@
 //! here: a VM from a store image of two layers (one deleting a file of the other), its
 //! image disk made once and shared, QEMU in the sandbox's cgroup with the guest's memory
 //! plus `vm_overhead_mb`, the runtime API in the guest, a second backend (an edge
-//! restart) adopting the running VM, stop and cleanup leaving nothing. As root.
+//! restart) adopting the running VM, pause giving the VM's memory back and resume where it
+//! stopped (across another restart), stop and cleanup leaving nothing. As root.
 
 // Tests may unwrap, expect, panic and index (the codebase's rules are for non-test code).
 #![allow(
@@ -160,8 +161,38 @@ fn memory_limit_mb(edge: &str, id: &str) -> u64 {
     panic!("no memory limit file for {id}");
 }
 
+/// Kills what is left in the sandboxes' cgroups when the test ends, passed or not: a
+/// failed assertion must not leave VMs running on the machine.
+struct Leftovers(Vec<String>);
+
+impl Drop for Leftovers {
+    fn drop(&mut self) {
+        for id in &self.0 {
+            for pid in cgroup_pids(id) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+    }
+}
+
+/// The memory the sandbox's cgroup is charged, in MiB.
+fn memory_used_mb(edge: &str, id: &str) -> u64 {
+    for f in [
+        format!("/sys/fs/cgroup/opendsec/{edge}/{id}/memory.current"),
+        format!("/sys/fs/cgroup/memory/opendsec/{edge}/{id}/memory.usage_in_bytes"),
+    ] {
+        if let Ok(t) = std::fs::read_to_string(&f) {
+            return t.trim().parse::<u64>().unwrap() >> 20;
+        }
+    }
+    panic!("no memory usage file for {id}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_microvm_runs_a_store_image_is_adopted_after_a_restart_and_leaves_nothing() {
+async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothing() {
     assert!(
         nix::unistd::geteuid().is_root(),
         "the microVM tests run as root"
@@ -174,6 +205,7 @@ async fn a_microvm_runs_a_store_image_is_adopted_after_a_restart_and_leaves_noth
         .write_manifest(&ImageRef::parse("root/t/vm:1").unwrap(), &manifest, false)
         .unwrap();
     let edge = "mvb-1";
+    let _leftovers = Leftovers(vec![format!("{edge}.a"), format!("{edge}.b")]);
     let b = backend(&state, edge, &store_dir);
     assert_eq!(b.runtime_kind(), "qemu");
 
@@ -182,6 +214,19 @@ async fn a_microvm_runs_a_store_image_is_adopted_after_a_restart_and_leaves_noth
     small.memory_limit_mb = 32;
     let err = b.check_spec(&small).unwrap_err().to_string();
     assert!(err.contains("memory_limit_mb 32"), "{err}");
+
+    let mut slow = spec("root/t/vm:1");
+    slow.cpu_cores_limit = 0.1;
+    let err = b.check_spec(&slow).unwrap_err().to_string();
+    assert!(err.contains("cpu_cores_limit 0.1"), "{err}");
+    // A VM has no network yet: rules that allow anything are refused, not ignored.
+    let mut netted = spec("root/t/vm:1");
+    netted.network_rules.insert("example.com".into(), true);
+    let err = b.check_spec(&netted).unwrap_err().to_string();
+    assert!(err.contains("no network yet"), "{err}");
+    netted.network_rules.insert("example.com".into(), false);
+    b.check_spec(&netted)
+        .expect("a rule that allows nothing is no network");
 
     let (id, sp) = (format!("{edge}.a"), spec("root/t/vm:1"));
     let st = b
@@ -207,6 +252,32 @@ async fn a_microvm_runs_a_store_image_is_adopted_after_a_restart_and_leaves_noth
     )
     .await;
     assert_eq!(out, "top\ngone\nfrom-the-image\n/etc\na\n2\n");
+    // Hundreds of calls at once over the one agent connection each get their own answer:
+    // the port's session holds their many small frames (it once ended the connection).
+    {
+        let ch = b.runtime().unwrap().channel(&h).await.unwrap();
+        let calls = (0..300).map(|i| {
+            let mut c = RuntimeClient::new(ch.clone());
+            let id = id.clone();
+            async move {
+                c.write_file(pb::WriteFileRequest {
+                    sandbox_id: id,
+                    path: format!("/nonexistent/f{i}"),
+                    data: b"x".to_vec(),
+                    ..Default::default()
+                })
+                .await
+            }
+        });
+        let answers = futures::future::join_all(calls).await;
+        let codes: HashSet<tonic::Code> = answers
+            .iter()
+            .map(|r| r.as_ref().err().map_or(tonic::Code::Ok, |s| s.code()))
+            .collect();
+        assert_eq!(codes, [tonic::Code::NotFound].into(), "{answers:?}");
+        // The channel goes with this block: QEMU serves one connection to the port at a
+        // time, and the restart below needs the port.
+    }
     let kernel = shell(&b, &h, "cat /proc/version").await;
     assert!(kernel.contains("6.1."), "the guest's own kernel: {kernel}");
     // QEMU runs in the sandbox's cgroup, limited to the guest's memory and the overhead.
@@ -244,8 +315,45 @@ async fn a_microvm_runs_a_store_image_is_adopted_after_a_restart_and_leaves_noth
     let adopted = b.adopt(&h, Recorded::Running).await.expect("adopt");
     assert!(!adopted.paused);
     assert_eq!(shell(&b, &h, "cat /etc/marker").await, "top\n");
-    // A paused microVM cannot be taken over yet: it is reported lost, not half adopted.
-    assert!(b.adopt(&h, Recorded::Paused).await.is_err());
+
+    // Pause: QEMU exits, the VM's memory goes back to the node; the record says paused.
+    assert_eq!(
+        shell(&b, &h, "export X=kept-in-memory; echo set").await,
+        "set\n"
+    );
+    let used_running = memory_used_mb(edge, &id);
+    let paused = b.pause(&h).await.expect("pause");
+    let pv: VmState = serde_json::from_value(paused.clone()).unwrap();
+    assert!(pv.paused && pv.pid == 0, "{pv:?}");
+    assert!(cgroup_pids(&id).is_empty(), "QEMU exited");
+    let used_paused = memory_used_mb(edge, &id);
+    assert!(
+        used_paused < 16 && used_paused < used_running,
+        "the paused VM holds {used_paused} MiB (running: {used_running} MiB)"
+    );
+    let hp = Handle {
+        sandbox_id: &id,
+        spec: &sp,
+        state: &paused,
+    };
+    assert_eq!(b.probe(&hp).await, Health::Alive);
+    // An edge restart takes the paused VM over as paused, and resumes it where it was:
+    // the session's shell still holds what was set before the pause.
+    drop(b);
+    let b = backend(&state, edge, &store_dir);
+    let adopted = b.adopt(&hp, Recorded::Paused).await.expect("adopt paused");
+    assert!(adopted.paused);
+    let resumed = b.resume(&hp).await.expect("resume");
+    let rv: VmState = serde_json::from_value(resumed.clone()).unwrap();
+    assert!(!rv.paused && rv.pid > 0 && rv.pid != vm.pid, "{rv:?}");
+    assert!(cgroup_pids(&id).contains(&rv.pid));
+    assert_eq!(shell(&b, &h, "echo $X").await, "kept-in-memory\n");
+    assert!(!state
+        .join(edge)
+        .join("microvms")
+        .join(&id)
+        .join("state.mig")
+        .exists());
 
     // The edge's cleanup keeps what it holds and removes what it does not (the second VM).
     let keep: HashSet<String> = [id.clone()].into();

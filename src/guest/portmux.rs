@@ -24,7 +24,7 @@
 //! `AsyncRead + AsyncWrite` halves, so the tests run them over a socket pair.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, DuplexStream};
@@ -40,9 +40,14 @@ pub const MAX_SESSIONS: usize = 1024;
 pub const MAGIC: [u8; 8] = *b"ODSECMUX";
 /// Bytes a session buffers each way in its duplex.
 const SESSION_BUFFER: usize = 256 << 10;
-/// Frames queued toward one session's reader; past that the reader has fallen behind and the
-/// session is killed (HTTP/2's flow control keeps a reading peer far below it).
-const SESSION_FRAMES: usize = 256;
+/// Bytes queued toward one session's reader; past that the reader has fallen behind and the
+/// session is ended. HTTP/2's flow control keeps a compliant peer's DATA within the runtime
+/// connection's 16 MiB window; its other frames (headers, trailers, pings) are not flow
+/// controlled, and hundreds of concurrent calls send hundreds of them, so the bound is in
+/// bytes with room for those beside a full window, not in frames.
+const SESSION_QUEUE_BYTES: usize = 24 << 20;
+/// What a frame counts for at least: a frame of a few bytes still costs its allocation.
+const FRAME_COST: usize = 256;
 /// Frames queued for the port before senders wait.
 const QUEUE: usize = 256;
 const HEADER: usize = 9;
@@ -209,8 +214,15 @@ struct Out {
 }
 
 /// What both an end's reader and its sessions share.
+/// The port's end of one session: its queue, and the bytes waiting in it.
+#[derive(Clone)]
+struct SessionTx {
+    tx: mpsc::UnboundedSender<Vec<u8>>,
+    queued: Arc<AtomicUsize>,
+}
+
 struct State {
-    sessions: Mutex<HashMap<u32, mpsc::Sender<Vec<u8>>>>,
+    sessions: Mutex<HashMap<u32, SessionTx>>,
     /// The guest's current generation (bumped by every `RESET` and at every host's end);
     /// frames queued for an older one are dropped unsent. Always 0 on the host.
     generation: AtomicU64,
@@ -219,7 +231,7 @@ struct State {
 }
 
 impl State {
-    fn sessions(&self) -> std::sync::MutexGuard<'_, HashMap<u32, mpsc::Sender<Vec<u8>>>> {
+    fn sessions(&self) -> std::sync::MutexGuard<'_, HashMap<u32, SessionTx>> {
         self.sessions.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -228,12 +240,15 @@ impl State {
     fn deliver(&self, f: Frame, out: &mpsc::WeakSender<Out>) {
         let tx = self.sessions().get(&f.session).cloned();
         let Some(tx) = tx else { return };
-        match tx.try_send(f.payload) {
-            Ok(()) => {}
-            Err(e) => {
-                if matches!(e, mpsc::error::TrySendError::Full(_)) {
-                    tracing::warn!(session = f.session, "port session fell behind: ended");
-                }
+        let cost = f.payload.len().max(FRAME_COST);
+        let behind = tx.queued.fetch_add(cost, Ordering::SeqCst) + cost > SESSION_QUEUE_BYTES;
+        if behind {
+            tracing::warn!(session = f.session, "port session fell behind: ended");
+        }
+        let sent = !behind && tx.tx.send(f.payload).is_ok();
+        match sent {
+            true => {}
+            false => {
                 self.sessions().remove(&f.session);
                 if let Some(out) = out.upgrade() {
                     let _ = out.try_send(Out {
@@ -356,11 +371,19 @@ impl Mux {
     fn attach(self: &Arc<Mux>, id: u32, generation: u64) -> DuplexStream {
         let (user, ours) = tokio::io::duplex(SESSION_BUFFER);
         let (mut rd, mut wr) = tokio::io::split(ours);
-        let (tx, mut rx) = mpsc::channel::<Vec<u8>>(SESSION_FRAMES);
-        self.state.sessions().insert(id, tx);
+        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let queued = Arc::new(AtomicUsize::new(0));
+        self.state.sessions().insert(
+            id,
+            SessionTx {
+                tx,
+                queued: queued.clone(),
+            },
+        );
         // Port → session. The sender goes away with the session (close, reset, port end).
         tokio::spawn(async move {
             while let Some(b) = rx.recv().await {
+                queued.fetch_sub(b.len().max(FRAME_COST), Ordering::SeqCst);
                 if wr.write_all(&b).await.is_err() {
                     break;
                 }
@@ -858,7 +881,7 @@ mod tests {
             .expect("echo");
         // More than the slow session's duplex and queue hold, never read.
         let chunk = vec![7u8; MAX_PAYLOAD];
-        for _ in 0..(SESSION_FRAMES + SESSION_BUFFER / MAX_PAYLOAD + 8) {
+        for _ in 0..((SESSION_QUEUE_BYTES + SESSION_BUFFER) / MAX_PAYLOAD + 8) {
             write_frame(&mut gw, &frame(Kind::Data, ids[0], &chunk))
                 .await
                 .expect("flood");

@@ -95,10 +95,89 @@ fn take_if(fd: RawFd, wanted: impl Fn(u32) -> bool, errno: i32) -> io::Result<Ow
     Ok(owned)
 }
 
+/// Sends `bytes` on the connected unix stream `sock` with `fd` attached (`SCM_RIGHTS`), as
+/// QEMU's `getfd` wants a file passed. Waits while the socket's buffer is full. Errors:
+/// the socket's (`EPIPE` once the peer is gone).
+pub async fn send_with_fd(
+    sock: &tokio::net::UnixStream,
+    bytes: &[u8],
+    fd: std::os::fd::BorrowedFd<'_>,
+) -> io::Result<()> {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    use std::os::fd::AsRawFd;
+    let fds = [fd.as_raw_fd()];
+    let iov = [io::IoSlice::new(bytes)];
+    loop {
+        sock.writable().await?;
+        let sent = sock.try_io(tokio::io::Interest::WRITABLE, || {
+            sendmsg::<()>(
+                sock.as_raw_fd(),
+                &iov,
+                &[ControlMessage::ScmRights(&fds)],
+                MsgFlags::MSG_NOSIGNAL,
+                None,
+            )
+            .map_err(io::Error::from)
+        });
+        match sent {
+            // A short send of a line QEMU reads whole would leave half a command: the
+            // lines sent here are a few dozen bytes, far below any socket buffer.
+            Ok(n) if n == bytes.len() => return Ok(()),
+            Ok(n) => {
+                return Err(io::Error::other(format!(
+                    "sent {n} of {} bytes with a file descriptor",
+                    bytes.len()
+                )))
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::fd::IntoRawFd;
+
+    #[tokio::test]
+    async fn a_file_descriptor_goes_with_the_bytes() {
+        use std::io::{Read, Seek, Write};
+        let (a, b) = std::os::unix::net::UnixStream::pair().expect("pair");
+        a.set_nonblocking(true).expect("nonblocking");
+        let a = tokio::net::UnixStream::from_std(a).expect("tokio");
+        let mut f = tempfile::tempfile().expect("file");
+        f.write_all(b"passed along").expect("write");
+        send_with_fd(&a, b"getfd\n", std::os::fd::AsFd::as_fd(&f))
+            .await
+            .expect("send");
+        let mut buf = [0u8; 16];
+        let mut space = nix::cmsg_space!([RawFd; 1]);
+        let mut iov = [io::IoSliceMut::new(&mut buf)];
+        let msg = nix::sys::socket::recvmsg::<()>(
+            std::os::fd::AsRawFd::as_raw_fd(&b),
+            &mut iov,
+            Some(&mut space),
+            nix::sys::socket::MsgFlags::empty(),
+        )
+        .expect("recvmsg");
+        let fds: Vec<RawFd> = msg
+            .cmsgs()
+            .expect("cmsgs")
+            .filter_map(|c| match c {
+                nix::sys::socket::ControlMessageOwned::ScmRights(fds) => Some(fds),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        assert_eq!(msg.bytes, 6);
+        assert_eq!(fds.len(), 1);
+        let mut got = take_fd(fds[0]).map(std::fs::File::from).expect("take");
+        got.rewind().expect("rewind");
+        let mut text = String::new();
+        got.read_to_string(&mut text).expect("read");
+        assert_eq!(text, "passed along");
+    }
 
     #[test]
     fn takes_a_listening_socket_and_refuses_others() {

@@ -20,6 +20,7 @@ use sha2::Digest as _;
 use tonic::transport::Channel;
 
 use super::qemu::{Accel, Disk, Machine, RamFile};
+use super::qmp::Qmp;
 use super::{agent_channel, disks, initramfs};
 use crate::backends::container::cgroup::{Cgroups, Limits};
 use crate::backends::container::disk::Disks;
@@ -37,6 +38,27 @@ pub const DEFAULT_VM_OVERHEAD_MB: i64 = 64;
 /// The least guest memory: the cloud kernel, aether and a session's shell fit in 64 MiB
 /// with room to spare; below it the guest's own OOM killer takes the agent's sessions.
 pub const MIN_MEMORY_MB: i64 = 128;
+/// The least CPU: under emulation a VM at a quarter of a core boots in about 20 s; below
+/// that its boot outlasts the creation's wait.
+pub const MIN_CPU_CORES: f64 = 0.25;
+
+/// Why `spec`'s network rules cannot be honoured: a VM has no network yet (only its
+/// loopback), so a rule that allows anything is refused rather than ignored.
+fn no_network(spec: &crate::pb::SandboxSpec) -> Option<String> {
+    let allowed: Vec<&String> = spec
+        .network_rules
+        .iter()
+        .filter(|(_, allowed)| **allowed)
+        .map(|(rule, _)| rule)
+        .collect();
+    (!allowed.is_empty()).then(|| {
+        format!(
+            "network_rules allow {allowed:?}, but microVMs have no network yet (only a \
+             loopback interface; docs/microvm.md)"
+        )
+    })
+}
+
 /// How long a new VM has to answer on its agent port: a boot under emulation (TCG) takes
 /// 4 to 6 s alone and several times that beside other boots on 2 cores.
 const BOOT_TIMEOUT_TCG: Duration = Duration::from_secs(180);
@@ -58,6 +80,11 @@ pub struct VmState {
     /// The store layers (hex) its image disk was made from, kept in the node's cache and
     /// the store's in-use records while it runs.
     pub layers: Vec<String>,
+    /// Its image disk, which a resume attaches again.
+    pub image_disk: PathBuf,
+    /// Paused: QEMU has exited, the VM's devices and CPU state are in `state.mig` and its
+    /// memory in the RAM file, both in the sandbox's directory.
+    pub paused: bool,
 }
 
 /// The microVM backend; see the module doc.
@@ -301,7 +328,13 @@ impl MicrovmBackend {
 
     /// QEMU's command line for sandbox `id`. The serial console goes nowhere: a guest's
     /// root could write to it without end, and a file of it would fill the node's disk.
-    fn machine(&self, id: &str, spec: &crate::pb::SandboxSpec, image_disk: &Path) -> Machine {
+    fn machine(
+        &self,
+        id: &str,
+        spec: &crate::pb::SandboxSpec,
+        image_disk: &Path,
+        incoming: bool,
+    ) -> Machine {
         let dir = self.sandbox_dir(id);
         Machine {
             kernel: self.kernel.clone(),
@@ -338,10 +371,10 @@ impl MicrovmBackend {
                 },
             ],
             agent_socket: self.agent_socket(id),
-            qmp_socket: dir.join("qmp.sock"),
+            qmp_socket: self.qmp_socket(id),
             tap: None,
             console_log: None,
-            incoming: false,
+            incoming,
         }
     }
 
@@ -521,6 +554,188 @@ impl MicrovmBackend {
         }
     }
 
+    fn qmp_socket(&self, id: &str) -> PathBuf {
+        self.sandbox_dir(id).join("qmp.sock")
+    }
+
+    /// Pauses a running VM: stops its CPUs, writes its devices' state to `state.mig` (the
+    /// RAM file, shared, stays out of the stream), has QEMU exit and gives the RAM file's
+    /// pages back to the node. If a step before QEMU's exit fails, the VM runs on.
+    /// Errors: `Lost` when QEMU is gone, `Operation` with the step that failed.
+    async fn pause_vm(&self, sandbox: &Handle<'_>) -> Result<VmState, BackendError> {
+        let id = sandbox.sandbox_id;
+        let mut st = Self::state_of(sandbox);
+        if st.paused {
+            return Ok(st);
+        }
+        if !qemu_alive(st.pid, st.start_time) {
+            return Err(BackendError::Lost {
+                sandbox_id: id.to_string(),
+                message: "the VM's QEMU exited".into(),
+            });
+        }
+        let err = |m: String| op_err("pause", id, m);
+        let mut q = Qmp::connect(&self.qmp_socket(id))
+            .await
+            .map_err(|e| err(e.to_string()))?;
+        q.execute("stop", None)
+            .await
+            .map_err(|e| err(e.to_string()))?;
+        let dir = self.sandbox_dir(id);
+        let saved = self.save_state(&mut q, &dir).await;
+        if let Err(m) = saved {
+            // The VM goes on as it was.
+            let _ = q.execute("cont", None).await;
+            let _ = std::fs::remove_file(dir.join(STATE_FILE));
+            return Err(err(m));
+        }
+        self.channels().remove(id);
+        let _ = q.execute("quit", None).await;
+        wait_gone(st.pid, st.start_time).await;
+        let ram = dir.join("ram");
+        let mark = dir.join(PAUSED_MARK);
+        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            release_ram(&ram)?;
+            std::fs::File::create(&mark)?.sync_all()
+        })
+        .await
+        .map_err(|e| err(e.to_string()))?
+        .map_err(|e| err(format!("releasing the VM's memory: {e}")))?;
+        st.pid = 0;
+        st.start_time = 0;
+        st.paused = true;
+        Ok(st)
+    }
+
+    /// Migrates the stopped VM behind `q` into `<dir>/state.mig`, synced.
+    async fn save_state(&self, q: &mut Qmp, dir: &Path) -> Result<(), String> {
+        ignore_shared_ram(q).await?;
+        let path = dir.join(STATE_FILE);
+        let file = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&path)
+                .map_err(|e| format!("{}: {e}", path.display()))?
+        };
+        q.send_fd("state", std::os::fd::AsFd::as_fd(&file))
+            .await
+            .map_err(|e| e.to_string())?;
+        q.execute("migrate", Some(serde_json::json!({"uri": "fd:state"})))
+            .await
+            .map_err(|e| e.to_string())?;
+        migration_done(q).await?;
+        file.sync_all()
+            .map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// Resumes a paused VM: a new QEMU on the same disks and RAM file, waiting for a
+    /// migration, fed `state.mig`, then continued; the agent answers as before, its
+    /// sessions and processes where they were. Errors: `Operation` with the step that
+    /// failed (the VM stays paused: its files are untouched).
+    async fn resume_vm(&self, sandbox: &Handle<'_>) -> Result<VmState, BackendError> {
+        let id = sandbox.sandbox_id;
+        let mut st = Self::state_of(sandbox);
+        if !st.paused {
+            return Ok(st);
+        }
+        let err = |m: String| op_err("resume", id, m);
+        let dir = self.sandbox_dir(id);
+        if st.image_disk.as_os_str().is_empty() {
+            // Recorded before the record named it: the image's disk is found again by the
+            // image, as its creation made it.
+            let image = self.images.resolve(id, &sandbox.spec.image).await?;
+            st.image_disk = self
+                .image_disk(&sandbox.spec.image, &st.layers, &image.lowers)
+                .await?;
+        }
+        let machine = self.machine(id, sandbox.spec, &st.image_disk, true);
+        let pid = self.start_qemu(id, &machine).await?;
+        let start_time = crate::backends::container::start_time(pid)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let restored = self.restore_state(id, &dir, pid, start_time).await;
+        if let Err(m) = restored {
+            if let Ok(p) = i32::try_from(pid) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(p),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            wait_gone(pid, start_time).await;
+            return Err(err(m));
+        }
+        let ch = self
+            .wait_for_agent(id, pid, start_time, BOOT_TIMEOUT_KVM)
+            .await?;
+        self.channels().insert(id.to_string(), ch);
+        let _ = std::fs::remove_file(dir.join(PAUSED_MARK));
+        let _ = std::fs::remove_file(dir.join(STATE_FILE));
+        st.pid = pid;
+        st.start_time = start_time;
+        st.paused = false;
+        Ok(st)
+    }
+
+    /// Feeds `<dir>/state.mig` to the new QEMU `pid` and continues the VM.
+    async fn restore_state(
+        &self,
+        id: &str,
+        dir: &Path,
+        pid: u32,
+        start_time: u64,
+    ) -> Result<(), String> {
+        let socket = self.qmp_socket(id);
+        let started = Instant::now();
+        let mut q = loop {
+            match Qmp::connect(&socket).await {
+                Ok(q) => break q,
+                Err(e) => {
+                    if !qemu_alive(pid, start_time) || started.elapsed() > MIGRATE_TIMEOUT {
+                        let log = std::fs::read_to_string(dir.join("qemu.log")).unwrap_or_default();
+                        return Err(format!(
+                            "QEMU's QMP socket: {e}{}",
+                            tail(&log)
+                                .map(|t| format!("; QEMU said {t:?}"))
+                                .unwrap_or_default()
+                        ));
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        };
+        ignore_shared_ram(&mut q).await?;
+        let path = dir.join(STATE_FILE);
+        let file = std::fs::File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        q.send_fd("state", std::os::fd::AsFd::as_fd(&file))
+            .await
+            .map_err(|e| e.to_string())?;
+        q.execute(
+            "migrate-incoming",
+            Some(serde_json::json!({"uri": "fd:state"})),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        loop {
+            let status = q.status().await.map_err(|e| e.to_string())?;
+            match status.as_str() {
+                "paused" | "postmigrate" => break,
+                "inmigrate" | "prelaunch" => {}
+                other => return Err(format!("the restored VM is {other}, not paused")),
+            }
+            if started.elapsed() > MIGRATE_TIMEOUT {
+                return Err(format!("restore not done within {MIGRATE_TIMEOUT:?}"));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        q.execute("cont", None).await.map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
     async fn create_vm(&self, req: &CreateRequest) -> Result<VmState, BackendError> {
         let id = &req.sandbox_id;
         let image = self.images.resolve(id, &req.spec.image).await?;
@@ -546,7 +761,24 @@ impl MicrovmBackend {
         let disk_mb = req.spec.disk_mb.max(1) as u64;
         let (disks, sid, d) = (self.disks.clone(), id.clone(), dir.clone());
         tokio::task::spawn_blocking(move || -> Result<(), String> {
-            std::fs::create_dir_all(&d).map_err(|e| format!("creating {}: {e}", d.display()))?;
+            use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+            // 0700: the directory holds the guest's RAM and migration stream, its memory.
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&d)
+                .map_err(|e| format!("creating {}: {e}", d.display()))?;
+            std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+                .map_err(|e| format!("chmod {}: {e}", d.display()))?;
+            // QEMU opens the RAM file it is given as it is; made here, it is 0600 whatever
+            // QEMU's umask would give.
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(d.join("ram"))
+                .map_err(|e| format!("creating the RAM file: {e}"))?;
             disks
                 .create(&sid, disk_mb)
                 .map_err(|e| crate::types::chain(&e).to_string())?;
@@ -566,7 +798,7 @@ impl MicrovmBackend {
         self.cgroups
             .create(id, &limits)
             .map_err(|e| create_err(id, e))?;
-        let machine = self.machine(id, &req.spec, &image_disk);
+        let machine = self.machine(id, &req.spec, &image_disk, false);
         let pid = self.start_qemu(id, &machine).await?;
         let start_time = crate::backends::container::start_time(pid)
             .ok()
@@ -582,8 +814,102 @@ impl MicrovmBackend {
             pid,
             start_time,
             layers,
+            image_disk,
+            paused: false,
         })
     }
+}
+
+/// How long a migration to or from the state file may take: the stream holds the devices
+/// and CPU state only (tens of KB; the RAM file is shared and left out).
+const MIGRATE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long QEMU has to exit after `quit` before it is killed.
+const QUIT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The migration stream of a paused VM, in its directory.
+const STATE_FILE: &str = "state.mig";
+/// Written (and synced) once the stream and the RAM file are complete: a paused VM whose
+/// edge died mid-pause is paused only if this is there.
+const PAUSED_MARK: &str = "paused";
+
+fn op_err(op: &'static str, id: &str, message: impl std::fmt::Display) -> BackendError {
+    BackendError::Operation {
+        op,
+        sandbox_id: id.to_string(),
+        message: message.to_string(),
+    }
+}
+
+/// Polls `query-migrate` until the migration completes. Errors: its failure, or a timeout.
+async fn migration_done(q: &mut Qmp) -> Result<(), String> {
+    let started = Instant::now();
+    loop {
+        let v = q
+            .execute("query-migrate", None)
+            .await
+            .map_err(|e| e.to_string())?;
+        match v.get("status").and_then(serde_json::Value::as_str) {
+            Some("completed") => return Ok(()),
+            Some(s @ ("failed" | "cancelled")) => {
+                let why = v
+                    .get("error-desc")
+                    .and_then(serde_json::Value::as_str)
+                    .unwrap_or_default();
+                return Err(format!("migration {s}: {why}"));
+            }
+            _ => {}
+        }
+        if started.elapsed() > MIGRATE_TIMEOUT {
+            return Err(format!("migration not done within {MIGRATE_TIMEOUT:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Leaves the shared RAM file out of the migration stream (`x-ignore-shared`); both ends
+/// of a migration must set it.
+async fn ignore_shared_ram(q: &mut Qmp) -> Result<(), String> {
+    q.execute(
+        "migrate-set-capabilities",
+        Some(serde_json::json!({"capabilities": [
+            {"capability": "x-ignore-shared", "state": true}
+        ]})),
+    )
+    .await
+    .map(|_| ())
+    .map_err(|e| e.to_string())
+}
+
+/// Waits until QEMU `pid` has exited; kills it after [`QUIT_TIMEOUT`].
+async fn wait_gone(pid: u32, start_time: u64) {
+    let started = Instant::now();
+    while qemu_alive(pid, start_time) {
+        if started.elapsed() > QUIT_TIMEOUT {
+            if let Ok(p) = i32::try_from(pid) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(p),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Writes the RAM file's dirty pages to disk and drops them from the page cache, so the
+/// paused VM's memory is the node's again (it was charged to the sandbox's cgroup).
+fn release_ram(path: &Path) -> std::io::Result<()> {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)?;
+    f.sync_all()?;
+    nix::fcntl::posix_fadvise(
+        &f,
+        0,
+        0,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+    )
+    .map_err(std::io::Error::from)
 }
 
 /// The last line QEMU wrote, if any.
@@ -643,7 +969,47 @@ impl Backend for MicrovmBackend {
                 ),
             });
         }
+        if spec.cpu_cores_limit < MIN_CPU_CORES {
+            return Err(BackendError::Config {
+                backend: self.name.clone(),
+                message: format!(
+                    "cpu_cores_limit {} is below the least a microVM boots with ({MIN_CPU_CORES})",
+                    spec.cpu_cores_limit
+                ),
+            });
+        }
+        if let Some(m) = no_network(spec) {
+            return Err(BackendError::Config {
+                backend: self.name.clone(),
+                message: m,
+            });
+        }
+        let host_root = self.images.local(&spec.image).is_some_and(|lowers| {
+            lowers
+                .iter()
+                .any(|l| l.canonicalize().is_ok_and(|c| c == Path::new("/")))
+        });
+        if host_root {
+            return Err(BackendError::Config {
+                backend: self.name.clone(),
+                message: format!(
+                    "image {:?} is the host's own / (the development image), which cannot \
+                     become a VM's disk; use an image from the image store",
+                    spec.image
+                ),
+            });
+        }
         Ok(())
+    }
+
+    async fn update_network(&self, sandbox: &Handle<'_>) -> Result<(), BackendError> {
+        match no_network(sandbox.spec) {
+            None => Ok(()),
+            Some(message) => Err(BackendError::Invalid {
+                sandbox_id: sandbox.sandbox_id.to_string(),
+                message,
+            }),
+        }
     }
 
     async fn create(&self, req: &CreateRequest) -> Result<BackendState, BackendError> {
@@ -670,23 +1036,25 @@ impl Backend for MicrovmBackend {
         self.destroy(sandbox.sandbox_id).await
     }
 
-    async fn pause(&self, _sandbox: &Handle<'_>) -> Result<BackendState, BackendError> {
-        Err(BackendError::Unsupported {
-            backend: self.name.clone(),
-            op: "pause",
-        })
+    async fn pause(&self, sandbox: &Handle<'_>) -> Result<BackendState, BackendError> {
+        let span = tracing::info_span!("microvm_pause", sandbox_id = %sandbox.sandbox_id);
+        let st = tracing::Instrument::instrument(self.pause_vm(sandbox), span).await?;
+        serde_json::to_value(&st).map_err(|e| op_err("pause", sandbox.sandbox_id, e))
     }
 
-    async fn resume(&self, _sandbox: &Handle<'_>) -> Result<BackendState, BackendError> {
-        Err(BackendError::Unsupported {
-            backend: self.name.clone(),
-            op: "resume",
-        })
+    async fn resume(&self, sandbox: &Handle<'_>) -> Result<BackendState, BackendError> {
+        let span = tracing::info_span!("microvm_resume", sandbox_id = %sandbox.sandbox_id);
+        let st = tracing::Instrument::instrument(self.resume_vm(sandbox), span).await?;
+        serde_json::to_value(&st).map_err(|e| op_err("resume", sandbox.sandbox_id, e))
+    }
+
+    fn pause_frees_memory(&self) -> bool {
+        true
     }
 
     async fn probe(&self, sandbox: &Handle<'_>) -> Health {
         let st = Self::state_of(sandbox);
-        if qemu_alive(st.pid, st.start_time) {
+        if st.paused || qemu_alive(st.pid, st.start_time) {
             Health::Alive
         } else {
             Health::Lost("the VM's QEMU exited".into())
@@ -696,23 +1064,40 @@ impl Backend for MicrovmBackend {
     async fn adopt(
         &self,
         sandbox: &Handle<'_>,
-        recorded: Recorded,
+        _recorded: Recorded,
     ) -> Result<Adopted, BackendError> {
-        let st = Self::state_of(sandbox);
+        let id = sandbox.sandbox_id;
+        let mut st = Self::state_of(sandbox);
         let lost = |message: &str| BackendError::Lost {
-            sandbox_id: sandbox.sandbox_id.to_string(),
+            sandbox_id: id.to_string(),
             message: message.to_string(),
         };
-        if recorded == Recorded::Paused {
-            return Err(lost("a paused microVM cannot be taken over yet"));
-        }
-        if !qemu_alive(st.pid, st.start_time) {
+        let dir = self.sandbox_dir(id);
+        let paused_here = dir.join(PAUSED_MARK).is_file() && dir.join(STATE_FILE).is_file();
+        if qemu_alive(st.pid, st.start_time) {
+            // A pause the edge died in before QEMU quit: the VM may be stopped; it goes on.
+            if let Ok(mut q) = Qmp::connect(&self.qmp_socket(id)).await {
+                if matches!(q.status().await.as_deref(), Ok("paused" | "postmigrate")) {
+                    let _ = q.execute("cont", None).await;
+                }
+            }
+            let _ = std::fs::remove_file(dir.join(STATE_FILE));
+            st.paused = false;
+        } else if paused_here {
+            // Paused, whether or not the edge lived to record it.
+            st.pid = 0;
+            st.start_time = 0;
+            st.paused = true;
+        } else {
             return Err(lost("the VM's QEMU is gone"));
         }
-        self.images.hold(sandbox.sandbox_id, &st.layers);
+        self.images.hold(id, &st.layers);
         Ok(Adopted {
-            state: sandbox.state.clone(),
-            paused: false,
+            state: serde_json::to_value(&st).map_err(|e| BackendError::Adopt {
+                sandbox_id: id.to_string(),
+                message: e.to_string(),
+            })?,
+            paused: st.paused,
         })
     }
 

@@ -31,11 +31,13 @@ pub async fn agent_channel(socket: &Path) -> Result<Channel, std::io::Error> {
     let s = tokio::net::UnixStream::connect(socket).await?;
     let (r, w) = s.into_split();
     let mux: Arc<Mux> = Mux::host(r, w);
-    // Pings find a guest that stopped answering (a hung or killed VM) within 15 s; a
-    // running VM answers them even while its workload is busy (aether runs first).
+    // Pings find a guest that stopped answering (a hung or killed VM) within 30 s. A
+    // running VM answers them while its workload is busy, but aether answers them between
+    // the calls it serves: under emulation, on a loaded node, a burst of hundreds of calls
+    // held a ping past 5 s and the channel was dropped with every call on it.
     let ch = uds::endpoint("http://aether", Duration::from_secs(10))
         .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(Duration::from_secs(5))
+        .keep_alive_timeout(Duration::from_secs(20))
         .connect_with_connector(tower::service_fn(move |_: Uri| {
             let mux = mux.clone();
             async move { Ok::<_, std::io::Error>(TokioIo::new(mux.open().await?)) }

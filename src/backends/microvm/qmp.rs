@@ -101,6 +101,11 @@ impl Qmp {
         let mut line = msg.to_string();
         line.push('\n');
         self.writer.write_all(line.as_bytes()).await?;
+        self.answer(command, id).await
+    }
+
+    /// Reads until the answer to command `id`; events are kept, others' answers skipped.
+    async fn answer(&mut self, command: &str, id: u64) -> Result<Value, QmpError> {
         loop {
             let v = self.read_value().await?;
             if v.get("event").is_some() {
@@ -128,6 +133,22 @@ impl Qmp {
             }
             return Err(QmpError::Protocol(format!("unexpected answer {v}")));
         }
+    }
+
+    /// Hands QEMU the open file `fd` under `name` (`getfd`), for a later `fd:<name>`
+    /// migration URI. Errors: as [`Qmp::execute`].
+    pub async fn send_fd(
+        &mut self,
+        name: &str,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<(), QmpError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut line =
+            json!({ "execute": "getfd", "arguments": { "fdname": name }, "id": id }).to_string();
+        line.push('\n');
+        crate::sys::fd::send_with_fd(self.writer.as_ref(), line.as_bytes(), fd).await?;
+        self.answer("getfd", id).await.map(|_| ())
     }
 
     /// [`Qmp::execute`] within `limit`. Errors: `Timeout`, or the command's.

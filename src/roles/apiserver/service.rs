@@ -848,9 +848,10 @@ impl pb::d_sec_server::DSec for Api {
         call.project = image_project(&msg.image);
         call.sandbox_id = msg.id.clone();
         let r = if msg.memory {
-            // Only microVMs have memory to keep; no backend here has it yet.
+            // Only microVMs have memory to keep, and their memory snapshots are not built.
             Err(Failure::invalid(format!(
-                "sandbox {}: memory=True needs a microVM; a container's snapshot keeps its files only",
+                "sandbox {}: memory=True is not built yet (microVM memory snapshots); a \
+                 snapshot without it keeps the sandbox's files",
                 msg.id
             )))
         } else {

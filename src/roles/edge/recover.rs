@@ -5,7 +5,7 @@
 //! leftovers that match no record. A CREATING one is marked `interrupted`: the caller's
 //! retry of that creation creates it again (`create_batch`).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -68,19 +68,19 @@ impl Core {
         }
         self.persist_many(&changed).await;
 
-        // Leftovers: per backend, everything not belonging to a live record.
-        let mut keep: HashMap<String, HashSet<String>> = HashMap::new();
-        for e in self.all() {
-            let r = e.snapshot();
-            if !r.is_ended() {
-                keep.entry(r.backend().to_string())
-                    .or_default()
-                    .insert(r.id().to_string());
-            }
-        }
+        // Leftovers: everything not belonging to a live record. Every backend is given
+        // every live sandbox of the edge, not only its own: backends share some of what
+        // they keep per sandbox (the image store's in-use records of the edge), and ids are
+        // unique across them, so nothing of one backend's is another's to remove.
+        let keep: HashSet<String> = self
+            .all()
+            .iter()
+            .map(|e| e.snapshot())
+            .filter(|r| !r.is_ended())
+            .map(|r| r.id().to_string())
+            .collect();
         for (name, slot) in &self.slots {
-            let k = keep.remove(name).unwrap_or_default();
-            match slot.backend.cleanup(&k).await {
+            match slot.backend.cleanup(&keep).await {
                 Ok(rep) if !rep.removed.is_empty() => {
                     tracing::info!(edge_id = %self.edge_id, backend = %name, removed = ?rep.removed, "cleaned up leftovers")
                 }
