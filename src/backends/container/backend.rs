@@ -657,8 +657,23 @@ fn alive(st: &ContainerState) -> bool {
     st.pid > 0 && judged_alive(st.pid, start_time(st.pid), st.start_time)
 }
 
+/// The sandboxes this backend has files of (a disk in `disks`, a directory in `dir`) that
+/// are not in `keep`, sorted: what an edge's cleanup at start removes.
+pub fn stray_ids(disks: &Disks, dir: &Path, keep: &HashSet<String>) -> Vec<String> {
+    let mut ids: HashSet<String> = disks.list().into_iter().collect();
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        ids.extend(
+            rd.flatten()
+                .filter_map(|e| e.file_name().into_string().ok()),
+        );
+    }
+    let mut ids: Vec<String> = ids.into_iter().filter(|id| !keep.contains(id)).collect();
+    ids.sort();
+    ids
+}
+
 /// What one look at /proc says of a process recorded with `recorded` as its start time.
-fn judged_alive(pid: u32, looked: std::io::Result<Option<u64>>, recorded: u64) -> bool {
+pub fn judged_alive(pid: u32, looked: std::io::Result<Option<u64>>, recorded: u64) -> bool {
     match looked {
         Ok(t) => t == Some(recorded),
         Err(e) => {
@@ -900,20 +915,12 @@ impl Backend for ContainerBackend {
         // Only what this state dir holds is ours. A cgroup under the same edge id without a
         // directory or disk here belongs to another cluster that uses the same edge id (the
         // cgroup tree is machine-wide); ours never lose their directory before their cgroup.
-        let mut ids: HashSet<String> = self.disks.list().into_iter().collect();
-        if let Ok(rd) = std::fs::read_dir(&self.dir) {
-            ids.extend(
-                rd.flatten()
-                    .filter_map(|e| e.file_name().into_string().ok()),
-            );
-        }
+        let ids = stray_ids(&self.disks, &self.dir, keep);
         let mut report = CleanupReport::default();
         report
             .removed
             .extend(self.images.release_strays(keep).await);
         let mut failed = Vec::new();
-        let mut ids: Vec<String> = ids.into_iter().filter(|id| !keep.contains(id)).collect();
-        ids.sort();
         for id in ids {
             // One sandbox that will not go does not keep the others.
             // Its network slot is not held; the network's own cleanup below removes it.

@@ -13,5 +13,6 @@ pub mod rootfs;
 pub mod setup;
 
 pub use backend::{
-    start_time, ContainerBackend, ContainerState, MIN_CPU_CORES, MIN_DISK_MB, MIN_MEMORY_MB,
+    judged_alive, start_time, stray_ids, ContainerBackend, ContainerState, MIN_CPU_CORES,
+    MIN_DISK_MB, MIN_MEMORY_MB,
 };

@@ -921,10 +921,11 @@ fn tail(log: &str) -> Option<&str> {
 /// lost only on evidence.
 fn qemu_alive(pid: u32, start_time: u64) -> bool {
     pid > 0
-        && match crate::backends::container::start_time(pid) {
-            Ok(t) => t == Some(start_time),
-            Err(_) => true,
-        }
+        && crate::backends::container::judged_alive(
+            pid,
+            crate::backends::container::start_time(pid),
+            start_time,
+        )
 }
 
 /// The node's initramfs for `kernel` and the agent binary `agent`: `initrd-<digest>` in
@@ -1102,19 +1103,11 @@ impl Backend for MicrovmBackend {
     }
 
     async fn cleanup(&self, keep: &HashSet<String>) -> Result<CleanupReport, BackendError> {
-        let mut ids: HashSet<String> = self.disks.list().into_iter().collect();
-        if let Ok(rd) = std::fs::read_dir(&self.dir) {
-            ids.extend(
-                rd.flatten()
-                    .filter_map(|e| e.file_name().into_string().ok()),
-            );
-        }
+        let ids = crate::backends::container::stray_ids(&self.disks, &self.dir, keep);
         let mut report = CleanupReport::default();
         report
             .removed
             .extend(self.images.release_strays(keep).await);
-        let mut ids: Vec<String> = ids.into_iter().filter(|id| !keep.contains(id)).collect();
-        ids.sort();
         let mut failed = Vec::new();
         for id in ids {
             match self.destroy(&id).await {
