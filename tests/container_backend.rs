@@ -136,6 +136,7 @@ async fn the_host_image_hides_the_state_directory() {
     let st = b
         .create(&CreateRequest {
             fork: None,
+            snapshot: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: spec.clone(),
@@ -203,6 +204,7 @@ async fn lifecycle_adoption_and_nothing_left() {
     let st = b
         .create(&CreateRequest {
             fork: None,
+            snapshot: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: spec.clone(),
@@ -268,6 +270,7 @@ async fn bad_requests_leave_nothing_and_cleanup_removes_strays() {
     let e = b
         .create(&CreateRequest {
             fork: None,
+            snapshot: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: s,
@@ -280,6 +283,7 @@ async fn bad_requests_leave_nothing_and_cleanup_removes_strays() {
     let e = b
         .create(&CreateRequest {
             fork: None,
+            snapshot: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: s,
@@ -294,6 +298,7 @@ async fn bad_requests_leave_nothing_and_cleanup_removes_strays() {
     let spec = spec();
     b.create(&CreateRequest {
         fork: None,
+        snapshot: None,
         sandbox_id: stray.clone(),
         project: "root".into(),
         spec: spec.clone(),
@@ -308,6 +313,7 @@ async fn bad_requests_leave_nothing_and_cleanup_removes_strays() {
     let st = other
         .create(&CreateRequest {
             fork: None,
+            snapshot: None,
             sandbox_id: theirs.clone(),
             project: "root".into(),
             spec: spec.clone(),
@@ -375,6 +381,7 @@ async fn a_bundles_config_gives_env_and_working_directory() {
     let st = b
         .create(&CreateRequest {
             fork: None,
+            snapshot: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: spec.clone(),
@@ -421,6 +428,7 @@ async fn device_nodes_in_an_image_open_nothing() {
     let st = b
         .create(&CreateRequest {
             fork: None,
+            snapshot: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: spec.clone(),
@@ -462,6 +470,7 @@ impl Sb {
         let st = b
             .create(&CreateRequest {
                 fork: None,
+                snapshot: None,
                 sandbox_id: id.clone(),
                 project: "root".into(),
                 spec: spec.clone(),
@@ -922,6 +931,7 @@ async fn pids_512_sandbox(
     let st = b
         .create(&CreateRequest {
             fork: None,
+            snapshot: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: spec.clone(),
@@ -1099,6 +1109,7 @@ async fn a_failed_creation_leaves_nothing_on_the_node() {
     let e = b
         .create(&CreateRequest {
             fork: None,
+            snapshot: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: s,
@@ -1116,6 +1127,7 @@ async fn a_failed_creation_leaves_nothing_on_the_node() {
     let e = b
         .create(&CreateRequest {
             fork: None,
+            snapshot: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: spec(),
@@ -1607,6 +1619,7 @@ async fn prepared_disks_are_taken_and_none_outlives_the_backend() {
     let st = b
         .create(&CreateRequest {
             fork: None,
+            snapshot: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: s.clone(),

@@ -86,6 +86,7 @@ async fn create(
 ) -> Result<serde_json::Value, backends::BackendError> {
     b.create(&CreateRequest {
         fork: None,
+        snapshot: None,
         sandbox_id: id.into(),
         project: "root".into(),
         spec: spec.clone(),

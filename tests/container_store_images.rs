@@ -159,6 +159,7 @@ async fn a_sixty_layer_store_image_runs_from_the_cache_and_outlives_the_store() 
     let st = b
         .create(&CreateRequest {
             fork: None,
+            snapshot: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: sp.clone(),
@@ -196,6 +197,7 @@ async fn a_sixty_layer_store_image_runs_from_the_cache_and_outlives_the_store() 
     let st_root = b
         .create(&CreateRequest {
             fork: None,
+            snapshot: None,
             sandbox_id: id_root.clone(),
             project: "root".into(),
             spec: sp_root.clone(),
@@ -218,6 +220,7 @@ async fn a_sixty_layer_store_image_runs_from_the_cache_and_outlives_the_store() 
     let e = b
         .create(&CreateRequest {
             fork: None,
+            snapshot: None,
             sandbox_id: format!("{edge}.b"),
             project: "root".into(),
             spec: spec("root/t/busy:1"),
@@ -240,6 +243,7 @@ async fn a_sixty_layer_store_image_runs_from_the_cache_and_outlives_the_store() 
         let e = b
             .create(&CreateRequest {
                 fork: None,
+                snapshot: None,
                 sandbox_id: bad.clone(),
                 project: "root".into(),
                 spec: spec(img),

@@ -20,7 +20,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use opendsec::backends::microvm::VmState;
-use opendsec::backends::{self, Backend, BackendContext, CreateRequest, Handle, Health, Recorded};
+use opendsec::backends::{
+    self, Backend, BackendContext, CreateRequest, Handle, Health, Recorded, SnapshotTarget,
+};
 use opendsec::config::BackendConfig;
 use opendsec::images::digest::Digest;
 use opendsec::images::name::ImageRef;
@@ -40,7 +42,13 @@ fn layer(store: &Store, n: usize, fill: impl FnOnce(&Path)) -> Digest {
 
 fn image(store: &Store) -> ImageManifest {
     let base = layer(store, 0, |r| {
-        common::busybox_into(r, &["sh", "cat", "hostname", "echo", "test", "nproc"]);
+        common::busybox_into(
+            r,
+            &[
+                "sh", "cat", "hostname", "echo", "test", "nproc", "sleep", "httpd", "wget", "head",
+                "od", "mkdir", "tr",
+            ],
+        );
         std::fs::create_dir_all(r.join("etc")).unwrap();
         std::fs::write(r.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n").unwrap();
         std::fs::write(r.join("etc/group"), "root:x:0:\n").unwrap();
@@ -191,8 +199,19 @@ fn memory_used_mb(edge: &str, id: &str) -> u64 {
     panic!("no memory usage file for {id}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothing() {
+/// No sandbox's writable disk is left on the edge.
+fn assert_no_disks_left(state: &Path, edge: &str) {
+    let left: Vec<_> = std::fs::read_dir(state.join(edge).join("vm-disks"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .filter(|n| !n.to_string_lossy().starts_with('.'))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// A temporary directory with a state directory and a store holding image `root/t/vm:1`.
+fn setup() -> (tempfile::TempDir, PathBuf, PathBuf) {
     assert!(
         nix::unistd::geteuid().is_root(),
         "the microVM tests run as root"
@@ -200,10 +219,19 @@ async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothi
     let tmp = tempfile::tempdir().unwrap();
     let (state, store_dir) = (tmp.path().join("state"), tmp.path().join("store"));
     let store = Store::open(&store_dir).unwrap();
-    let manifest = image(&store);
     store
-        .write_manifest(&ImageRef::parse("root/t/vm:1").unwrap(), &manifest, false)
+        .write_manifest(
+            &ImageRef::parse("root/t/vm:1").unwrap(),
+            &image(&store),
+            false,
+        )
         .unwrap();
+    (tmp, state, store_dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothing() {
+    let (_tmp, state, store_dir) = setup();
     let edge = "mvb-1";
     let _leftovers = Leftovers(vec![format!("{edge}.a"), format!("{edge}.b")]);
     let b = backend(&state, edge, &store_dir);
@@ -232,6 +260,7 @@ async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothi
     let st = b
         .create(&CreateRequest {
             fork: None,
+            snapshot: None,
             sandbox_id: id.clone(),
             project: "root".into(),
             spec: sp.clone(),
@@ -296,6 +325,7 @@ async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothi
     let st2 = b
         .create(&CreateRequest {
             fork: None,
+            snapshot: None,
             sandbox_id: id2.clone(),
             project: "root".into(),
             spec: sp2.clone(),
@@ -376,13 +406,273 @@ async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothi
     assert!(!state.join(edge).join("microvms").join(&id).exists());
     assert!(cgroup_pids(&id).is_empty());
     b.stop(&h).await.expect("stop again");
-    let left: Vec<_> = std::fs::read_dir(state.join(edge).join("vm-disks"))
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name())
-        .filter(|n| !n.to_string_lossy().starts_with('.'))
-        .collect();
-    assert!(left.is_empty(), "{left:?}");
+    assert_no_disks_left(&state, edge);
     // The store's in-use records are gone with them.
     assert!(!store_dir.join("inuse").join(edge).join(&id).exists());
+}
+
+/// The guest's counter (`/tmp/count`).
+async fn count(b: &Arc<dyn Backend>, h: &Handle<'_>) -> u64 {
+    shell(b, h, "cat /tmp/count").await.trim().parse().unwrap()
+}
+
+/// kB of the RAM mapping of `ram` (a path) in QEMU `pid`'s smaps: (Rss, Private_Dirty).
+fn ram_mapping_kb(pid: u32, ram: &Path) -> (u64, u64) {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let name = ram.display().to_string();
+    let mut inside = false;
+    let (mut rss, mut dirty) = (0, 0);
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            inside = line.ends_with(&name);
+            continue;
+        }
+        if !inside {
+            continue;
+        }
+        let kb = || {
+            line.split_whitespace()
+                .nth(1)
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+        };
+        if line.starts_with("Rss:") {
+            rss += kb();
+        } else if line.starts_with("Private_Dirty:") {
+            dirty += kb();
+        }
+    }
+    (rss, dirty)
+}
+
+/// Snapshots with memory (docs/microvm.md "Snapshots and copies"): a running VM's
+/// snapshot stops it for a moment only; three copies restored from it carry on its
+/// running counter and listening server, with its files, while each has its own hostname,
+/// machine-id and kernel randomness; their RAM is the snapshot's file mapped
+/// copy-on-write, so the 64 MiB the source filled are not copied three times. A paused
+/// VM's snapshot is taken without resuming it. Bad requests change nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_of_a_memory_snapshot_carry_on_with_their_own_identity() {
+    let (tmp, state, store_dir) = setup();
+    let edge = "mvs-1";
+    let ids: Vec<String> = ["src", "c1", "c2", "c3", "p1"]
+        .iter()
+        .map(|n| format!("{edge}.{n}"))
+        .collect();
+    let _leftovers = Leftovers(ids.clone());
+    let b = backend(&state, edge, &store_dir);
+    let mut sp = spec("root/t/vm:1");
+    sp.cpu_cores_limit = 1.0;
+    let create = |id: &str, snapshot: Option<PathBuf>, sp: pb::SandboxSpec| CreateRequest {
+        fork: None,
+        snapshot,
+        sandbox_id: id.to_string(),
+        project: "root".into(),
+        spec: sp,
+    };
+    let src = ids[0].clone();
+    let st = b
+        .create(&create(&src, None, sp.clone()))
+        .await
+        .expect("create the source");
+    let h = Handle {
+        sandbox_id: &src,
+        spec: &sp,
+        state: &st,
+    };
+    // A counter and a server run in the background; 64 MiB of files sit in the guest's
+    // page cache (memory the guest touched).
+    shell(
+        &b,
+        &h,
+        "mkdir -p /srv /tmp && echo served > /srv/hello && httpd -p 8080 -h /srv && \
+         head -c 67108864 /dev/urandom > /tmp/big || exit 1; \
+         (i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done) </dev/null >/dev/null 2>&1 & \
+         sleep 0.5; echo ok",
+    )
+    .await;
+    let snap = tmp.path().join("snap");
+    let snapper = b.snapshotter().expect("microVMs take snapshots");
+    let err = snapper
+        .snapshot(
+            &h,
+            &SnapshotTarget {
+                dir: snap.clone(),
+                memory: false,
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.reason(), opendsec::types::Reason::Invalid, "{err}");
+    assert!(!snap.exists());
+    let vm: VmState = serde_json::from_value(st.clone()).unwrap();
+    let (touched_kb, _) = ram_mapping_kb(
+        vm.pid,
+        &state.join(edge).join("microvms").join(&src).join("ram"),
+    );
+    let (_, info) = snapper
+        .snapshot(
+            &h,
+            &SnapshotTarget {
+                dir: snap.clone(),
+                memory: true,
+            },
+        )
+        .await
+        .expect("snapshot");
+    println!(
+        "snapshot: source stopped {:.1} ms, {} MiB written, source RAM resident {} MiB",
+        info.paused_ms,
+        info.bytes >> 20,
+        touched_kb >> 10
+    );
+    assert!(info.paused_ms > 0.0);
+    assert!(touched_kb > 64 << 10, "the source touched {touched_kb} kB");
+    let at_snapshot = count(&b, &h).await;
+    // The source goes on.
+    tokio::time::sleep(std::time::Duration::from_millis(800)).await;
+    let later = count(&b, &h).await;
+    assert!(later > at_snapshot, "{later} after {at_snapshot}");
+
+    // A copy must have the snapshot's memory.
+    let mut other = sp.clone();
+    other.memory_limit_mb = 384;
+    let err = b
+        .create(&create(&ids[1], Some(snap.clone()), other))
+        .await
+        .unwrap_err();
+    assert_eq!(err.reason(), opendsec::types::Reason::Invalid, "{err}");
+    assert!(!state.join(edge).join("microvms").join(&ids[1]).exists());
+
+    let mut copies = Vec::new();
+    for id in &ids[1..4] {
+        let st = b
+            .create(&create(id, Some(snap.clone()), sp.clone()))
+            .await
+            .expect("restore a copy");
+        copies.push((id.clone(), st));
+    }
+    let mut seen = HashSet::new();
+    for (id, st) in &copies {
+        let h = Handle {
+            sandbox_id: id,
+            spec: &sp,
+            state: st,
+        };
+        let c1 = count(&b, &h).await;
+        tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+        let c2 = count(&b, &h).await;
+        assert!(
+            c1 >= at_snapshot.saturating_sub(2) && c2 > c1,
+            "{id}: the counter went {c1} then {c2}"
+        );
+        assert_eq!(
+            shell(&b, &h, "wget -qO- http://127.0.0.1:8080/hello").await,
+            "served\n",
+            "{id}: the server listens"
+        );
+        let out = shell(
+            &b,
+            &h,
+            "hostname; cat /etc/machine-id; cat /proc/sys/kernel/random/uuid; \
+             head -c32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; test -s /tmp/big && echo big",
+        )
+        .await;
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 5, "{out}");
+        assert_eq!(
+            lines[0],
+            id.rsplit('.').next().unwrap(),
+            "{id}: its hostname"
+        );
+        assert_eq!(lines[4], "big");
+        for l in &lines[..4] {
+            assert!(
+                seen.insert(l.to_string()),
+                "{id}: {l:?} is another copy's too"
+            );
+        }
+    }
+    // Their RAM is the snapshot's memory file, mapped copy-on-write: what each wrote of
+    // it is its own, the rest is the one file's pages.
+    let mut private_kb = 0;
+    for (id, st) in &copies {
+        let v: VmState = serde_json::from_value(st.clone()).unwrap();
+        assert_eq!(v.ram, snap.join("memory"));
+        let (rss, dirty) = ram_mapping_kb(v.pid, &v.ram);
+        println!(
+            "copy {id}: RAM resident {} MiB, private {} MiB",
+            rss >> 10,
+            dirty >> 10
+        );
+        private_kb += dirty;
+    }
+    assert!(
+        private_kb < touched_kb / 2,
+        "the three copies hold {private_kb} kB of their own beside the source's {touched_kb} kB"
+    );
+
+    // A paused VM is snapshotted from its saved state, and stays paused.
+    let paused = b.pause(&h).await.expect("pause the source");
+    let hp = Handle {
+        sandbox_id: &src,
+        spec: &sp,
+        state: &paused,
+    };
+    let snap2 = tmp.path().join("snap2");
+    let (_, info2) = snapper
+        .snapshot(
+            &hp,
+            &SnapshotTarget {
+                dir: snap2.clone(),
+                memory: true,
+            },
+        )
+        .await
+        .expect("snapshot of a paused VM");
+    assert_eq!(info2.paused_ms, 0.0);
+    assert!(cgroup_pids(&src).is_empty(), "the source stays paused");
+    let pst = b
+        .create(&create(&ids[4], Some(snap2.clone()), sp.clone()))
+        .await
+        .expect("restore from a paused VM's snapshot");
+    let hc = Handle {
+        sandbox_id: &ids[4],
+        spec: &sp,
+        state: &pst,
+    };
+    assert_eq!(
+        shell(&b, &hc, "wget -qO- http://127.0.0.1:8080/hello").await,
+        "served\n"
+    );
+    // A copy pauses and resumes too: its private RAM goes into its stream.
+    let cp = b.pause(&hc).await.expect("pause a copy");
+    let hcp = Handle {
+        sandbox_id: &ids[4],
+        spec: &sp,
+        state: &cp,
+    };
+    let cr = b.resume(&hcp).await.expect("resume a copy");
+    let hcr = Handle {
+        sandbox_id: &ids[4],
+        spec: &sp,
+        state: &cr,
+    };
+    assert_eq!(shell(&b, &hcr, "hostname").await, "p1\n");
+
+    for (id, st) in copies.iter().chain([(ids[4].clone(), cr.clone())].iter()) {
+        b.stop(&Handle {
+            sandbox_id: id,
+            spec: &sp,
+            state: st,
+        })
+        .await
+        .expect("stop a copy");
+        assert!(cgroup_pids(id).is_empty());
+        assert!(!state.join(edge).join("microvms").join(id).exists());
+    }
+    b.stop(&hp).await.expect("stop the source");
+    assert_no_disks_left(&state, edge);
 }

@@ -45,7 +45,7 @@ pub struct SnapshotTarget {
 }
 
 /// What a snapshot produced.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct SnapshotInfo {
     /// Files written, relative to the target directory.
     pub files: Vec<String>,
@@ -53,6 +53,8 @@ pub struct SnapshotInfo {
     pub bytes: u64,
     /// Runtime versions the snapshot needs to be restored (e.g. `firecracker` → `1.17.0`).
     pub versions: BTreeMap<String, String>,
+    /// How long the sandbox stood still for it (ms; 0 where it did not stop).
+    pub paused_ms: f64,
 }
 
 /// Takes snapshots of a sandbox (fork, `create_snapshot`). The sandbox keeps running; a

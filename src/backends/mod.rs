@@ -48,6 +48,10 @@ pub struct CreateRequest {
     pub spec: pb::SandboxSpec,
     /// Set for a fork's copy: the files it starts from instead of `spec.image`'s manifest.
     pub fork: Option<ForkFiles>,
+    /// A microVM snapshot directory to restore the sandbox from (its memory, processes and
+    /// files), instead of booting `spec.image`; backends without memory snapshots refuse
+    /// it (`Unsupported`).
+    pub snapshot: Option<PathBuf>,
 }
 
 /// What a fork's copies stack (docs/images.md "Fork"): the source's store layers and its

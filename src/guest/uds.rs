@@ -48,12 +48,14 @@ pub async fn serve<S: Runtime>(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
     let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
-    serve_incoming(svc, incoming, shutdown).await
+    serve_incoming(svc, None, incoming, shutdown).await
 }
 
 /// [`serve`] over any stream of connections (a microVM's agent port gives its sessions).
+/// `guest`, where given, is served beside it (a microVM's aether: the edge's own calls).
 pub async fn serve_incoming<S, I, IO>(
     svc: S,
+    guest: Option<crate::pb::guest_server::GuestServer<crate::guest::aether::restore::VmGuest>>,
     incoming: I,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error>
@@ -75,6 +77,7 @@ where
                 .max_decoding_message_size(MAX_MESSAGE)
                 .max_encoding_message_size(MAX_MESSAGE),
         )
+        .add_optional_service(guest)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
 }

@@ -135,6 +135,10 @@ pub fn boot() -> Result<Booted, VmInitError> {
     if !config.hostname.is_empty() {
         let _ = nix::unistd::sethostname(&config.hostname);
     }
+    // The guest's loopback, as a container's: servers in the sandbox answer on 127.0.0.1.
+    if let Err(e) = crate::sys::net::set_up("lo") {
+        tracing::warn!(error = %e, "cannot bring up the guest's lo");
+    }
     Ok(Booted { config, port })
 }
 
@@ -270,11 +274,7 @@ fn clear_initramfs(dir: &Path, dev: u64) {
 /// sandbox's root, as the process is already chrooted. Errors: the file that could not be
 /// written.
 pub fn write_identity(cfg: &VmConfig) -> Result<(), VmInitError> {
-    use sha2::Digest;
-    let _ = std::fs::create_dir_all("/etc");
-    let digest = sha2::Sha256::digest(cfg.sandbox_id.as_bytes());
-    let id = hex::encode(digest.get(..16).unwrap_or_default());
-    std::fs::write("/etc/machine-id", format!("{id}\n")).map_err(root_err("/etc/machine-id"))?;
+    write_machine_id(&cfg.sandbox_id)?;
     if !cfg.nameservers.is_empty() {
         let text: String = cfg
             .nameservers
@@ -285,6 +285,20 @@ pub fn write_identity(cfg: &VmConfig) -> Result<(), VmInitError> {
         std::fs::write("/etc/resolv.conf", text).map_err(root_err("/etc/resolv.conf"))?;
     }
     Ok(())
+}
+
+/// Writes `/etc/machine-id` for sandbox `sandbox_id`: the first 16 bytes of the id's
+/// SHA-256, in hex (a machine-id's 32 hex digits). Errors: the file that could not be
+/// written.
+pub fn write_machine_id(sandbox_id: &str) -> Result<(), VmInitError> {
+    use sha2::Digest;
+    let _ = std::fs::create_dir_all("/etc");
+    let digest = sha2::Sha256::digest(sandbox_id.as_bytes());
+    let id = hex::encode(digest.get(..16).unwrap_or_default());
+    // A new file, not a write through what is there: the sandbox's root may have left a
+    // link in its place.
+    let _ = std::fs::remove_file("/etc/machine-id");
+    std::fs::write("/etc/machine-id", format!("{id}\n")).map_err(root_err("/etc/machine-id"))
 }
 
 /// Leaves `h` for the second stage at [`HANDOFF`] (0600, in the new root's `/run`).

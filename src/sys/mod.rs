@@ -5,6 +5,7 @@
 
 pub mod loopdev;
 pub mod mountfd;
+pub mod random;
 
 use std::io;
 

@@ -726,6 +726,12 @@ impl Backend for ContainerBackend {
 
     async fn create(&self, req: &CreateRequest) -> Result<BackendState, BackendError> {
         let id = req.sandbox_id.as_str();
+        if req.snapshot.is_some() {
+            return Err(BackendError::Unsupported {
+                backend: self.name.clone(),
+                op: "restore from a memory snapshot",
+            });
+        }
         let image = match &req.fork {
             Some(files) => self.images.resolve_fork(&req.spec.image, files).await?,
             None => self.images.resolve(id, &req.spec.image).await?,

@@ -84,10 +84,27 @@ impl Disks {
             return Err(DiskError::InvalidSize { size_mb });
         }
         let template = self.template(size_mb)?;
+        self.copy_in(sandbox_id, &template)
+    }
+
+    /// Makes the sandbox's image as a copy of `from` (a snapshot's disk), holes kept, and
+    /// returns its path; one already there is replaced. Errors: `InvalidId`, `Copy`,
+    /// `Rename`.
+    pub fn create_from(&self, sandbox_id: &str, from: &Path) -> Result<PathBuf, DiskError> {
+        check_id(sandbox_id)?;
+        fs::create_dir_all(&self.dir).map_err(|source| DiskError::CreateDir {
+            path: self.dir.clone(),
+            source,
+        })?;
+        self.copy_in(sandbox_id, from)
+    }
+
+    /// Copies `from` to the sandbox's image under a temporary name, then renames it.
+    fn copy_in(&self, sandbox_id: &str, from: &Path) -> Result<PathBuf, DiskError> {
         let path = self.path(sandbox_id);
         let tmp = self.dir.join(format!(".{sandbox_id}{IMG}.{}", unique()));
-        let copied = sparse_copy(&template, &tmp).map_err(|source| DiskError::Copy {
-            from: template.clone(),
+        let copied = sparse_copy(from, &tmp).map_err(|source| DiskError::Copy {
+            from: from.to_path_buf(),
             to: tmp.clone(),
             source,
         });
@@ -287,8 +304,9 @@ fn mkfs(path: &Path, size_mb: u64) -> Result<(), DiskError> {
 }
 
 /// Copies `from` to a new file `to` keeping holes: a reflink when the file system can,
-/// else each data extent (SEEK_DATA/SEEK_HOLE) with `copy_file_range`.
-fn sparse_copy(from: &Path, to: &Path) -> io::Result<()> {
+/// else each data extent (SEEK_DATA/SEEK_HOLE) with `copy_file_range`. `to` must not
+/// exist; it is made 0600. Errors: the failed open, seek or copy.
+pub fn sparse_copy(from: &Path, to: &Path) -> io::Result<()> {
     let src = File::open(from)?;
     let dst = OpenOptions::new()
         .write(true)

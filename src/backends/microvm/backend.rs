@@ -9,7 +9,7 @@
 //! stacks; everything else is found again by the sandbox id, so an edge restart re-adopts
 //! running VMs by reconnecting to their sockets.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -21,13 +21,13 @@ use tonic::transport::Channel;
 
 use super::qemu::{Accel, Disk, Machine, RamFile};
 use super::qmp::Qmp;
-use super::{agent_channel, disks, initramfs};
+use super::{agent_channel, disks, initramfs, snapshot};
 use crate::backends::container::cgroup::{Cgroups, Limits};
 use crate::backends::container::disk::Disks;
 use crate::backends::container::resolve::Images;
 use crate::backends::{
     Adopted, Backend, BackendContext, BackendError, BackendState, CleanupReport, CreateRequest,
-    Handle, Health, Recorded, Runtime,
+    Handle, Health, Recorded, Runtime, SnapshotInfo, SnapshotTarget, Snapshotter,
 };
 use crate::config::BackendConfig;
 use crate::guest::vminit::{VmConfig, AGENT_SERIAL, CONFIG_SERIAL, IMAGE_SERIAL, RW_SERIAL};
@@ -85,6 +85,14 @@ pub struct VmState {
     /// Paused: QEMU has exited, the VM's devices and CPU state are in `state.mig` and its
     /// memory in the RAM file, both in the sandbox's directory.
     pub paused: bool,
+    /// A copy of a snapshot: its RAM is a private copy-on-write mapping of this file (the
+    /// snapshot's `memory`), and its pauses keep the RAM in `state.mig`. Empty: the VM's
+    /// own RAM file, `ram` in its directory, shared.
+    pub ram: PathBuf,
+    /// The agent disk the guest runs from; empty: the node's.
+    pub agent_disk: PathBuf,
+    /// The snapshot a copy was restored from.
+    pub snapshot: PathBuf,
 }
 
 /// The microVM backend; see the module doc.
@@ -332,30 +340,43 @@ impl MicrovmBackend {
         &self,
         id: &str,
         spec: &crate::pb::SandboxSpec,
-        image_disk: &Path,
+        st: &VmState,
         incoming: bool,
     ) -> Machine {
         let dir = self.sandbox_dir(id);
+        let ram = if st.ram.as_os_str().is_empty() {
+            RamFile {
+                path: dir.join("ram"),
+                shared: true,
+            }
+        } else {
+            RamFile {
+                path: st.ram.clone(),
+                shared: false,
+            }
+        };
+        let agent_disk = if st.agent_disk.as_os_str().is_empty() {
+            self.agent_disk.clone()
+        } else {
+            st.agent_disk.clone()
+        };
         Machine {
             kernel: self.kernel.clone(),
             initrd: Some(self.initrd.clone()),
             append: APPEND.into(),
             init_args: vec!["aether".into(), "--vm-init".into()],
             memory_mb: spec.memory_limit_mb.max(MIN_MEMORY_MB) as u64,
-            vcpus: spec.cpu_cores_limit.ceil().max(1.0) as u32,
+            vcpus: vcpus_of(spec),
             accel: self.accel,
-            ram: RamFile {
-                path: dir.join("ram"),
-                shared: true,
-            },
+            ram,
             disks: vec![
                 Disk {
-                    path: self.agent_disk.clone(),
+                    path: agent_disk,
                     read_only: true,
                     serial: AGENT_SERIAL.into(),
                 },
                 Disk {
-                    path: image_disk.to_path_buf(),
+                    path: st.image_disk.clone(),
                     read_only: true,
                     serial: IMAGE_SERIAL.into(),
                 },
@@ -592,10 +613,13 @@ impl MicrovmBackend {
         self.channels().remove(id);
         let _ = q.execute("quit", None).await;
         wait_gone(st.pid, st.start_time).await;
-        let ram = dir.join("ram");
+        // A copy's RAM was private: it went with QEMU, and its pages are in the stream.
+        let ram = st.ram.as_os_str().is_empty().then(|| dir.join("ram"));
         let mark = dir.join(PAUSED_MARK);
         tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-            release_ram(&ram)?;
+            if let Some(ram) = ram {
+                release_ram(&ram)?;
+            }
             std::fs::File::create(&mark)?.sync_all()
         })
         .await
@@ -610,6 +634,14 @@ impl MicrovmBackend {
     /// Migrates the stopped VM behind `q` into `<dir>/state.mig`, synced.
     async fn save_state(&self, q: &mut Qmp, dir: &Path) -> Result<(), String> {
         ignore_shared_ram(q).await?;
+        // The default 128 MiB/s holds even a stopped VM's stream back, and a copy's
+        // stream carries its whole RAM.
+        q.execute(
+            "migrate-set-parameters",
+            Some(serde_json::json!({"max-bandwidth": MIGRATE_BANDWIDTH})),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
         let path = dir.join(STATE_FILE);
         let file = {
             use std::os::unix::fs::OpenOptionsExt;
@@ -652,13 +684,15 @@ impl MicrovmBackend {
                 .image_disk(&sandbox.spec.image, &st.layers, &image.lowers)
                 .await?;
         }
-        let machine = self.machine(id, sandbox.spec, &st.image_disk, true);
+        let machine = self.machine(id, sandbox.spec, &st, true);
         let pid = self.start_qemu(id, &machine).await?;
         let start_time = crate::backends::container::start_time(pid)
             .ok()
             .flatten()
             .unwrap_or_default();
-        let restored = self.restore_state(id, &dir, pid, start_time).await;
+        let restored = self
+            .restore_state(id, &dir.join(STATE_FILE), pid, start_time)
+            .await;
         if let Err(m) = restored {
             if let Ok(p) = i32::try_from(pid) {
                 let _ = nix::sys::signal::kill(
@@ -672,6 +706,10 @@ impl MicrovmBackend {
         let ch = self
             .wait_for_agent(id, pid, start_time, BOOT_TIMEOUT_KVM)
             .await?;
+        // The clock stood still while it was paused; its identity stays.
+        if let Err(e) = post_restore(&ch, id).await {
+            tracing::warn!(sandbox_id = %id, error = %e, "the resumed VM did not take the clock and seed");
+        }
         self.channels().insert(id.to_string(), ch);
         let _ = std::fs::remove_file(dir.join(PAUSED_MARK));
         let _ = std::fs::remove_file(dir.join(STATE_FILE));
@@ -681,14 +719,15 @@ impl MicrovmBackend {
         Ok(st)
     }
 
-    /// Feeds `<dir>/state.mig` to the new QEMU `pid` and continues the VM.
+    /// Feeds the migration stream `path` to the new QEMU `pid` and continues the VM.
     async fn restore_state(
         &self,
         id: &str,
-        dir: &Path,
+        path: &Path,
         pid: u32,
         start_time: u64,
     ) -> Result<(), String> {
+        let dir = self.sandbox_dir(id);
         let socket = self.qmp_socket(id);
         let started = Instant::now();
         let mut q = loop {
@@ -709,8 +748,7 @@ impl MicrovmBackend {
             }
         };
         ignore_shared_ram(&mut q).await?;
-        let path = dir.join(STATE_FILE);
-        let file = std::fs::File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
         q.send_fd("state", std::os::fd::AsFd::as_fd(&file))
             .await
             .map_err(|e| e.to_string())?;
@@ -736,6 +774,247 @@ impl MicrovmBackend {
         Ok(())
     }
 
+    /// Writes a snapshot of the VM to `target` (see [`snapshot`]): a running VM's vCPUs
+    /// stop for the stream and the copies of its RAM and disk, then go on; a paused VM's
+    /// saved files are copied as they are. Errors: `Lost` (QEMU gone), `Operation` with
+    /// the step that failed (the target is then removed; the VM runs on as it was).
+    async fn snapshot_vm(
+        &self,
+        sandbox: &Handle<'_>,
+        target: &Path,
+    ) -> Result<snapshot::SnapshotMeta, BackendError> {
+        let id = sandbox.sandbox_id;
+        let st = Self::state_of(sandbox);
+        let err = |m: String| op_err("snapshot", id, m);
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            // 0700: it holds the guest's memory.
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(target)
+                .map_err(|e| err(format!("creating {}: {e}", target.display())))?;
+        }
+        let r = self.write_snapshot(sandbox, &st, target).await;
+        if r.is_err() {
+            let _ = std::fs::remove_dir_all(target);
+        }
+        r.map_err(err)
+    }
+
+    async fn write_snapshot(
+        &self,
+        sandbox: &Handle<'_>,
+        st: &VmState,
+        target: &Path,
+    ) -> Result<snapshot::SnapshotMeta, String> {
+        let id = sandbox.sandbox_id;
+        let dir = self.sandbox_dir(id);
+        let mut meta = snapshot::SnapshotMeta {
+            format: snapshot::FORMAT,
+            memory_mb: sandbox.spec.memory_limit_mb.max(MIN_MEMORY_MB),
+            vcpus: vcpus_of(sandbox.spec),
+            layers: st.layers.clone(),
+            image: sandbox.spec.image.clone(),
+            source: id.to_string(),
+            paused_ms: 0.0,
+        };
+        let files = {
+            let (dir, target, st) = (dir.clone(), target.to_path_buf(), st.clone());
+            let disk = self.disks.path(id);
+            let agent = if st.agent_disk.as_os_str().is_empty() {
+                self.agent_disk.clone()
+            } else {
+                st.agent_disk.clone()
+            };
+            let mb = meta.memory_mb;
+            move || -> Result<(), String> {
+                let at = |what: &'static str| move |e: std::io::Error| format!("{what}: {e}");
+                if st.ram.as_os_str().is_empty() {
+                    crate::backends::container::disk::sparse_copy(
+                        &dir.join("ram"),
+                        &target.join(snapshot::MEMORY),
+                    )
+                    .map_err(at("copying the RAM"))?;
+                } else {
+                    // A copy's RAM is private and goes whole into its stream.
+                    snapshot::empty_memory(&target.join(snapshot::MEMORY), mb)
+                        .map_err(at("making the memory file"))?;
+                }
+                crate::backends::container::disk::sparse_copy(&disk, &target.join(snapshot::DISK))
+                    .map_err(at("copying the writable disk"))?;
+                snapshot::link_or_copy(&st.image_disk, &target.join(snapshot::IMAGE_DISK))
+                    .map_err(at("keeping the image disk"))?;
+                snapshot::link_or_copy(&agent, &target.join(snapshot::AGENT_DISK))
+                    .map_err(at("keeping the agent disk"))
+            }
+        };
+        if st.paused {
+            let (from, to) = (dir.join(STATE_FILE), target.join(snapshot::STATE));
+            tokio::task::spawn_blocking(move || -> Result<(), String> {
+                crate::backends::container::disk::sparse_copy(&from, &to)
+                    .map_err(|e| format!("copying the saved state: {e}"))?;
+                files()
+            })
+            .await
+            .map_err(|e| e.to_string())??;
+        } else {
+            if !qemu_alive(st.pid, st.start_time) {
+                return Err("the VM's QEMU exited".into());
+            }
+            let mut q = Qmp::connect(&self.qmp_socket(id))
+                .await
+                .map_err(|e| e.to_string())?;
+            let stopped = Instant::now();
+            q.execute("stop", None).await.map_err(|e| e.to_string())?;
+            let saved = match self.save_state(&mut q, target).await {
+                Ok(()) => tokio::task::spawn_blocking(files)
+                    .await
+                    .map_err(|e| e.to_string())
+                    .and_then(|r| r),
+                Err(e) => Err(e),
+            };
+            // Whatever came of it, the VM goes on.
+            let cont = q.execute("cont", None).await;
+            meta.paused_ms = stopped.elapsed().as_secs_f64() * 1000.0;
+            saved?;
+            cont.map_err(|e| format!("continuing the VM after its snapshot: {e}"))?;
+        }
+        let (t, m) = (target.to_path_buf(), meta.clone());
+        tokio::task::spawn_blocking(move || snapshot::write_meta(&t, &m))
+            .await
+            .map_err(|e| e.to_string())??;
+        Ok(meta)
+    }
+
+    /// Creates sandbox `req` as a copy of the snapshot in `from`: its own writable disk
+    /// (a copy of the snapshot's) and config disk, the snapshot's RAM mapped
+    /// copy-on-write, its stream restored, and then the guest told its new identity.
+    /// Errors: `Invalid` (not a snapshot; memory or vCPUs other than the snapshot's),
+    /// `Create` with the step that failed.
+    async fn restore_vm(&self, req: &CreateRequest, from: &Path) -> Result<VmState, BackendError> {
+        let id = &req.sandbox_id;
+        let invalid = |message: String| BackendError::Invalid {
+            sandbox_id: id.clone(),
+            message,
+        };
+        let from = from.to_path_buf();
+        let meta = {
+            let f = from.clone();
+            tokio::task::spawn_blocking(move || snapshot::read_meta(&f))
+                .await
+                .map_err(|e| create_err(id, e))?
+                .map_err(invalid)?
+        };
+        let memory_mb = req.spec.memory_limit_mb.max(MIN_MEMORY_MB);
+        if meta.memory_mb != memory_mb || meta.vcpus != vcpus_of(&req.spec) {
+            return Err(invalid(format!(
+                "the snapshot's VM has {} MiB and {} vCPUs; a copy must have the same (asked: {memory_mb} MiB, {} vCPUs)",
+                meta.memory_mb,
+                meta.vcpus,
+                vcpus_of(&req.spec)
+            )));
+        }
+        let digests = meta
+            .layers
+            .iter()
+            .map(|h| crate::images::digest::Digest::parse(&format!("sha256:{h}")))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| invalid(format!("the snapshot's layers: {e}")))?;
+        self.images.mark_in_use(id, &digests).await?;
+        let cfg = VmConfig {
+            sandbox_id: id.clone(),
+            hostname: hostname_of(id),
+            disk_mb: req.spec.disk_mb.max(1) as u64,
+            ..Default::default()
+        };
+        self.make_files(
+            id,
+            &req.spec,
+            cfg,
+            NewDisk::CopyOf(from.join(snapshot::DISK)),
+        )
+        .await?;
+        let mut st = VmState {
+            layers: meta.layers.clone(),
+            image_disk: from.join(snapshot::IMAGE_DISK),
+            ram: from.join(snapshot::MEMORY),
+            agent_disk: from.join(snapshot::AGENT_DISK),
+            snapshot: from.clone(),
+            ..Default::default()
+        };
+        let machine = self.machine(id, &req.spec, &st, true);
+        let pid = self.start_qemu(id, &machine).await?;
+        let start_time = crate::backends::container::start_time(pid)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        self.restore_state(id, &from.join(snapshot::STATE), pid, start_time)
+            .await
+            .map_err(|m| create_err(id, m))?;
+        let ch = self
+            .wait_for_agent(id, pid, start_time, BOOT_TIMEOUT_KVM)
+            .await?;
+        post_restore(&ch, id).await.map_err(|m| create_err(id, m))?;
+        self.channels().insert(id.clone(), ch);
+        st.pid = pid;
+        st.start_time = start_time;
+        Ok(st)
+    }
+
+    /// Makes a new VM's directory, writable disk (from `disk`) and config disk, and its
+    /// cgroup; and its own RAM file, unless its disk is a snapshot's (a copy maps the
+    /// snapshot's memory).
+    async fn make_files(
+        &self,
+        id: &str,
+        spec: &crate::pb::SandboxSpec,
+        cfg: VmConfig,
+        disk: NewDisk,
+    ) -> Result<(), BackendError> {
+        let (disks, sid, d) = (self.disks.clone(), id.to_string(), self.sandbox_dir(id));
+        tokio::task::spawn_blocking(move || -> Result<(), String> {
+            use std::os::unix::fs::OpenOptionsExt;
+            make_sandbox_dir(&d)?;
+            let made = match &disk {
+                NewDisk::Empty(mb) => {
+                    // QEMU opens the RAM file it is given as it is; made here, it is 0600
+                    // whatever QEMU's umask would give.
+                    std::fs::OpenOptions::new()
+                        .write(true)
+                        .create(true)
+                        .truncate(true)
+                        .mode(0o600)
+                        .open(d.join("ram"))
+                        .map_err(|e| format!("creating the RAM file: {e}"))?;
+                    disks.create(&sid, *mb)
+                }
+                NewDisk::CopyOf(from) => disks.create_from(&sid, from),
+            };
+            made.map_err(|e| crate::types::chain(&e).to_string())?;
+            disks::config_disk(&d.join("config.img"), &cfg)
+                .map_err(|e| crate::types::chain(&e).to_string())
+        })
+        .await
+        .map_err(|e| create_err(id, e))?
+        .map_err(|m| create_err(id, m))?;
+        self.cgroups
+            .create(id, &self.limits(spec))
+            .map(|_| ())
+            .map_err(|e| create_err(id, e))
+    }
+
+    /// The sandbox cgroup's limits: the guest's memory with QEMU's overhead on top, the
+    /// CPU quota, QEMU's threads.
+    fn limits(&self, spec: &crate::pb::SandboxSpec) -> Limits {
+        Limits {
+            cpu_cores: spec.cpu_cores_limit,
+            idle: false,
+            memory_mb: spec.memory_limit_mb.max(MIN_MEMORY_MB) + self.overhead_mb,
+            pids_max: QEMU_PIDS_MAX,
+            disk_io: None,
+        }
+    }
+
     async fn create_vm(&self, req: &CreateRequest) -> Result<VmState, BackendError> {
         let id = &req.sandbox_id;
         let image = self.images.resolve(id, &req.spec.image).await?;
@@ -744,7 +1023,6 @@ impl MicrovmBackend {
         let image_disk = self
             .image_disk(&req.spec.image, &layers, &image.lowers)
             .await?;
-        let dir = self.sandbox_dir(id);
         let cfg = VmConfig {
             sandbox_id: id.clone(),
             hostname: hostname_of(id),
@@ -759,46 +1037,14 @@ impl MicrovmBackend {
             nameservers: Vec::new(),
         };
         let disk_mb = req.spec.disk_mb.max(1) as u64;
-        let (disks, sid, d) = (self.disks.clone(), id.clone(), dir.clone());
-        tokio::task::spawn_blocking(move || -> Result<(), String> {
-            use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-            // 0700: the directory holds the guest's RAM and migration stream, its memory.
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(&d)
-                .map_err(|e| format!("creating {}: {e}", d.display()))?;
-            std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o700))
-                .map_err(|e| format!("chmod {}: {e}", d.display()))?;
-            // QEMU opens the RAM file it is given as it is; made here, it is 0600 whatever
-            // QEMU's umask would give.
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(d.join("ram"))
-                .map_err(|e| format!("creating the RAM file: {e}"))?;
-            disks
-                .create(&sid, disk_mb)
-                .map_err(|e| crate::types::chain(&e).to_string())?;
-            disks::config_disk(&d.join("config.img"), &cfg)
-                .map_err(|e| crate::types::chain(&e).to_string())
-        })
-        .await
-        .map_err(|e| create_err(id, e))?
-        .map_err(|m| create_err(id, m))?;
-        let limits = Limits {
-            cpu_cores: req.spec.cpu_cores_limit,
-            idle: false,
-            memory_mb: req.spec.memory_limit_mb.max(MIN_MEMORY_MB) + self.overhead_mb,
-            pids_max: QEMU_PIDS_MAX,
-            disk_io: None,
+        self.make_files(id, &req.spec, cfg, NewDisk::Empty(disk_mb))
+            .await?;
+        let mut st = VmState {
+            layers,
+            image_disk,
+            ..Default::default()
         };
-        self.cgroups
-            .create(id, &limits)
-            .map_err(|e| create_err(id, e))?;
-        let machine = self.machine(id, &req.spec, &image_disk, false);
+        let machine = self.machine(id, &req.spec, &st, false);
         let pid = self.start_qemu(id, &machine).await?;
         let start_time = crate::backends::container::start_time(pid)
             .ok()
@@ -810,19 +1056,43 @@ impl MicrovmBackend {
         };
         let ch = self.wait_for_agent(id, pid, start_time, limit).await?;
         self.channels().insert(id.clone(), ch);
-        Ok(VmState {
-            pid,
-            start_time,
-            layers,
-            image_disk,
-            paused: false,
-        })
+        st.pid = pid;
+        st.start_time = start_time;
+        Ok(st)
     }
 }
 
 /// How long a migration to or from the state file may take: the stream holds the devices
 /// and CPU state only (tens of KB; the RAM file is shared and left out).
 const MIGRATE_TIMEOUT: Duration = Duration::from_secs(60);
+/// The migration bandwidth (bytes/s): unbounded in effect, the stream goes to a local file.
+const MIGRATE_BANDWIDTH: u64 = 64 << 30;
+/// How long a restored guest has to take its new identity.
+const POST_RESTORE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Tells a restored VM's aether who it is now, with fresh randomness and the clock
+/// (docs/microvm.md "Snapshots and copies"). Errors: the call's status, as text.
+async fn post_restore(ch: &Channel, id: &str) -> Result<(), String> {
+    let mut c = crate::pb::guest_client::GuestClient::new(ch.clone());
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+        .unwrap_or_default();
+    let req = crate::pb::PostRestoreRequest {
+        sandbox_id: id.to_string(),
+        hostname: hostname_of(id),
+        seed: rand::random::<[u8; 64]>().to_vec(),
+        unix_time_ns: now,
+    };
+    match tokio::time::timeout(POST_RESTORE_TIMEOUT, c.post_restore(req)).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(s)) => Err(format!("PostRestore: {}", s.message())),
+        Err(_) => Err(format!(
+            "PostRestore: no answer within {POST_RESTORE_TIMEOUT:?}"
+        )),
+    }
+}
+
 /// How long QEMU has to exit after `quit` before it is killed.
 const QUIT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The migration stream of a paused VM, in its directory.
@@ -830,6 +1100,32 @@ const STATE_FILE: &str = "state.mig";
 /// Written (and synced) once the stream and the RAM file are complete: a paused VM whose
 /// edge died mid-pause is paused only if this is there.
 const PAUSED_MARK: &str = "paused";
+
+/// Where a new VM's writable disk comes from.
+enum NewDisk {
+    /// An empty disk of this many MiB.
+    Empty(u64),
+    /// A copy of a snapshot's disk.
+    CopyOf(PathBuf),
+}
+
+/// The VM's vCPUs: its CPU limit rounded up.
+fn vcpus_of(spec: &crate::pb::SandboxSpec) -> u32 {
+    spec.cpu_cores_limit.ceil().max(1.0) as u32
+}
+
+/// Makes the sandbox's directory, 0700: it holds the guest's RAM and migration stream,
+/// its memory.
+fn make_sandbox_dir(d: &Path) -> Result<(), String> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(d)
+        .map_err(|e| format!("creating {}: {e}", d.display()))?;
+    std::fs::set_permissions(d, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+        .map_err(|e| format!("chmod {}: {e}", d.display()))
+}
 
 fn op_err(op: &'static str, id: &str, message: impl std::fmt::Display) -> BackendError {
     BackendError::Operation {
@@ -1022,7 +1318,13 @@ impl Backend for MicrovmBackend {
             });
         }
         let span = tracing::info_span!("microvm_create", sandbox_id = %id);
-        match tracing::Instrument::instrument(self.create_vm(req), span).await {
+        let made = async {
+            match &req.snapshot {
+                Some(from) => self.restore_vm(req, from).await,
+                None => self.create_vm(req).await,
+            }
+        };
+        match tracing::Instrument::instrument(made, span).await {
             Ok(st) => serde_json::to_value(&st).map_err(|e| create_err(id, e)),
             Err(e) => {
                 if let Err(d) = self.destroy(id).await {
@@ -1128,6 +1430,55 @@ impl Backend for MicrovmBackend {
 
     fn runtime(&self) -> Option<&dyn Runtime> {
         Some(self)
+    }
+
+    fn snapshotter(&self) -> Option<&dyn Snapshotter> {
+        Some(self)
+    }
+}
+
+#[async_trait]
+impl Snapshotter for MicrovmBackend {
+    /// A snapshot with memory into `target.dir`, which must not exist (see
+    /// [`snapshot`]). Errors: `Invalid` without `memory` (a VM's files alone are no state
+    /// it can go on from), `Lost`, `Operation`.
+    async fn snapshot(
+        &self,
+        sandbox: &Handle<'_>,
+        target: &SnapshotTarget,
+    ) -> Result<(BackendState, SnapshotInfo), BackendError> {
+        if !target.memory {
+            return Err(BackendError::Invalid {
+                sandbox_id: sandbox.sandbox_id.to_string(),
+                message: "a microVM's snapshot keeps its memory (memory=True)".into(),
+            });
+        }
+        let span = tracing::info_span!("microvm_snapshot", sandbox_id = %sandbox.sandbox_id);
+        let meta =
+            tracing::Instrument::instrument(self.snapshot_vm(sandbox, &target.dir), span).await?;
+        tracing::info!(sandbox_id = %sandbox.sandbox_id, paused_ms = meta.paused_ms, "microVM snapshot taken");
+        let names = [
+            snapshot::MEMORY,
+            snapshot::STATE,
+            snapshot::DISK,
+            snapshot::IMAGE_DISK,
+            snapshot::AGENT_DISK,
+            snapshot::META,
+        ];
+        let bytes = names
+            .iter()
+            .filter_map(|n| std::fs::metadata(target.dir.join(n)).ok())
+            .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
+            .sum();
+        Ok((
+            sandbox.state.clone(),
+            SnapshotInfo {
+                files: names.iter().map(|n| n.to_string()).collect(),
+                bytes,
+                versions: BTreeMap::new(),
+                paused_ms: meta.paused_ms,
+            },
+        ))
     }
 }
 

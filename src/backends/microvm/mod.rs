@@ -8,6 +8,7 @@ pub mod disks;
 pub mod initramfs;
 pub mod qemu;
 pub mod qmp;
+pub mod snapshot;
 
 pub use backend::{MicrovmBackend, VmState, DEFAULT_VM_OVERHEAD_MB, MIN_MEMORY_MB};
 

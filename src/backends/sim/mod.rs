@@ -108,6 +108,12 @@ impl Backend for SimBackend {
     }
 
     async fn create(&self, req: &CreateRequest) -> Result<BackendState, BackendError> {
+        if req.snapshot.is_some() {
+            return Err(BackendError::Unsupported {
+                backend: self.name.clone(),
+                op: "restore from a memory snapshot",
+            });
+        }
         let (delay, fail) = self.draw();
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
@@ -167,6 +173,7 @@ mod tests {
             project: "root".into(),
             spec: pb::SandboxSpec::default(),
             fork: None,
+            snapshot: None,
         }
     }
 

@@ -6,6 +6,7 @@
 
 pub mod cgroups;
 pub mod requests;
+pub mod restore;
 pub mod service;
 pub mod sessions;
 
@@ -226,7 +227,8 @@ async fn serve_port<S: crate::pb::runtime_server::Runtime>(
         tokio_stream::wrappers::ReceiverStream::new(acc_rx),
         Ok::<_, std::io::Error>,
     );
-    uds::serve_incoming(svc, incoming, std::future::pending()).await?;
+    let guest = crate::pb::guest_server::GuestServer::new(restore::VmGuest);
+    uds::serve_incoming(svc, Some(guest), incoming, std::future::pending()).await?;
     Ok(())
 }
 

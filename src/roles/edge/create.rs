@@ -287,6 +287,7 @@ impl Core {
                     project: rec.sandbox.project.clone(),
                     spec: rec.spec(),
                     fork,
+                    snapshot: None,
                 };
                 let t = Instant::now();
                 let r = b.create(&req).await;
