@@ -600,7 +600,15 @@ async fn copies_of_a_memory_snapshot_carry_on_with_their_own_identity() {
     let mut private_kb = 0;
     for (id, st) in &copies {
         let v: VmState = serde_json::from_value(st.clone()).unwrap();
-        assert_eq!(v.ram, snap.join("memory"));
+        assert_eq!(
+            v.ram,
+            state
+                .join(edge)
+                .join("microvms")
+                .join(id)
+                .join("snap-memory")
+        );
+        assert_eq!(v.snapshot, snap);
         let (rss, dirty) = ram_mapping_kb(v.pid, &v.ram);
         println!(
             "copy {id}: RAM resident {} MiB, private {} MiB",
@@ -647,7 +655,9 @@ async fn copies_of_a_memory_snapshot_carry_on_with_their_own_identity() {
         shell(&b, &hc, "wget -qO- http://127.0.0.1:8080/hello").await,
         "served\n"
     );
-    // A copy pauses and resumes too: its private RAM goes into its stream.
+    // A copy pauses and resumes too: its private RAM goes into its stream. It holds the
+    // snapshot's files itself: the snapshot's removal takes nothing from it.
+    std::fs::remove_dir_all(&snap2).unwrap();
     let cp = b.pause(&hc).await.expect("pause a copy");
     let hcp = Handle {
         sandbox_id: &ids[4],

@@ -934,11 +934,24 @@ impl MicrovmBackend {
             NewDisk::CopyOf(from.join(snapshot::DISK)),
         )
         .await?;
+        // The copy holds the snapshot's files by hard links of its own where it can, so
+        // that removing the snapshot never pulls them from under a copy that still runs
+        // or will resume.
+        let held = {
+            let (d, f) = (self.sandbox_dir(id), from.clone());
+            tokio::task::spawn_blocking(move || {
+                [snapshot::IMAGE_DISK, snapshot::MEMORY, snapshot::AGENT_DISK]
+                    .map(|name| snapshot::hold(&f.join(name), &d.join(format!("snap-{name}"))))
+            })
+            .await
+            .map_err(|e| create_err(id, e))?
+        };
+        let [image_disk, ram, agent_disk] = held;
         let mut st = VmState {
             layers: meta.layers.clone(),
-            image_disk: from.join(snapshot::IMAGE_DISK),
-            ram: from.join(snapshot::MEMORY),
-            agent_disk: from.join(snapshot::AGENT_DISK),
+            image_disk,
+            ram,
+            agent_disk,
             snapshot: from.clone(),
             ..Default::default()
         };

@@ -98,6 +98,14 @@ pub fn link_or_copy(from: &Path, to: &Path) -> std::io::Result<()> {
     crate::backends::container::disk::sparse_copy(from, to)
 }
 
+/// `at`, made a hard link to `file`, where the file system allows; else `file` itself.
+pub fn hold(file: &Path, at: &Path) -> std::path::PathBuf {
+    match std::fs::hard_link(file, at) {
+        Ok(()) => at.to_path_buf(),
+        Err(_) => file.to_path_buf(),
+    }
+}
+
 /// Makes `path` a file of `mb` MiB, all holes (0600).
 pub fn empty_memory(path: &Path, mb: i64) -> std::io::Result<()> {
     let f = std::fs::OpenOptions::new()

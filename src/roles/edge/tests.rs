@@ -188,6 +188,16 @@ fn core(
     store: Option<Store>,
     sink: Arc<Sink>,
 ) -> Arc<Core> {
+    core_of(vec![("vm", backend)], cfg, store, sink)
+}
+
+/// A core whose backends are `backends`, by their configured names.
+fn core_of(
+    backends: Vec<(&str, Arc<TestBackend>)>,
+    cfg: EdgeConfig,
+    store: Option<Store>,
+    sink: Arc<Sink>,
+) -> Arc<Core> {
     let (releaser, _task) = Releaser::spawn(
         sink.clone(),
         BatchConfig {
@@ -196,15 +206,17 @@ fn core(
         },
     );
     let mut slots = BTreeMap::new();
-    let b: Arc<dyn Backend> = Arc::new(backend);
-    slots.insert(
-        "vm".to_string(),
-        Slot {
-            backend: b,
-            max_sandboxes: 0,
-            default_disk_mb: 1024,
-        },
-    );
+    for (name, backend) in backends {
+        let b: Arc<dyn Backend> = Arc::new(backend);
+        slots.insert(
+            name.to_string(),
+            Slot {
+                backend: b,
+                max_sandboxes: 0,
+                default_disk_mb: 1024,
+            },
+        );
+    }
     let c = Arc::new(Core {
         edge_id: "e1".into(),
         addr: "127.0.0.1:1".into(),
@@ -381,6 +393,40 @@ async fn recovery_adopts_live_records_and_fails_interrupted_ones() {
             .map(|r| r.state()),
         Some(SandboxState::Failed)
     );
+}
+
+/// Every backend's cleanup at recovery is given every live sandbox of the edge, not only
+/// its own: backends share what they keep per sandbox (the image store's in-use records of
+/// the edge), and a container backend once removed a running microVM's that way.
+#[tokio::test]
+async fn recovery_cleanup_keeps_every_backends_live_sandboxes() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let store = Store::open(dir.path(), "e1").unwrap_or_else(|e| panic!("{e}"));
+    let mut vm = rec("vm1", SandboxState::Paused);
+    if let Some(s) = vm.sandbox.spec.as_mut() {
+        s.backend = "microvm".into();
+    }
+    let recs = vec![
+        rec("ct1", SandboxState::Running),
+        vm,
+        rec("ended", SandboxState::Stopped),
+    ];
+    assert!(store.write_many(&recs).await.iter().all(|r| r.is_ok()));
+    let (ct, mv) = (
+        Arc::new(TestBackend::default()),
+        Arc::new(TestBackend::default()),
+    );
+    let c = core_of(
+        vec![("vm", ct.clone()), ("microvm", mv.clone())],
+        EdgeConfig::default(),
+        Some(store),
+        Arc::new(Sink::default()),
+    );
+    let report = c.recover().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(report.adopted, 2, "{report:?}");
+    let keep: HashSet<String> = ["e1.ct1", "e1.vm1"].iter().map(|s| s.to_string()).collect();
+    assert_eq!(lock(&ct.cleaned).clone(), vec![keep.clone()]);
+    assert_eq!(lock(&mv.cleaned).clone(), vec![keep]);
 }
 
 #[tokio::test]
