@@ -46,7 +46,7 @@ fn image(store: &Store) -> ImageManifest {
             r,
             &[
                 "sh", "cat", "hostname", "echo", "test", "nproc", "sleep", "httpd", "wget", "head",
-                "od", "mkdir", "tr",
+                "od", "mkdir", "tr", "date",
             ],
         );
         std::fs::create_dir_all(r.join("etc")).unwrap();
@@ -546,6 +546,15 @@ async fn copies_of_a_memory_snapshot_carry_on_with_their_own_identity() {
     assert_eq!(err.reason(), opendsec::types::Reason::Invalid, "{err}");
     assert!(!state.join(edge).join("microvms").join(&ids[1]).exists());
 
+    // The snapshot sits a while: a copy must not live in its past.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let memory_digest = || {
+        use sha2::Digest as _;
+        hex::encode(sha2::Sha256::digest(
+            std::fs::read(snap.join("memory")).unwrap(),
+        ))
+    };
+    let digest_before = memory_digest();
     let mut copies = Vec::new();
     for id in &ids[1..4] {
         let st = b
@@ -588,6 +597,15 @@ async fn copies_of_a_memory_snapshot_carry_on_with_their_own_identity() {
             "{id}: its hostname"
         );
         assert_eq!(lines[4], "big");
+        let guest_now: i64 = shell(&b, &h, "date +%s").await.trim().parse().unwrap();
+        let host_now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        assert!(
+            (host_now - guest_now).abs() <= 1,
+            "{id}: the guest's clock says {guest_now}, the host's {host_now}"
+        );
         for l in &lines[..4] {
             assert!(
                 seen.insert(l.to_string()),
@@ -617,6 +635,11 @@ async fn copies_of_a_memory_snapshot_carry_on_with_their_own_identity() {
         );
         private_kb += dirty;
     }
+    assert_eq!(
+        memory_digest(),
+        digest_before,
+        "the copies never write the snapshot's memory"
+    );
     assert!(
         private_kb < touched_kb / 2,
         "the three copies hold {private_kb} kB of their own beside the source's {touched_kb} kB"

@@ -65,6 +65,19 @@ mod tests {
     use super::*;
 
     #[test]
+    fn ioctl_numbers_are_the_kernels() {
+        assert_eq!(
+            RNDADDENTROPY,
+            nix::request_code_write!(b'R', 0x03, 2 * std::mem::size_of::<libc::c_int>())
+                as libc::c_ulong
+        );
+        assert_eq!(
+            RNDRESEEDCRNG,
+            nix::request_code_none!(b'R', 0x07) as libc::c_ulong
+        );
+    }
+
+    #[test]
     fn seeds_out_of_bounds_are_refused() {
         for n in [0, MAX_SEED + 1] {
             let e = reseed(&vec![7; n]).unwrap_err();

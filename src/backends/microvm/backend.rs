@@ -606,9 +606,11 @@ impl MicrovmBackend {
         let saved = self.save_state(&mut q, &dir).await;
         if let Err(m) = saved {
             // The VM goes on as it was.
-            let _ = q.execute("cont", None).await;
             let _ = std::fs::remove_file(dir.join(STATE_FILE));
-            return Err(err(m));
+            return Err(err(match continue_vm(&mut q).await {
+                Ok(()) => m,
+                Err(c) => format!("{m}; then continuing the VM failed: {c}"),
+            }));
         }
         self.channels().remove(id);
         let _ = q.execute("quit", None).await;
@@ -659,7 +661,11 @@ impl MicrovmBackend {
         q.execute("migrate", Some(serde_json::json!({"uri": "fd:state"})))
             .await
             .map_err(|e| e.to_string())?;
-        migration_done(q).await?;
+        if let Err(e) = migration_done(q).await {
+            // A migration left running would refuse the next one.
+            let _ = q.execute("migrate_cancel", None).await;
+            return Err(e);
+        }
         file.sync_all()
             .map_err(|e| format!("{}: {e}", path.display()))
     }
@@ -707,7 +713,7 @@ impl MicrovmBackend {
             .wait_for_agent(id, pid, start_time, BOOT_TIMEOUT_KVM)
             .await?;
         // The clock stood still while it was paused; its identity stays.
-        if let Err(e) = post_restore(&ch, id).await {
+        if let Err(e) = post_restore(&ch, id, false).await {
             tracing::warn!(sandbox_id = %id, error = %e, "the resumed VM did not take the clock and seed");
         }
         self.channels().insert(id.to_string(), ch);
@@ -786,6 +792,12 @@ impl MicrovmBackend {
         let id = sandbox.sandbox_id;
         let st = Self::state_of(sandbox);
         let err = |m: String| op_err("snapshot", id, m);
+        if !st.paused && !qemu_alive(st.pid, st.start_time) {
+            return Err(BackendError::Lost {
+                sandbox_id: id.to_string(),
+                message: "the VM's QEMU exited".into(),
+            });
+        }
         {
             use std::os::unix::fs::DirBuilderExt;
             // 0700: it holds the guest's memory.
@@ -874,10 +886,16 @@ impl MicrovmBackend {
                 Err(e) => Err(e),
             };
             // Whatever came of it, the VM goes on.
-            let cont = q.execute("cont", None).await;
+            let cont = continue_vm(&mut q).await;
             meta.paused_ms = stopped.elapsed().as_secs_f64() * 1000.0;
-            saved?;
-            cont.map_err(|e| format!("continuing the VM after its snapshot: {e}"))?;
+            match (saved, cont) {
+                (Ok(()), Ok(())) => {}
+                (Err(e), Ok(())) => return Err(e),
+                (Ok(()), Err(c)) => {
+                    return Err(format!("continuing the VM after its snapshot: {c}"))
+                }
+                (Err(e), Err(c)) => return Err(format!("{e}; then continuing the VM failed: {c}")),
+            }
         }
         let (t, m) = (target.to_path_buf(), meta.clone());
         tokio::task::spawn_blocking(move || snapshot::write_meta(&t, &m))
@@ -900,10 +918,13 @@ impl MicrovmBackend {
         let from = from.to_path_buf();
         let meta = {
             let f = from.clone();
-            tokio::task::spawn_blocking(move || snapshot::read_meta(&f))
-                .await
-                .map_err(|e| create_err(id, e))?
-                .map_err(invalid)?
+            tokio::task::spawn_blocking(move || {
+                snapshot::check_files(&f)?;
+                snapshot::read_meta(&f)
+            })
+            .await
+            .map_err(|e| create_err(id, e))?
+            .map_err(invalid)?
         };
         let memory_mb = req.spec.memory_limit_mb.max(MIN_MEMORY_MB);
         if meta.memory_mb != memory_mb || meta.vcpus != vcpus_of(&req.spec) {
@@ -940,13 +961,25 @@ impl MicrovmBackend {
         let held = {
             let (d, f) = (self.sandbox_dir(id), from.clone());
             tokio::task::spawn_blocking(move || {
-                [snapshot::IMAGE_DISK, snapshot::MEMORY, snapshot::AGENT_DISK]
-                    .map(|name| snapshot::hold(&f.join(name), &d.join(format!("snap-{name}"))))
+                let at = |name: &str| (f.join(name), d.join(format!("snap-{name}")));
+                let disk = |name: &str| -> Result<PathBuf, String> {
+                    let (from, to) = at(name);
+                    snapshot::link_or_copy(&from, &to)
+                        .map(|()| to)
+                        .map_err(|e| format!("keeping the snapshot's {name}: {e}"))
+                };
+                let (mem, mem_at) = at(snapshot::MEMORY);
+                Ok::<_, String>((
+                    disk(snapshot::IMAGE_DISK)?,
+                    snapshot::hold(&mem, &mem_at),
+                    disk(snapshot::AGENT_DISK)?,
+                ))
             })
             .await
             .map_err(|e| create_err(id, e))?
+            .map_err(|m| create_err(id, m))?
         };
-        let [image_disk, ram, agent_disk] = held;
+        let (image_disk, ram, agent_disk) = held;
         let mut st = VmState {
             layers: meta.layers.clone(),
             image_disk,
@@ -967,7 +1000,9 @@ impl MicrovmBackend {
         let ch = self
             .wait_for_agent(id, pid, start_time, BOOT_TIMEOUT_KVM)
             .await?;
-        post_restore(&ch, id).await.map_err(|m| create_err(id, m))?;
+        post_restore(&ch, id, true)
+            .await
+            .map_err(|m| create_err(id, m))?;
         self.channels().insert(id.clone(), ch);
         st.pid = pid;
         st.start_time = start_time;
@@ -1055,6 +1090,9 @@ impl MicrovmBackend {
         let mut st = VmState {
             layers,
             image_disk,
+            // The build the guest mounts: a snapshot or resume after an upgrade of the
+            // node must give it this one, not the node's newer one.
+            agent_disk: self.agent_disk.clone(),
             ..Default::default()
         };
         let machine = self.machine(id, &req.spec, &st, false);
@@ -1075,9 +1113,12 @@ impl MicrovmBackend {
     }
 }
 
-/// How long a migration to or from the state file may take: the stream holds the devices
-/// and CPU state only (tens of KB; the RAM file is shared and left out).
+/// How long a migration to or from a state file may take: the stream holds the devices and
+/// CPU state (tens of KB; a shared RAM file is left out), or a copy's whole RAM (its
+/// mapping is private), about 1 GiB/s here.
 const MIGRATE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a VM stopped for a migration has to run again.
+const CONTINUE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The migration bandwidth (bytes/s): unbounded in effect, the stream goes to a local file.
 const MIGRATE_BANDWIDTH: u64 = 64 << 30;
 /// How long a restored guest has to take its new identity.
@@ -1085,15 +1126,17 @@ const POST_RESTORE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Tells a restored VM's aether who it is now, with fresh randomness and the clock
 /// (docs/microvm.md "Snapshots and copies"). Errors: the call's status, as text.
-async fn post_restore(ch: &Channel, id: &str) -> Result<(), String> {
+/// `copy`: a new sandbox from a snapshot takes the identity of `id`; a resumed one keeps
+/// its own (and a hostname its user set).
+async fn post_restore(ch: &Channel, id: &str, copy: bool) -> Result<(), String> {
     let mut c = crate::pb::guest_client::GuestClient::new(ch.clone());
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
         .unwrap_or_default();
     let req = crate::pb::PostRestoreRequest {
-        sandbox_id: id.to_string(),
-        hostname: hostname_of(id),
+        sandbox_id: if copy { id.to_string() } else { String::new() },
+        hostname: if copy { hostname_of(id) } else { String::new() },
         seed: rand::random::<[u8; 64]>().to_vec(),
         unix_time_ns: now,
     };
@@ -1169,6 +1212,31 @@ async fn migration_done(q: &mut Qmp) -> Result<(), String> {
         }
         if started.elapsed() > MIGRATE_TIMEOUT {
             return Err(format!("migration not done within {MIGRATE_TIMEOUT:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Continues a VM stopped for a migration, and checks that it runs. QEMU reports a
+/// migration's end before it leaves `finish-migrate`, and refuses `cont` until then.
+/// Errors: the status it stayed in, or QMP's error.
+async fn continue_vm(q: &mut Qmp) -> Result<(), String> {
+    let started = Instant::now();
+    loop {
+        let status = q.status().await.map_err(|e| e.to_string())?;
+        match status.as_str() {
+            "running" => return Ok(()),
+            "finish-migrate" | "inmigrate" => {}
+            _ => {
+                if let Err(e) = q.execute("cont", None).await {
+                    if started.elapsed() > CONTINUE_TIMEOUT {
+                        return Err(format!("the VM stays {status}: {e}"));
+                    }
+                }
+            }
+        }
+        if started.elapsed() > CONTINUE_TIMEOUT {
+            return Err(format!("the VM stays {status}"));
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }

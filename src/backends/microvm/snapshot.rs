@@ -66,6 +66,27 @@ pub fn read_meta(dir: &Path) -> Result<SnapshotMeta, String> {
     Ok(m)
 }
 
+/// Checks that every file of the snapshot in `dir` is a regular file (no link to elsewhere
+/// on the host: QEMU and the copy follow what they are given). Errors: the first that is
+/// missing or is not.
+pub fn check_files(dir: &Path) -> Result<(), String> {
+    for name in [MEMORY, STATE, DISK, IMAGE_DISK, AGENT_DISK, META] {
+        let p = dir.join(name);
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.file_type().is_file() => {}
+            Ok(_) => return Err(format!("{} is not a regular file", p.display())),
+            Err(e) => {
+                return Err(format!(
+                    "{} is no whole microVM snapshot: {}: {e}",
+                    dir.display(),
+                    p.display()
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Writes `<dir>/vm.json` through a synced temporary file, after syncing the directory's
 /// other files. Errors: the step that failed.
 pub fn write_meta(dir: &Path, m: &SnapshotMeta) -> Result<(), String> {
@@ -142,6 +163,21 @@ mod tests {
         assert!(read_meta(d.path()).unwrap_err().contains("format 9"));
         let e = read_meta(&d.path().join("none")).unwrap_err();
         assert!(e.contains("no whole microVM snapshot"), "{e}");
+    }
+
+    #[test]
+    fn links_in_a_snapshot_are_refused() {
+        let d = tempfile::tempdir().unwrap();
+        for n in [MEMORY, STATE, DISK, IMAGE_DISK, AGENT_DISK, META] {
+            std::fs::write(d.path().join(n), b"x").unwrap();
+        }
+        check_files(d.path()).unwrap();
+        std::fs::remove_file(d.path().join(MEMORY)).unwrap();
+        std::os::unix::fs::symlink("/etc/shadow", d.path().join(MEMORY)).unwrap();
+        let e = check_files(d.path()).unwrap_err();
+        assert!(e.contains("not a regular file"), "{e}");
+        std::fs::remove_file(d.path().join(MEMORY)).unwrap();
+        assert!(check_files(d.path()).unwrap_err().contains("no whole"));
     }
 
     #[test]

@@ -16,18 +16,17 @@ pub struct VmGuest;
 
 /// Checks a PostRestore request. Errors: `invalid`, naming the field.
 pub fn check(r: &pb::PostRestoreRequest) -> Result<(), Failure> {
-    if r.sandbox_id.is_empty() || r.sandbox_id.len() > 255 {
-        return Err(Failure::invalid("sandbox_id must be 1 to 255 bytes"));
+    if r.sandbox_id.len() > 255 {
+        return Err(Failure::invalid("sandbox_id must be at most 255 bytes"));
     }
     let h = r.hostname.as_bytes();
-    if h.is_empty()
-        || h.len() > 64
+    if h.len() > 64
         || !h
             .iter()
             .all(|c| c.is_ascii_alphanumeric() || *c == b'-' || *c == b'.')
     {
         return Err(Failure::invalid(format!(
-            "hostname {:?} must be 1 to 64 letters, digits, '-' or '.'",
+            "hostname {:?} must be at most 64 letters, digits, '-' or '.'",
             crate::types::names::shown(&r.hostname)
         )));
     }
@@ -43,7 +42,8 @@ pub fn check(r: &pb::PostRestoreRequest) -> Result<(), Failure> {
 
 #[tonic::async_trait]
 impl pb::guest_server::Guest for VmGuest {
-    /// Takes the identity, reseeds the kernel's RNG and sets the clock. Errors: `invalid`
+    /// Reseeds the kernel's RNG, sets the clock, and takes the identity given (an empty
+    /// `sandbox_id` or `hostname` keeps the guest's). Errors: `invalid`
     /// (see [`check`]), `internal` naming the step the guest refused.
     async fn post_restore(
         &self,
@@ -61,10 +61,14 @@ impl pb::guest_server::Guest for VmGuest {
             crate::sys::random::set_realtime(r.unix_time_ns)
                 .map_err(|e| step("setting the clock", &e))?;
         }
-        nix::unistd::sethostname(&r.hostname).map_err(|e| step("setting the hostname", &e))?;
-        crate::guest::vminit::write_machine_id(&r.sandbox_id)
-            .map_err(|e| step("writing the machine-id", &crate::types::chain(&e)))?;
-        tracing::info!(sandbox_id = %r.sandbox_id, "restored: new identity, seed and clock");
+        if !r.hostname.is_empty() {
+            nix::unistd::sethostname(&r.hostname).map_err(|e| step("setting the hostname", &e))?;
+        }
+        if !r.sandbox_id.is_empty() {
+            crate::guest::vminit::write_machine_id(&r.sandbox_id)
+                .map_err(|e| step("writing the machine-id", &crate::types::chain(&e)))?;
+        }
+        tracing::info!(sandbox_id = %r.sandbox_id, "restored: seed and clock, and the identity given");
         Ok(Response::new(pb::Empty {}))
     }
 }
@@ -85,9 +89,16 @@ mod tests {
     #[test]
     fn bad_requests_are_invalid() {
         assert!(check(&req()).is_ok());
+        // A resume keeps the guest's identity: both may be empty.
+        assert!(check(&pb::PostRestoreRequest {
+            sandbox_id: String::new(),
+            hostname: String::new(),
+            ..req()
+        })
+        .is_ok());
         let bad = [
             pb::PostRestoreRequest {
-                sandbox_id: String::new(),
+                sandbox_id: "s".repeat(256),
                 ..req()
             },
             pb::PostRestoreRequest {
