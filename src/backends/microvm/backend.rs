@@ -690,27 +690,8 @@ impl MicrovmBackend {
                 .image_disk(&sandbox.spec.image, &st.layers, &image.lowers)
                 .await?;
         }
-        let machine = self.machine(id, sandbox.spec, &st, true);
-        let pid = self.start_qemu(id, &machine).await?;
-        let start_time = crate::backends::container::start_time(pid)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        let restored = self
-            .restore_state(id, &dir.join(STATE_FILE), pid, start_time)
-            .await;
-        if let Err(m) = restored {
-            if let Ok(p) = i32::try_from(pid) {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(p),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-            wait_gone(pid, start_time).await;
-            return Err(err(m));
-        }
-        let ch = self
-            .wait_for_agent(id, pid, start_time, BOOT_TIMEOUT_KVM)
+        let (pid, start_time, ch) = self
+            .start_restored(id, sandbox.spec, &st, &dir.join(STATE_FILE), err)
             .await?;
         // The clock stood still while it was paused; its identity stays.
         if let Err(e) = post_restore(&ch, id, false).await {
@@ -723,6 +704,40 @@ impl MicrovmBackend {
         st.start_time = start_time;
         st.paused = false;
         Ok(st)
+    }
+
+    /// Starts QEMU for VM `st` waiting for a migration, feeds it `stream`, continues it
+    /// and waits for its agent; returns QEMU's pid, start time and the agent's channel.
+    /// A QEMU that did not take the stream is killed. Errors: `err` of the restore's
+    /// failure; `Create` from starting QEMU or the agent's wait.
+    async fn start_restored(
+        &self,
+        id: &str,
+        spec: &crate::pb::SandboxSpec,
+        st: &VmState,
+        stream: &Path,
+        err: impl Fn(String) -> BackendError,
+    ) -> Result<(u32, u64, Channel), BackendError> {
+        let machine = self.machine(id, spec, st, true);
+        let pid = self.start_qemu(id, &machine).await?;
+        let start_time = crate::backends::container::start_time(pid)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        if let Err(m) = self.restore_state(id, stream, pid, start_time).await {
+            if let Ok(p) = i32::try_from(pid) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(p),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            wait_gone(pid, start_time).await;
+            return Err(err(m));
+        }
+        let ch = self
+            .wait_for_agent(id, pid, start_time, BOOT_TIMEOUT_KVM)
+            .await?;
+        Ok((pid, start_time, ch))
     }
 
     /// Feeds the migration stream `path` to the new QEMU `pid` and continues the VM.
@@ -988,17 +1003,10 @@ impl MicrovmBackend {
             snapshot: from.clone(),
             ..Default::default()
         };
-        let machine = self.machine(id, &req.spec, &st, true);
-        let pid = self.start_qemu(id, &machine).await?;
-        let start_time = crate::backends::container::start_time(pid)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        self.restore_state(id, &from.join(snapshot::STATE), pid, start_time)
-            .await
-            .map_err(|m| create_err(id, m))?;
-        let ch = self
-            .wait_for_agent(id, pid, start_time, BOOT_TIMEOUT_KVM)
+        let (pid, start_time, ch) = self
+            .start_restored(id, &req.spec, &st, &from.join(snapshot::STATE), |m| {
+                create_err(id, m)
+            })
             .await?;
         post_restore(&ch, id, true)
             .await
