@@ -8,6 +8,11 @@
 set -euo pipefail
 [ $# -gt 0 ] || { echo "usage: $0 COMMAND [ARGS...]" >&2; exit 2; }
 
+# The server and its client share one kernel: writeback to the mount waits on nfsd, which
+# needs memory of its own to answer. Keep a reserve free and dirty pages few, so reclaim
+# never waits on a write that waits on reclaim.
+sysctl -q -w vm.min_free_kbytes=131072 vm.dirty_background_bytes=33554432 vm.dirty_bytes=134217728
+
 # The server's disk: ext4 on a loop device, as a NAS would keep its share on a real file system.
 srv=/run/nfs-export
 mkdir -p "$srv"

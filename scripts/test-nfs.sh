@@ -56,7 +56,7 @@ PYTHONDONTWRITEBYTECODE=1 bash scripts/v2-guest.sh -timeout 1500 -modules "nfsd 
   # it generates, imports, writes in a sandbox and packs (twice) take longer than the guest's
   # limit. A test that hangs fails at --timeout with its stack, and the rest still run.
   cd sdk/python
-  OPENDSEC_TEST_DRILL_MB=32 ../../.venv/bin/python -m pytest -p no:cacheprovider -q --timeout 600 \
+  OPENDSEC_TEST_DRILL_MB=32 ../../.venv/bin/python -m pytest -p no:cacheprovider -q --durations=0 --timeout 600 \
     tests/test_images.py tests/test_containers.py \
     -k 'import_compose or store_image or pack_diff or fork_copies or sigkill_mid_write'"
 echo "the image store's tests passed on NFS 4.2"

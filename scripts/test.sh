@@ -4,6 +4,12 @@
 # binary the SDK tests start).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Each long stage says how long it took, so a slow CI run shows where its time went.
+timed() {
+  local t=$SECONDS
+  "$@"
+  echo "scripts/test.sh: $* took $((SECONDS - t)) s" >&2
+}
 
 # Formatting first: it takes a second and fails before anything is built.
 cargo fmt --check
@@ -12,7 +18,7 @@ cargo build --release
 # target. --release shares the build scripts and proc macros of the build above; clippy adds a
 # metadata-only check of the dependencies (about a minute cold on 2 cores) and of our crate.
 cargo clippy --release --all-targets -- -D warnings
-cargo test --release
+timed cargo test --release
 
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
@@ -22,20 +28,20 @@ fi
 # Lint and type-check the SDK (settings in sdk/python/pyproject.toml; the generated stubs in
 # opendsec/_pb are excluded there). The pins keep a new release's checks out of CI until chosen.
 (cd sdk/python && ../../.venv/bin/ruff check opendsec && ../../.venv/bin/mypy --strict opendsec)
-(cd sdk/python && ../../.venv/bin/python -m pytest -q tests)
+timed bash -c 'cd sdk/python && ../../.venv/bin/python -m pytest -q --durations=10 tests'
 
 # E2B's own SDKs against the gateway, each supported release (tests/e2b/versions.txt).
-bash scripts/test-e2b.sh
+timed bash scripts/test-e2b.sh
 # And E2B's JavaScript SDK (npm `e2b`, tests/e2b-js/versions.txt) with node:test.
-bash scripts/test-e2b-js.sh
+timed bash scripts/test-e2b-js.sh
 
 # The container backend on cgroup v2, which production runs and our v1-hybrid machines do not
 # (docs/testing.md "cgroup v2 in a guest"). About 6 minutes under emulation.
-bash scripts/test-v2.sh
+timed bash scripts/test-v2.sh
 
 # The image store's tests again with the store on NFS 4.2, which production uses and our
 # machines' kernel lacks (docs/testing.md "The image store on NFS"). Also in a guest.
-bash scripts/test-nfs.sh
+timed bash scripts/test-nfs.sh
 
 # The README's first command, end to end: it must print exactly 42.
 out=$(bash scripts/quickstart.sh)

@@ -114,26 +114,31 @@ accel=tcg,thread=multi
 log=$work/console.log
 # A guest kernel that locks up under emulation (a vCPU stuck for minutes: "soft lockup") is
 # a fault of the emulated machine, not of the tests: softlockup_panic ends such a guest at
-# once, and it is booted once more. Any other run without an exit status fails.
+# once, and it is booted once more. So is a guest whose tasks hang in the kernel for four
+# minutes (hung_task_panic): the NFS guest serves its own mount over 127.0.0.1, a loopback
+# that can deadlock in memory reclaim, and no test's own time limit can end a task stuck
+# in the kernel. Any other run without an exit status fails, with the console's last lines.
 for try in 1 2; do
   set +e
   timeout --foreground -k 10 "$timeout" qemu-system-x86_64 \
     -machine q35 -accel "$accel" -cpu max -smp "$cpus" -m "$mem" \
     -nographic -no-reboot -nic none \
     -kernel "$kernel" -initrd "$initrd" \
-    -append "console=ttyS0 quiet panic=-1 softlockup_panic=1 v2stage2=$root/scripts/v2-guest-init.sh" \
+    -append "console=ttyS0 quiet panic=-1 softlockup_panic=1 sysctl.kernel.hung_task_panic=1 sysctl.kernel.hung_task_timeout_secs=240 v2stage2=$root/scripts/v2-guest-init.sh" \
     -virtfs local,path=/,mount_tag=hostroot,security_model=passthrough,readonly=on,multidevs=remap \
     < /dev/null 2>&1 | tee "$log" | sed -u 's/\x1b\[[0-9;?]*[a-zA-Z]//g; s/\x1bc//g' | grep --line-buffered -v '^V2GUEST-RC='
   set -e
   rc=$(sed -n 's/^V2GUEST-RC=\([0-9]*\).*/\1/p' "$log" | tail -1 | tr -d '\r')
-  if [ -z "$rc" ] && [ "$try" = 1 ] && grep -q 'soft lockup' "$log"; then
-    echo "$0: the guest's kernel locked up (soft lockup under emulation): booting it once more" >&2
+  if [ -z "$rc" ] && [ "$try" = 1 ] && grep -qE 'soft lockup|blocked for more than' "$log"; then
+    grep -E -A3 'soft lockup|blocked for more than' "$log" | head -40 >&2 || true
+    echo "$0: the guest's kernel locked up or hung (above): booting it once more" >&2
     continue
   fi
   break
 done
 if [ -z "$rc" ]; then
-  echo "$0: the guest reported no exit status (see $log)" >&2
+  echo "$0: the guest reported no exit status (see $log); its console's last lines:" >&2
+  sed 's/\x1b\[[0-9;?]*[a-zA-Z]//g' "$log" | tail -n 40 >&2 || true
   exit 125
 fi
 exit "$rc"

@@ -2,7 +2,8 @@
 //! layers that no manifest and no running sandbox (`inuse/`) refers to, and what interrupted
 //! writes left in `tmp/`, sparing anything younger than the grace period, so an import in
 //! progress (its layers are in place before its manifest) keeps what it wrote. A layer goes by
-//! one rename into `tmp/` first, so `layers/` never holds a half-removed layer.
+//! one rename into `tmp/` first, so `layers/` never holds a half-removed layer. Memory
+//! snapshots (`snapshots/<name>`) no manifest names go the same way.
 //!
 //! Every manifest must be readable: a store with one that is not is not collected at all,
 //! since the layers that manifest names cannot be told apart from garbage.
@@ -28,7 +29,7 @@ pub struct GcOptions {
 /// One thing removed (or, in a dry run, that would be).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Removed {
-    /// `layer <hex>` or `tmp/<name>`.
+    /// `layer <hex>`, `snapshot <name>` or `tmp/<name>`.
     pub what: String,
     /// Bytes of its regular files.
     pub bytes: u64,
@@ -78,35 +79,46 @@ pub fn collect(store: &Store, o: &GcOptions) -> Result<GcReport, GcError> {
         now.duration_since(newest).unwrap_or_default() < o.grace
     };
     let mut report = GcReport::default();
-    let layers = root.join("layers");
-    let mut names: Vec<String> = list(&layers).map_err(io_err("listing layers/".into()))?;
-    names.sort();
-    for hex in names {
-        let dir = layers.join(&hex);
-        if Digest::parse(&format!("sha256:{hex}")).is_err() {
-            tracing::warn!(path = %dir.display(), "not a layer's name; left alone");
-            continue;
+    // Layers, and memory snapshots no manifest names (a deleted image's that a crash left,
+    // or one an edge wrote for an image never registered). Copies restored from a snapshot
+    // hold its files by hard links or copies of their own, so it can go while they run.
+    let is_layer = |hex: &str| Digest::parse(&format!("sha256:{hex}")).is_ok();
+    let is_snapshot = |name: &str| store.snapshot_dir(name).is_some();
+    let kinds: [Kind<'_>; 2] = [
+        ("layers", "layer", &is_layer, str::to_string),
+        ("snapshots", "snapshot", &is_snapshot, snapshot_key),
+    ];
+    for (top, kind, valid, key) in kinds {
+        let parent = root.join(top);
+        let mut names: Vec<String> = list(&parent).map_err(io_err(format!("listing {top}/")))?;
+        names.sort();
+        for name in names {
+            let dir = parent.join(&name);
+            if !valid(&name) {
+                tracing::warn!(path = %dir.display(), "not a {kind}'s name; left alone");
+                continue;
+            }
+            if referenced.contains(&key(&name)) {
+                report.kept_referenced += 1;
+                continue;
+            }
+            if young(&dir) {
+                report.kept_young += 1;
+                continue;
+            }
+            let bytes = tree_bytes(&dir);
+            if !o.dry_run {
+                let grave = root
+                    .join("tmp")
+                    .join(format!("gc-{name}-{:016x}", rand::random::<u64>()));
+                fs::rename(&dir, &grave).map_err(io_err(format!("moving {kind} {name} out")))?;
+                fs::remove_dir_all(&grave).map_err(io_err(format!("removing {kind} {name}")))?;
+            }
+            report.removed.push(Removed {
+                what: format!("{kind} {name}"),
+                bytes,
+            });
         }
-        if referenced.contains(&hex) {
-            report.kept_referenced += 1;
-            continue;
-        }
-        if young(&dir) {
-            report.kept_young += 1;
-            continue;
-        }
-        let bytes = tree_bytes(&dir);
-        if !o.dry_run {
-            let grave = root
-                .join("tmp")
-                .join(format!("gc-{hex}-{:016x}", rand::random::<u64>()));
-            fs::rename(&dir, &grave).map_err(io_err(format!("moving layer {hex} out")))?;
-            fs::remove_dir_all(&grave).map_err(io_err(format!("removing layer {hex}")))?;
-        }
-        report.removed.push(Removed {
-            what: format!("layer {hex}"),
-            bytes,
-        });
     }
     let tmp = root.join("tmp");
     let mut names = list(&tmp).map_err(io_err("listing tmp/".into()))?;
@@ -166,7 +178,17 @@ fn prune_empty(dir: &Path, young: &dyn Fn(&Path) -> bool) -> usize {
     gone
 }
 
-/// The layers (as hex) that some manifest or in-use record names.
+/// A directory of entries that go when nothing names them: its name, what an entry is,
+/// which names are entries, and an entry's key in [`referenced`]'s set.
+type Kind<'a> = (&'a str, &'a str, &'a dyn Fn(&str) -> bool, fn(&str) -> String);
+
+/// How [`referenced`] holds a memory snapshot's directory name (a layer's hex has no `:`).
+fn snapshot_key(name: &str) -> String {
+    format!("snapshot:{name}")
+}
+
+/// The layers (as hex) that some manifest or in-use record names, and the memory snapshots
+/// (as [`snapshot_key`]) that some manifest names.
 fn referenced(store: &Store) -> Result<HashSet<String>, GcError> {
     let root = store.root().to_path_buf();
     let mut out = HashSet::new();
@@ -186,6 +208,9 @@ fn referenced(store: &Store) -> Result<HashSet<String>, GcError> {
         let m: ImageManifest =
             serde_json::from_str(&text).map_err(|e| unreadable(f, e.to_string()))?;
         out.extend(m.layers.iter().map(|d| d.hex().to_string()));
+        if !m.vm_snapshot.is_empty() {
+            out.insert(snapshot_key(&m.vm_snapshot));
+        }
     }
     let mut records = Vec::new();
     walk_files(&root.join("inuse"), &mut records)
@@ -282,6 +307,54 @@ mod tests {
                     .expect("mtime");
             }
         }
+    }
+
+    #[test]
+    fn memory_snapshots_no_manifest_names_go_after_the_grace() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(d.path()).expect("store");
+        let snap = |name: &str| {
+            let dir = store.snapshot_dir(name).expect("a snapshot's name");
+            fs::create_dir_all(&dir).expect("snapshot dir");
+            fs::write(dir.join("memory"), b"ram").expect("memory");
+            dir
+        };
+        let (named, orphan, young) = (snap("1-named"), snap("2-orphan"), snap("3-young"));
+        fs::create_dir_all(d.path().join("snapshots/Not_Ours")).expect("stranger");
+        store
+            .write_manifest(
+                &ImageRef::parse("root/warm:1").expect("name"),
+                &ImageManifest {
+                    snapshot: true,
+                    memory: true,
+                    vm_snapshot: "1-named".into(),
+                    ..Default::default()
+                },
+                false,
+            )
+            .expect("manifest");
+        for p in [&named, &orphan, &d.path().join("snapshots/Not_Ours")] {
+            age(p, 2 * 86400);
+        }
+        let r = collect(
+            &store,
+            &GcOptions {
+                grace: Duration::from_secs(86400),
+                dry_run: false,
+            },
+        )
+        .expect("gc");
+        let what: Vec<&str> = r.removed.iter().map(|r| r.what.as_str()).collect();
+        assert_eq!(what, ["snapshot 2-orphan"]);
+        assert_eq!(r.removed[0].bytes, 3);
+        assert!(!orphan.exists());
+        assert!(named.join("memory").exists() && young.join("memory").exists());
+        assert!(d.path().join("snapshots/Not_Ours").exists());
+        assert_eq!(
+            list(&d.path().join("tmp")).expect("tmp"),
+            Vec::<String>::new()
+        );
+        assert!(store.snapshot_dir("../layers").is_none() && store.snapshot_dir("").is_none());
     }
 
     #[test]

@@ -56,6 +56,15 @@ pub fn snapshot_source(id: &str) -> String {
     format!("snapshot of sandbox {id}")
 }
 
+/// A new, unique name for a memory snapshot's directory under `snapshots/`: when it was
+/// made (unix seconds) and 64 random bits.
+pub fn new_snapshot_name() -> String {
+    let secs = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    format!("{secs}-{:016x}", rand::random::<u64>())
+}
+
 /// An image: its layers bottom first, and the defaults its sandboxes start with
 /// (`images/<project>/<name>/<tag>.json`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -77,6 +86,11 @@ pub struct ImageManifest {
     /// Made by `create_snapshot` (the files as they were; with `memory`, a microVM's too).
     pub snapshot: bool,
     pub memory: bool,
+    /// A memory snapshot's directory under `snapshots/` ("" for an image of layers): its
+    /// sandboxes are restored from it, not started from `layers`.
+    pub vm_snapshot: String,
+    /// A memory snapshot's memory (MiB): its sandboxes must ask for as much.
+    pub memory_mb: u64,
     /// Anything else worth keeping about it.
     pub labels: BTreeMap<String, String>,
 }
@@ -274,6 +288,35 @@ impl Store {
             ..Default::default()
         };
         self.commit_layer(staging, &meta)
+    }
+
+    /// `snapshots/<name>`, a memory snapshot's directory, for a `name` of
+    /// [`new_snapshot_name`]'s form (anything else, a path among them, is `None`).
+    pub fn snapshot_dir(&self, name: &str) -> Option<PathBuf> {
+        let ok = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+        ok.then(|| self.root.join("snapshots").join(name))
+    }
+
+    /// Removes memory snapshot `name` (gone already is fine). It is moved into `tmp/`
+    /// first, so `snapshots/` never holds a half-removed one. Errors: `Io`.
+    pub fn remove_snapshot(&self, name: &str) -> Result<(), StoreError> {
+        let Some(dir) = self.snapshot_dir(name) else {
+            return Ok(());
+        };
+        let grave = self
+            .root
+            .join("tmp")
+            .join(format!("gc-{name}-{:016x}", rand::random::<u64>()));
+        match fs::rename(&dir, &grave) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(self.io(format!("moving snapshot {name} out"), e)),
+        }
+        fs::remove_dir_all(&grave).map_err(|e| self.io(format!("removing snapshot {name}"), e))
     }
 
     /// `images/<project>/<name>/<tag>.json`.

@@ -514,7 +514,9 @@ class DSecClient:
         return ImageInfo.from_pb(await self._unary("ComposeImage", req, retry=False))
 
     async def delete_image(self, name: str) -> None:
-        """Deletes an image's registration; ``opendsecctl image gc`` reclaims its layers.
+        """Deletes an image's registration; ``opendsecctl image gc`` reclaims its layers. A
+        memory snapshot's saved memory and disks go at once (sandboxes already created from
+        it keep running).
 
         Needs ``layer.publish`` on its project. Raises ``DSecError``: ``not_found``, ``forbidden``.
         """

@@ -410,6 +410,9 @@ class ImageInfo:
     snapshot: bool = False
     #: A snapshot that includes a microVM's memory.
     memory: bool = False
+    #: A memory snapshot's memory (MiB): sandboxes created from it must set
+    #: ``memory_limit_mb`` to this (0 for other images).
+    memory_limit_mb: int = 0
     #: What else is kept about it (a template built through the E2B gateway keeps its
     #: start and ready commands as ``e2b.start_cmd`` and ``e2b.ready_cmd``).
     labels: dict[str, str] = field(default_factory=dict)
@@ -429,5 +432,6 @@ class ImageInfo:
             created_by=m.created_by,
             snapshot=m.snapshot,
             memory=m.memory,
+            memory_limit_mb=m.memory_limit_mb,
             labels=dict(m.labels),
         )

@@ -155,8 +155,12 @@ class Sandbox:
     async def create_snapshot(self, image: str, memory: bool = False, overwrite: bool = False) -> ImageInfo:
         """Saves the sandbox's files as they are (nothing scrubbed) as the new image ``image``.
 
-        ``memory=True`` keeps memory too, which only microVMs have: on a container it is
-        ``invalid``. Permissions and errors as :meth:`pack_diff`. Not retried.
+        ``memory=True`` keeps memory too, which only microVMs have (a microVM needs it; on a
+        container it is ``invalid``): sandboxes created from the image go on from this
+        moment, with its processes running, and must ask for its ``memory_limit_mb`` (the
+        returned image's). The sandbox stands still while its memory is copied, then goes
+        on; a paused one stays paused. Deleting the image removes the saved memory; copies
+        already made keep running. Permissions and errors as :meth:`pack_diff`. Not retried.
         """
         req = opendsec_pb2.CreateSnapshotRequest(
             id=self.id, image=_args.text("image", image), memory=bool(memory), overwrite=overwrite

@@ -285,6 +285,13 @@ def store_root(base: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def linux() -> Iterator[LinuxCluster]:
+    yield from run_linux_cluster()
+
+
+def run_linux_cluster(more_backends: Optional[dict] = None) -> Iterator[LinuxCluster]:
+    """A cluster of one real edge with the ``container`` backend, and ``more_backends``
+    (backend name -> its config) beside it; torn down, leftovers swept, when the caller
+    is done with it."""
     binary = require_root_and_binary()
     # Short: aether's unix socket lives under it, and socket paths have a 108-byte limit.
     base = Path(tempfile.mkdtemp(prefix="odc-", dir="/tmp"))
@@ -306,7 +313,10 @@ def linux() -> Iterator[LinuxCluster]:
                 "cpu_overcommit": 32,
                 "mem_reserve_mb": 0,
                 "disk_reserve_mb": 512,
-                "backends": {"container": {"runtime": "linux", "default_disk_mb": 1024, "pids_max": PIDS_MAX}},
+                "backends": {
+                    "container": {"runtime": "linux", "default_disk_mb": 1024, "pids_max": PIDS_MAX},
+                    **(more_backends or {}),
+                },
             }
         ],
     }

@@ -736,6 +736,15 @@ impl Backend for ContainerBackend {
             Some(files) => self.images.resolve_fork(&req.spec.image, files).await?,
             None => self.images.resolve(id, &req.spec.image).await?,
         };
+        if image.vm_snapshot.is_some() {
+            return Err(BackendError::Invalid {
+                sandbox_id: id.to_string(),
+                message: format!(
+                    "image {} is a microVM's memory snapshot: it runs on the microvm backend only",
+                    req.spec.image
+                ),
+            });
+        }
         if !image.layers.is_empty() {
             // A store image's users are known only now (check_spec saw no layers).
             check_user(

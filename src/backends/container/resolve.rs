@@ -30,6 +30,9 @@ pub struct Resolved {
     pub user: String,
     /// The store layers, bottom first (empty for a node-local image).
     pub layers: Vec<Digest>,
+    /// A memory snapshot's directory in the store (`snapshots/<name>`): the image is a
+    /// microVM's saved state, to restore rather than stack (no `lowers`, no `layers`).
+    pub vm_snapshot: Option<PathBuf>,
 }
 
 /// How long a cached layer copy no sandbox of the node uses stays (docs/images.md).
@@ -127,6 +130,24 @@ impl Images {
                 StoreError::NotFound(_) => not_found(),
                 e => unavailable(crate::types::chain(&e)),
             })?;
+        if !manifest.vm_snapshot.is_empty() {
+            let dir = layers
+                .store()
+                .snapshot_dir(&manifest.vm_snapshot)
+                .ok_or_else(|| {
+                    unavailable(format!(
+                        "its manifest names snapshot {:?}, which is no snapshot's name (the \
+                         store was changed by hand)",
+                        manifest.vm_snapshot
+                    ))
+                })?;
+            return Ok(Resolved {
+                user: manifest.user,
+                workdir: manifest.workdir,
+                vm_snapshot: Some(dir),
+                ..Default::default()
+            });
+        }
         self.stack(
             image,
             manifest.layers,
@@ -201,6 +222,7 @@ impl Images {
             workdir,
             user,
             layers: layers_bottom_first,
+            vm_snapshot: None,
         })
     }
 

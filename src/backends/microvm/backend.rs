@@ -1074,6 +1074,10 @@ impl MicrovmBackend {
     async fn create_vm(&self, req: &CreateRequest) -> Result<VmState, BackendError> {
         let id = &req.sandbox_id;
         let image = self.images.resolve(id, &req.spec.image).await?;
+        if let Some(from) = &image.vm_snapshot {
+            // An image made by create_snapshot(memory=True): a copy of that VM.
+            return self.restore_vm(req, from).await;
+        }
         let layers: Vec<String> = image.layers.iter().map(|d| d.hex().to_string()).collect();
         self.images.mark_in_use(id, &image.layers).await?;
         let image_disk = self

@@ -17,7 +17,7 @@ use crate::types::names::{check_project_path, shown};
 use crate::types::Failure;
 
 const USE: &str = "layer.use";
-const PUBLISH: &str = "layer.publish";
+pub(super) const PUBLISH: &str = "layer.publish";
 
 /// The manifest as the API shows it, named `image`.
 pub(crate) fn info(image: &ImageRef, m: &ImageManifest) -> pb::ImageInfo {
@@ -36,6 +36,7 @@ pub(crate) fn info(image: &ImageRef, m: &ImageManifest) -> pb::ImageInfo {
         snapshot: m.snapshot,
         memory: m.memory,
         labels: m.labels.clone().into_iter().collect(),
+        memory_limit_mb: i64::try_from(m.memory_mb).unwrap_or(i64::MAX),
     }
 }
 
@@ -73,12 +74,12 @@ fn check_labels(labels: &std::collections::HashMap<String, String>) -> Result<()
     Ok(())
 }
 
-fn now_rfc3339() -> String {
+pub(super) fn now_rfc3339() -> String {
     chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
 }
 
 /// Runs a blocking store operation off the async threads.
-async fn blocking<T: Send + 'static>(
+pub(super) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, Failure> + Send + 'static,
 ) -> Result<T, Failure> {
     tokio::task::spawn_blocking(f)
@@ -87,7 +88,7 @@ async fn blocking<T: Send + 'static>(
 }
 
 impl Inner {
-    fn store(&self) -> Result<Arc<Store>, Failure> {
+    pub(super) fn store(&self) -> Result<Arc<Store>, Failure> {
         self.images.clone().ok_or_else(|| {
             Failure::invalid(
                 "this cluster has no image store (image_store.root in the config; `cluster up -image-store DIR`)",
@@ -222,7 +223,8 @@ impl Inner {
         .await
     }
 
-    /// `DeleteImage`: removes the registration; `image gc` reclaims the layers. Errors:
+    /// `DeleteImage`: removes the registration, and a memory snapshot's files; `image gc`
+    /// reclaims the layers. Errors:
     /// `invalid`, `forbidden` (no `layer.publish`), `not_found`.
     pub(crate) async fn delete_image(
         &self,
@@ -233,7 +235,18 @@ impl Inner {
         self.auth.authorize(caller, &name.project, PUBLISH).await?;
         let store = self.store()?;
         blocking(move || {
+            let snapshot = store
+                .read_manifest(&name)
+                .ok()
+                .map(|m| m.vm_snapshot)
+                .filter(|d| !d.is_empty());
             store.delete_manifest(&name).map_err(|e| e.to_failure())?;
+            if let Some(dir) = snapshot {
+                // Copies made from it hold its files by links of their own.
+                if let Err(e) = store.remove_snapshot(&dir) {
+                    tracing::warn!(image = %name, dir = %dir, error = %crate::types::chain(&e), "removing a deleted image's snapshot (gc takes it later)");
+                }
+            }
             tracing::info!(image = %name, "image deleted");
             Ok(pb::Empty {})
         })
@@ -273,6 +286,11 @@ impl Inner {
             let mut read = Vec::with_capacity(parts.len());
             for p in parts {
                 let m = store.read_manifest(&p).map_err(|e| e.to_failure())?;
+                if !m.vm_snapshot.is_empty() {
+                    return Err(Failure::invalid(format!(
+                        "{p} is a microVM's memory snapshot, which has no layers to compose"
+                    )));
+                }
                 read.push((p, m));
             }
             let mut m = compose(&read, &env, &req.workdir, &req.user)?;

@@ -11,6 +11,7 @@ mod edges;
 mod fork;
 mod forward;
 mod images;
+mod memsnap;
 pub mod placement;
 mod service;
 

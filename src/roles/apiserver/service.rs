@@ -848,12 +848,9 @@ impl pb::d_sec_server::DSec for Api {
         call.project = image_project(&msg.image);
         call.sandbox_id = msg.id.clone();
         let r = if msg.memory {
-            // Only microVMs have memory to keep, and their memory snapshots are not built.
-            Err(Failure::invalid(format!(
-                "sandbox {}: memory=True is not built yet (microVM memory snapshots); a \
-                 snapshot without it keeps the sandbox's files",
-                msg.id
-            )))
+            self.inner
+                .memory_snapshot(&caller, &msg.id, &msg.image, msg.overwrite)
+                .await
         } else {
             self.inner
                 .image_from_sandbox(

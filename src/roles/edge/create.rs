@@ -301,12 +301,7 @@ impl Core {
         let mut after = Vec::with_capacity(new.len());
         let mut failures = Vec::with_capacity(new.len());
         for ((_, entry), (r, took)) in new.iter().zip(made) {
-            let reason = r
-                .as_ref()
-                .err()
-                .map(|e| e.reason().as_str())
-                .unwrap_or("ok");
-            metrics::create_seconds(&backend_name, reason, took.as_secs_f64());
+            metrics::create_seconds(&backend_name, metrics::outcome(&r), took.as_secs_f64());
             let rec = match r {
                 Ok(state) => {
                     metrics::created(&self.edge_id);

@@ -39,6 +39,24 @@ pub fn op_seconds(backend: &str, op: &'static str, reason: &'static str, secs: f
     metrics::histogram!("opendsec_edge_op_seconds", "backend" => backend.to_string(), "op" => op, "reason" => reason).record(secs);
 }
 
+/// The `reason` label of a backend call's outcome: `ok`, or its error's reason.
+pub fn outcome<T>(r: &Result<T, crate::backends::BackendError>) -> &'static str {
+    r.as_ref()
+        .err()
+        .map(|e| e.reason().as_str())
+        .unwrap_or("ok")
+}
+
+/// [`op_seconds`] of a backend call begun at `since` that ended with `r`.
+pub fn op_done<T>(
+    backend: &str,
+    op: &'static str,
+    r: &Result<T, crate::backends::BackendError>,
+    since: std::time::Instant,
+) {
+    op_seconds(backend, op, outcome(r), since.elapsed().as_secs_f64());
+}
+
 /// Sets every gauge from the edge's current state.
 pub fn refresh(core: &Core) {
     let edge = core.edge_id.clone();

@@ -24,6 +24,7 @@ mod recover;
 mod rules;
 mod runtime;
 mod service;
+mod snapshot;
 mod status;
 mod store;
 mod ttl;
@@ -288,6 +289,9 @@ pub async fn start_with_backends(
         lease_checks: tokio::sync::Semaphore::new(64),
         real,
         incarnation: hex::encode(rand::random::<[u8; 8]>()),
+        image_store: Some(&cfg.image_store.root)
+            .filter(|r| !r.is_empty())
+            .map(PathBuf::from),
         cfg: ec.clone(),
     });
     loops::sample_into(&core, first);

@@ -109,6 +109,8 @@ pub(crate) struct Core {
     pub real: bool,
     /// A random id of this edge process (EdgeState.incarnation).
     pub incarnation: String,
+    /// The image store's root (`image_store.root`), where memory snapshots are written.
+    pub image_store: Option<std::path::PathBuf>,
 }
 
 impl Core {
@@ -130,6 +132,32 @@ impl Core {
 
     pub fn backend_of(&self, rec: &SandboxRecord) -> Option<&Arc<dyn Backend>> {
         self.slots.get(rec.backend()).map(|s| &s.backend)
+    }
+
+    /// The backend of `rec` when it is running or paused, for work on its files or memory
+    /// (`what`: `pack`, `snapshot`). Errors: `conflict` (another state), `internal` (its
+    /// backend is not configured here).
+    pub fn backend_while_live(
+        &self,
+        rec: &SandboxRecord,
+        what: &str,
+    ) -> Result<Arc<dyn Backend>, Failure> {
+        let id = rec.id();
+        if !matches!(
+            rec.state(),
+            pb::SandboxState::Running | pb::SandboxState::Paused
+        ) {
+            return Err(Failure::conflict(format!(
+                "sandbox {id}: cannot {what} a sandbox that is {}",
+                rec.state().as_str_name()
+            )));
+        }
+        self.backend_of(rec).cloned().ok_or_else(|| {
+            Failure::internal(format!(
+                "sandbox {id}: backend {:?} is not configured on this edge",
+                rec.backend()
+            ))
+        })
     }
 
     fn charge(&self, rec: &SandboxRecord) -> crate::types::Res {

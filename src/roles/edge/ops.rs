@@ -95,12 +95,7 @@ impl Core {
                 Op::Stop => backend.stop(&h).await.map(|()| None),
                 Op::Update => Ok(None),
             };
-            let reason = result
-                .as_ref()
-                .err()
-                .map(|e| e.reason().as_str())
-                .unwrap_or("ok");
-            metrics::op_seconds(backend.name(), op.name(), reason, t.elapsed().as_secs_f64());
+            metrics::op_done(backend.name(), op.name(), &result, t);
             let now = now_s();
             let (after, freed) = match &result {
                 Ok(state) => self.update_freed(entry, |r| {

@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::metrics;
 use super::node::{as_handle, handle, Core};
 use crate::images::pack::Scrub;
-use crate::pb::{self, SandboxState};
+use crate::pb;
 use crate::types::Failure;
 
 impl Core {
@@ -25,18 +25,7 @@ impl Core {
         let _g = entry.op.lock().await;
         let rec = entry.snapshot();
         let id = rec.id().to_string();
-        if !matches!(rec.state(), SandboxState::Running | SandboxState::Paused) {
-            return Err(Failure::conflict(format!(
-                "sandbox {id}: cannot pack a sandbox that is {}",
-                rec.state().as_str_name()
-            )));
-        }
-        let Some(backend) = self.backend_of(&rec).cloned() else {
-            return Err(Failure::internal(format!(
-                "sandbox {id}: backend {:?} is not configured on this edge",
-                rec.backend()
-            )));
-        };
+        let backend = self.backend_while_live(&rec, "pack")?;
         let Some(packer) = backend.packer() else {
             return Err(Failure::invalid(format!(
                 "sandbox {id}: the {} backend cannot save a sandbox's files as an image",
@@ -46,12 +35,7 @@ impl Core {
         let parts = handle(&rec);
         let t = Instant::now();
         let r = packer.pack(&as_handle(&id, &parts), &scrub).await;
-        let reason = r
-            .as_ref()
-            .err()
-            .map(|e| e.reason().as_str())
-            .unwrap_or("ok");
-        metrics::op_seconds(backend.name(), "pack", reason, t.elapsed().as_secs_f64());
+        metrics::op_done(backend.name(), "pack", &r, t);
         let p = r.map_err(|e| {
             tracing::warn!(error = %crate::types::chain(&e), "pack failed");
             e.to_failure()

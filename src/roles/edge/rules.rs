@@ -98,17 +98,7 @@ impl Core {
         };
         let t = Instant::now();
         let applied = backend.update_network(&h).await;
-        let reason = applied
-            .as_ref()
-            .err()
-            .map(|e| e.reason().as_str())
-            .unwrap_or("ok");
-        metrics::op_seconds(
-            backend.name(),
-            "update_network",
-            reason,
-            t.elapsed().as_secs_f64(),
-        );
+        metrics::op_done(backend.name(), "update_network", &applied, t);
         if let Err(e) = applied {
             tracing::warn!(error = %crate::types::chain(&e), "applying new network rules failed; the old ones stay");
             return Err(e.to_failure());

@@ -237,6 +237,24 @@ impl pb::edge_server::Edge for EdgeService {
         )
     }
 
+    async fn snapshot_sandbox(
+        &self,
+        req: Request<pb::EdgeSnapshotRequest>,
+    ) -> Result<Response<pb::EdgeSnapshotResponse>, Status> {
+        check_service_token(&req, &self.core.service_token)?;
+        let r = req.into_inner();
+        let span = self.span("SnapshotSandbox", &r.id);
+        let core = self.core.clone();
+        // Detached: a snapshot cut off mid-copy would leave the VM stopped.
+        answer(
+            detached(
+                &self.work,
+                async move { core.snapshot(r).await }.instrument(span),
+            )
+            .await,
+        )
+    }
+
     async fn drain(
         &self,
         req: Request<pb::DrainEdgeRequest>,

@@ -238,10 +238,24 @@ fn core_of(
         lease_checks: tokio::sync::Semaphore::new(4),
         real: true,
         incarnation: "test".into(),
+        image_store: None,
         cfg,
     });
     super::loops::sample_into(&c, host());
     c
+}
+
+/// Creates sandbox `suffix` of `spec()` and returns its id.
+async fn create_one(c: &Arc<Core>, suffix: &str) -> String {
+    let out = c
+        .create_batch(Some(spec()), vec![item(suffix)])
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    out[0]
+        .sandbox
+        .as_ref()
+        .map(|s| s.id.clone())
+        .unwrap_or_default()
 }
 
 fn spec() -> pb::SandboxSpec {
@@ -1146,15 +1160,7 @@ async fn a_lost_sandbox_is_failed_and_removed_from_the_node() {
         None,
         Arc::new(Sink::default()),
     );
-    let out = c
-        .create_batch(Some(spec()), vec![item("lost")])
-        .await
-        .unwrap_or_else(|f| panic!("{f}"));
-    let id = out[0]
-        .sandbox
-        .as_ref()
-        .map(|s| s.id.clone())
-        .unwrap_or_default();
+    let id = create_one(&c, "lost").await;
     assert!(lock(&backend.stopped).is_empty());
     c.mark_lost(&id, "aether exited").await;
     let rec = c.get(&id).map(|e| e.snapshot());
@@ -1439,4 +1445,54 @@ async fn updated_network_rules_survive_an_edge_restart() {
         *lock(&backend.adopted_rules),
         vec![(id, rules(&[("192.0.2.10", true)]))]
     );
+}
+
+/// `SnapshotSandbox` refusals: no image store is `unavailable`, a directory name that is a
+/// path `invalid`, an unknown sandbox `not_found`, a backend without memory snapshots
+/// `invalid` saying memory=True is for microVMs, a stopped sandbox `conflict`; none
+/// leaves anything under `snapshots/`.
+#[tokio::test]
+async fn snapshot_refusals_name_the_reason_and_write_nothing() {
+    let backend = Arc::new(TestBackend::default());
+    let mut c = core(
+        backend,
+        EdgeConfig::default(),
+        None,
+        Arc::new(Sink::default()),
+    );
+    let req = |id: &str, dir: &str| pb::EdgeSnapshotRequest {
+        id: id.into(),
+        dir: dir.into(),
+    };
+    let reason = |r: Result<pb::EdgeSnapshotResponse, Failure>| match r {
+        Ok(ok) => panic!("taken: {ok:?}"),
+        Err(f) => (f.reason, f.message),
+    };
+    let (r, _) = reason(c.snapshot(req("e1.x", "1-a")).await);
+    assert_eq!(r, Reason::Unavailable);
+
+    let store = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir_all(store.path().join("snapshots")).expect("snapshots/");
+    Arc::get_mut(&mut c)
+        .expect("the only reference")
+        .image_store = Some(store.path().to_path_buf());
+    let id = create_one(&c, "a").await;
+    for dir in ["../layers", "", "a/b", "UPPER"] {
+        let (r, m) = reason(c.snapshot(req(&id, dir)).await);
+        assert_eq!(r, Reason::Invalid, "{dir:?}: {m}");
+    }
+    let (r, _) = reason(c.snapshot(req("e1.nope", "1-a")).await);
+    assert_eq!(r, Reason::NotFound);
+    let (r, m) = reason(c.snapshot(req(&id, "1-a")).await);
+    assert_eq!(r, Reason::Invalid);
+    assert!(m.contains("memory=True is for microVMs"), "{m}");
+    c.lifecycle(&id, Op::Stop, Cause::Caller)
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    let (r, _) = reason(c.snapshot(req(&id, "1-a")).await);
+    assert_eq!(r, Reason::Conflict);
+    let left: Vec<_> = std::fs::read_dir(store.path().join("snapshots"))
+        .expect("snapshots/")
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
 }

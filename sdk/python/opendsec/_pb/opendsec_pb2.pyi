@@ -341,7 +341,7 @@ class IamRestoreRequest(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class ImageInfo(_message.Message):
-    __slots__ = ("name", "layers", "env", "workdir", "user", "parent", "source", "created_at", "created_by", "snapshot", "memory", "labels")
+    __slots__ = ("name", "layers", "env", "workdir", "user", "parent", "source", "created_at", "created_by", "snapshot", "memory", "labels", "memory_limit_mb")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -361,6 +361,7 @@ class ImageInfo(_message.Message):
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_MB_FIELD_NUMBER: _ClassVar[int]
     name: str
     layers: _containers.RepeatedScalarFieldContainer[str]
     env: _containers.RepeatedScalarFieldContainer[str]
@@ -373,7 +374,8 @@ class ImageInfo(_message.Message):
     snapshot: bool
     memory: bool
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., layers: _Optional[_Iterable[str]] = ..., env: _Optional[_Iterable[str]] = ..., workdir: _Optional[str] = ..., user: _Optional[str] = ..., parent: _Optional[str] = ..., source: _Optional[str] = ..., created_at: _Optional[int] = ..., created_by: _Optional[str] = ..., snapshot: bool = ..., memory: bool = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    memory_limit_mb: int
+    def __init__(self, name: _Optional[str] = ..., layers: _Optional[_Iterable[str]] = ..., env: _Optional[_Iterable[str]] = ..., workdir: _Optional[str] = ..., user: _Optional[str] = ..., parent: _Optional[str] = ..., source: _Optional[str] = ..., created_at: _Optional[int] = ..., created_by: _Optional[str] = ..., snapshot: bool = ..., memory: bool = ..., labels: _Optional[_Mapping[str, str]] = ..., memory_limit_mb: _Optional[int] = ...) -> None: ...
 
 class RegisterImageRequest(_message.Message):
     __slots__ = ("image", "overwrite", "dry_run")

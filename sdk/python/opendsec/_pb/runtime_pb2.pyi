@@ -509,3 +509,15 @@ class WatchEvent(_message.Message):
     AT_FIELD_NUMBER: _ClassVar[int]
     at: int
     def __init__(self, at: _Optional[int] = ...) -> None: ...
+
+class PostRestoreRequest(_message.Message):
+    __slots__ = ("sandbox_id", "hostname", "seed", "unix_time_ns")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    UNIX_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    hostname: str
+    seed: bytes
+    unix_time_ns: int
+    def __init__(self, sandbox_id: _Optional[str] = ..., hostname: _Optional[str] = ..., seed: _Optional[bytes] = ..., unix_time_ns: _Optional[int] = ...) -> None: ...
