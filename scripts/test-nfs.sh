@@ -26,7 +26,7 @@ for t in "$lib" "$(bin image_import)" "$(bin image_unpack)" "$(bin container_sto
   [ -x "$t" ] || { echo "$0: a test binary is missing (got: $bins)" >&2; exit 1; }
 done
 
-PYTHONDONTWRITEBYTECODE=1 bash scripts/v2-guest.sh -timeout 1500 -modules "nfsd nfsv4" -- \
+PYTHONDONTWRITEBYTECODE=1 bash scripts/v2-guest.sh -mem 6144 -timeout 1500 -modules "nfsd nfsv4" -- \
   bash scripts/nfs-store.sh bash -c "
   set -euo pipefail
   store=\$OPENDSEC_TEST_NFS_STORE

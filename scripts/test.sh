@@ -6,9 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # Each long stage says how long it took, so a slow CI run shows where its time went.
 timed() {
-  local t=$SECONDS
-  "$@"
-  echo "scripts/test.sh: $* took $((SECONDS - t)) s" >&2
+  local t=$SECONDS rc=0
+  "$@" || rc=$?
+  echo "scripts/test.sh: $* took $((SECONDS - t)) s$([ $rc = 0 ] || echo ", and failed ($rc)")" >&2
+  return $rc
 }
 
 # Formatting first: it takes a second and fails before anything is built.

@@ -180,7 +180,12 @@ fn prune_empty(dir: &Path, young: &dyn Fn(&Path) -> bool) -> usize {
 
 /// A directory of entries that go when nothing names them: its name, what an entry is,
 /// which names are entries, and an entry's key in [`referenced`]'s set.
-type Kind<'a> = (&'a str, &'a str, &'a dyn Fn(&str) -> bool, fn(&str) -> String);
+type Kind<'a> = (
+    &'a str,
+    &'a str,
+    &'a dyn Fn(&str) -> bool,
+    fn(&str) -> String,
+);
 
 /// How [`referenced`] holds a memory snapshot's directory name (a layer's hex has no `:`).
 fn snapshot_key(name: &str) -> String {

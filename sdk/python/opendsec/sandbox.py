@@ -179,9 +179,11 @@ class Sandbox:
     ) -> list[Union["Sandbox", DSecError]]:
         """Copies this running (or paused) sandbox into ``count`` (1 to 256) running sandboxes.
 
-        The source is frozen only while its writable layer is copied, then carries on with its
-        id and timeouts unchanged. The copies inherit its spec and files (a container copies
-        files only, no memory); ``labels`` are added to theirs, ``task_id`` replaces the task
+        The source is frozen only while its writable layer (a microVM: its memory and disk)
+        is copied, then carries on with its id and timeouts unchanged. The copies inherit its
+        spec and files; a container's copies get no memory, a microVM's carry on from the
+        moment of the fork with its processes running, each under its own name. ``labels``
+        are added to theirs, ``task_id`` replaces the task
         ("" keeps the source's), ``ttl_running_stop`` and ``ttl_max`` are their timeouts in
         seconds (0 for the cluster default). Each copy is a creation in the source's project:
         it needs ``sandbox.create`` there and ``layer.use`` on the image's project, and counts

@@ -58,7 +58,7 @@ def _vm_image(tmp_path: Path) -> Path:
 
     busybox = next(p for p in ("/bin/busybox", "/usr/bin/busybox") if os.path.isfile(p))
     files: dict[str, bytes | str] = {"bin/busybox": Path(busybox).read_bytes()}
-    tools = ("sh", "cat", "echo", "sleep", "hostname", "ls", "mkdir")
+    tools = ("sh", "cat", "echo", "sleep", "hostname", "ls", "mkdir", "mv")
     files.update({f"bin/{t}": "busybox" for t in tools})
     files.update({"etc/passwd": b"root:x:0:0:root:/root:/bin/sh\n", "etc/group": b"root:x:0:\n", "srv/keep": b"base\n"})
     oci_layout(tmp_path / "vm", [files], env=["PATH=/bin", "GREETING=from-the-image"], workdir="/srv")
@@ -67,6 +67,36 @@ def _vm_image(tmp_path: Path) -> Path:
 
 def _snapshot_dirs(store: Path) -> list[str]:
     return sorted(p.name for p in (store / "snapshots").iterdir())
+
+
+async def _vm_project(vm: LinuxCluster, tmp_path: Path, c, prefix: str) -> tuple[str, str, dict, dict]:
+    """A new project holding the test image: its name, the image's, ``ctl``'s environment
+    and the creation arguments of a small microVM in it."""
+    from test_images import ctl
+
+    project = f"root/{prefix}-{secrets.token_hex(3)}"
+    base = f"{project}/base:1"
+    env = dict(vm.env, OPENDSEC_IMAGE_STORE=str(vm.store))
+    await c.create_project("root", project.split("/")[1])
+    r = ctl(env, "image", "import", str(_vm_image(tmp_path)), "-as", base, "-q")
+    assert r.returncode == 0, r.stderr
+    args = dict(backend="microvm", cpu_cores_limit=1, memory_limit_mb=256, disk_mb=64, project=project)
+    return project, base, env, args
+
+
+async def _start_counting(sb) -> None:
+    """Starts a loop in ``sb`` that writes 1, 2, 3... to /srv/count, one a second (renamed into
+    place, so a reader never finds it empty)."""
+    loop = "i=0; while :; do i=$((i+1)); echo $i > /srv/.count; mv /srv/.count /srv/count; sleep 1; done"
+    r = await sb.run_shell(f"({loop}) > /dev/null 2>&1 &")
+    assert r.exit_code == 0, r
+    await asyncio.sleep(2)
+
+
+def _host_of(sandbox_id: str) -> str:
+    """The host name a sandbox's id gives its VM."""
+    host = sandbox_id.rsplit(".", 1)[-1]
+    return "".join(ch for ch in host if ch.isascii() and (ch.isalnum() or ch == "-"))[:63]
 
 
 async def _count(sb) -> int:
@@ -85,24 +115,14 @@ async def test_a_memory_snapshot_is_an_image_whose_sandboxes_go_on_from_it(vm, t
     ``image snapshot -memory`` does the same (docs/images.md "Memory snapshots")."""
     from test_images import ctl
 
-    project = f"root/vm-{secrets.token_hex(3)}"
-    base = f"{project}/base:1"
-    warm = f"{project}/warm:1"
-    env = dict(vm.env, OPENDSEC_IMAGE_STORE=str(vm.store))
-    args = dict(backend="microvm", cpu_cores_limit=1, memory_limit_mb=256, disk_mb=64, project=project)
     async with vm.client(retry_timeout=60) as c:
-        await c.create_project("root", project.split("/")[1])
-        r = ctl(env, "image", "import", str(_vm_image(tmp_path)), "-as", base, "-q")
-        assert r.returncode == 0, r.stderr
+        project, base, env, args = await _vm_project(vm, tmp_path, c, "vm")
+        warm = f"{project}/warm:1"
         parent = await c.get_image(base)
         sb = await c.run_sandbox(DSecRunArgs(image=base, **args))
         copy = None
         try:
-            r = await sb.run_shell(
-                "(i=0; while :; do i=$((i+1)); echo $i > /srv/count; sleep 1; done) > /dev/null 2>&1 &"
-            )
-            assert r.exit_code == 0, r
-            await asyncio.sleep(2)
+            await _start_counting(sb)
             assert await _count(sb) >= 1
 
             img = await sb.create_snapshot(warm, memory=True)
@@ -131,8 +151,7 @@ async def test_a_memory_snapshot_is_an_image_whose_sandboxes_go_on_from_it(vm, t
             copy = await c.run_sandbox(DSecRunArgs(image=warm, **args))
             assert copy.id != sb.id
             r = await copy.run_shell("hostname; echo $GREETING")
-            host = "".join(ch for ch in copy.id.rsplit(".", 1)[-1] if ch.isascii() and (ch.isalnum() or ch == "-"))
-            assert r.exit_code == 0 and r.stdout == f"{host[:63]}\nfrom-the-image\n", r
+            assert r.exit_code == 0 and r.stdout == f"{_host_of(copy.id)}\nfrom-the-image\n", r
             # The loop runs in the copy: its count goes on from the snapshot's.
             first = await _count(copy)
             assert 1 <= first
@@ -167,3 +186,39 @@ async def test_a_memory_snapshot_is_an_image_whose_sandboxes_go_on_from_it(vm, t
             for s in (copy, sb):
                 if s is not None:
                     await s.stop()
+
+
+async def test_a_microvm_fork_copies_its_memory_into_sandboxes_that_carry_on(vm, tmp_path):
+    """``fork(count=2)`` of a running microVM makes two sandboxes restored from one memory
+    snapshot: the loop the source started counts on in each, each under its own name, and
+    each goes its own way after (a file written in one is not in the others); the source
+    runs on, and the snapshot is gone from the store once the copies are made
+    (docs/images.md "Fork")."""
+    async with vm.client(retry_timeout=60) as c:
+        _, base, _, args = await _vm_project(vm, tmp_path, c, "vmf")
+        sb = await c.run_sandbox(DSecRunArgs(image=base, **args))
+        copies: list = []
+        try:
+            await _start_counting(sb)
+            made = await sb.fork(count=2, labels={"branch": "b"})
+            copies = [m for m in made if not isinstance(m, DSecError)]
+            assert len(copies) == 2, made
+            assert _snapshot_dirs(vm.store) == [], "the fork's snapshot is removed once its copies are made"
+            ids = {sb.id, *(cp.id for cp in copies)}
+            assert len(ids) == 3
+            for i, cp in enumerate(copies):
+                await cp.refresh()
+                assert cp.state == "RUNNING" and cp.info.spec.labels["branch"] == "b"
+                first = await _count(cp)
+                await asyncio.sleep(2)
+                assert await _count(cp) > first, "the source's loop runs on in the copy"
+                r = await cp.run_shell(f"hostname; echo {i} > /srv/mine; cat /srv/mine")
+                assert r.exit_code == 0 and r.stdout == f"{_host_of(cp.id)}\n{i}\n", r
+            r = await sb.run_shell("cat /srv/mine")
+            assert r.exit_code != 0, "a copy's file is its own"
+            r = await copies[1].run_shell("cat /srv/mine")
+            assert r.stdout == "1\n", r
+            assert await _count(sb) >= 3
+        finally:
+            for s in (*copies, sb):
+                await s.stop()

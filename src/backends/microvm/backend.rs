@@ -983,10 +983,11 @@ impl MicrovmBackend {
                         .map(|()| to)
                         .map_err(|e| format!("keeping the snapshot's {name}: {e}"))
                 };
-                let (mem, mem_at) = at(snapshot::MEMORY);
+                // The memory too: a copy that mapped the snapshot's own file would lose it
+                // (or, on NFS, fault on it) once the image is deleted.
                 Ok::<_, String>((
                     disk(snapshot::IMAGE_DISK)?,
-                    snapshot::hold(&mem, &mem_at),
+                    disk(snapshot::MEMORY)?,
                     disk(snapshot::AGENT_DISK)?,
                 ))
             })

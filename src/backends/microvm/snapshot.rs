@@ -88,9 +88,10 @@ pub fn check_files(dir: &Path) -> Result<(), String> {
 }
 
 /// Writes `<dir>/vm.json` through a synced temporary file, after syncing the directory's
-/// other files. Errors: the step that failed.
+/// other files, then syncs the directory and its parent: a snapshot whose `vm.json` is on
+/// disk is whole on disk (an image may name it at once). Errors: the step that failed.
 pub fn write_meta(dir: &Path, m: &SnapshotMeta) -> Result<(), String> {
-    for name in [MEMORY, STATE, DISK] {
+    for name in [MEMORY, STATE, DISK, IMAGE_DISK, AGENT_DISK] {
         let p = dir.join(name);
         std::fs::File::open(&p)
             .and_then(|f| f.sync_all())
@@ -108,7 +109,13 @@ pub fn write_meta(dir: &Path, m: &SnapshotMeta) -> Result<(), String> {
     f.write_all(&json)
         .and_then(|()| f.sync_all())
         .map_err(|e| format!("{}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, dir.join(META)).map_err(|e| format!("{}: {e}", tmp.display()))
+    std::fs::rename(&tmp, dir.join(META)).map_err(|e| format!("{}: {e}", tmp.display()))?;
+    for d in [Some(dir), dir.parent()].into_iter().flatten() {
+        std::fs::File::open(d)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| format!("syncing {}: {e}", d.display()))?;
+    }
+    Ok(())
 }
 
 /// Puts `from` (an immutable disk) at `to`: a hard link, else a sparse copy.
@@ -117,14 +124,6 @@ pub fn link_or_copy(from: &Path, to: &Path) -> std::io::Result<()> {
         return Ok(());
     }
     crate::backends::container::disk::sparse_copy(from, to)
-}
-
-/// `at`, made a hard link to `file`, where the file system allows; else `file` itself.
-pub fn hold(file: &Path, at: &Path) -> std::path::PathBuf {
-    match std::fs::hard_link(file, at) {
-        Ok(()) => at.to_path_buf(),
-        Err(_) => file.to_path_buf(),
-    }
 }
 
 /// Makes `path` a file of `mb` MiB, all holes (0600).
@@ -145,7 +144,7 @@ mod tests {
     #[test]
     fn meta_round_trips_and_other_formats_are_refused() {
         let d = tempfile::tempdir().unwrap();
-        for n in [MEMORY, STATE, DISK] {
+        for n in [MEMORY, STATE, DISK, IMAGE_DISK, AGENT_DISK] {
             std::fs::write(d.path().join(n), b"x").unwrap();
         }
         let m = SnapshotMeta {

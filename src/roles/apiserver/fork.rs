@@ -4,6 +4,9 @@
 //! edges with the source's image defaults, and each copy is authorized, charged and placed
 //! like any creation, on the source's node first. The snapshot is registered as no image:
 //! the copies' in-use records keep its layer while they run, `image gc` takes it after.
+//! A microVM's edge takes a memory snapshot instead (into the store's `snapshots/`), the
+//! copies are restored from it, and it is removed once they are made (each holds its files
+//! by links of its own).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -12,6 +15,7 @@ use super::auth::Caller;
 use super::create::{self, Fork};
 use super::Inner;
 use crate::images::name::ImageRef;
+use crate::images::store::{new_snapshot_name, Store};
 use crate::pb::{self, SandboxState};
 use crate::rpc::failure_from_status;
 use crate::types::Failure;
@@ -98,16 +102,25 @@ impl Inner {
             Failure::invalid("this cluster has no image store, which a fork's copies start from")
         })?;
         let started = Instant::now();
+        let dir = new_snapshot_name();
         let packed = edge
             .pack_sandbox(self.edges.req(pb::EdgePackRequest {
                 id: req.id.clone(),
                 scrub: Vec::new(),
                 default_scrub: false,
+                fork_snapshot: dir.clone(),
             }))
             .await
-            .map_err(|s| failure_from_status(&s))?
-            .into_inner();
-        tracing::info!(sandbox_id = %req.id, layers = packed.layers.len(), file_bytes = packed.file_bytes, secs = started.elapsed().as_secs_f64(), "fork snapshot taken");
+            .map_err(|s| failure_from_status(&s));
+        let packed = match packed {
+            Ok(p) => p.into_inner(),
+            Err(f) => {
+                // What a memory snapshot cut off left (else gc takes it).
+                remove_snapshot(store.clone(), dir).await;
+                return Err(f);
+            }
+        };
+        tracing::info!(sandbox_id = %req.id, layers = packed.layers.len(), file_bytes = packed.file_bytes, memory = packed.memory, secs = started.elapsed().as_secs_f64(), "fork snapshot taken");
         // The source image's defaults, as the source started with them; an image deleted
         // since has none to give (its sandboxes' own settings still travel in the spec).
         let image = spec.image.clone();
@@ -140,6 +153,7 @@ impl Inner {
                     env: defaults.env,
                     workdir: defaults.workdir,
                     user: defaults.user,
+                    snapshot: if packed.memory { dir } else { String::new() },
                 },
                 source_edge: source.edge_id,
             },
@@ -160,6 +174,8 @@ pub(crate) async fn run(
 ) {
     let (relay_tx, mut relay_rx) = tokio::sync::mpsc::channel(256);
     let source_edge = p.fork.source_edge.clone();
+    let snapshot = p.fork.files.snapshot.clone();
+    let store = inner.images.clone();
     let batch = tokio::spawn(create::run_batch(
         inner,
         caller,
@@ -183,8 +199,26 @@ pub(crate) async fn run(
     }
     drop(relay_rx);
     let _ = batch.await;
+    if let (false, Some(store)) = (snapshot.is_empty(), store) {
+        // Every copy is made (or failed): each holds the snapshot's files by links of its own.
+        remove_snapshot(store, snapshot).await;
+    }
     metrics::histogram!("opendsec_apiserver_fork_seconds", "held" => if held { "true" } else { "false" })
         .record(started.elapsed().as_secs_f64());
+}
+
+/// Removes memory snapshot `dir` from the store, off the async threads; a failure is
+/// logged (`image gc` takes what is left).
+async fn remove_snapshot(store: Arc<Store>, dir: String) {
+    let name = dir.clone();
+    let r = tokio::task::spawn_blocking(move || store.remove_snapshot(&name)).await;
+    match r {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            tracing::warn!(dir = %dir, error = %crate::types::chain(&e), "removing a fork's snapshot (gc takes it later)")
+        }
+        Err(e) => tracing::warn!(dir = %dir, error = %e, "removing a fork's snapshot"),
+    }
 }
 
 #[cfg(test)]

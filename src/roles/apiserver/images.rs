@@ -397,6 +397,7 @@ impl Inner {
                 id: req.id.clone(),
                 scrub: req.scrub.unwrap_or_default(),
                 default_scrub: !snapshot,
+                fork_snapshot: String::new(),
             }))
             .await
             .map_err(|s| failure_from_status(&s))?

@@ -102,18 +102,21 @@ impl Core {
         self.create_batch_from(spec, items, None).await
     }
 
-    /// [`Core::create_batch`], with a fork's copies starting from `fork`'s files
-    /// (docs/images.md "Fork"). Errors for the whole call: `invalid` spec or fork files.
+    /// [`Core::create_batch`], with a fork's copies starting from `fork`'s files, or for a
+    /// microVM's fork restored from its memory snapshot (docs/images.md "Fork"). Errors for
+    /// the whole call: `invalid` spec, fork files or snapshot name, `unavailable` (a
+    /// snapshot without an image store).
     pub async fn create_batch_from(
         self: &Arc<Self>,
         spec: Option<pb::SandboxSpec>,
         items: Vec<pb::EdgeCreateItem>,
         fork: Option<pb::ForkFiles>,
     ) -> Result<Vec<pb::EdgeCreateResult>, Failure> {
-        let fork = fork
-            .as_ref()
-            .map(crate::backends::ForkFiles::from_pb)
-            .transpose()?;
+        let (fork, snapshot) = match &fork {
+            Some(f) if !f.snapshot.is_empty() => (None, Some(self.snapshot_dir(&f.snapshot)?)),
+            Some(f) => (Some(crate::backends::ForkFiles::from_pb(f)?), None),
+            None => (None, None),
+        };
         let digest = spec
             .as_ref()
             .map(crate::types::spec_digest::spec_digest)
@@ -280,14 +283,14 @@ impl Core {
         let made = futures::future::join_all(new.iter().map(|(_, e)| {
             let rec = e.snapshot();
             let b = backend.clone();
-            let fork = fork.clone();
+            let (fork, snapshot) = (fork.clone(), snapshot.clone());
             async move {
                 let req = CreateRequest {
                     sandbox_id: rec.id().to_string(),
                     project: rec.sandbox.project.clone(),
                     spec: rec.spec(),
                     fork,
-                    snapshot: None,
+                    snapshot,
                 };
                 let t = Instant::now();
                 let r = b.create(&req).await;

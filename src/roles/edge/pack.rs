@@ -1,6 +1,8 @@
 //! `PackSandbox`: a sandbox's writable layer becomes one new layer of the image store, for
 //! `pack_diff` and container snapshots (docs/images.md "Images from sandboxes"). It runs
-//! under the sandbox's operation lock, so no stop, pause or resume runs during the copy.
+//! under the sandbox's operation lock, so no stop, pause or resume runs during the copy. For
+//! a fork of a backend with memory snapshots (a microVM), a memory snapshot is taken instead
+//! (docs/images.md "Fork").
 
 use std::time::Instant;
 
@@ -11,10 +13,12 @@ use crate::pb;
 use crate::types::Failure;
 
 impl Core {
-    /// Packs sandbox `req.id` (running or paused). Errors: `invalid` (bad scrub globs, a
-    /// backend that cannot pack, a node-local image, a device node in its files),
-    /// `not_found`, `conflict` (a sandbox in another state), `unavailable` (no image store),
-    /// `internal` (freezing or reading its disk failed).
+    /// Packs sandbox `req.id` (running or paused); for a fork (`fork_snapshot` set) of a
+    /// backend with memory snapshots, writes one into `<store>/snapshots/<fork_snapshot>`
+    /// instead and answers `memory` with no layers. Errors: `invalid` (bad scrub globs or
+    /// snapshot name, a backend that cannot pack, a node-local image, a device node in its
+    /// files), `not_found`, `conflict` (a sandbox in another state), `unavailable` (no image
+    /// store), `internal` (freezing or reading its disk, or saving the VM, failed).
     pub async fn pack(&self, req: pb::EdgePackRequest) -> Result<pb::EdgePackResponse, Failure> {
         let scrub = if req.default_scrub || !req.scrub.is_empty() {
             Scrub::new(req.default_scrub, &req.scrub)?
@@ -26,6 +30,15 @@ impl Core {
         let rec = entry.snapshot();
         let id = rec.id().to_string();
         let backend = self.backend_while_live(&rec, "pack")?;
+        if !req.fork_snapshot.is_empty() && backend.snapshotter().is_some() {
+            let dir = self.snapshot_dir(&req.fork_snapshot)?;
+            let s = self.snapshot_locked(&rec, &backend, dir).await?;
+            return Ok(pb::EdgePackResponse {
+                image: s.image,
+                memory: true,
+                ..Default::default()
+            });
+        }
         let Some(packer) = backend.packer() else {
             return Err(Failure::invalid(format!(
                 "sandbox {id}: the {} backend cannot save a sandbox's files as an image",
@@ -47,6 +60,7 @@ impl Core {
             entries: p.packed.entries,
             file_bytes: p.packed.file_bytes,
             scrubbed: p.packed.scrubbed,
+            memory: false,
         })
     }
 }

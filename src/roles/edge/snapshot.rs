@@ -1,13 +1,16 @@
 //! `SnapshotSandbox`: a microVM's memory snapshot written into the image store's
-//! `snapshots/<dir>`, for `create_snapshot(memory=True)` (docs/images.md "Memory
-//! snapshots"). It runs under the sandbox's operation lock, so no stop, pause or resume
-//! runs while the VM's state is saved.
+//! `snapshots/<dir>`, for `create_snapshot(memory=True)` and a microVM's fork
+//! (docs/images.md "Memory snapshots", "Fork"). It runs under the sandbox's operation lock,
+//! so no stop, pause or resume runs while the VM's state is saved.
 
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::metrics;
 use super::node::{as_handle, handle, Core};
-use crate::backends::SnapshotTarget;
+use super::record::SandboxRecord;
+use crate::backends::{Backend, SnapshotTarget};
 use crate::images::store::Store;
 use crate::pb;
 use crate::types::Failure;
@@ -22,30 +25,55 @@ impl Core {
         &self,
         req: pb::EdgeSnapshotRequest,
     ) -> Result<pb::EdgeSnapshotResponse, Failure> {
+        let entry = self.entry(&req.id)?;
+        let _g = entry.op.lock().await;
+        let rec = entry.snapshot();
+        let backend = self.backend_while_live(&rec, "snapshot")?;
+        if backend.snapshotter().is_none() {
+            return Err(Failure::invalid(format!(
+                "sandbox {}: the {} backend keeps no memory to snapshot (memory=True is \
+                 for microVMs; a snapshot without it keeps a container's files)",
+                rec.id(),
+                backend.name()
+            )));
+        }
+        let dir = self.snapshot_dir(&req.dir)?;
+        self.snapshot_locked(&rec, &backend, dir).await
+    }
+
+    /// `<store>/snapshots/<name>`. Errors: `unavailable` (no image store), `invalid` (a
+    /// name that is no snapshot directory's, a path among them).
+    pub fn snapshot_dir(&self, name: &str) -> Result<PathBuf, Failure> {
         let Some(root) = &self.image_store else {
             return Err(Failure::unavailable(
                 "this cluster has no image store (image_store.root) to keep snapshots in",
             ));
         };
-        let Some(dir) = Store::at(root).snapshot_dir(&req.dir) else {
-            return Err(Failure::invalid(format!(
+        Store::at(root).snapshot_dir(name).ok_or_else(|| {
+            Failure::invalid(format!(
                 "{} is no snapshot directory name",
-                crate::types::names::shown(&req.dir)
-            )));
-        };
-        let entry = self.entry(&req.id)?;
-        let _g = entry.op.lock().await;
-        let rec = entry.snapshot();
+                crate::types::names::shown(name)
+            ))
+        })
+    }
+
+    /// Has `backend`'s snapshotter write `rec`'s memory snapshot into `dir`; the caller
+    /// holds the sandbox's operation lock and has checked that the backend has one.
+    /// Errors: as [`Core::snapshot`].
+    pub(crate) async fn snapshot_locked(
+        &self,
+        rec: &SandboxRecord,
+        backend: &Arc<dyn Backend>,
+        dir: PathBuf,
+    ) -> Result<pb::EdgeSnapshotResponse, Failure> {
         let id = rec.id().to_string();
-        let backend = self.backend_while_live(&rec, "snapshot")?;
         let Some(snapshotter) = backend.snapshotter() else {
-            return Err(Failure::invalid(format!(
-                "sandbox {id}: the {} backend keeps no memory to snapshot (memory=True is \
-                 for microVMs; a snapshot without it keeps a container's files)",
+            return Err(Failure::internal(format!(
+                "sandbox {id}: the {} backend has no snapshots",
                 backend.name()
             )));
         };
-        let parts = handle(&rec);
+        let parts = handle(rec);
         let t = Instant::now();
         let target = SnapshotTarget {
             dir: dir.clone(),
