@@ -31,7 +31,7 @@ class DSecRunArgs:
     Zero timeouts and sizes mean the cluster's defaults.
     """
 
-    #: ``container`` or ``sim`` (``microvm``, ``fncall`` and ``fullvm`` are not built yet).
+    #: ``container``, ``microvm`` or ``sim`` (``fncall`` and ``fullvm`` are not built yet).
     backend: str = "sim"
     #: Image name: one the edges offer, e.g. ``host`` (the development image of
     #: ``cluster up``), or ``<project>/<name>:<tag>`` for a project's image.

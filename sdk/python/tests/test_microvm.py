@@ -138,6 +138,7 @@ async def test_a_memory_snapshot_is_an_image_whose_sandboxes_go_on_from_it(vm, t
 
             for call, reason in (
                 (c.run_sandbox(DSecRunArgs(image=warm, **dict(args, memory_limit_mb=512))), opendsec.INVALID),
+                (c.run_sandbox(DSecRunArgs(image=warm, **dict(args, disk_mb=32))), opendsec.INVALID),
                 (c.run_sandbox(DSecRunArgs(image=warm, **dict(args, backend="container"))), opendsec.INVALID),
                 (c.compose_image(f"{project}/composed:1", [warm]), opendsec.INVALID),
                 (sb.create_snapshot(f"{project}/files:1"), opendsec.INVALID),

@@ -922,7 +922,7 @@ impl MicrovmBackend {
     /// Creates sandbox `req` as a copy of the snapshot in `from`: its own writable disk
     /// (a copy of the snapshot's) and config disk, the snapshot's RAM mapped
     /// copy-on-write, its stream restored, and then the guest told its new identity.
-    /// Errors: `Invalid` (not a snapshot; memory or vCPUs other than the snapshot's),
+    /// Errors: `Invalid` (not a snapshot; memory, vCPUs or disk size other than the snapshot's),
     /// `Create` with the step that failed.
     async fn restore_vm(&self, req: &CreateRequest, from: &Path) -> Result<VmState, BackendError> {
         let id = &req.sandbox_id;
@@ -931,16 +931,28 @@ impl MicrovmBackend {
             message,
         };
         let from = from.to_path_buf();
-        let meta = {
+        let (meta, disk_bytes) = {
             let f = from.clone();
             tokio::task::spawn_blocking(move || {
                 snapshot::check_files(&f)?;
-                snapshot::read_meta(&f)
+                let disk = std::fs::metadata(f.join(snapshot::DISK))
+                    .map(|m| m.len())
+                    .map_err(|e| format!("{}: {e}", f.join(snapshot::DISK).display()))?;
+                Ok::<_, String>((snapshot::read_meta(&f)?, disk))
             })
             .await
             .map_err(|e| create_err(id, e))?
             .map_err(invalid)?
         };
+        // The copy's disk is the snapshot's, whose file system fills it: another size
+        // would be a spec the sandbox does not have.
+        let disk_mb = disk_bytes >> 20;
+        if u64::try_from(req.spec.disk_mb).ok() != Some(disk_mb) {
+            return Err(invalid(format!(
+                "the snapshot's disk has {disk_mb} MB; a copy must have the same (asked: disk_mb {})",
+                req.spec.disk_mb
+            )));
+        }
         let memory_mb = req.spec.memory_limit_mb.max(MIN_MEMORY_MB);
         if meta.memory_mb != memory_mb || meta.vcpus != vcpus_of(&req.spec) {
             return Err(invalid(format!(

@@ -418,7 +418,7 @@ async fn gc(a: GcArgs, env: impl Fn(&str) -> Option<String>) -> Result<(), CtlEr
         println!("{verb} {} ({:.1} MB)", r.what, r.bytes as f64 / 1e6);
     }
     println!(
-        "{verb} {} item(s), {:.1} MB; kept {} layer(s) in use and {} item(s) younger than {}",
+        "{verb} {} item(s), {:.1} MB; kept {} layer(s) and snapshot(s) in use and {} item(s) younger than {}",
         report.removed.len(),
         total as f64 / 1e6,
         report.kept_referenced,

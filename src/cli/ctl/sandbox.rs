@@ -53,7 +53,7 @@ pub enum SandboxCmd {
     example = "{command_name} -backend container -image host -cpu 0.5 -mem 512"
 )]
 pub struct CreateArgs {
-    /// container or sim (default sim, which only simulates: always set it); microvm, fncall
+    /// container, microvm or sim (default sim, which only simulates: always set it); fncall
     /// and fullvm are not built yet
     #[argh(option, default = "String::from(\"sim\")")]
     pub backend: String,

@@ -40,8 +40,13 @@ impl Core {
             });
         }
         let Some(packer) = backend.packer() else {
+            let hint = if backend.snapshotter().is_some() {
+                " (it saves a sandbox with its memory: create_snapshot with memory=True)"
+            } else {
+                ""
+            };
             return Err(Failure::invalid(format!(
-                "sandbox {id}: the {} backend cannot save a sandbox's files as an image",
+                "sandbox {id}: the {} backend cannot save a sandbox's files as an image{hint}",
                 backend.name()
             )));
         };
