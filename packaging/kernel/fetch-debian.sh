@@ -2,7 +2,9 @@
 # Unpacks Debian's cloud kernel (the package linux-image-cloud-amd64 depends on) into DIR,
 # as DIR/boot/vmlinuz-<release> and DIR/lib/modules/<release>/, without installing it on
 # this machine: the microVM guest kernel for tests and for nodes that keep their own
-# (docs/microvm.md "Guest kernel"). Idempotent: a DIR that has a kernel is left alone.
+# (docs/microvm.md "Guest kernel"). Idempotent: a DIR that has a kernel is left alone. The
+# kernel is unpacked beside DIR and renamed into place, so runs at the same time (tests in
+# parallel) never see or write a half-copied DIR.
 # Usage: packaging/kernel/fetch-debian.sh DIR
 set -euo pipefail
 dir=${1:?usage: fetch-debian.sh DIR}
@@ -18,11 +20,20 @@ if [ -z "$pkg" ]; then
   exit 1
 fi
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+parent=$(dirname "$dir")
+mkdir -p "$parent"
+new=$(mktemp -d "$parent/.fetch-debian.XXXXXX")
+trap 'rm -rf "$work" "$new"' EXIT
 (cd "$work" && apt-get download -q "$pkg" > /dev/null 2>&1) || (cd "$work" && apt-get download "$pkg")
-mkdir -p "$dir"
 dpkg -x "$work"/*.deb "$work/root"
-mkdir -p "$dir/boot" "$dir/lib/modules"
-cp "$work"/root/boot/vmlinuz-* "$dir/boot/"
-cp -a "$work"/root/lib/modules/* "$dir/lib/modules/"
+mkdir -p "$new/boot" "$new/lib/modules"
+cp "$work"/root/boot/vmlinuz-* "$new/boot/"
+cp -a "$work"/root/lib/modules/* "$new/lib/modules/"
+chmod 755 "$new"
+# An empty DIR (made by hand) gives way; one another run filled meanwhile stays.
+rmdir "$dir" 2>/dev/null || true
+mv -T "$new" "$dir" 2>/dev/null || compgen -G "$dir/boot/vmlinuz-*" > /dev/null || {
+  echo "fetch-debian.sh: cannot put the kernel at $dir" >&2
+  exit 1
+}
 ls "$dir"/boot/vmlinuz-*
