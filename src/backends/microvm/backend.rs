@@ -615,6 +615,13 @@ impl MicrovmBackend {
         self.channels().remove(id);
         let _ = q.execute("quit", None).await;
         wait_gone(st.pid, st.start_time).await;
+        // wait_gone counts a zombie as gone; until the reaper takes it, it is still in the
+        // cgroup, where a resume's QEMU is about to go.
+        let cg = self.cgroups.open(id);
+        let started = Instant::now();
+        while !cg.pids().is_empty() && started.elapsed() < QUIT_TIMEOUT {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         // A copy's RAM was private: it went with QEMU, and its pages are in the stream.
         let ram = st.ram.as_os_str().is_empty().then(|| dir.join("ram"));
         let mark = dir.join(PAUSED_MARK);
