@@ -209,15 +209,15 @@ pub(crate) async fn run(
 
 /// Removes memory snapshot `dir` from the store, off the async threads; a failure is
 /// logged (`image gc` takes what is left).
-async fn remove_snapshot(store: Arc<Store>, dir: String) {
+pub(super) async fn remove_snapshot(store: Arc<Store>, dir: String) {
     let name = dir.clone();
     let r = tokio::task::spawn_blocking(move || store.remove_snapshot(&name)).await;
     match r {
         Ok(Ok(())) => {}
         Ok(Err(e)) => {
-            tracing::warn!(dir = %dir, error = %crate::types::chain(&e), "removing a fork's snapshot (gc takes it later)")
+            tracing::warn!(dir = %dir, error = %crate::types::chain(&e), "removing a memory snapshot (gc takes it later)")
         }
-        Err(e) => tracing::warn!(dir = %dir, error = %e, "removing a fork's snapshot"),
+        Err(e) => tracing::warn!(dir = %dir, error = %e, "removing a memory snapshot"),
     }
 }
 

@@ -53,12 +53,7 @@ impl Inner {
             Ok(t) => t.into_inner(),
             Err(f) => {
                 // Whatever a failed or cut-off snapshot left goes now (else gc takes it).
-                let (s, d) = (store.clone(), dir.clone());
-                if let Err(e) =
-                    blocking(move || s.remove_snapshot(&d).map_err(|e| e.to_failure())).await
-                {
-                    tracing::warn!(dir = %dir, error = %e.message, "removing a failed snapshot");
-                }
+                super::fork::remove_snapshot(store.clone(), dir).await;
                 return Err(f);
             }
         };
