@@ -9,7 +9,7 @@
     clippy::indexing_slicing
 )]
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 mod common;
@@ -50,7 +50,7 @@ fn apiserver_process_serves_then_drains_on_sigterm() {
             "-index",
             "0",
             "-log",
-            "warn",
+            "info",
             "-drain-delay",
             "2s",
             "-grace",
@@ -60,7 +60,7 @@ fn apiserver_process_serves_then_drains_on_sigterm() {
         .arg(&cfg2)
         .arg("-metrics")
         .arg(format!("127.0.0.1:{metrics}"))
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("api.log")).unwrap())
         .spawn()
         .unwrap();
     let pid = api.id();
@@ -99,8 +99,10 @@ fn apiserver_process_serves_then_drains_on_sigterm() {
     let out = ctl(&["whoami"]);
     assert!(
         out.status.success(),
-        "still serving while draining: {}",
-        String::from_utf8_lossy(&out.stderr)
+        "still serving while draining: {}\napiserver log:\n{}\ncluster log:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        std::fs::read_to_string(dir.path().join("api.log")).unwrap_or_default(),
+        std::fs::read_to_string(&up.log_path).unwrap_or_default()
     );
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {

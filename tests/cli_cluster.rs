@@ -259,3 +259,56 @@ fn projects_principals_grants_and_tokens() {
     );
     assert!(r.err.starts_with("error: "), "{}", r.err);
 }
+
+/// `cluster up | head -1` must not stop the cluster: printing its environment block to a
+/// closed pipe once panicked the process (a broken pipe), taking IAM, the watcher and the
+/// edges down with it while a reader that had what it needed went on using them.
+#[test]
+fn cluster_up_keeps_running_when_its_stdout_is_closed() {
+    use std::process::{Command, Stdio};
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("cluster.json");
+    let mut child = Command::new(common::BIN)
+        .args([
+            "cluster",
+            "up",
+            "-addr",
+            "127.0.0.1:0",
+            "-disk-reserve-mb",
+            "-1",
+        ])
+        .args(["-sim-edges", "1", "-log", "warn", "-state-dir"])
+        .arg(dir.path().join("state"))
+        .arg("-write-config")
+        .arg(&config)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // The reader is gone before the first line is written.
+    drop(child.stdout.take());
+    struct Stop(std::process::Child);
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            common::terminate(&mut self.0);
+        }
+    }
+    let mut child = Stop(child);
+    eventually("the config file is written", || config.exists());
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    let addr = cfg["apiserver"][0]["addr"].as_str().unwrap().to_string();
+    let token = cfg["iam"]["admin_token"].as_str().unwrap().to_string();
+    // The block is printed after the config is written; give it time to fail.
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(
+        child.0.try_wait().unwrap().is_none(),
+        "cluster up exited once its stdout was closed"
+    );
+    common::run(
+        &["ctl", "whoami"],
+        &[("OPENDSEC_ADDR", &addr), ("OPENDSEC_TOKEN", &token)],
+    )
+    .ok();
+}

@@ -77,7 +77,23 @@ pub fn failure_from_status(s: &Status) -> Failure {
     } else {
         s.message().to_string()
     };
-    Failure::new(reason, msg)
+    Failure::new(reason, with_cause(msg, s))
+}
+
+/// A client-side transport error's message with its innermost cause ("tcp connect error:
+/// Connection refused (os error 111)"), which tonic keeps only in the status's source chain;
+/// a status that came over the wire has no source and keeps its message.
+fn with_cause(message: String, status: &Status) -> String {
+    let mut cause: Option<&dyn std::error::Error> = std::error::Error::source(status);
+    let mut last = None;
+    while let Some(c) = cause {
+        last = Some(c.to_string());
+        cause = c.source();
+    }
+    match last {
+        Some(c) if !message.contains(&c) => format!("{message}: {c}"),
+        _ => message,
+    }
 }
 
 /// Converts a failure into the per-item error of batch results.
@@ -115,6 +131,26 @@ mod tests {
         let s = to_status(&Failure::invalid("é".repeat(10_000)));
         assert!(s.message().len() < MAX_MESSAGE_LEN + 32);
         assert_eq!(failure_from_status(&s).reason, Reason::Invalid);
+    }
+
+    #[test]
+    fn a_client_side_transport_error_names_its_os_cause() {
+        let mut s = Status::unavailable("tcp connect error");
+        s.set_source(std::sync::Arc::new(std::io::Error::from(
+            std::io::ErrorKind::ConnectionRefused,
+        )));
+        let f = failure_from_status(&s);
+        assert_eq!(f.reason, Reason::Unavailable);
+        assert_eq!(f.message, "tcp connect error: connection refused");
+        // A cause already in the message is not repeated.
+        let mut s = Status::unavailable("tcp connect error: connection refused");
+        s.set_source(std::sync::Arc::new(std::io::Error::from(
+            std::io::ErrorKind::ConnectionRefused,
+        )));
+        assert_eq!(
+            failure_from_status(&s).message,
+            "tcp connect error: connection refused"
+        );
     }
 
     #[test]

@@ -135,10 +135,9 @@ pub fn cluster_up(o: &UpOptions) -> Cluster {
     let stdout = child.stdout.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
+        // Drains to the end, so the cluster never writes to a closed pipe.
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
+            let _ = tx.send(line);
         }
     });
     let (mut addr, mut token, mut project) = (None, None, None);

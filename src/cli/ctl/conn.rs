@@ -211,26 +211,11 @@ impl Conn {
                     if failure.reason != Reason::Unavailable {
                         return Err(failure);
                     }
-                    why.push(format!("{addr}: {}", with_cause(&failure.message, &status)));
+                    why.push(format!("{addr}: {}", failure.message));
                 }
             }
         }
         Err(Failure::unavailable(why.join("; ")))
-    }
-}
-
-/// A transport error's message with its innermost cause ("tcp connect error: Connection
-/// refused (os error 111)"), which tonic keeps in the status's source chain.
-fn with_cause(message: &str, status: &tonic::Status) -> String {
-    let mut cause: Option<&dyn std::error::Error> = std::error::Error::source(status);
-    let mut last = None;
-    while let Some(c) = cause {
-        last = Some(c.to_string());
-        cause = c.source();
-    }
-    match last {
-        Some(c) if !message.contains(&c) => format!("{message}: {c}"),
-        _ => message.to_string(),
     }
 }
 

@@ -238,23 +238,32 @@ async fn run(f: UpFlags) -> anyhow::Result<()> {
         ));
     }
     ready.set(true, "cluster");
-    println!("export OPENDSEC_ADDR={}", cluster.api_addrs.join(","));
-    println!("export OPENDSEC_TOKEN={}", cluster.admin_token);
-    println!("export OPENDSEC_PROJECT=root");
+    // One write, and its failure ignored: a reader that stops early (`cluster up | head -1`,
+    // a test harness done with the block) must not take the cluster down with a panic on
+    // a broken pipe.
+    let mut env = format!(
+        "export OPENDSEC_ADDR={}\nexport OPENDSEC_TOKEN={}\nexport OPENDSEC_PROJECT=root\n",
+        cluster.api_addrs.join(","),
+        cluster.admin_token
+    );
     if !cluster.cfg.image_store.root.is_empty() {
-        println!(
-            "export OPENDSEC_IMAGE_STORE={}",
+        env.push_str(&format!(
+            "export OPENDSEC_IMAGE_STORE={}\n",
             cluster.cfg.image_store.root
-        );
+        ));
     }
     if let Some(a) = &cluster.e2b_addr {
         // E2B's SDKs reach the control plane and the sandboxes through the gateway.
-        println!("export E2B_API_URL=http://{a}");
-        println!("export E2B_SANDBOX_URL=http://{a}");
-        println!("export E2B_API_KEY={}", cluster.admin_token);
+        env.push_str(&format!(
+            "export E2B_API_URL=http://{a}\nexport E2B_SANDBOX_URL=http://{a}\nexport E2B_API_KEY={}\n",
+            cluster.admin_token
+        ));
     }
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        let _ = out.write_all(env.as_bytes()).and_then(|()| out.flush());
+    }
     eprintln!(
         "# cluster up: {} edge(s), {} apiserver(s); Ctrl-C stops it",
         cluster.cfg.edges.len(),
