@@ -436,6 +436,16 @@ async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothi
 }
 
 /// The guest's counter (`/tmp/count`).
+/// Bytes allocated to those of `names` in `dir` with at least `links` links.
+fn blocks(dir: &Path, names: &[&str], links: u64) -> u64 {
+    names
+        .iter()
+        .filter_map(|n| std::fs::metadata(dir.join(n)).ok())
+        .filter(|m| std::os::unix::fs::MetadataExt::nlink(m) >= links)
+        .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
+        .sum()
+}
+
 async fn count(b: &Arc<dyn Backend>, h: &Handle<'_>) -> u64 {
     shell(b, h, "cat /tmp/count").await.trim().parse().unwrap()
 }
@@ -554,6 +564,22 @@ async fn copies_of_a_memory_snapshot_carry_on_with_their_own_identity() {
     );
     assert!(info.paused_ms > 0.0);
     assert!(touched_kb > 64 << 10, "the source touched {touched_kb} kB");
+    // The image disk is the node's, linked: it is no data the snapshot added.
+    let image_disk = std::fs::metadata(snap.join("image.ext4")).unwrap();
+    assert!(std::os::unix::fs::MetadataExt::nlink(&image_disk) > 1);
+    let names: Vec<String> = std::fs::read_dir(&snap)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    let (all, linked) = (blocks(&snap, &names, 1), blocks(&snap, &names, 2));
+    assert!(linked >= std::os::unix::fs::MetadataExt::blocks(&image_disk) * 512);
+    assert_eq!(
+        info.bytes,
+        all - linked,
+        "bytes counts what the snapshot wrote"
+    );
     let at_snapshot = count(&b, &h).await;
     // The source goes on.
     tokio::time::sleep(std::time::Duration::from_millis(800)).await;
@@ -569,6 +595,24 @@ async fn copies_of_a_memory_snapshot_carry_on_with_their_own_identity() {
         .unwrap_err();
     assert_eq!(err.reason(), opendsec::types::Reason::Invalid, "{err}");
     assert!(!state.join(edge).join("microvms").join(&ids[1]).exists());
+    // And runs as the snapshot's user: another one is refused, not ignored; the same one
+    // (the source ran as root) is no change.
+    let mut as_other = sp.clone();
+    as_other.init_user = "nobody".into();
+    let err = b
+        .create(&create(&ids[1], Some(snap.clone()), as_other))
+        .await
+        .unwrap_err();
+    assert_eq!(err.reason(), opendsec::types::Reason::Invalid, "{err}");
+    assert!(err.to_string().contains("init_user \"nobody\""), "{err}");
+    assert!(!state.join(edge).join("microvms").join(&ids[1]).exists());
+    assert_eq!(
+        opendsec::backends::microvm::snapshot::read_meta(&snap)
+            .map(|m| m.init_user)
+            .ok()
+            .as_deref(),
+        Some("root")
+    );
 
     // The snapshot sits a while: a copy must not live in its past.
     tokio::time::sleep(std::time::Duration::from_secs(3)).await;
@@ -705,6 +749,18 @@ async fn copies_of_a_memory_snapshot_carry_on_with_their_own_identity() {
     // A copy pauses and resumes too: its private RAM goes into its stream. It holds the
     // snapshot's files itself: the snapshot's removal takes nothing from it.
     std::fs::remove_dir_all(&snap2).unwrap();
+    // A fork's copy whose snapshot is gone (an image gc with a short grace) is told so,
+    // as unavailable rather than internal, and leaves nothing.
+    let gone = format!("{edge}.g1");
+    let _gone = Leftovers(vec![gone.clone()]);
+    let err = b
+        .create(&create(&gone, Some(snap2.clone()), sp.clone()))
+        .await
+        .expect_err("a copy of a removed snapshot");
+    assert_eq!(err.reason(), opendsec::types::Reason::Unavailable, "{err}");
+    assert!(err.to_string().contains("was removed"), "{err}");
+    assert!(!state.join(edge).join("microvms").join(&gone).exists());
+    assert!(cgroup_pids(&gone).is_empty());
     let cp = b.pause(&hc).await.expect("pause a copy");
     let hcp = Handle {
         sandbox_id: &ids[4],

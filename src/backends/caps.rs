@@ -49,7 +49,8 @@ pub struct SnapshotTarget {
 pub struct SnapshotInfo {
     /// Files written, relative to the target directory.
     pub files: Vec<String>,
-    /// Bytes of data (holes excluded).
+    /// Bytes of data the snapshot added (holes excluded; a file it hard-linked from the
+    /// node, such as a shared image disk, counts nothing).
     pub bytes: u64,
     /// Runtime versions the snapshot needs to be restored (e.g. `firecracker` → `1.17.0`).
     pub versions: BTreeMap<String, String>,

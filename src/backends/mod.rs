@@ -171,6 +171,13 @@ pub trait Backend: Send + Sync {
     fn pause_frees_memory(&self) -> bool {
         false
     }
+    /// The memory, in MiB, a running sandbox of `spec` takes from its node: what admission
+    /// charges and a resume needs back. The spec's `memory_limit_mb` by default; a microVM
+    /// adds `vm_overhead_mb` (the VMM, page tables, device buffers) to its guest memory
+    /// (docs/configuration.md). A quota is charged the spec's figure, never this one.
+    fn memory_charge_mb(&self, spec: &pb::SandboxSpec) -> i64 {
+        spec.memory_limit_mb
+    }
 
     /// Checks a creation's spec (resources filled in) against what this backend can start,
     /// before anything is made, so a spec that cannot start fails at admission. Errors:

@@ -290,8 +290,14 @@ impl Mux {
         let out = mux.out.downgrade();
         tokio::spawn(async move {
             let mut reader = BufReader::new(reader);
-            if let Err(e) = host_in(&state, &mut reader, nonce, &out).await {
-                tracing::warn!(error = %e, "agent port: connection given up");
+            match host_in(&state, &mut reader, nonce, &out).await {
+                Ok(()) => {}
+                // The VMM went away (a stop, a pause, a crash): the edge learns which from
+                // the VMM, not from its socket, so this is no news.
+                Err(MuxError::Io(e)) => {
+                    tracing::debug!(error = %e, "agent port: connection ended");
+                }
+                Err(e) => tracing::warn!(error = %e, "agent port: connection given up"),
             }
             state.dead.cancel();
             state.sessions().clear();

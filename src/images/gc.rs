@@ -31,7 +31,9 @@ pub struct GcOptions {
 pub struct Removed {
     /// `layer <hex>`, `snapshot <name>` or `tmp/<name>`.
     pub what: String,
-    /// Bytes of its regular files.
+    /// Bytes its removal frees: the blocks allocated to its regular files that no other
+    /// link holds (a sparse RAM file counts what it holds, not its length; a disk a
+    /// running copy still links counts nothing).
     pub bytes: u64,
 }
 
@@ -286,7 +288,8 @@ fn tree_bytes(p: &Path) -> u64 {
         return 0;
     };
     if m.is_file() {
-        return m.len();
+        use std::os::unix::fs::MetadataExt;
+        return if m.nlink() > 1 { 0 } else { m.blocks() * 512 };
     }
     if !m.is_dir() {
         return 0;
@@ -299,6 +302,11 @@ fn tree_bytes(p: &Path) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn allocated(p: &Path) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        fs::metadata(p).expect("metadata").blocks() * 512
+    }
     use crate::images::name::ImageRef;
 
     fn age(p: &Path, secs: u64) {
@@ -325,6 +333,18 @@ mod tests {
             dir
         };
         let (named, orphan, young) = (snap("1-named"), snap("2-orphan"), snap("3-young"));
+        // The orphan's RAM is sparse (1 GiB long, one page written) and its disk is linked
+        // by a copy that still runs: what its removal frees is the one page.
+        fs::OpenOptions::new()
+            .write(true)
+            .open(orphan.join("memory"))
+            .and_then(|f| f.set_len(1 << 30))
+            .expect("sparse memory");
+        let held = d.path().join("held-by-a-copy");
+        fs::write(&held, vec![7u8; 1 << 20]).expect("disk");
+        fs::hard_link(&held, orphan.join("disk.ext4")).expect("link");
+        let frees = allocated(&orphan.join("memory"));
+        assert!(frees > 0 && frees < 1 << 20, "{frees}");
         fs::create_dir_all(d.path().join("snapshots/Not_Ours")).expect("stranger");
         store
             .write_manifest(
@@ -351,7 +371,8 @@ mod tests {
         .expect("gc");
         let what: Vec<&str> = r.removed.iter().map(|r| r.what.as_str()).collect();
         assert_eq!(what, ["snapshot 2-orphan"]);
-        assert_eq!(r.removed[0].bytes, 3);
+        assert_eq!(r.removed[0].bytes, frees);
+        assert!(held.exists(), "the copy keeps its link");
         assert!(!orphan.exists());
         assert!(named.join("memory").exists() && young.join("memory").exists());
         assert!(d.path().join("snapshots/Not_Ours").exists());
@@ -414,10 +435,11 @@ mod tests {
             what,
             [format!("layer {}", old.hex()).as_str(), "tmp/layer-1-dead"]
         );
-        let meta = fs::metadata(store.layer_dir(&old).join("meta.json"))
-            .expect("meta")
-            .len();
-        assert_eq!(dry.removed[0].bytes, 3 + meta, "the file and meta.json");
+        let dir = store.layer_dir(&old);
+        let meta = allocated(&dir.join("meta.json"));
+        let file = allocated(&dir.join("rootfs/f"));
+        assert!(file > 0 && meta > 0);
+        assert_eq!(dry.removed[0].bytes, file + meta, "the file and meta.json");
         assert!(store.has_layer(&old), "a dry run removes nothing");
 
         let real = collect(

@@ -134,12 +134,14 @@ impl Images {
             let dir = layers
                 .store()
                 .snapshot_dir(&manifest.vm_snapshot)
-                .ok_or_else(|| {
-                    unavailable(format!(
-                        "its manifest names snapshot {:?}, which is no snapshot's name (the \
-                         store was changed by hand)",
+                // A store changed by hand: no retry mends it, so not `unavailable`.
+                .ok_or_else(|| BackendError::Create {
+                    sandbox_id: sandbox_id.to_string(),
+                    message: format!(
+                        "image {image}: its manifest names snapshot {:?}, which is no \
+                         snapshot's name (the store was changed by hand)",
                         manifest.vm_snapshot
-                    ))
+                    ),
                 })?;
             return Ok(Resolved {
                 user: manifest.user,
@@ -422,6 +424,33 @@ mod tests {
             images.resolve("edge-1.x", "root/Bad:1").await,
             Err(BackendError::Invalid { .. })
         ));
+        // A memory snapshot's image resolves to its directory; one whose manifest names no
+        // snapshot directory (a store changed by hand) is an internal error, not a
+        // passing unavailability.
+        for (tag, dir, ok) in [("2", "7-warm", true), ("3", "../layers", false)] {
+            store
+                .write_manifest(
+                    &ImageRef::parse(&format!("root/py:{tag}")).expect("name"),
+                    &ImageManifest {
+                        snapshot: true,
+                        memory: true,
+                        vm_snapshot: dir.into(),
+                        ..Default::default()
+                    },
+                    false,
+                )
+                .expect("manifest");
+            let r = images.resolve("edge-1.x", &format!("root/py:{tag}")).await;
+            if ok {
+                assert_eq!(
+                    r.expect("a snapshot image").vm_snapshot,
+                    store.snapshot_dir(dir)
+                );
+            } else {
+                let e = r.expect_err("a bad snapshot name");
+                assert_eq!(e.reason(), crate::types::Reason::Internal, "{e}");
+            }
+        }
 
         // In-use records: written, listed under the edge, released one by one and as strays.
         images

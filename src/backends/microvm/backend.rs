@@ -93,6 +93,9 @@ pub struct VmState {
     pub agent_disk: PathBuf,
     /// The snapshot a copy was restored from.
     pub snapshot: PathBuf,
+    /// The user its init runs as, resolved at boot (the spec's `init_user`, else the
+    /// image's, else root); a copy keeps its snapshot's. Empty: recorded before this field.
+    pub init_user: String,
 }
 
 /// The microVM backend; see the module doc.
@@ -851,6 +854,7 @@ impl MicrovmBackend {
             image: sandbox.spec.image.clone(),
             source: id.to_string(),
             paused_ms: 0.0,
+            init_user: st.init_user.clone(),
         };
         let files = {
             let (dir, target, st) = (dir.clone(), target.to_path_buf(), st.clone());
@@ -940,7 +944,7 @@ impl MicrovmBackend {
         let from = from.to_path_buf();
         let (meta, disk_bytes) = {
             let f = from.clone();
-            tokio::task::spawn_blocking(move || {
+            let checked = tokio::task::spawn_blocking(move || {
                 snapshot::check_files(&f)?;
                 let disk = std::fs::metadata(f.join(snapshot::DISK))
                     .map(|m| m.len())
@@ -948,8 +952,11 @@ impl MicrovmBackend {
                 Ok::<_, String>((snapshot::read_meta(&f)?, disk))
             })
             .await
-            .map_err(|e| create_err(id, e))?
-            .map_err(invalid)?
+            .map_err(|e| create_err(id, e))?;
+            match checked {
+                Ok(v) => v,
+                Err(m) => return Err(self.snapshot_gone(req, &from).await.unwrap_or(invalid(m))),
+            }
         };
         // The copy's disk is the snapshot's, whose file system fills it: another size
         // would be a spec the sandbox does not have.
@@ -969,6 +976,19 @@ impl MicrovmBackend {
                 vcpus_of(&req.spec)
             )));
         }
+        // The copy's processes already run as the snapshot's user, and its config disk is
+        // never read again: another user cannot be honoured, so it is refused, not ignored.
+        let asked = &req.spec.init_user;
+        if !asked.is_empty() && *asked != meta.init_user {
+            let was = if meta.init_user.is_empty() {
+                "not recorded in this snapshot".to_string()
+            } else {
+                format!("{:?}", meta.init_user)
+            };
+            return Err(invalid(format!(
+                "init_user {asked:?}: a copy of a memory snapshot runs as its snapshot did ({was}); leave init_user unset"
+            )));
+        }
         let digests = meta
             .layers
             .iter()
@@ -982,19 +1002,23 @@ impl MicrovmBackend {
             disk_mb: req.spec.disk_mb.max(1) as u64,
             ..Default::default()
         };
-        self.make_files(
-            id,
-            &req.spec,
-            cfg,
-            NewDisk::CopyOf(from.join(snapshot::DISK)),
-        )
-        .await?;
+        if let Err(e) = self
+            .make_files(
+                id,
+                &req.spec,
+                cfg,
+                NewDisk::CopyOf(from.join(snapshot::DISK)),
+            )
+            .await
+        {
+            return Err(self.snapshot_gone(req, &from).await.unwrap_or(e));
+        }
         // The copy holds the snapshot's files by hard links of its own where it can, so
         // that removing the snapshot never pulls them from under a copy that still runs
         // or will resume.
         let held = {
             let (d, f) = (self.sandbox_dir(id), from.clone());
-            tokio::task::spawn_blocking(move || {
+            let held = tokio::task::spawn_blocking(move || {
                 let at = |name: &str| (f.join(name), d.join(format!("snap-{name}")));
                 let disk = |name: &str| -> Result<PathBuf, String> {
                     let (from, to) = at(name);
@@ -1004,29 +1028,39 @@ impl MicrovmBackend {
                 };
                 // The memory too: a copy that mapped the snapshot's own file would lose it
                 // (or, on NFS, fault on it) once the image is deleted.
+                // And the device state, read once below: a deletion from now on changes
+                // nothing for this copy.
                 Ok::<_, String>((
                     disk(snapshot::IMAGE_DISK)?,
                     disk(snapshot::MEMORY)?,
                     disk(snapshot::AGENT_DISK)?,
+                    disk(snapshot::STATE)?,
                 ))
             })
             .await
-            .map_err(|e| create_err(id, e))?
-            .map_err(|m| create_err(id, m))?
+            .map_err(|e| create_err(id, e))?;
+            match held {
+                Ok(v) => v,
+                Err(m) => {
+                    return Err(self
+                        .snapshot_gone(req, &from)
+                        .await
+                        .unwrap_or(create_err(id, m)))
+                }
+            }
         };
-        let (image_disk, ram, agent_disk) = held;
+        let (image_disk, ram, agent_disk, state) = held;
         let mut st = VmState {
             layers: meta.layers.clone(),
             image_disk,
             ram,
             agent_disk,
             snapshot: from.clone(),
+            init_user: meta.init_user.clone(),
             ..Default::default()
         };
         let (pid, start_time, ch) = self
-            .start_restored(id, &req.spec, &st, &from.join(snapshot::STATE), |m| {
-                create_err(id, m)
-            })
+            .start_restored(id, &req.spec, &st, &state, |m| create_err(id, m))
             .await?;
         post_restore(&ch, id, true)
             .await
@@ -1035,6 +1069,37 @@ impl MicrovmBackend {
         st.pid = pid;
         st.start_time = start_time;
         Ok(st)
+    }
+
+    /// Why a restore from `from` failed when the snapshot went away under it, None when it
+    /// is still whole: a copy of an image deleted meanwhile gets `not_found` for the image
+    /// (a deleted image is not an internal error); a fork's copy whose snapshot an image gc
+    /// with a short grace took gets `unavailable` (a new fork makes a new snapshot).
+    async fn snapshot_gone(&self, req: &CreateRequest, from: &Path) -> Option<BackendError> {
+        let f = from.to_path_buf();
+        let whole = tokio::task::spawn_blocking(move || snapshot::check_files(&f).is_ok())
+            .await
+            .unwrap_or(true);
+        if whole {
+            return None;
+        }
+        if req.snapshot.is_some() {
+            return Some(BackendError::ImageUnavailable {
+                image: req.spec.image.clone(),
+                message: format!(
+                    "the fork's memory snapshot {} was removed before this copy restored it (an image gc with a grace shorter than the fork?)",
+                    from.display()
+                ),
+            });
+        }
+        match self.images.resolve(&req.sandbox_id, &req.spec.image).await {
+            Err(e @ BackendError::ImageNotFound { .. }) => Some(e),
+            // Overwritten by another snapshot of the same name meanwhile: this one is gone.
+            Ok(r) if r.vm_snapshot.as_deref() != Some(from) => Some(BackendError::ImageNotFound {
+                image: req.spec.image.clone(),
+            }),
+            _ => None,
+        }
     }
 
     /// Makes a new VM's directory, writable disk (from `disk`) and config disk, and its
@@ -1079,13 +1144,13 @@ impl MicrovmBackend {
             .map_err(|e| create_err(id, e))
     }
 
-    /// The sandbox cgroup's limits: the guest's memory with QEMU's overhead on top, the
-    /// CPU quota, QEMU's threads.
+    /// The sandbox cgroup's limits: the guest's memory with QEMU's overhead on top (what
+    /// admission charges), the CPU quota, QEMU's threads.
     fn limits(&self, spec: &crate::pb::SandboxSpec) -> Limits {
         Limits {
             cpu_cores: spec.cpu_cores_limit,
             idle: false,
-            memory_mb: spec.memory_limit_mb.max(MIN_MEMORY_MB) + self.overhead_mb,
+            memory_mb: self.memory_charge_mb(spec),
             pids_max: QEMU_PIDS_MAX,
             disk_io: None,
         }
@@ -1103,16 +1168,17 @@ impl MicrovmBackend {
         let image_disk = self
             .image_disk(&req.spec.image, &layers, &image.lowers)
             .await?;
+        let init_user = [req.spec.init_user.as_str(), image.user.as_str()]
+            .into_iter()
+            .find(|u| !u.is_empty())
+            .unwrap_or("root")
+            .to_string();
         let cfg = VmConfig {
             sandbox_id: id.clone(),
             hostname: hostname_of(id),
             env: image.env,
             workdir: image.workdir,
-            init_user: [req.spec.init_user.as_str(), image.user.as_str()]
-                .into_iter()
-                .find(|u| !u.is_empty())
-                .unwrap_or("root")
-                .to_string(),
+            init_user: init_user.clone(),
             disk_mb: req.spec.disk_mb.max(1) as u64,
             nameservers: Vec::new(),
         };
@@ -1125,6 +1191,7 @@ impl MicrovmBackend {
             // The build the guest mounts: a snapshot or resume after an upgrade of the
             // node must give it this one, not the node's newer one.
             agent_disk: self.agent_disk.clone(),
+            init_user,
             ..Default::default()
         };
         let machine = self.machine(id, &req.spec, &st, false);
@@ -1468,6 +1535,10 @@ impl Backend for MicrovmBackend {
         true
     }
 
+    fn memory_charge_mb(&self, spec: &crate::pb::SandboxSpec) -> i64 {
+        spec.memory_limit_mb.max(MIN_MEMORY_MB) + self.overhead_mb
+    }
+
     async fn probe(&self, sandbox: &Handle<'_>) -> Health {
         let st = Self::state_of(sandbox);
         if st.paused || qemu_alive(st.pid, st.start_time) {
@@ -1581,6 +1652,7 @@ impl Snapshotter for MicrovmBackend {
         let bytes = names
             .iter()
             .filter_map(|n| std::fs::metadata(target.dir.join(n)).ok())
+            .filter(|m| std::os::unix::fs::MetadataExt::nlink(m) == 1)
             .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
             .sum();
         Ok((

@@ -46,6 +46,8 @@ pub struct SnapshotMeta {
     pub source: String,
     /// How long the source's vCPUs were stopped for it (ms; 0 for a paused source).
     pub paused_ms: f64,
+    /// The user the source's init ran as (empty in snapshots older than this field).
+    pub init_user: String,
 }
 
 /// Reads `<dir>/vm.json`. Errors: a message naming what is missing or wrong (not a
@@ -155,6 +157,7 @@ mod tests {
             image: "p/i:1".into(),
             source: "e.1".into(),
             paused_ms: 3.5,
+            init_user: "app".into(),
         };
         write_meta(d.path(), &m).unwrap();
         assert_eq!(read_meta(d.path()).unwrap(), m);

@@ -129,7 +129,10 @@ impl Core {
         };
         // A spec this backend cannot start fails here, before anything is made.
         backend.check_spec(&spec).map_err(|e| e.to_failure())?;
-        let want = Res::of_spec(&spec);
+        let want = Res {
+            memory_mb: backend.memory_charge_mb(&spec),
+            ..Res::of_spec(&spec)
+        };
         let started = Instant::now();
         let now = now_s();
         let press = pressures(&read(&self.reserves), &read(&self.host));

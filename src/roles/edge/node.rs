@@ -161,8 +161,12 @@ impl Core {
     }
 
     fn charge(&self, rec: &SandboxRecord) -> crate::types::Res {
-        let frees = self.backend_of(rec).is_some_and(|b| b.pause_frees_memory());
-        rec.charge(frees, self.paused_mem_charge)
+        let b = self.backend_of(rec);
+        let frees = b.is_some_and(|b| b.pause_frees_memory());
+        let running = b
+            .zip(rec.sandbox.spec.as_ref())
+            .map(|(b, s)| b.memory_charge_mb(s));
+        rec.charge_with(running, frees, self.paused_mem_charge)
     }
 
     /// Adds a record's charge to the allocation (a record entering memory); returns the

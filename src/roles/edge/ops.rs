@@ -172,7 +172,7 @@ impl Core {
         let Some(cap) = super::node::read(&self.capacity).memory_mb else {
             return Ok(());
         };
-        let full = rec.spec().memory_limit_mb;
+        let full = b.memory_charge_mb(&rec.spec());
         let held = rec.charge(true, self.paused_mem_charge).memory_mb;
         let used = super::node::lock(&self.alloc).total.memory_mb;
         if used - held + full > cap {

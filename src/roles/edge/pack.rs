@@ -32,6 +32,8 @@ impl Core {
         let backend = self.backend_while_live(&rec, "pack")?;
         if !req.fork_snapshot.is_empty() && backend.snapshotter().is_some() {
             let dir = self.snapshot_dir(&req.fork_snapshot)?;
+            // Logged under the RPC that asked (PackSandbox); this line says what it did.
+            tracing::info!(snapshot = %req.fork_snapshot, "fork: saving a memory snapshot rather than packing");
             let s = self.snapshot_locked(&rec, &backend, dir).await?;
             return Ok(pb::EdgePackResponse {
                 image: s.image,

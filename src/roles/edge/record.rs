@@ -115,6 +115,17 @@ impl SandboxRecord {
     /// memory times `paused_mem_charge` while PAUSED on a backend whose pause frees memory),
     /// nothing once ended.
     pub fn charge(&self, pause_frees_memory: bool, paused_mem_charge: f64) -> Res {
+        self.charge_with(None, pause_frees_memory, paused_mem_charge)
+    }
+
+    /// As `charge`, with `running_mb` (the backend's `memory_charge_mb`, guest memory plus
+    /// VMM overhead for a microVM) as the memory while not paused; None = the spec's.
+    pub fn charge_with(
+        &self,
+        running_mb: Option<i64>,
+        pause_frees_memory: bool,
+        paused_mem_charge: f64,
+    ) -> Res {
         if self.is_ended() {
             return Res::default();
         }
@@ -125,7 +136,10 @@ impl SandboxRecord {
                 .unwrap_or(&pb::SandboxSpec::default()),
         );
         if pause_frees_memory && self.state() == SandboxState::Paused {
+            // The VMM is gone: what is held is a share of the saved guest memory.
             r.memory_mb = (r.memory_mb as f64 * paused_mem_charge.clamp(0.0, 1.0)).ceil() as i64;
+        } else if let Some(mb) = running_mb {
+            r.memory_mb = mb;
         }
         r
     }

@@ -26,6 +26,8 @@ use crate::types::{now_s, Failure, Reason};
 #[derive(Default)]
 struct TestBackend {
     frees: bool,
+    /// Added to a running sandbox's memory, as a microVM's `vm_overhead_mb` is.
+    overhead_mb: i64,
     fail_adopt: HashSet<String>,
     adopted: Mutex<Vec<(String, Recorded)>>,
     cleaned: Mutex<Vec<HashSet<String>>>,
@@ -73,6 +75,9 @@ impl Backend for Arc<TestBackend> {
     }
     fn pause_frees_memory(&self) -> bool {
         self.frees
+    }
+    fn memory_charge_mb(&self, spec: &pb::SandboxSpec) -> i64 {
+        spec.memory_limit_mb + self.overhead_mb
     }
     async fn create(&self, req: &CreateRequest) -> Result<BackendState, BackendError> {
         if let Some(g) = &self.gate {
@@ -583,6 +588,72 @@ async fn pressure_and_capacity_refuse_with_no_capacity() {
         )
         .await;
     assert_eq!(bad.err().map(|f| f.reason), Some(Reason::Invalid));
+}
+
+/// A running microVM takes its guest memory plus `vm_overhead_mb` from the node; paused, the
+/// VMM is gone and only `paused_mem_charge` of the guest memory stays charged.
+#[tokio::test]
+async fn admission_charges_the_backends_overhead_while_running() {
+    let cfg = EdgeConfig {
+        paused_mem_charge: Some(0.25),
+        capacity: crate::config::CapacityConfig {
+            memory_mb: 2150,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let c = core(
+        Arc::new(TestBackend {
+            frees: true,
+            overhead_mb: 100,
+            ..Default::default()
+        }),
+        cfg,
+        None,
+        Arc::new(Sink::default()),
+    );
+    c.create_batch(Some(spec()), vec![item("a")])
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    assert_eq!(lock(&c.alloc).total.memory_mb, 1100, "1000 + 100 overhead");
+    // 1000 + 1000 would fit 2150; with the overhead it does not.
+    let out = c
+        .create_batch(Some(spec()), vec![item("b")])
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    let e = out[0].error.clone().unwrap_or_default();
+    assert_eq!(e.reason, "no_capacity");
+    assert!(
+        e.message.contains("memory_mb: 1100 requested"),
+        "{}",
+        e.message
+    );
+    assert_eq!(
+        lock(&c.alloc).total.memory_mb,
+        1100,
+        "a refusal charges nothing"
+    );
+    c.lifecycle("e1.a", Op::Pause, Cause::Caller)
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    assert_eq!(
+        lock(&c.alloc).total.memory_mb,
+        250,
+        "1000 × 0.25, no overhead"
+    );
+    // 250 + 1100 for a new one fits; then a's resume needs its 1100 back: 850 more, 800 free.
+    c.create_batch(Some(spec()), vec![item("c")])
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    let r = c.lifecycle("e1.a", Op::Resume, Cause::Caller).await;
+    assert_eq!(r.err().map(|f| f.reason), Some(Reason::NoCapacity));
+    c.lifecycle("e1.c", Op::Stop, Cause::Caller)
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    c.lifecycle("e1.a", Op::Resume, Cause::Caller)
+        .await
+        .unwrap_or_else(|f| panic!("{f}"));
+    assert_eq!(lock(&c.alloc).total.memory_mb, 1100);
 }
 
 #[tokio::test]
