@@ -606,13 +606,40 @@ async fn copies_of_a_memory_snapshot_carry_on_with_their_own_identity() {
     assert_eq!(err.reason(), opendsec::types::Reason::Invalid, "{err}");
     assert!(err.to_string().contains("init_user \"nobody\""), "{err}");
     assert!(!state.join(edge).join("microvms").join(&ids[1]).exists());
-    assert_eq!(
-        opendsec::backends::microvm::snapshot::read_meta(&snap)
-            .map(|m| m.init_user)
-            .ok()
-            .as_deref(),
-        Some("root")
+    use opendsec::backends::microvm::snapshot::{read_meta, write_meta};
+    let meta = read_meta(&snap).expect("vm.json");
+    assert_eq!(meta.init_user, "root");
+    assert!(
+        meta.machine.starts_with("QEMU emulator version ")
+            && (meta.machine.ends_with("; tcg") || meta.machine.ends_with("; kvm")),
+        "{}",
+        meta.machine
     );
+    assert_eq!(info.versions.get("qemu"), Some(&meta.machine));
+    // The same snapshot as taken on another QEMU: refused, naming both.
+    let elsewhere = tmp.path().join("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    for e in std::fs::read_dir(&snap).unwrap().flatten() {
+        if e.file_name() != "vm.json" {
+            std::fs::hard_link(e.path(), elsewhere.join(e.file_name())).unwrap();
+        }
+    }
+    write_meta(
+        &elsewhere,
+        &opendsec::backends::microvm::snapshot::SnapshotMeta {
+            machine: "QEMU emulator version 9.9.9; kvm".into(),
+            ..meta.clone()
+        },
+    )
+    .unwrap();
+    let err = b
+        .create(&create(&ids[1], Some(elsewhere.clone()), sp.clone()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.reason(), opendsec::types::Reason::Invalid, "{err}");
+    assert!(err.to_string().contains("9.9.9; kvm"), "{err}");
+    assert!(!state.join(edge).join("microvms").join(&ids[1]).exists());
+    std::fs::remove_dir_all(&elsewhere).unwrap();
 
     // The snapshot sits a while: a copy must not live in its past.
     tokio::time::sleep(std::time::Duration::from_secs(3)).await;

@@ -104,6 +104,9 @@ pub struct MicrovmBackend {
     qemu: PathBuf,
     kernel: PathBuf,
     accel: Accel,
+    /// The QEMU build and accelerator VMs run on here (`QEMU emulator version …; tcg`): a
+    /// VM's saved state restores only on the same. Empty when QEMU did not say.
+    machine: String,
     initrd: PathBuf,
     agent_disk: PathBuf,
     images: Images,
@@ -131,6 +134,33 @@ fn create_err(id: &str, message: impl std::fmt::Display) -> BackendError {
         sandbox_id: id.to_string(),
         message: message.to_string(),
     }
+}
+
+/// What a VM's saved state depends on here: QEMU's version line and the accelerator
+/// (`QEMU emulator version 7.2.22 (Debian …); tcg`); empty when `qemu --version` fails.
+fn machine_of(qemu: &Path, accel: Accel) -> String {
+    let version = std::process::Command::new(qemu)
+        .arg("--version")
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .map(|l| l.trim().to_string())
+        })
+        .unwrap_or_default();
+    if version.is_empty() {
+        return version;
+    }
+    let accel = match accel {
+        Accel::Kvm => "kvm",
+        Accel::Tcg { .. } => "tcg",
+    };
+    format!("{version}; {accel}")
 }
 
 /// Whether hardware virtualization works here: `/dev/kvm` opens and the CPU offers VMX or
@@ -272,7 +302,8 @@ impl MicrovmBackend {
                 tsc_khz: super::qemu::host_tsc_khz(),
             }
         };
-        tracing::info!(backend = name, accel = ?accel, kernel = %kernel.display(), "microVMs start with this accelerator");
+        let machine = machine_of(&qemu, accel);
+        tracing::info!(backend = name, accel = ?accel, machine = %machine, kernel = %kernel.display(), "microVMs start with this accelerator");
         let base = ctx.state_dir.join(&ctx.edge_id);
         let node = base.join("vm");
         let src = ["opendsec-aether", "opendsec"]
@@ -302,6 +333,7 @@ impl MicrovmBackend {
             qemu,
             kernel,
             accel,
+            machine,
             initrd,
             agent_disk,
             images,
@@ -855,6 +887,7 @@ impl MicrovmBackend {
             source: id.to_string(),
             paused_ms: 0.0,
             init_user: st.init_user.clone(),
+            machine: self.machine.clone(),
         };
         let files = {
             let (dir, target, st) = (dir.clone(), target.to_path_buf(), st.clone());
@@ -974,6 +1007,12 @@ impl MicrovmBackend {
                 meta.memory_mb,
                 meta.vcpus,
                 vcpus_of(&req.spec)
+            )));
+        }
+        if !meta.machine.is_empty() && !self.machine.is_empty() && meta.machine != self.machine {
+            return Err(invalid(format!(
+                "the snapshot was taken on {:?} and this node runs {:?}: a VM's saved state restores only on the same QEMU and accelerator",
+                meta.machine, self.machine
             )));
         }
         // The copy's processes already run as the snapshot's user, and its config disk is
@@ -1660,7 +1699,7 @@ impl Snapshotter for MicrovmBackend {
             SnapshotInfo {
                 files: names.iter().map(|n| n.to_string()).collect(),
                 bytes,
-                versions: BTreeMap::new(),
+                versions: BTreeMap::from([("qemu".to_string(), meta.machine.clone())]),
                 paused_ms: meta.paused_ms,
             },
         ))

@@ -48,6 +48,9 @@ pub struct SnapshotMeta {
     pub paused_ms: f64,
     /// The user the source's init ran as (empty in snapshots older than this field).
     pub init_user: String,
+    /// The QEMU build and accelerator it ran on (`QEMU emulator version …; tcg`): a copy
+    /// restores only on the same. Empty: not known.
+    pub machine: String,
 }
 
 /// Reads `<dir>/vm.json`. Errors: a message naming what is missing or wrong (not a
@@ -158,6 +161,7 @@ mod tests {
             source: "e.1".into(),
             paused_ms: 3.5,
             init_user: "app".into(),
+            machine: "QEMU emulator version 7.2.22; tcg".into(),
         };
         write_meta(d.path(), &m).unwrap();
         assert_eq!(read_meta(d.path()).unwrap(), m);
