@@ -435,7 +435,6 @@ async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothi
     assert!(!store_dir.join("inuse").join(edge).join(&id).exists());
 }
 
-/// The guest's counter (`/tmp/count`).
 /// Bytes allocated to those of `names` in `dir` with at least `links` links.
 fn blocks(dir: &Path, names: &[&str], links: u64) -> u64 {
     names
@@ -446,6 +445,7 @@ fn blocks(dir: &Path, names: &[&str], links: u64) -> u64 {
         .sum()
 }
 
+/// The guest's counter (`/tmp/count`).
 async fn count(b: &Arc<dyn Backend>, h: &Handle<'_>) -> u64 {
     shell(b, h, "cat /tmp/count").await.trim().parse().unwrap()
 }
@@ -777,14 +777,14 @@ async fn copies_of_a_memory_snapshot_carry_on_with_their_own_identity() {
     // snapshot's files itself: the snapshot's removal takes nothing from it.
     std::fs::remove_dir_all(&snap2).unwrap();
     // A fork's copy whose snapshot is gone (an image gc with a short grace) is told so,
-    // as unavailable rather than internal, and leaves nothing.
+    // as not_found rather than internal (final: no node has it), and leaves nothing.
     let gone = format!("{edge}.g1");
     let _gone = Leftovers(vec![gone.clone()]);
     let err = b
         .create(&create(&gone, Some(snap2.clone()), sp.clone()))
         .await
         .expect_err("a copy of a removed snapshot");
-    assert_eq!(err.reason(), opendsec::types::Reason::Unavailable, "{err}");
+    assert_eq!(err.reason(), opendsec::types::Reason::NotFound, "{err}");
     assert!(err.to_string().contains("was removed"), "{err}");
     assert!(!state.join(edge).join("microvms").join(&gone).exists());
     assert!(cgroup_pids(&gone).is_empty());

@@ -43,6 +43,10 @@ pub enum BackendError {
     /// The sandbox is gone on the node (its process, VM or agent died).
     #[error("sandbox {sandbox_id} is lost: {message}")]
     Lost { sandbox_id: String, message: String },
+    /// The memory snapshot a creation restores from was removed before it was held (an
+    /// image gc with a grace shorter than a fork): final, a retry finds it gone too.
+    #[error("memory snapshot {dir} was removed before this copy restored it{hint}")]
+    SnapshotGone { dir: String, hint: &'static str },
     /// A recorded sandbox could not be taken over again after an edge restart.
     #[error("adopting sandbox {sandbox_id}: {message}")]
     Adopt { sandbox_id: String, message: String },
@@ -84,7 +88,9 @@ impl BackendError {
             BackendError::Config { .. }
             | BackendError::Unsupported { .. }
             | BackendError::Invalid { .. } => Reason::Invalid,
-            BackendError::Lost { .. } | BackendError::ImageNotFound { .. } => Reason::NotFound,
+            BackendError::Lost { .. }
+            | BackendError::ImageNotFound { .. }
+            | BackendError::SnapshotGone { .. } => Reason::NotFound,
             BackendError::Exhausted { .. } => Reason::NoCapacity,
             BackendError::ImageUnavailable { .. } => Reason::Unavailable,
             BackendError::CleanupFailed { primary, .. } => primary.reason(),

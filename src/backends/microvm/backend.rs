@@ -96,6 +96,10 @@ pub struct VmState {
     /// The user its init runs as, resolved at boot (the spec's `init_user`, else the
     /// image's, else root); a copy keeps its snapshot's. Empty: recorded before this field.
     pub init_user: String,
+    /// The QEMU build and accelerator its running QEMU started on (`MicrovmBackend`'s
+    /// `machine` then): what its snapshots record, even after the node's QEMU changed
+    /// under it. Empty: recorded before this field, not known.
+    pub machine: String,
 }
 
 /// The microVM backend; see the module doc.
@@ -745,6 +749,7 @@ impl MicrovmBackend {
         st.pid = pid;
         st.start_time = start_time;
         st.paused = false;
+        st.machine = self.machine.clone();
         Ok(st)
     }
 
@@ -887,7 +892,7 @@ impl MicrovmBackend {
             source: id.to_string(),
             paused_ms: 0.0,
             init_user: st.init_user.clone(),
-            machine: self.machine.clone(),
+            machine: st.machine.clone(),
         };
         let files = {
             let (dir, target, st) = (dir.clone(), target.to_path_buf(), st.clone());
@@ -1018,14 +1023,11 @@ impl MicrovmBackend {
         // The copy's processes already run as the snapshot's user, and its config disk is
         // never read again: another user cannot be honoured, so it is refused, not ignored.
         let asked = &req.spec.init_user;
-        if !asked.is_empty() && *asked != meta.init_user {
-            let was = if meta.init_user.is_empty() {
-                "not recorded in this snapshot".to_string()
-            } else {
-                format!("{:?}", meta.init_user)
-            };
+        // A snapshot of a VM booted by an older build does not know its user: no check.
+        if !asked.is_empty() && !meta.init_user.is_empty() && *asked != meta.init_user {
             return Err(invalid(format!(
-                "init_user {asked:?}: a copy of a memory snapshot runs as its snapshot did ({was}); leave init_user unset"
+                "init_user {asked:?}: a copy of a memory snapshot runs as its snapshot did ({:?}); leave init_user unset",
+                meta.init_user
             )));
         }
         let digests = meta
@@ -1096,11 +1098,16 @@ impl MicrovmBackend {
             agent_disk,
             snapshot: from.clone(),
             init_user: meta.init_user.clone(),
+            machine: self.machine.clone(),
             ..Default::default()
         };
         let (pid, start_time, ch) = self
             .start_restored(id, &req.spec, &st, &state, |m| create_err(id, m))
             .await?;
+        // Read once, by the restore; a snapshot of a copy holds the whole RAM in it.
+        if let Err(e) = tokio::fs::remove_file(&state).await {
+            tracing::debug!(sandbox_id = %id, error = %e, "removing the restored device state");
+        }
         post_restore(&ch, id, true)
             .await
             .map_err(|m| create_err(id, m))?;
@@ -1111,9 +1118,10 @@ impl MicrovmBackend {
     }
 
     /// Why a restore from `from` failed when the snapshot went away under it, None when it
-    /// is still whole: a copy of an image deleted meanwhile gets `not_found` for the image
-    /// (a deleted image is not an internal error); a fork's copy whose snapshot an image gc
-    /// with a short grace took gets `unavailable` (a new fork makes a new snapshot).
+    /// is still whole: a copy of an image deleted meanwhile gets `not_found` for the image,
+    /// and `unavailable` if the name was overwritten by another snapshot (a retry restores
+    /// that); a fork's copy whose snapshot an image gc with a short grace took gets
+    /// `not_found` (final: every node would find it gone).
     async fn snapshot_gone(&self, req: &CreateRequest, from: &Path) -> Option<BackendError> {
         let f = from.to_path_buf();
         let whole = tokio::task::spawn_blocking(move || snapshot::check_files(&f).is_ok())
@@ -1123,20 +1131,30 @@ impl MicrovmBackend {
             return None;
         }
         if req.snapshot.is_some() {
-            return Some(BackendError::ImageUnavailable {
-                image: req.spec.image.clone(),
-                message: format!(
-                    "the fork's memory snapshot {} was removed before this copy restored it (an image gc with a grace shorter than the fork?)",
-                    from.display()
-                ),
+            return Some(BackendError::SnapshotGone {
+                dir: from.display().to_string(),
+                hint: " (an image gc with a grace shorter than the fork?)",
             });
         }
-        match self.images.resolve(&req.sandbox_id, &req.spec.image).await {
-            Err(e @ BackendError::ImageNotFound { .. }) => Some(e),
-            // Overwritten by another snapshot of the same name meanwhile: this one is gone.
-            Ok(r) if r.vm_snapshot.as_deref() != Some(from) => Some(BackendError::ImageNotFound {
-                image: req.spec.image.clone(),
-            }),
+        // The manifest alone says what became of the image: resolving it again could copy
+        // a new image's layers just to name an error.
+        let (store, image) = (self.images.store()?, req.spec.image.clone());
+        let name = crate::images::name::ImageRef::parse(&image).ok()?;
+        let now = tokio::task::spawn_blocking(move || store.read_manifest(&name))
+            .await
+            .ok()?;
+        match now {
+            Err(crate::images::store::StoreError::NotFound(_)) => {
+                Some(BackendError::ImageNotFound { image })
+            }
+            // Overwritten meanwhile: the name stands for another snapshot, which a retry
+            // restores.
+            Ok(m) if !m.vm_snapshot.is_empty() && !from.ends_with(&m.vm_snapshot) => {
+                Some(BackendError::ImageUnavailable {
+                    image,
+                    message: "it was overwritten while this copy was being made; try again".into(),
+                })
+            }
             _ => None,
         }
     }
@@ -1231,6 +1249,7 @@ impl MicrovmBackend {
             // node must give it this one, not the node's newer one.
             agent_disk: self.agent_disk.clone(),
             init_user,
+            machine: self.machine.clone(),
             ..Default::default()
         };
         let machine = self.machine(id, &req.spec, &st, false);
