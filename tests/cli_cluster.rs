@@ -265,22 +265,14 @@ fn projects_principals_grants_and_tokens() {
 /// edges down with it while a reader that had what it needed went on using them.
 #[test]
 fn cluster_up_keeps_running_when_its_stdout_is_closed() {
-    use std::process::{Command, Stdio};
+    use std::process::Stdio;
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("cluster.json");
-    let mut child = Command::new(common::BIN)
-        .args([
-            "cluster",
-            "up",
-            "-addr",
-            "127.0.0.1:0",
-            "-disk-reserve-mb",
-            "-1",
-        ])
-        .args(["-sim-edges", "1", "-log", "warn", "-state-dir"])
-        .arg(dir.path().join("state"))
-        .arg("-write-config")
-        .arg(&config)
+    let o = UpOptions {
+        write_config: true,
+        ..Default::default()
+    };
+    let mut child = common::up_command(&o, &dir.path().join("state"), &config)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

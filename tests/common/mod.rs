@@ -102,14 +102,9 @@ pub fn terminate(child: &mut Child) {
     let _ = child.wait();
 }
 
-/// Starts `opendsec cluster up` with `o` and waits (up to a generous 120 s, so a broken
-/// cluster fails the test instead of hanging it) for the three `export` lines.
-pub fn cluster_up(o: &UpOptions) -> Cluster {
-    let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("state");
-    let log_path = dir.path().join("cluster.log");
-    let config_path = dir.path().join("cluster.json");
-    let log = std::fs::File::create(&log_path).unwrap();
+/// `opendsec cluster up` with `o`, its state in `state` and, with `o.write_config`, its
+/// config written to `config`: not started, its stdio left to the caller.
+pub fn up_command(o: &UpOptions, state: &Path, config: &Path) -> Command {
     let mut cmd = Command::new(BIN);
     cmd.args([
         "cluster",
@@ -121,12 +116,23 @@ pub fn cluster_up(o: &UpOptions) -> Cluster {
     ])
     .args(["-log", &o.log, "-sim-edges", &o.sim_edges.to_string()])
     .arg("-state-dir")
-    .arg(&state)
+    .arg(state)
     .args(&o.extra);
     if o.write_config {
-        cmd.arg("-write-config").arg(&config_path);
+        cmd.arg("-write-config").arg(config);
     }
-    let mut child = cmd
+    cmd
+}
+
+/// Starts `opendsec cluster up` with `o` and waits (up to a generous 120 s, so a broken
+/// cluster fails the test instead of hanging it) for the three `export` lines.
+pub fn cluster_up(o: &UpOptions) -> Cluster {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let log_path = dir.path().join("cluster.log");
+    let config_path = dir.path().join("cluster.json");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let mut child = up_command(o, &state, &config_path)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(log)
