@@ -171,12 +171,19 @@ pub trait Backend: Send + Sync {
     fn pause_frees_memory(&self) -> bool {
         false
     }
+    /// What a running sandbox takes of its node's memory beyond its `memory_limit_mb`: a
+    /// floor and an overhead, in MiB, zero by default. A microVM's guest gets at least 128
+    /// MiB and its VMM (page tables, device buffers) `vm_overhead_mb` on top
+    /// (docs/configuration.md). The edge advertises it in `EdgeState.memory_charges` so that
+    /// placement charges what admission will.
+    fn memory_charge(&self) -> pb::MemoryCharge {
+        pb::MemoryCharge::default()
+    }
     /// The memory, in MiB, a running sandbox of `spec` takes from its node: what admission
-    /// charges and a resume needs back. The spec's `memory_limit_mb` by default; a microVM
-    /// adds `vm_overhead_mb` (the VMM, page tables, device buffers) to its guest memory
-    /// (docs/configuration.md). A quota is charged the spec's figure, never this one.
+    /// charges and a resume needs back, `memory_charge` applied to the spec's
+    /// `memory_limit_mb`. A quota is charged the spec's figure, never this one.
     fn memory_charge_mb(&self, spec: &pb::SandboxSpec) -> i64 {
-        spec.memory_limit_mb
+        crate::types::charged_memory_mb(&self.memory_charge(), spec.memory_limit_mb)
     }
 
     /// Checks a creation's spec (resources filled in) against what this backend can start,

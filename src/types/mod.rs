@@ -6,7 +6,7 @@ pub mod resources;
 pub mod spec_digest;
 
 pub use reason::{Failure, Reason};
-pub use resources::Res;
+pub use resources::{charged_memory_mb, Res};
 
 /// Seconds since the Unix epoch, as every record and API field counts time.
 pub fn now_s() -> i64 {

@@ -2,6 +2,14 @@
 
 use crate::pb;
 
+/// The node memory, in MiB, that a running sandbox of `memory_limit_mb` takes under
+/// `charge`: `max(memory_limit_mb, floor_mb) + overhead_mb` (docs/microvm.md).
+pub fn charged_memory_mb(charge: &pb::MemoryCharge, memory_limit_mb: i64) -> i64 {
+    memory_limit_mb
+        .max(charge.floor_mb)
+        .saturating_add(charge.overhead_mb.max(0))
+}
+
 /// CPU cores, memory (MB), GPUs, disk (MB) and a sandbox count, added and compared as one.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Res {

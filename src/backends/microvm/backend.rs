@@ -1593,8 +1593,11 @@ impl Backend for MicrovmBackend {
         true
     }
 
-    fn memory_charge_mb(&self, spec: &crate::pb::SandboxSpec) -> i64 {
-        spec.memory_limit_mb.max(MIN_MEMORY_MB) + self.overhead_mb
+    fn memory_charge(&self) -> crate::pb::MemoryCharge {
+        crate::pb::MemoryCharge {
+            floor_mb: MIN_MEMORY_MB,
+            overhead_mb: self.overhead_mb,
+        }
     }
 
     async fn probe(&self, sandbox: &Handle<'_>) -> Health {

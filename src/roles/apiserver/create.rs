@@ -105,7 +105,12 @@ impl Inner {
             exclude,
             &mut rng,
         )?;
-        ov.add(&edge, req.res);
+        let charge = snap
+            .edges
+            .iter()
+            .find(|e| e.id == edge)
+            .map_or(req.res, |e| placement::charged(e, req));
+        ov.add(&edge, req.res, charge);
         Ok(edge)
     }
 

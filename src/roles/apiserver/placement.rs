@@ -32,7 +32,10 @@ pub struct Request<'a> {
 /// includes it (incarnation, admitted_seq).
 struct Placed {
     at: Instant,
+    /// What the request asked for: how the caller names this placement.
     res: Res,
+    /// What it takes of the edge (`charged`), what the overlay counts.
+    charge: Res,
     shown_by: Option<(String, u64)>,
     /// The sandbox, once created.
     sandbox_id: String,
@@ -71,15 +74,17 @@ pub struct Overlay {
 }
 
 impl Overlay {
-    /// Counts `res` toward `edge`'s load until the snapshot shows it, for `grace` at most
-    /// (docs/configuration.md `overlay_grace`).
-    pub fn add(&mut self, edge: &str, res: Res) {
+    /// Counts a placement of `res` toward `edge`'s load as `charge` (what it takes of that
+    /// edge, `charged`) until the snapshot shows it, for `grace` at most
+    /// (docs/configuration.md `overlay_grace`). `remove` and `settle` name it by `res`.
+    pub fn add(&mut self, edge: &str, res: Res, charge: Res) {
         self.placed
             .entry(edge.to_string())
             .or_default()
             .push(Placed {
                 at: Instant::now(),
                 res,
+                charge,
                 shown_by: None,
                 sandbox_id: String::new(),
             });
@@ -163,7 +168,7 @@ impl Overlay {
             // `observe`: the snapshot that shows it can arrive before the edge's answer
             // settles it, and no newer one comes while the edge stays unchanged.
             for p in v.iter().filter(|p| !shows(e, p)) {
-                x.add.add(&p.res);
+                x.add.add(&p.charge);
             }
         }
         if let Some(v) = self.stopped.get(&e.id) {
@@ -224,6 +229,17 @@ pub fn load(e: &pb::EdgeState, extra: &Extra, floor: f64) -> f64 {
     a.max(cpu).max(mem)
 }
 
+/// What `req` takes of edge `e`: its resources, with the memory its backend charges on that
+/// edge (`EdgeState.memory_charges`: a microVM's guest floor and VMM overhead), the figure
+/// the edge's own admission will charge. Quotas are charged `req.res` alone.
+pub fn charged(e: &pb::EdgeState, req: &Request) -> Res {
+    let mut r = req.res;
+    if let Some(c) = e.memory_charges.get(req.backend) {
+        r.memory_mb = crate::types::charged_memory_mb(c, r.memory_mb);
+    }
+    r
+}
+
 /// Why an edge could not take the request; counted into the error message.
 fn skip_reason(e: &pb::EdgeState, req: &Request, extra: &Extra) -> Option<&'static str> {
     if !e.healthy {
@@ -237,16 +253,17 @@ fn skip_reason(e: &pb::EdgeState, req: &Request, extra: &Extra) -> Option<&'stat
     }
     let cap = Res::from_pb(e.capacity.as_ref());
     let alloc = extra.alloc(e);
-    if cap.cpu_cores > 0.0 && alloc.cpu_cores + req.res.cpu_cores > cap.cpu_cores + 1e-9 {
+    let want = charged(e, req);
+    if cap.cpu_cores > 0.0 && alloc.cpu_cores + want.cpu_cores > cap.cpu_cores + 1e-9 {
         return Some("cpu");
     }
-    if cap.memory_mb > 0 && alloc.memory_mb + req.res.memory_mb > cap.memory_mb {
+    if cap.memory_mb > 0 && alloc.memory_mb + want.memory_mb > cap.memory_mb {
         return Some("memory");
     }
-    if req.res.gpus > 0 && alloc.gpus + req.res.gpus > cap.gpus {
+    if want.gpus > 0 && alloc.gpus + want.gpus > cap.gpus {
         return Some("gpus");
     }
-    if cap.disk_mb > 0 && alloc.disk_mb + req.res.disk_mb > cap.disk_mb {
+    if cap.disk_mb > 0 && alloc.disk_mb + want.disk_mb > cap.disk_mb {
         return Some("disk");
     }
     let max = e.max_sandboxes.get(req.backend).copied().unwrap_or(0);
@@ -445,6 +462,76 @@ mod tests {
     }
 
     #[test]
+    fn a_backends_memory_charge_counts_in_placement_and_the_overlay_but_not_in_the_request() {
+        // One edge of 1000 MiB whose `vm` backend takes max(M, 128) + 64 per sandbox.
+        let mut e = edge("a", 10.0, 0.0);
+        e.backends = vec!["vm".into(), "sim".into()];
+        e.capacity = Some(pb::Resources {
+            cpu_cores: 10.0,
+            memory_mb: 1000,
+            ..Default::default()
+        });
+        e.memory_charges.insert(
+            "vm".into(),
+            pb::MemoryCharge {
+                floor_mb: 128,
+                overhead_mb: 64,
+            },
+        );
+        let snap = pb::Snapshot {
+            edges: vec![e.clone()],
+            ..Default::default()
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let vm = |mb: i64| Request {
+            backend: "vm",
+            res: Res {
+                memory_mb: mb,
+                ..req(1.0).res
+            },
+            ..req(1.0)
+        };
+        let ov = Overlay::default();
+        assert_eq!(charged(&e, &vm(900)).memory_mb, 964);
+        assert_eq!(charged(&e, &vm(16)).memory_mb, 192);
+        // A backend without a charge takes its memory_limit_mb.
+        let sim = Request {
+            res: Res {
+                memory_mb: 950,
+                ..req(1.0).res
+            },
+            ..req(1.0)
+        };
+        assert_eq!(charged(&e, &sim).memory_mb, 950);
+        assert_eq!(
+            choose(&snap, &ov, &sim, 2, 0.2, &[], &mut rng).unwrap(),
+            "a"
+        );
+        assert_eq!(
+            choose(&snap, &ov, &vm(936), 2, 0.2, &[], &mut rng).unwrap(),
+            "a"
+        );
+        // 937 + 64 is more than the edge has, though 937 alone fits.
+        let f = choose(&snap, &ov, &vm(937), 2, 0.2, &[], &mut rng).unwrap_err();
+        assert_eq!(f.reason, Reason::NoCapacity);
+        assert!(f.message.contains("memory: 1"), "{}", f.message);
+        // The overlay counts a placement's charge: after one of 16 MiB (192 charged) a
+        // second of 16 fits, but one of 808 (872 charged) no longer does.
+        let mut ov = Overlay::default();
+        ov.add("a", vm(16).res, charged(&e, &vm(16)));
+        assert_eq!(ov.extra(&e).add.memory_mb, 192);
+        assert_eq!(
+            choose(&snap, &ov, &vm(744), 2, 0.2, &[], &mut rng).unwrap(),
+            "a"
+        );
+        let f = choose(&snap, &ov, &vm(745), 2, 0.2, &[], &mut rng).unwrap_err();
+        assert_eq!(f.reason, Reason::NoCapacity);
+        // It is named by what the request asked for.
+        ov.remove("a", &vm(16).res);
+        assert_eq!(ov.extra(&e).add.memory_mb, 0);
+    }
+
+    #[test]
     fn power_of_k_takes_the_least_loaded_of_all_when_k_covers_them() {
         let snap = pb::Snapshot {
             edges: vec![
@@ -512,7 +599,7 @@ mod tests {
         };
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         let mut ov = Overlay::default();
-        ov.add("a", req(2.0).res);
+        ov.add("a", req(2.0).res, req(2.0).res);
         assert_eq!(
             choose(&snap, &ov, &req(1.0), 2, 0.2, &[], &mut rng)
                 .unwrap_err()
@@ -528,7 +615,7 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         let mut ov = Overlay::default();
         let one = req(1.0).res;
-        ov.add("a", one);
+        ov.add("a", one, one);
         ov.settle("a", &one, "inc-1", 7, "a.1");
         // A snapshot from before the creation: still counted.
         let mut before = edge("a", 2.0, 0.0);
@@ -554,7 +641,7 @@ mod tests {
         assert!(choose(&snap, &ov, &req(1.0), 2, 0.2, &[], &mut rng).is_ok());
         // An unanswered placement stays until the grace runs out; a restarted edge (new
         // incarnation) reports what it holds itself.
-        ov.add("a", one);
+        ov.add("a", one, one);
         ov.observe(&snap);
         assert_eq!(ov.extra(&snap.edges[0]).add.cpu_cores, 1.0);
         ov.settle("a", &one, "inc-0", 99, "a.2");
@@ -569,7 +656,7 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         let mut ov = Overlay::default();
         let one = req(1.0).res;
-        ov.add("a", one);
+        ov.add("a", one, one);
         let mut shown = edge("a", 2.0, 1.0);
         shown.incarnation = "inc-1".into();
         shown.admitted_seq = 7;
@@ -654,7 +741,7 @@ mod tests {
         assert_eq!(ov.extra(&snap.edges[0]), Extra::default());
         // Created and stopped between two snapshots: its placement goes, nothing is taken
         // off the snapshot (which never counted it).
-        ov.add("a", two);
+        ov.add("a", two, two);
         ov.settle("a", &two, "inc-1", 8, "a.y");
         assert_eq!(ov.extra(&snap.edges[0]).add, two);
         ov.free(

@@ -29,7 +29,12 @@ impl Core {
         let _g = entry.op.lock().await;
         let rec = entry.snapshot();
         let id = rec.id().to_string();
-        let backend = self.backend_while_live(&rec, "pack")?;
+        let what = if req.fork_snapshot.is_empty() {
+            "pack"
+        } else {
+            "fork"
+        };
+        let backend = self.backend_while_live(&rec, what)?;
         if !req.fork_snapshot.is_empty() && backend.snapshotter().is_some() {
             let dir = self.snapshot_dir(&req.fork_snapshot)?;
             // Logged under the RPC that asked (PackSandbox); this line says what it did.
@@ -43,7 +48,7 @@ impl Core {
         }
         let Some(packer) = backend.packer() else {
             let hint = if backend.snapshotter().is_some() {
-                " (it saves a sandbox with its memory: create_snapshot with memory=True)"
+                " (it saves a sandbox with its memory: create_snapshot(memory=True), or ctl image snapshot -memory)"
             } else {
                 ""
             };

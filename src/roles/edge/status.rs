@@ -64,6 +64,12 @@ impl Core {
             version: crate::VERSION.to_string(),
             admitted_seq,
             incarnation: self.incarnation.clone(),
+            memory_charges: self
+                .slots
+                .iter()
+                .map(|(b, s)| (b.clone(), s.backend.memory_charge()))
+                .filter(|(_, c)| c.floor_mb > 0 || c.overhead_mb > 0)
+                .collect(),
         }
     }
 

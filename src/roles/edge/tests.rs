@@ -76,8 +76,11 @@ impl Backend for Arc<TestBackend> {
     fn pause_frees_memory(&self) -> bool {
         self.frees
     }
-    fn memory_charge_mb(&self, spec: &pb::SandboxSpec) -> i64 {
-        spec.memory_limit_mb + self.overhead_mb
+    fn memory_charge(&self) -> pb::MemoryCharge {
+        pb::MemoryCharge {
+            floor_mb: 0,
+            overhead_mb: self.overhead_mb,
+        }
     }
     async fn create(&self, req: &CreateRequest) -> Result<BackendState, BackendError> {
         if let Some(g) = &self.gate {
@@ -616,6 +619,14 @@ async fn admission_charges_the_backends_overhead_while_running() {
         .await
         .unwrap_or_else(|f| panic!("{f}"));
     assert_eq!(lock(&c.alloc).total.memory_mb, 1100, "1000 + 100 overhead");
+    // Placement learns the same charge from the edge's state.
+    assert_eq!(
+        c.edge_state().memory_charges.get("vm"),
+        Some(&pb::MemoryCharge {
+            floor_mb: 0,
+            overhead_mb: 100
+        })
+    );
     // 1000 + 1000 would fit 2150; with the overhead it does not.
     let out = c
         .create_batch(Some(spec()), vec![item("b")])

@@ -121,7 +121,7 @@ class Resources(_message.Message):
     def __init__(self, cpu_cores: _Optional[float] = ..., memory_mb: _Optional[int] = ..., gpus: _Optional[int] = ..., disk_mb: _Optional[int] = ..., sandboxes: _Optional[int] = ...) -> None: ...
 
 class EdgeState(_message.Message):
-    __slots__ = ("id", "addr", "healthy", "draining", "zone", "backends", "capacity", "allocated", "sandboxes_by_backend", "max_sandboxes", "mem_available_mb", "disk_available_mb", "under_pressure", "pressure_reason", "cpu_usage", "mem_usage", "images", "last_seen", "consecutive_failures", "version", "admitted_seq", "incarnation")
+    __slots__ = ("id", "addr", "healthy", "draining", "zone", "backends", "capacity", "allocated", "sandboxes_by_backend", "max_sandboxes", "mem_available_mb", "disk_available_mb", "under_pressure", "pressure_reason", "cpu_usage", "mem_usage", "images", "last_seen", "consecutive_failures", "version", "admitted_seq", "incarnation", "memory_charges")
     class SandboxesByBackendEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,13 @@ class EdgeState(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class MemoryChargesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: MemoryCharge
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[MemoryCharge, _Mapping]] = ...) -> None: ...
     ID_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +165,7 @@ class EdgeState(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_SEQ_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_CHARGES_FIELD_NUMBER: _ClassVar[int]
     id: str
     addr: str
     healthy: bool
@@ -180,7 +188,16 @@ class EdgeState(_message.Message):
     version: str
     admitted_seq: int
     incarnation: str
-    def __init__(self, id: _Optional[str] = ..., addr: _Optional[str] = ..., healthy: bool = ..., draining: bool = ..., zone: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., allocated: _Optional[_Union[Resources, _Mapping]] = ..., sandboxes_by_backend: _Optional[_Mapping[str, int]] = ..., max_sandboxes: _Optional[_Mapping[str, int]] = ..., mem_available_mb: _Optional[int] = ..., disk_available_mb: _Optional[int] = ..., under_pressure: bool = ..., pressure_reason: _Optional[str] = ..., cpu_usage: _Optional[float] = ..., mem_usage: _Optional[float] = ..., images: _Optional[_Iterable[str]] = ..., last_seen: _Optional[int] = ..., consecutive_failures: _Optional[int] = ..., version: _Optional[str] = ..., admitted_seq: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    memory_charges: _containers.MessageMap[str, MemoryCharge]
+    def __init__(self, id: _Optional[str] = ..., addr: _Optional[str] = ..., healthy: bool = ..., draining: bool = ..., zone: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., allocated: _Optional[_Union[Resources, _Mapping]] = ..., sandboxes_by_backend: _Optional[_Mapping[str, int]] = ..., max_sandboxes: _Optional[_Mapping[str, int]] = ..., mem_available_mb: _Optional[int] = ..., disk_available_mb: _Optional[int] = ..., under_pressure: bool = ..., pressure_reason: _Optional[str] = ..., cpu_usage: _Optional[float] = ..., mem_usage: _Optional[float] = ..., images: _Optional[_Iterable[str]] = ..., last_seen: _Optional[int] = ..., consecutive_failures: _Optional[int] = ..., version: _Optional[str] = ..., admitted_seq: _Optional[int] = ..., incarnation: _Optional[str] = ..., memory_charges: _Optional[_Mapping[str, MemoryCharge]] = ...) -> None: ...
+
+class MemoryCharge(_message.Message):
+    __slots__ = ("floor_mb", "overhead_mb")
+    FLOOR_MB_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_MB_FIELD_NUMBER: _ClassVar[int]
+    floor_mb: int
+    overhead_mb: int
+    def __init__(self, floor_mb: _Optional[int] = ..., overhead_mb: _Optional[int] = ...) -> None: ...
 
 class Snapshot(_message.Message):
     __slots__ = ("version", "generated_at", "edges")
