@@ -15,7 +15,7 @@
 
 mod common;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -331,6 +331,12 @@ async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothi
     );
     assert_eq!(memory_limit_mb(edge, &id), 256 + 48);
     assert_eq!(b.probe(&h).await, Health::Alive);
+    let vms = state.join(edge).join("microvms");
+    let uid = jailed(
+        vm.pid,
+        &vms.join(&id).join("config.img"),
+        &vms.join(format!("{edge}.b")),
+    );
 
     // A second VM of the same image shares its image disk: one disk for the image.
     let (id2, sp2) = (format!("{edge}.b"), spec("root/t/vm:1"));
@@ -344,6 +350,13 @@ async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothi
         })
         .await
         .expect("a second microVM");
+    let vm2: VmState = serde_json::from_value(st2.clone()).unwrap();
+    let uid2 = jailed(
+        vm2.pid,
+        &vms.join(&id2).join("config.img"),
+        &vms.join(&id).join("config.img"),
+    );
+    assert_ne!(uid, uid2, "two VMs, one uid");
     let images: Vec<_> = std::fs::read_dir(state.join(edge).join("vm/images"))
         .unwrap()
         .flatten()
@@ -401,6 +414,11 @@ async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothi
     let rv: VmState = serde_json::from_value(resumed.clone()).unwrap();
     assert!(!rv.paused && rv.pid > 0 && rv.pid != vm.pid, "{rv:?}");
     assert!(cgroup_pids(&id).contains(&rv.pid));
+    assert_eq!(
+        jailed(rv.pid, &vms.join(&id).join("ram"), &vms.join(&id2)),
+        uid,
+        "a resumed VM keeps its uid"
+    );
     assert_eq!(shell(&b, &h, "echo $X").await, "kept-in-memory\n");
     assert!(!state
         .join(edge)
@@ -433,6 +451,68 @@ async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothi
     assert_no_disks_left(&state, edge);
     // The store's in-use records are gone with them.
     assert!(!store_dir.join("inuse").join(edge).join(&id).exists());
+}
+
+/// A field of `/proc/<pid>/status` (`Uid:`, `CapEff:`), its values.
+fn status_field(pid: u32, field: &str) -> Vec<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with(field))
+        .map(|l| l.split_whitespace().skip(1).map(str::to_string).collect())
+        .unwrap_or_default()
+}
+
+/// Checks that QEMU `pid` runs in its jail (docs/microvm.md "The jail") and returns its
+/// uid: one of the VMs' uids for real, effective, saved and file system uid and gid, no
+/// capabilities, namespaces of its own, and a root that holds its own files and QEMU's
+/// and nothing else of the host (`own` is one of its files, `other` another VM's).
+fn jailed(pid: u32, own: &Path, other: &Path) -> u32 {
+    let uids = status_field(pid, "Uid:");
+    let uid: u32 = uids[0].parse().unwrap();
+    assert!(
+        (1_000_000_000..1_000_065_536).contains(&uid),
+        "QEMU runs as {uids:?}"
+    );
+    assert!(uids.iter().all(|u| *u == uids[0]), "{uids:?}");
+    assert!(status_field(pid, "Gid:").iter().all(|g| *g == uids[0]));
+    assert_eq!(status_field(pid, "CapEff:"), ["0000000000000000"]);
+    assert_eq!(status_field(pid, "CapPrm:"), ["0000000000000000"]);
+    assert_eq!(status_field(pid, "NoNewPrivs:"), ["1"]);
+    for ns in ["net", "mnt", "ipc", "uts"] {
+        assert_ne!(
+            std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).unwrap(),
+            std::fs::read_link(format!("/proc/self/ns/{ns}")).unwrap(),
+            "QEMU's {ns} namespace is the host's"
+        );
+    }
+    // Its root: a VM's own files at their own paths, nothing else of the host's.
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    let inside = |p: &Path| root.join(p.strip_prefix("/").unwrap());
+    assert!(inside(own).exists(), "{} not in the jail", own.display());
+    assert!(!inside(other).exists(), "{} in the jail", other.display());
+    for host in [
+        "etc/passwd",
+        "etc/shadow",
+        "proc/1",
+        "sys/kernel",
+        "root",
+        "home",
+        "var",
+    ] {
+        assert!(!root.join(host).exists(), "/{host} in QEMU's jail");
+    }
+    let dev: BTreeSet<String> = std::fs::read_dir(root.join("dev"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        dev.iter()
+            .all(|d| ["null", "zero", "urandom", "random", "kvm"].contains(&d.as_str())),
+        "{dev:?}"
+    );
+    uid
 }
 
 /// Bytes allocated to those of `names` in `dir` with at least `links` links.
@@ -711,6 +791,7 @@ async fn copies_of_a_memory_snapshot_carry_on_with_their_own_identity() {
     // Their RAM is the snapshot's memory file, mapped copy-on-write: what each wrote of
     // it is its own, the rest is the one file's pages.
     let mut private_kb = 0;
+    let mut uids = HashSet::new();
     for (id, st) in &copies {
         let v: VmState = serde_json::from_value(st.clone()).unwrap();
         assert_eq!(
@@ -722,6 +803,10 @@ async fn copies_of_a_memory_snapshot_carry_on_with_their_own_identity() {
                 .join("snap-memory")
         );
         assert_eq!(v.snapshot, snap);
+        // Each in a jail of its own: its own uid, and the source's files out of reach.
+        let vms = state.join(edge).join("microvms");
+        let uid = jailed(v.pid, &v.ram, &vms.join(&ids[0]));
+        assert!(uids.insert(uid), "{id}: uid {uid} is another VM's too");
         let (rss, dirty) = ram_mapping_kb(v.pid, &v.ram);
         println!(
             "copy {id}: RAM resident {} MiB, private {} MiB",

@@ -32,6 +32,7 @@ macro_rules! minus_one {
 minus_one!(i32, i64, isize);
 
 pub mod fd;
+pub mod jail;
 pub mod net;
 pub mod process;
 

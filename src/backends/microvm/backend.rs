@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use sha2::Digest as _;
 use tonic::transport::Channel;
 
+use super::jail::Jailer;
 use super::qemu::{Accel, Disk, Machine, RamFile};
 use super::qmp::Qmp;
 use super::{agent_channel, disks, initramfs, snapshot};
@@ -121,6 +122,10 @@ pub struct MicrovmBackend {
     disks: Disks,
     cgroups: Cgroups,
     overhead_mb: i64,
+    /// Each VM's uid and jail (docs/microvm.md "The jail").
+    jailer: Jailer,
+    /// QEMU maps a copy's RAM from a file it opens read-only (8.2 and later).
+    private_ram_read_only: bool,
     /// Held while an image disk is made, so two creations of one image make it once.
     building: tokio::sync::Mutex<()>,
     channels: Mutex<HashMap<String, Channel>>,
@@ -165,6 +170,39 @@ fn machine_of(qemu: &Path, accel: Accel) -> String {
         Accel::Tcg { .. } => "tcg",
     };
     format!("{version}; {accel}")
+}
+
+/// Whether the QEMU of `machine` (`machine_of`) is `major.minor` or later; false when it
+/// did not say.
+fn qemu_at_least(machine: &str, major: u32, minor: u32) -> bool {
+    let Some(v) = machine
+        .strip_prefix("QEMU emulator version ")
+        .and_then(|r| r.split([' ', ';']).next())
+    else {
+        return false;
+    };
+    let mut n = v.split('.').map(|x| x.parse::<u32>().unwrap_or(0));
+    let (a, b) = (n.next().unwrap_or(0), n.next().unwrap_or(0));
+    (a, b) >= (major, minor)
+}
+
+/// The guest kernel as a jailed QEMU can read it: `kernel` itself when it is readable to
+/// all (Debian's are), else a copy readable to all in the node's directory (some
+/// distributions keep `/boot/vmlinuz-*` 0600).
+fn readable_kernel(kernel: &Path, node: &Path) -> Result<PathBuf, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(kernel).map_err(|e| format!("{}: {e}", kernel.display()))?;
+    if meta.permissions().mode() & 0o004 != 0 {
+        return Ok(kernel.to_path_buf());
+    }
+    std::fs::create_dir_all(node).map_err(|e| format!("{}: {e}", node.display()))?;
+    let copy = node.join("vmlinuz");
+    let tmp = node.join("vmlinuz.tmp");
+    std::fs::copy(kernel, &tmp).map_err(|e| format!("copying {}: {e}", kernel.display()))?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))
+        .and_then(|()| std::fs::rename(&tmp, &copy))
+        .map_err(|e| format!("{}: {e}", copy.display()))?;
+    Ok(copy)
 }
 
 /// Whether hardware virtualization works here: `/dev/kvm` opens and the CPU offers VMX or
@@ -324,6 +362,10 @@ impl MicrovmBackend {
         let dir = base.join("microvms");
         std::fs::create_dir_all(&dir)
             .map_err(|e| cfg_err(name, format!("{}: {e}", dir.display())))?;
+        let kernel = readable_kernel(&kernel, &node).map_err(|m| cfg_err(name, m))?;
+        let jailer = Jailer::new(&node, &dir, cfg.uid_base, accel == Accel::Kvm)
+            .map_err(|m| cfg_err(name, m))?;
+        let private_ram_read_only = qemu_at_least(&machine, 8, 2);
         let cache = cfg.layer_cache.unwrap_or(true).then(|| base.join("layers"));
         let images = Images::new(
             name,
@@ -350,6 +392,8 @@ impl MicrovmBackend {
             } else {
                 DEFAULT_VM_OVERHEAD_MB
             },
+            jailer,
+            private_ram_read_only,
             building: tokio::sync::Mutex::new(()),
             channels: Mutex::new(HashMap::new()),
         })
@@ -387,11 +431,13 @@ impl MicrovmBackend {
             RamFile {
                 path: dir.join("ram"),
                 shared: true,
+                open_read_only: false,
             }
         } else {
             RamFile {
                 path: st.ram.clone(),
                 shared: false,
+                open_read_only: self.private_ram_read_only,
             }
         };
         let agent_disk = if st.agent_disk.as_os_str().is_empty() {
@@ -432,6 +478,7 @@ impl MicrovmBackend {
             ],
             agent_socket: self.agent_socket(id),
             qmp_socket: self.qmp_socket(id),
+            listen_fds: None,
             tap: None,
             console_log: None,
             incoming,
@@ -471,9 +518,34 @@ impl MicrovmBackend {
             })
     }
 
-    /// Starts QEMU for `machine` in the sandbox's cgroup; returns its pid.
+    /// Starts QEMU for `machine` in the sandbox's cgroup and its jail (docs/microvm.md
+    /// "The jail"), serving the agent port and QMP on sockets made here; returns its pid.
     async fn start_qemu(&self, id: &str, machine: &Machine) -> Result<u32, BackendError> {
+        let uid = self
+            .jailer
+            .uid_of(&self.sandbox_dir(id).join("config.img"))
+            .map_err(|m| create_err(id, m))?;
+        self.jailer
+            .prepare(machine, uid)
+            .map_err(|m| create_err(id, m))?;
+        let listen = |p: &Path| {
+            let _ = std::fs::remove_file(p);
+            std::os::unix::net::UnixListener::bind(p)
+                .map_err(|e| create_err(id, format!("{}: {e}", p.display())))
+        };
+        let agent = listen(&self.agent_socket(id))?;
+        let qmp = listen(&self.qmp_socket(id))?;
+        let fds = [
+            std::os::fd::AsRawFd::as_raw_fd(&agent),
+            std::os::fd::AsRawFd::as_raw_fd(&qmp),
+        ];
+        let mut machine = machine.clone();
+        machine.listen_fds = Some((fds[0], fds[1]));
         let args = machine.args().map_err(|e| create_err(id, e))?;
+        let jail = self
+            .jailer
+            .plan(&machine, &self.qemu, uid)
+            .map_err(|m| create_err(id, format!("planning QEMU's jail: {m}")))?;
         let cg = self.cgroups.open(id);
         let procs: Vec<std::fs::File> = cg
             .procs_files()
@@ -497,8 +569,11 @@ impl MicrovmBackend {
         // Its own process group: a signal to the edge's terminal leaves VMs running, as an
         // edge restart must.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        let fds: Vec<i32> = procs.iter().map(std::os::fd::AsRawFd::as_raw_fd).collect();
-        crate::sys::process::join_cgroups_at_exec(&mut cmd, &fds);
+        let procs_fds: Vec<i32> = procs.iter().map(std::os::fd::AsRawFd::as_raw_fd).collect();
+        crate::sys::process::join_cgroups_at_exec(&mut cmd, &procs_fds);
+        crate::sys::process::inherit_at_exec(&mut cmd, &fds);
+        // Last: the cgroup files are the host's, out of the jail's reach.
+        jail.enter_at_exec(&mut cmd);
         let mut cmd = tokio::process::Command::from(cmd);
         cmd.kill_on_drop(false);
         let child = tokio::task::spawn_blocking(move || cmd.spawn())
@@ -506,6 +581,9 @@ impl MicrovmBackend {
             .map_err(|e| create_err(id, e))?
             .map_err(|e| create_err(id, format!("starting {}: {e}", self.qemu.display())))?;
         drop(procs);
+        // QEMU holds the sockets now; the node's copies would keep a dead VM's port
+        // accepting connections nobody serves.
+        drop((agent, qmp));
         let pid = child
             .id()
             .ok_or_else(|| create_err(id, "QEMU exited at once"))?;
@@ -527,6 +605,7 @@ impl MicrovmBackend {
     ) -> Result<Channel, BackendError> {
         let socket = self.agent_socket(id);
         let started = Instant::now();
+        let mut wait = Duration::from_millis(10);
         loop {
             let attempt = async {
                 let ch = agent_channel(&socket).await.ok()?;
@@ -558,7 +637,8 @@ impl MicrovmBackend {
                     format!("the VM's agent did not answer within {limit:?}"),
                 ));
             }
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(Duration::from_millis(200));
         }
     }
 
@@ -1743,5 +1823,20 @@ impl Runtime for MicrovmBackend {
             })?;
         self.channels().insert(id.to_string(), ch.clone());
         Ok(ch)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_qemu_version_is_read_from_the_machine_line() {
+        let m = "QEMU emulator version 7.2.22 (Debian 1:7.2+dfsg-7+deb12u18); tcg";
+        assert!(qemu_at_least(m, 7, 2));
+        assert!(!qemu_at_least(m, 8, 2));
+        assert!(qemu_at_least("QEMU emulator version 8.2.0; kvm", 8, 2));
+        assert!(qemu_at_least("QEMU emulator version 10.0.1", 8, 2));
+        assert!(!qemu_at_least("", 1, 0));
     }
 }

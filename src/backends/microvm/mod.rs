@@ -6,6 +6,7 @@
 mod backend;
 pub mod disks;
 pub mod initramfs;
+pub mod jail;
 pub mod qemu;
 pub mod qmp;
 pub mod snapshot;

@@ -38,6 +38,10 @@ pub struct RamFile {
     /// `true`: QEMU writes guest memory to the file (a VM that will be snapshotted);
     /// `false`: a private copy-on-write mapping of it (a restored copy).
     pub shared: bool,
+    /// A private mapping of a file opened read-only (`readonly=on,rom=off`, QEMU 8.2 and
+    /// later): the file need not be writable to QEMU. Before 8.2 `readonly=on` made the
+    /// guest's RAM read-only too, so QEMU opens the file read-write.
+    pub open_read_only: bool,
 }
 
 /// Everything that makes one VM's command line.
@@ -58,6 +62,10 @@ pub struct Machine {
     pub agent_socket: PathBuf,
     /// The unix socket QEMU serves QMP on.
     pub qmp_socket: PathBuf,
+    /// Listening sockets the node made at `agent_socket` and `qmp_socket`, inherited by
+    /// QEMU as these descriptors (agent, QMP): a jailed QEMU cannot make sockets where the
+    /// node looks for them, and must not be able to. None: QEMU makes them at the paths.
+    pub listen_fds: Option<(i32, i32)>,
     /// The TAP device of the VM's network namespace, when it has networking.
     pub tap: Option<String>,
     /// Where the guest's serial console goes (a file), for boot diagnostics.
@@ -198,6 +206,9 @@ impl Machine {
             if self.ram.shared { "on" } else { "off" }
         ));
         mem.push(escape(&self.ram.path));
+        if !self.ram.shared && self.ram.open_read_only {
+            mem.push(",readonly=on,rom=off");
+        }
         a.push("-object".into());
         a.push(mem);
         a.push("-kernel".into());
@@ -245,8 +256,16 @@ impl Machine {
         }
         a.push("-device".into());
         a.push("virtio-serial-device".into());
-        let mut chardev = OsString::from("socket,id=agent,server=on,wait=off,path=");
-        chardev.push(escape(&self.agent_socket));
+        let chardev = match self.listen_fds {
+            Some((agent, _)) => {
+                OsString::from(format!("socket,id=agent,server=on,wait=off,fd={agent}"))
+            }
+            None => {
+                let mut c = OsString::from("socket,id=agent,server=on,wait=off,path=");
+                c.push(escape(&self.agent_socket));
+                c
+            }
+        };
         a.push("-chardev".into());
         a.push(chardev);
         a.push("-device".into());
@@ -259,11 +278,21 @@ impl Machine {
             a.push("-device".into());
             a.push(format!("virtio-net-device,netdev=n0,mac={GUEST_MAC}").into());
         }
-        let mut qmp = OsString::from("unix:");
-        qmp.push(escape(&self.qmp_socket));
-        qmp.push(",server=on,wait=off");
-        a.push("-qmp".into());
-        a.push(qmp);
+        match self.listen_fds {
+            Some((_, qmp)) => {
+                a.push("-chardev".into());
+                a.push(format!("socket,id=qmp,server=on,wait=off,fd={qmp}").into());
+                a.push("-mon".into());
+                a.push("chardev=qmp,mode=control".into());
+            }
+            None => {
+                let mut qmp = OsString::from("unix:");
+                qmp.push(escape(&self.qmp_socket));
+                qmp.push(",server=on,wait=off");
+                a.push("-qmp".into());
+                a.push(qmp);
+            }
+        }
         if self.incoming {
             a.push("-incoming".into());
             a.push("defer".into());
@@ -314,6 +343,7 @@ mod tests {
             ram: RamFile {
                 path: "/s/a,b/ram".into(),
                 shared: true,
+                open_read_only: false,
             },
             disks: vec![
                 Disk {
@@ -329,6 +359,7 @@ mod tests {
             ],
             agent_socket: "/s/agent.sock".into(),
             qmp_socket: "/s/qmp.sock".into(),
+            listen_fds: None,
             tap: Some("tap0".into()),
             console_log: None,
             incoming: false,
@@ -376,10 +407,30 @@ mod tests {
         m.tap = None;
         let a = text(&m);
         assert!(a.iter().any(|x| x.contains("share=off")));
+        assert!(!a.iter().any(|x| x.contains("readonly=on,rom=off")));
+        m.ram.open_read_only = true;
+        let a = text(&m);
+        assert!(a
+            .iter()
+            .any(|x| x.ends_with("share=off,mem-path=/s/a,,b/ram,readonly=on,rom=off")));
         assert_eq!(a.last().map(String::as_str), Some("defer"));
         assert!(a.contains(&"host,-arch-capabilities".to_string()));
         assert!(!a.iter().any(|x| x.contains("tsc_early_khz")));
         assert!(!a.iter().any(|x| x.contains("virtio-net")));
+    }
+
+    #[test]
+    fn a_jailed_qemu_serves_on_sockets_the_node_made() {
+        let mut m = machine();
+        m.listen_fds = Some((7, 8));
+        let a = text(&m);
+        assert!(a.contains(&"socket,id=agent,server=on,wait=off,fd=7".to_string()));
+        assert!(a.contains(&"socket,id=qmp,server=on,wait=off,fd=8".to_string()));
+        assert!(a.contains(&"chardev=qmp,mode=control".to_string()));
+        assert!(!a
+            .iter()
+            .any(|x| x.contains("agent.sock") || x.contains("qmp.sock")));
+        assert!(!a.contains(&"-qmp".to_string()));
     }
 
     #[test]

@@ -1,0 +1,228 @@
+//! Each VM's QEMU runs in a jail of its own (docs/microvm.md "The jail"): a uid and gid of
+//! its own from `uid_base`, new mount, IPC, UTS and network namespaces, and a root that
+//! holds QEMU's program and libraries and that VM's files alone. This module chooses the
+//! uid, gives the VM's files to it, and plans the jail ([`crate::sys::jail`] enters it).
+
+use std::collections::HashSet;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use super::qemu::Machine;
+use crate::sys::jail::Jail;
+
+/// The default `uid_base` (docs/configuration.md): VMs run as uids from one billion up,
+/// far from any user or container mapping of the host.
+pub const DEFAULT_UID_BASE: u32 = 1_000_000_000;
+/// How many uids VMs take from `uid_base`: more than a node runs VMs.
+pub const UIDS: u32 = 65536;
+
+/// Where each VM's QEMU may run and as whom; see the module doc.
+#[derive(Debug)]
+pub struct Jailer {
+    /// An empty directory, the mount point of every jail's root (each in its own mount
+    /// namespace).
+    root: PathBuf,
+    uid_base: u32,
+    /// The sandboxes' directories, each holding its config disk, whose owner is its uid.
+    sandboxes: PathBuf,
+    /// Held from choosing a uid until the config disk is given to it.
+    choosing: Mutex<()>,
+    /// `/dev/kvm`'s group, which QEMU keeps with KVM; None under emulation.
+    kvm_gid: Option<u32>,
+}
+
+/// The top-level paths of the host a dynamically linked QEMU needs: its program, its
+/// libraries and data (firmware) under `/usr`, and the loader's paths.
+const SYSTEM: &[&str] = &[
+    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+];
+/// Single files of the host QEMU reads: the loader's cache.
+const SYSTEM_FILES: &[&str] = &["/etc/ld.so.cache"];
+/// Devices QEMU may open.
+const DEVICES: &[&str] = &["/dev/null", "/dev/zero", "/dev/urandom", "/dev/random"];
+
+impl Jailer {
+    /// A jailer whose jails mount on `node_dir/jail` and whose VMs' directories are under
+    /// `sandboxes`. `uid_base` 0 means [`DEFAULT_UID_BASE`]. Errors: a text naming the
+    /// bad `uid_base` or the directory that could not be made.
+    pub fn new(
+        node_dir: &Path,
+        sandboxes: &Path,
+        uid_base: i64,
+        kvm: bool,
+    ) -> Result<Jailer, String> {
+        let base = if uid_base == 0 {
+            DEFAULT_UID_BASE
+        } else {
+            u32::try_from(uid_base)
+                .ok()
+                .filter(|b| *b >= 1 && b.checked_add(UIDS).is_some())
+                .ok_or_else(|| format!("uid_base {uid_base}: must be 1 to {}", u32::MAX - UIDS))?
+        };
+        let root = node_dir.join("jail");
+        std::fs::create_dir_all(&root).map_err(|e| format!("{}: {e}", root.display()))?;
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| format!("{}: {e}", root.display()))?;
+        let kvm_gid = if kvm {
+            std::fs::metadata("/dev/kvm").ok().map(|m| m.gid())
+        } else {
+            None
+        };
+        Ok(Jailer {
+            root,
+            uid_base: base,
+            sandboxes: sandboxes.to_path_buf(),
+            choosing: Mutex::new(()),
+            kvm_gid,
+        })
+    }
+
+    fn ours(&self, uid: u32) -> bool {
+        uid >= self.uid_base && uid - self.uid_base < UIDS
+    }
+
+    /// The uid of the VM whose config disk is `config`: its owner when that is one of the
+    /// VMs' uids (a resume or restart keeps it), else the lowest uid no other VM of this
+    /// node holds, given to the config disk now. Errors: all uids taken; the config
+    /// disk's stat or chown.
+    pub fn uid_of(&self, config: &Path) -> Result<u32, String> {
+        let _one = self
+            .choosing
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let owner = std::fs::metadata(config)
+            .map_err(|e| format!("{}: {e}", config.display()))?
+            .uid();
+        if self.ours(owner) {
+            return Ok(owner);
+        }
+        let mut taken = HashSet::new();
+        if let Ok(rd) = std::fs::read_dir(&self.sandboxes) {
+            for e in rd.flatten() {
+                if let Ok(m) = std::fs::metadata(e.path().join("config.img")) {
+                    if self.ours(m.uid()) {
+                        taken.insert(m.uid());
+                    }
+                }
+            }
+        }
+        let uid = (self.uid_base..self.uid_base + UIDS)
+            .find(|u| !taken.contains(u))
+            .ok_or_else(|| format!("all {UIDS} VM uids from {} are taken", self.uid_base))?;
+        std::os::unix::fs::chown(config, Some(uid), Some(uid))
+            .map_err(|e| format!("chown {}: {e}", config.display()))?;
+        Ok(uid)
+    }
+
+    /// Gives the VM's files to `uid` as QEMU needs them: the writable disk and a shared RAM
+    /// file become its own; files it only reads (the node's, the image's, a snapshot's)
+    /// become readable to it where they were not. A copy's RAM (a snapshot's memory,
+    /// mapped privately) must open read-write on a QEMU without `readonly=on,rom=off`
+    /// (before 8.2), so it is made writable to all: only jails that were given the file
+    /// can reach it (its directories are the node's, 0700). The guest kernel is read from
+    /// where it is, and must be readable to all. Errors: the path and what failed.
+    pub fn prepare(&self, m: &Machine, uid: u32) -> Result<(), String> {
+        let own = |p: &Path| {
+            std::os::unix::fs::chown(p, Some(uid), Some(uid))
+                .map_err(|e| format!("chown {}: {e}", p.display()))
+        };
+        let readable = |p: &Path, mode: u32| -> Result<(), String> {
+            let meta = std::fs::metadata(p).map_err(|e| format!("{}: {e}", p.display()))?;
+            if meta.uid() == uid || meta.permissions().mode() & mode == mode {
+                return Ok(());
+            }
+            let want = meta.permissions().mode() & 0o7777 | mode;
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(want))
+                .map_err(|e| format!("chmod {}: {e}", p.display()))
+        };
+        for d in &m.disks {
+            if d.read_only {
+                readable(&d.path, 0o004)?;
+            } else {
+                own(&d.path)?;
+            }
+        }
+        if m.ram.shared {
+            own(&m.ram.path)?;
+        } else if m.ram.open_read_only {
+            readable(&m.ram.path, 0o004)?;
+        } else {
+            readable(&m.ram.path, 0o006)?;
+        }
+        if let Some(i) = &m.initrd {
+            readable(i, 0o004)?;
+        }
+        Ok(())
+    }
+
+    /// The jail for QEMU at `qemu` running `m` as `uid`. Errors: a path that cannot be
+    /// shown inside (missing, or not a plain absolute path).
+    pub fn plan(&self, m: &Machine, qemu: &Path, uid: u32) -> Result<Jail, String> {
+        let e = |e: crate::sys::jail::JailError| e.to_string();
+        let mut j = Jail::new(&self.root, uid, uid).map_err(e)?;
+        for s in SYSTEM {
+            j.mirror(Path::new(s)).map_err(e)?;
+        }
+        for f in SYSTEM_FILES {
+            if Path::new(f).is_file() {
+                j.bind(Path::new(f), true).map_err(e)?;
+            }
+        }
+        for d in DEVICES {
+            j.device(Path::new(d)).map_err(e)?;
+        }
+        if let Some(gid) = self.kvm_gid {
+            j.device(Path::new("/dev/kvm")).map_err(e)?;
+            j.groups(&[gid]);
+        }
+        j.bind(qemu, true).map_err(e)?;
+        j.bind(&m.kernel, true).map_err(e)?;
+        if let Some(i) = &m.initrd {
+            j.bind(i, true).map_err(e)?;
+        }
+        for d in &m.disks {
+            j.bind(&d.path, d.read_only).map_err(e)?;
+        }
+        // Written by QEMU when shared, and opened read-write for a private mapping
+        // before QEMU 8.2 (see `prepare`).
+        j.bind(&m.ram.path, !m.ram.shared && m.ram.open_read_only)
+            .map_err(e)?;
+        if let Some(log) = &m.console_log {
+            j.bind(log, false).map_err(e)?;
+        }
+        Ok(j)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_vm_keeps_its_uid_and_a_new_one_takes_the_lowest_free() {
+        if !crate::sys::root_or_skip("a_vm_keeps_its_uid_and_a_new_one_takes_the_lowest_free") {
+            return;
+        }
+        let t = tempfile::tempdir().unwrap();
+        let sandboxes = t.path().join("microvms");
+        let j = Jailer::new(t.path(), &sandboxes, 4_000_000_000, false).unwrap();
+        let config = |id: &str| {
+            let d = sandboxes.join(id);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("config.img"), b"x").unwrap();
+            d.join("config.img")
+        };
+        let (a, b, c) = (config("a"), config("b"), config("c"));
+        assert_eq!(j.uid_of(&a).unwrap(), 4_000_000_000);
+        assert_eq!(j.uid_of(&b).unwrap(), 4_000_000_001);
+        // Asked again (a resume, an edge restart): the same.
+        assert_eq!(j.uid_of(&a).unwrap(), 4_000_000_000);
+        assert_eq!(std::fs::metadata(&a).unwrap().uid(), 4_000_000_000);
+        // A stopped VM's uid is free again.
+        std::fs::remove_dir_all(sandboxes.join("a")).unwrap();
+        assert_eq!(j.uid_of(&c).unwrap(), 4_000_000_000);
+        assert!(Jailer::new(t.path(), &sandboxes, u32::MAX as i64, false).is_err());
+        assert!(Jailer::new(t.path(), &sandboxes, -1, false).is_err());
+    }
+}
