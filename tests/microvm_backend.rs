@@ -21,7 +21,8 @@ use std::sync::Arc;
 
 use opendsec::backends::microvm::VmState;
 use opendsec::backends::{
-    self, Backend, BackendContext, CreateRequest, Handle, Health, Recorded, SnapshotTarget,
+    self, Backend, BackendContext, BackendError, CreateRequest, Handle, Health, Recorded,
+    SnapshotTarget,
 };
 use opendsec::config::BackendConfig;
 use opendsec::images::digest::Digest;
@@ -267,6 +268,29 @@ async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothi
     netted.network_rules.insert("example.com".into(), false);
     b.check_spec(&netted)
         .expect("a rule that allows nothing is no network");
+
+    // A user the image does not know is refused before a VM boots.
+    let mut stranger = spec("root/t/vm:1");
+    stranger.init_user = "nobody-here".into();
+    let err = b
+        .create(&CreateRequest {
+            fork: None,
+            snapshot: None,
+            sandbox_id: format!("{edge}.u"),
+            project: "root".into(),
+            spec: stranger,
+        })
+        .await
+        .expect_err("an unknown init_user");
+    assert!(
+        matches!(&err, BackendError::Invalid { message, .. } if message.contains("init_user \"nobody-here\"")),
+        "{err:?}"
+    );
+    assert!(!state
+        .join(edge)
+        .join("microvms")
+        .join(format!("{edge}.u"))
+        .exists());
 
     let (id, sp) = (format!("{edge}.a"), spec("root/t/vm:1"));
     let st = b

@@ -159,7 +159,7 @@ fn init_user(asked: &str, image: &str) -> String {
 /// Checks that the image of `lowers` (topmost first) knows `user`: its own /etc/passwd (the
 /// topmost layer that has one) must name it; numeric uids need no entry. Errors: why not,
 /// for `invalid`.
-fn check_user(lowers: &[PathBuf], user: &str, image: &str) -> Result<(), String> {
+pub(crate) fn check_user(lowers: &[PathBuf], user: &str, image: &str) -> Result<(), String> {
     let root = lowers
         .iter()
         .find(|l| std::fs::symlink_metadata(l.join("etc/passwd")).is_ok_and(|m| m.is_file()))

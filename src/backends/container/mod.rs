@@ -12,6 +12,7 @@ pub mod resolve;
 pub mod rootfs;
 pub mod setup;
 
+pub(crate) use backend::check_user;
 pub use backend::{
     judged_alive, start_time, stray_ids, ContainerBackend, ContainerState, MIN_CPU_CORES,
     MIN_DISK_MB, MIN_MEMORY_MB,

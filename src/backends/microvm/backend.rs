@@ -1300,16 +1300,23 @@ impl MicrovmBackend {
             // An image made by create_snapshot(memory=True): a copy of that VM.
             return self.restore_vm(req, from).await;
         }
-        let layers: Vec<String> = image.layers.iter().map(|d| d.hex().to_string()).collect();
-        self.images.mark_in_use(id, &image.layers).await?;
-        let image_disk = self
-            .image_disk(&req.spec.image, &layers, &image.lowers)
-            .await?;
         let init_user = [req.spec.init_user.as_str(), image.user.as_str()]
             .into_iter()
             .find(|u| !u.is_empty())
             .unwrap_or("root")
             .to_string();
+        // As for containers: a user the image does not know would boot a VM in which every
+        // command fails.
+        crate::backends::container::check_user(&image.lowers, &init_user, &req.spec.image)
+            .map_err(|message| BackendError::Invalid {
+                sandbox_id: id.clone(),
+                message,
+            })?;
+        let layers: Vec<String> = image.layers.iter().map(|d| d.hex().to_string()).collect();
+        self.images.mark_in_use(id, &image.layers).await?;
+        let image_disk = self
+            .image_disk(&req.spec.image, &layers, &image.lowers)
+            .await?;
         let cfg = VmConfig {
             sandbox_id: id.clone(),
             hostname: hostname_of(id),
