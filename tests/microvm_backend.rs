@@ -70,6 +70,10 @@ fn image(store: &Store) -> ImageManifest {
 }
 
 fn backend(state: &Path, edge: &str, store: &Path) -> Arc<dyn Backend> {
+    backend_with(state, edge, store, false)
+}
+
+fn backend_with(state: &Path, edge: &str, store: &Path, erofs_images: bool) -> Arc<dyn Backend> {
     let ctx = BackendContext {
         edge_id: edge.into(),
         state_dir: state.to_path_buf(),
@@ -85,6 +89,7 @@ fn backend(state: &Path, edge: &str, store: &Path) -> Arc<dyn Backend> {
         runtime: "qemu".into(),
         kernel: common::guest_kernel().display().to_string(),
         vm_overhead_mb: 48,
+        erofs_images,
         ..Default::default()
     };
     match backends::build("microvm", &cfg, &ctx) {
@@ -477,6 +482,46 @@ async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothi
     assert!(!store_dir.join("inuse").join(edge).join(&id).exists());
 }
 
+/// With `erofs_images`, the image's disk is EROFS, and the guest reads the image's files
+/// through it as through ext4 (the top layer's deletion applied).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_erofs_image_disk_holds_the_same_files() {
+    let (_tmp, state, store_dir) = setup();
+    let edge = "mvb-3";
+    let _leftovers = Leftovers(vec![format!("{edge}.e")]);
+    let b = backend_with(&state, edge, &store_dir, true);
+    let (id, sp) = (format!("{edge}.e"), spec("root/t/vm:1"));
+    let st = b
+        .create(&CreateRequest {
+            fork: None,
+            snapshot: None,
+            sandbox_id: id.clone(),
+            project: "root".into(),
+            spec: sp.clone(),
+        })
+        .await
+        .expect("create a microVM from an EROFS image disk");
+    let h = Handle {
+        sandbox_id: &id,
+        spec: &sp,
+        state: &st,
+    };
+    assert_eq!(
+        shell(&b, &h, "cat /etc/marker; test -e /etc/gone || echo gone").await,
+        "top\ngone\n"
+    );
+    let vm: VmState = serde_json::from_value(st.clone()).unwrap();
+    assert_eq!(
+        vm.image_disk.extension().and_then(|e| e.to_str()),
+        Some("erofs")
+    );
+    // EROFS's magic, 0xE0F5E1E2, at byte 1024.
+    let head = std::fs::read(&vm.image_disk).unwrap();
+    assert_eq!(&head[1024..1028], &0xE0F5_E1E2u32.to_le_bytes());
+    b.stop(&h).await.expect("stop");
+    assert_no_disks_left(&state, edge);
+}
+
 /// A field of `/proc/<pid>/status` (`Uid:`, `CapEff:`), its values.
 fn status_field(pid: u32, field: &str) -> Vec<String> {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -503,6 +548,17 @@ fn jailed(pid: u32, own: &Path, other: &Path) -> u32 {
     assert_eq!(status_field(pid, "CapEff:"), ["0000000000000000"]);
     assert_eq!(status_field(pid, "CapPrm:"), ["0000000000000000"]);
     assert_eq!(status_field(pid, "NoNewPrivs:"), ["1"]);
+    // A session of its own (stat's 6th field), and a bound on the files it writes.
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = stat.rsplit_once(") ").unwrap().1;
+    let sid: i32 = after.split_whitespace().nth(3).unwrap().parse().unwrap();
+    assert_eq!(sid as u32, pid, "QEMU leads a session of its own");
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let fsize = limits
+        .lines()
+        .find(|l| l.starts_with("Max file size"))
+        .unwrap();
+    assert!(!fsize.contains("unlimited"), "{fsize}");
     for ns in ["net", "mnt", "ipc", "uts"] {
         assert_ne!(
             std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).unwrap(),

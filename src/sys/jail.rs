@@ -36,6 +36,8 @@ enum Step {
 pub enum JailError {
     #[error("{0:?} is not an absolute path without . or .. components")]
     BadPath(PathBuf),
+    #[error("{0:?} would be inside a path of the host shown read-only or as a link (/usr, /lib, ...): a VM's files cannot live there")]
+    Covered(PathBuf),
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,
@@ -58,6 +60,10 @@ pub struct Jail {
     made: BTreeSet<PathBuf>,
     /// Paths bound as whole directories: a path under one is visible already.
     bound_dirs: Vec<PathBuf>,
+    /// Symbolic links made inside: nothing can be made under one.
+    links: Vec<PathBuf>,
+    /// RLIMIT_FSIZE, bytes: the largest file the program may write.
+    file_size_limit: Option<u64>,
     steps: Vec<Step>,
     uid: u32,
     gid: u32,
@@ -97,12 +103,20 @@ impl Jail {
             tmpfs_opts: c"mode=0755,size=256k,nr_inodes=4096".to_owned(),
             made: BTreeSet::new(),
             bound_dirs: Vec::new(),
+            links: Vec::new(),
+            file_size_limit: None,
             steps: Vec::new(),
             uid,
             gid,
             groups: Vec::new(),
             cwd: c"/".to_owned(),
         })
+    }
+
+    /// The largest file, in bytes, the program may write or extend (RLIMIT_FSIZE): a
+    /// writer past it gets SIGXFSZ.
+    pub fn file_size_limit(&mut self, bytes: u64) {
+        self.file_size_limit = Some(bytes);
     }
 
     /// Supplementary groups the program keeps (the group of `/dev/kvm`).
@@ -177,6 +191,16 @@ impl Jail {
         self.add_bind(path, read_only, false)
     }
 
+    /// As `bind`, for a file that must be shown as itself, writable where asked: one under
+    /// a directory bound already (read-only) or under a link made inside is refused.
+    /// Errors: `Covered`, and `bind`'s.
+    pub fn bind_own(&mut self, path: &Path, read_only: bool) -> Result<(), JailError> {
+        if self.covered(path) || self.links.iter().any(|l| path.starts_with(l)) {
+            return Err(JailError::Covered(path.to_path_buf()));
+        }
+        self.add_bind(path, read_only, false)
+    }
+
     /// Makes the device node `path` (`/dev/null`, `/dev/kvm`) usable inside.
     pub fn device(&mut self, path: &Path) -> Result<(), JailError> {
         self.add_bind(path, false, true)
@@ -188,6 +212,7 @@ impl Jail {
         checked(at)?;
         self.parents(at)?;
         if self.made.insert(at.to_path_buf()) {
+            self.links.push(at.to_path_buf());
             self.steps.push(Step::Symlink {
                 target: cstr(target)?,
                 at: cstr(&self.inside(at))?,
@@ -237,6 +262,9 @@ impl Jail {
         // SAFETY: every call below is a raw syscall on NUL-terminated strings owned by
         // `self`, which outlives them, or on integers; see `enter_at_exec`.
         unsafe {
+            // A session of its own: nothing of the edge's session (its terminal's signals,
+            // SIGCONT that any member may send to another) reaches it, or it them.
+            check(libc::setsid(), b"setsid", None)?;
             check(libc::unshare(flags), b"unshare", None)?;
             check(
                 libc::mount(
@@ -289,7 +317,9 @@ impl Jail {
                                 src.as_ptr(),
                                 dst.as_ptr(),
                                 std::ptr::null(),
-                                libc::MS_BIND | libc::MS_REC,
+                                // Not recursive: a mount below the path would keep its
+                                // own flags (writable, suid) through the remount below.
+                                libc::MS_BIND,
                                 std::ptr::null(),
                             ),
                             b"bind",
@@ -380,6 +410,28 @@ impl Jail {
                 b"setresuid",
                 None,
             )?;
+            // A session keyring of its own: the edge's (root's keys that its possessor may
+            // read) is not QEMU's.
+            check(
+                libc::syscall(
+                    libc::SYS_keyctl,
+                    KEYCTL_JOIN_SESSION_KEYRING,
+                    std::ptr::null::<libc::c_char>(),
+                ) as i32,
+                b"keyctl join session keyring",
+                None,
+            )?;
+            if let Some(bytes) = self.file_size_limit {
+                let lim = libc::rlimit {
+                    rlim_cur: bytes,
+                    rlim_max: bytes,
+                };
+                check(
+                    libc::setrlimit(libc::RLIMIT_FSIZE, &lim),
+                    b"setrlimit fsize",
+                    None,
+                )?;
+            }
             check(
                 libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0),
                 b"no_new_privs",
@@ -389,6 +441,9 @@ impl Jail {
         Ok(())
     }
 }
+
+/// keyctl(2)'s operation that joins a new anonymous session keyring (name NULL).
+const KEYCTL_JOIN_SESSION_KEYRING: libc::c_long = 1;
 
 /// `ret == -1`: the step's line on stderr, then errno. Async-signal-safe.
 fn check(ret: i32, what: &[u8], path: Option<&CString>) -> io::Result<()> {
@@ -440,6 +495,20 @@ mod tests {
             j.bind(Path::new("/no/such/file/here"), true),
             Err(JailError::Io { .. })
         ));
+    }
+
+    #[test]
+    fn a_file_of_its_own_under_a_bound_directory_or_a_link_is_refused() {
+        let mut j = Jail::new(Path::new("/j"), 1, 1).unwrap();
+        j.bind(Path::new("/usr"), true).unwrap();
+        j.symlink(Path::new("/lib"), Path::new("usr/lib")).unwrap();
+        for p in ["/usr/bin/env", "/lib/x"] {
+            assert!(
+                matches!(j.bind_own(Path::new(p), false), Err(JailError::Covered(_))),
+                "{p}"
+            );
+        }
+        j.bind_own(Path::new("/dev/null"), true).unwrap();
     }
 
     #[test]

@@ -123,7 +123,9 @@ pub struct MicrovmBackend {
     cgroups: Cgroups,
     overhead_mb: i64,
     /// Each VM's uid and jail (docs/microvm.md "The jail").
-    jailer: Jailer,
+    jailer: std::sync::Arc<Jailer>,
+    /// The image disks' file system (`erofs_images`).
+    image_format: disks::ImageFormat,
     /// QEMU maps a copy's RAM from a file it opens read-only (8.2 and later).
     private_ram_read_only: bool,
     /// Held while an image disk is made, so two creations of one image make it once.
@@ -214,6 +216,16 @@ fn kvm_works() -> bool {
         .write(true)
         .open("/dev/kvm")
         .is_ok();
+    // A jailed QEMU opens it through its group (not root's) or as anyone.
+    let jailed = std::fs::metadata("/dev/kvm").is_ok_and(|m| {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let mode = m.permissions().mode();
+        mode & 0o006 == 0o006 || (m.gid() != 0 && mode & 0o060 == 0o060)
+    });
+    if opens && !jailed {
+        tracing::warn!("/dev/kvm opens for root only (or group root): a VM's jailed QEMU could not use it, so VMs are emulated; give /dev/kvm a group of its own with rw (Debian: kvm, 0660)");
+    }
+    let opens = opens && jailed;
     let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let hw = flags
         .lines()
@@ -366,6 +378,17 @@ impl MicrovmBackend {
         let jailer = Jailer::new(&node, &dir, cfg.uid_base, accel == Accel::Kvm)
             .map_err(|m| cfg_err(name, m))?;
         let private_ram_read_only = qemu_at_least(&machine, 8, 2);
+        let image_format = if cfg.erofs_images {
+            if disks::mkfs_erofs().is_none() {
+                return Err(cfg_err(
+                    name,
+                    "erofs_images needs mkfs.erofs (Debian: erofs-utils)",
+                ));
+            }
+            disks::ImageFormat::Erofs
+        } else {
+            disks::ImageFormat::Ext4
+        };
         let cache = cfg.layer_cache.unwrap_or(true).then(|| base.join("layers"));
         let images = Images::new(
             name,
@@ -392,7 +415,8 @@ impl MicrovmBackend {
             } else {
                 DEFAULT_VM_OVERHEAD_MB
             },
-            jailer,
+            jailer: std::sync::Arc::new(jailer),
+            image_format,
             private_ram_read_only,
             building: tokio::sync::Mutex::new(()),
             channels: Mutex::new(HashMap::new()),
@@ -506,7 +530,8 @@ impl MicrovmBackend {
         let key = image_key(layers, lowers);
         let _one = self.building.lock().await;
         let (lowers, dir) = (lowers.to_vec(), self.image_dir.clone());
-        tokio::task::spawn_blocking(move || disks::image_disk(&lowers, &key, &dir))
+        let format = self.image_format;
+        tokio::task::spawn_blocking(move || disks::image_disk(&lowers, &key, &dir, format))
             .await
             .map_err(|e| BackendError::ImageUnavailable {
                 image: image.to_string(),
@@ -566,9 +591,6 @@ impl MicrovmBackend {
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
             .stderr(log);
-        // Its own process group: a signal to the edge's terminal leaves VMs running, as an
-        // edge restart must.
-        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         let procs_fds: Vec<i32> = procs.iter().map(std::os::fd::AsRawFd::as_raw_fd).collect();
         crate::sys::process::join_cgroups_at_exec(&mut cmd, &procs_fds);
         crate::sys::process::inherit_at_exec(&mut cmd, &fds);
@@ -579,7 +601,17 @@ impl MicrovmBackend {
         let child = tokio::task::spawn_blocking(move || cmd.spawn())
             .await
             .map_err(|e| create_err(id, e))?
-            .map_err(|e| create_err(id, format!("starting {}: {e}", self.qemu.display())))?;
+            .map_err(|e| {
+                let log = log_tail(&self.sandbox_dir(id).join("qemu.log"));
+                create_err(
+                    id,
+                    format!(
+                        "starting {}: {e}{}",
+                        self.qemu.display(),
+                        tail(&log).map(|t| format!(" ({t})")).unwrap_or_default()
+                    ),
+                )
+            })?;
         drop(procs);
         // QEMU holds the sockets now; the node's copies would keep a dead VM's port
         // accepting connections nobody serves.
@@ -619,8 +651,7 @@ impl MicrovmBackend {
                 return Ok(ch);
             }
             if !qemu_alive(pid, start_time) {
-                let log = std::fs::read_to_string(self.sandbox_dir(id).join("qemu.log"))
-                    .unwrap_or_default();
+                let log = log_tail(&self.sandbox_dir(id).join("qemu.log"));
                 return Err(create_err(
                     id,
                     format!(
@@ -651,6 +682,7 @@ impl MicrovmBackend {
         let cg = self.cgroups.open(id);
         let (disks, dir) = (self.disks.clone(), self.sandbox_dir(id));
         let sid = id.to_string();
+        let jailer = self.jailer.clone();
         let failed = tokio::task::spawn_blocking(move || {
             let mut failed = Vec::new();
             if cg.exists() {
@@ -670,6 +702,8 @@ impl MicrovmBackend {
             if let Err(e) = disks.remove(&sid) {
                 failed.push(crate::types::chain(&e).to_string());
             }
+            // QEMU is gone: its uid is free for the host's next VM.
+            jailer.release(&dir.join("config.img"));
             match std::fs::remove_dir_all(&dir) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -883,7 +917,7 @@ impl MicrovmBackend {
                 Ok(q) => break q,
                 Err(e) => {
                     if !qemu_alive(pid, start_time) || started.elapsed() > MIGRATE_TIMEOUT {
-                        let log = std::fs::read_to_string(dir.join("qemu.log")).unwrap_or_default();
+                        let log = log_tail(&dir.join("qemu.log"));
                         return Err(format!(
                             "QEMU's QMP socket: {e}{}",
                             tail(&log)
@@ -1534,6 +1568,20 @@ fn release_ram(path: &Path) -> std::io::Result<()> {
 }
 
 /// The last line QEMU wrote, if any.
+/// The last 4 KiB of QEMU's log `path` (a QEMU its guest took over could have written
+/// without end), lossily as text; empty when unreadable.
+fn log_tail(path: &Path) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return String::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(4096)));
+    let mut buf = Vec::with_capacity(4096);
+    let _ = f.take(4096).read_to_end(&mut buf);
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
 fn tail(log: &str) -> Option<&str> {
     log.lines().rev().map(str::trim).find(|l| !l.is_empty())
 }

@@ -73,15 +73,51 @@ pub fn agent_disk(binary: &Path, dir: &Path) -> Result<PathBuf, DisksError> {
     Ok(out)
 }
 
+/// The file system of the image disks (`erofs_images`, docs/microvm.md "The backend").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImageFormat {
+    /// ext4 without a journal, sized to the tree.
+    Ext4,
+    /// EROFS, read-only by design and packed (`mkfs.erofs` from erofs-utils).
+    Erofs,
+}
+
+impl ImageFormat {
+    fn extension(self) -> &'static str {
+        match self {
+            ImageFormat::Ext4 => "ext4",
+            ImageFormat::Erofs => "erofs",
+        }
+    }
+}
+
+/// `mkfs.erofs` on `PATH` or in the sbin directories.
+pub fn mkfs_erofs() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/sbin", "/usr/bin"].map(PathBuf::from))
+        .map(|d| d.join("mkfs.erofs"))
+        .find(|p| p.is_file())
+}
+
 /// The image disk for an image whose layers are `lowers` (topmost first, as containers
-/// stack them) in `dir`: `image-<key>.ext4`, made the first time and shared after by every
-/// VM of the image. `key` names the image's content (a digest of its store layers), so a
+/// stack them) in `dir`: `image-<key>.ext4` (or `.erofs` in `format` EROFS), made the first
+/// time and shared after by every VM of the image. `key` names the image's content (a digest of its store layers), so a
 /// changed image gets a disk of its own. Several layers are read as one tree through a
 /// read-only overlay mount, which applies their whiteouts, and the disk holds that tree's
 /// files with their owners, modes and extended attributes. Errors: `Stack` when the layers
 /// cannot be mounted together, `Io`, `Mkfs`.
-pub fn image_disk(lowers: &[PathBuf], key: &str, dir: &Path) -> Result<PathBuf, DisksError> {
-    let out = dir.join(format!("image-{key}.ext4"));
+pub fn image_disk(
+    lowers: &[PathBuf],
+    key: &str,
+    dir: &Path,
+    format: ImageFormat,
+) -> Result<PathBuf, DisksError> {
+    let out = dir.join(format!("image-{key}.{}", format.extension()));
+    let build = |out: &Path, tree: &Path| match format {
+        ImageFormat::Ext4 => ext4_from(out, tree),
+        ImageFormat::Erofs => erofs_from(out, tree),
+    };
     if out.is_file() {
         return Ok(out);
     }
@@ -95,17 +131,17 @@ pub fn image_disk(lowers: &[PathBuf], key: &str, dir: &Path) -> Result<PathBuf, 
     let mut lowers = lowers.to_vec();
     // overlayfs refuses a lower named twice; a run of one layer is the same tree as one.
     lowers.dedup();
-    let tmp = stage.0.join("disk.ext4");
+    let tmp = stage.0.join("disk");
     match lowers.as_slice() {
         [] => {
             let empty = stage.0.join("empty");
             fs::create_dir_all(&empty).map_err(io_err("creating", &empty))?;
-            ext4_from(&tmp, &empty)?;
+            build(&tmp, &empty)?;
         }
-        [one] => ext4_from(&tmp, one)?,
+        [one] => build(&tmp, one)?,
         many => {
             let merged = Merged::mount(&stage.0, many, &out)?;
-            ext4_from(&tmp, &merged.0)?;
+            build(&tmp, &merged.0)?;
         }
     }
     fs::rename(&tmp, &out).map_err(io_err("renaming a new image disk to", &out))?;
@@ -226,6 +262,33 @@ fn tree_size(dir: &Path) -> io::Result<(u64, u64)> {
 
 /// Makes a journal-less ext4 image at `out` holding `dir`'s files, owned by root, sized to
 /// them plus [`SLACK_MB`]. Errors: `Io`, `Mkfs`.
+/// An EROFS image of `dir` at `out`, owners, modes, extended attributes and times kept,
+/// uncompressed (a guest reads it without decompressing, and the page cache holds it once).
+fn erofs_from(out: &Path, dir: &Path) -> Result<(), DisksError> {
+    let err = |message: String| DisksError::Mkfs {
+        path: out.to_path_buf(),
+        message,
+    };
+    let program = mkfs_erofs().ok_or_else(|| err("mkfs.erofs not found (erofs-utils)".into()))?;
+    let run = Command::new(&program)
+        .env_clear()
+        .args(["--quiet", "--preserve-mtime"])
+        .arg(out)
+        .arg(dir)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| err(format!("starting {}: {e}", program.display())))?;
+    if !run.status.success() {
+        return Err(err(format!(
+            "{} exited with {}: {}",
+            program.display(),
+            run.status,
+            String::from_utf8_lossy(&run.stderr).trim()
+        )));
+    }
+    Ok(())
+}
+
 fn ext4_from(out: &Path, dir: &Path) -> Result<(), DisksError> {
     let err = |message: String| DisksError::Mkfs {
         path: out.to_path_buf(),
@@ -357,7 +420,13 @@ mod tests {
         )
         .expect("whiteout");
         let disks = dir.path().join("disks");
-        let disk = image_disk(&[upper.clone(), lower.clone()], "k1", &disks).expect("disk");
+        let disk = image_disk(
+            &[upper.clone(), lower.clone()],
+            "k1",
+            &disks,
+            ImageFormat::Ext4,
+        )
+        .expect("disk");
         assert_eq!(debugfs_cat(&disk, "/etc/kept"), b"kept\n");
         assert_eq!(debugfs_cat(&disk, "/etc/changed"), b"new\n");
         let mut names = debugfs_ls(&disk, "/etc");
@@ -377,7 +446,7 @@ mod tests {
         // Made once per key; nothing left mounted or staged.
         let made = mtime(&disk);
         assert_eq!(
-            image_disk(&[upper, lower], "k1", &disks).expect("again"),
+            image_disk(&[upper, lower], "k1", &disks, ImageFormat::Ext4).expect("again"),
             disk
         );
         assert_eq!(mtime(&disk), made);
@@ -398,7 +467,13 @@ mod tests {
                 fs::write(sub.join(format!("f{f}")), b"x").expect("write");
             }
         }
-        let disk = image_disk(&[tree], "many", &dir.path().join("disks")).expect("disk");
+        let disk = image_disk(
+            &[tree],
+            "many",
+            &dir.path().join("disks"),
+            ImageFormat::Ext4,
+        )
+        .expect("disk");
         assert_eq!(debugfs_cat(&disk, "/d49/f99"), b"x");
         assert_eq!(debugfs_ls(&disk, "/d0").len(), 100);
     }

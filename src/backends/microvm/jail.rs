@@ -16,6 +16,10 @@ use crate::sys::jail::Jail;
 pub const DEFAULT_UID_BASE: u32 = 1_000_000_000;
 /// How many uids VMs take from `uid_base`: more than a node runs VMs.
 pub const UIDS: u32 = 65536;
+/// Where the host's VM uids are claimed, one file per uid naming the config disk of the VM
+/// that holds it: every edge and backend of the host shares the range, so two of them
+/// never give one uid to two VMs (a uid's processes may signal and trace each other).
+pub const UID_REGISTRY: &str = "/run/opendsec/vm-uids";
 
 /// Where each VM's QEMU may run and as whom; see the module doc.
 #[derive(Debug)]
@@ -26,8 +30,10 @@ pub struct Jailer {
     uid_base: u32,
     /// The sandboxes' directories, each holding its config disk, whose owner is its uid.
     sandboxes: PathBuf,
-    /// Held from choosing a uid until the config disk is given to it.
+    /// Held from choosing a uid until the config disk is given to it (with the registry's
+    /// lock, which other processes of the host take).
     choosing: Mutex<()>,
+    registry: PathBuf,
     /// `/dev/kvm`'s group, which QEMU keeps with KVM; None under emulation.
     kvm_gid: Option<u32>,
 }
@@ -69,13 +75,68 @@ impl Jailer {
         } else {
             None
         };
+        let registry = PathBuf::from(UID_REGISTRY);
+        std::fs::create_dir_all(&registry).map_err(|e| format!("{}: {e}", registry.display()))?;
+        std::fs::set_permissions(&registry, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| format!("{}: {e}", registry.display()))?;
         Ok(Jailer {
             root,
             uid_base: base,
             sandboxes: sandboxes.to_path_buf(),
             choosing: Mutex::new(()),
+            registry,
             kvm_gid,
         })
+    }
+
+    /// Claims `uid` for the VM whose config disk is `config`, the registry's lock held:
+    /// true when it is free, already this VM's, or held by a VM that is gone (its config
+    /// disk no longer exists or is no longer owned by `uid`).
+    fn claim(&self, uid: u32, config: &Path) -> Result<bool, String> {
+        use std::io::Write;
+        use std::os::unix::ffi::OsStrExt;
+        let entry = self.registry.join(uid.to_string());
+        let want = config.as_os_str().as_bytes();
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&entry)
+        {
+            Ok(mut f) => {
+                f.write_all(want)
+                    .map_err(|e| format!("{}: {e}", entry.display()))?;
+                return Ok(true);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(format!("{}: {e}", entry.display())),
+        }
+        let holder = std::fs::read(&entry).unwrap_or_default();
+        if holder == want {
+            return Ok(true);
+        }
+        let holder = PathBuf::from(std::ffi::OsStr::from_bytes(&holder));
+        let alive = std::fs::metadata(&holder).is_ok_and(|m| m.uid() == uid);
+        if alive {
+            return Ok(false);
+        }
+        std::fs::write(&entry, want).map_err(|e| format!("{}: {e}", entry.display()))?;
+        Ok(true)
+    }
+
+    /// Gives back the uid of the VM whose config disk is `config` (a stop), if the registry
+    /// names it as its holder. Best effort: a holder that is gone is reclaimed anyway.
+    pub fn release(&self, config: &Path) {
+        use std::os::unix::ffi::OsStrExt;
+        let Ok(meta) = std::fs::metadata(config) else {
+            return;
+        };
+        if !self.ours(meta.uid()) {
+            return;
+        }
+        let entry = self.registry.join(meta.uid().to_string());
+        if std::fs::read(&entry).is_ok_and(|h| h == config.as_os_str().as_bytes()) {
+            let _ = std::fs::remove_file(&entry);
+        }
     }
 
     fn ours(&self, uid: u32) -> bool {
@@ -91,12 +152,23 @@ impl Jailer {
             .choosing
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let lock_path = self.registry.join(".lock");
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| format!("{}: {e}", lock_path.display()))?;
+        let _host = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| format!("locking {}: {e}", lock_path.display()))?;
         let owner = std::fs::metadata(config)
             .map_err(|e| format!("{}: {e}", config.display()))?
             .uid();
-        if self.ours(owner) {
+        if self.ours(owner) && self.claim(owner, config)? {
             return Ok(owner);
         }
+        // This node's VMs first, without touching the registry: the common case of a
+        // node that holds the host alone.
         let mut taken = HashSet::new();
         if let Ok(rd) = std::fs::read_dir(&self.sandboxes) {
             for e in rd.flatten() {
@@ -107,9 +179,15 @@ impl Jailer {
                 }
             }
         }
-        let uid = (self.uid_base..self.uid_base + UIDS)
-            .find(|u| !taken.contains(u))
-            .ok_or_else(|| format!("all {UIDS} VM uids from {} are taken", self.uid_base))?;
+        let mut uid = None;
+        for u in (self.uid_base..self.uid_base + UIDS).filter(|u| !taken.contains(u)) {
+            if self.claim(u, config)? {
+                uid = Some(u);
+                break;
+            }
+        }
+        let uid =
+            uid.ok_or_else(|| format!("all {UIDS} VM uids from {} are taken", self.uid_base))?;
         std::os::unix::fs::chown(config, Some(uid), Some(uid))
             .map_err(|e| format!("chown {}: {e}", config.display()))?;
         Ok(uid)
@@ -177,19 +255,27 @@ impl Jailer {
             j.groups(&[gid]);
         }
         j.bind(qemu, true).map_err(e)?;
-        j.bind(&m.kernel, true).map_err(e)?;
+        j.bind_own(&m.kernel, true).map_err(e)?;
         if let Some(i) = &m.initrd {
-            j.bind(i, true).map_err(e)?;
+            j.bind_own(i, true).map_err(e)?;
         }
+        let mut largest = m.memory_mb << 20;
         for d in &m.disks {
-            j.bind(&d.path, d.read_only).map_err(e)?;
+            j.bind_own(&d.path, d.read_only).map_err(e)?;
+            if !d.read_only {
+                largest = largest.max(std::fs::metadata(&d.path).map_or(0, |md| md.len()));
+            }
         }
+        // No file QEMU writes grows past its disk or its RAM, with room for a migration
+        // stream that holds all of a copy's RAM; its log shares the limit. A guest that took
+        // QEMU over cannot fill the node's disk through a file it was given.
+        j.file_size_limit(largest + largest / 8 + (64 << 20));
         // Written by QEMU when shared, and opened read-write for a private mapping
         // before QEMU 8.2 (see `prepare`).
-        j.bind(&m.ram.path, !m.ram.shared && m.ram.open_read_only)
+        j.bind_own(&m.ram.path, !m.ram.shared && m.ram.open_read_only)
             .map_err(e)?;
         if let Some(log) = &m.console_log {
-            j.bind(log, false).map_err(e)?;
+            j.bind_own(log, false).map_err(e)?;
         }
         Ok(j)
     }
@@ -219,9 +305,19 @@ mod tests {
         // Asked again (a resume, an edge restart): the same.
         assert_eq!(j.uid_of(&a).unwrap(), 4_000_000_000);
         assert_eq!(std::fs::metadata(&a).unwrap().uid(), 4_000_000_000);
-        // A stopped VM's uid is free again.
+        // Another node of the same host never gets a uid this one holds.
+        let other = t.path().join("other");
+        let j2 = Jailer::new(&other, &other.join("microvms"), 4_000_000_000, false).unwrap();
+        std::fs::create_dir_all(other.join("microvms/x")).unwrap();
+        let x = other.join("microvms/x/config.img");
+        std::fs::write(&x, b"x").unwrap();
+        assert_eq!(j2.uid_of(&x).unwrap(), 4_000_000_002);
+        // A stopped VM's uid is free again, once given back or once its files are gone.
+        j2.release(&x);
         std::fs::remove_dir_all(sandboxes.join("a")).unwrap();
         assert_eq!(j.uid_of(&c).unwrap(), 4_000_000_000);
+        let d = config("d");
+        assert_eq!(j.uid_of(&d).unwrap(), 4_000_000_002);
         assert!(Jailer::new(t.path(), &sandboxes, u32::MAX as i64, false).is_err());
         assert!(Jailer::new(t.path(), &sandboxes, -1, false).is_err());
     }
