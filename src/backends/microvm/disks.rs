@@ -260,21 +260,16 @@ fn tree_size(dir: &Path) -> io::Result<(u64, u64)> {
     Ok((total, entries))
 }
 
-/// Makes a journal-less ext4 image at `out` holding `dir`'s files, owned by root, sized to
-/// them plus [`SLACK_MB`]. Errors: `Io`, `Mkfs`.
-/// An EROFS image of `dir` at `out`, owners, modes, extended attributes and times kept,
-/// uncompressed (a guest reads it without decompressing, and the page cache holds it once).
-fn erofs_from(out: &Path, dir: &Path) -> Result<(), DisksError> {
+/// Runs `program` (a mkfs) with `args`, which make the image at `out`. Errors: `Mkfs` with
+/// what it said.
+fn run_mkfs(out: &Path, program: &Path, args: &[&std::ffi::OsStr]) -> Result<(), DisksError> {
     let err = |message: String| DisksError::Mkfs {
         path: out.to_path_buf(),
         message,
     };
-    let program = mkfs_erofs().ok_or_else(|| err("mkfs.erofs not found (erofs-utils)".into()))?;
-    let run = Command::new(&program)
+    let run = Command::new(program)
         .env_clear()
-        .args(["--quiet", "--preserve-mtime"])
-        .arg(out)
-        .arg(dir)
+        .args(args)
         .stdin(Stdio::null())
         .output()
         .map_err(|e| err(format!("starting {}: {e}", program.display())))?;
@@ -289,43 +284,64 @@ fn erofs_from(out: &Path, dir: &Path) -> Result<(), DisksError> {
     Ok(())
 }
 
-fn ext4_from(out: &Path, dir: &Path) -> Result<(), DisksError> {
-    let err = |message: String| DisksError::Mkfs {
+/// An EROFS image of `dir` at `out`, owners, modes, extended attributes and times kept,
+/// uncompressed (a guest reads it without decompressing, and the page cache holds it once).
+/// Errors: `Mkfs`.
+fn erofs_from(out: &Path, dir: &Path) -> Result<(), DisksError> {
+    let program = mkfs_erofs().ok_or_else(|| DisksError::Mkfs {
         path: out.to_path_buf(),
-        message,
-    };
-    let program = crate::backends::container::disk::mkfs_program()
-        .ok_or_else(|| err("mkfs.ext4 not found (e2fsprogs)".into()))?;
+        message: "mkfs.erofs not found (erofs-utils)".into(),
+    })?;
+    run_mkfs(
+        out,
+        &program,
+        &[
+            "--quiet".as_ref(),
+            "--preserve-mtime".as_ref(),
+            out.as_os_str(),
+            dir.as_os_str(),
+        ],
+    )
+}
+
+/// Makes a journal-less ext4 image at `out` holding `dir`'s files, owned by root, sized to
+/// them plus [`SLACK_MB`]. Errors: `Io`, `Mkfs`.
+fn ext4_from(out: &Path, dir: &Path) -> Result<(), DisksError> {
+    let program =
+        crate::backends::container::disk::mkfs_program().ok_or_else(|| DisksError::Mkfs {
+            path: out.to_path_buf(),
+            message: "mkfs.ext4 not found (e2fsprogs)".into(),
+        })?;
     let (used, entries) = tree_size(dir).map_err(io_err("measuring", dir))?;
     // An eighth more for the inode tables and directories of many small files.
     let size_mb = (used + used / 8 + entries * INODE_BYTES).div_ceil(1 << 20) + SLACK_MB;
     // Inodes for every entry: ext4's default of one per 16 KiB runs out on an image of
     // many small files (a Debian base has one file per 10 KiB).
-    let inodes = entries + entries / 8 + 1024;
+    let inodes = (entries + entries / 8 + 1024).to_string();
     let f = fs::File::create(out).map_err(io_err("creating", out))?;
     f.set_len(size_mb << 20).map_err(io_err("sizing", out))?;
     drop(f);
-    let run = Command::new(program)
-        .env_clear()
-        .args(["-q", "-F", "-m", "0", "-b", "4096"])
-        .args(["-O", "^has_journal,^resize_inode"])
-        .args(["-E", "root_owner=0:0"])
-        .args(["-N", &inodes.to_string()])
-        .arg("-d")
-        .arg(dir)
-        .arg(out)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| err(format!("starting {}: {e}", program.display())))?;
-    if !run.status.success() {
-        return Err(err(format!(
-            "{} exited with {}: {}",
-            program.display(),
-            run.status,
-            String::from_utf8_lossy(&run.stderr).trim()
-        )));
-    }
-    Ok(())
+    let flags = [
+        "-q",
+        "-F",
+        "-m",
+        "0",
+        "-b",
+        "4096",
+        "-O",
+        "^has_journal,^resize_inode",
+        "-E",
+        "root_owner=0:0",
+        "-N",
+        inodes.as_str(),
+        "-d",
+    ];
+    let args: Vec<&std::ffi::OsStr> = flags
+        .iter()
+        .map(|a| a.as_ref())
+        .chain([dir.as_os_str(), out.as_os_str()])
+        .collect();
+    run_mkfs(out, program, &args)
 }
 
 #[cfg(test)]
