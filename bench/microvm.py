@@ -381,6 +381,14 @@ class Peer:
 
     def argv_for(self, d: Path, incoming: bool) -> list[str]:
         out = [a.replace(self.rw, str(d / "disk.img")).replace(self.sandbox_dir, str(d)) for a in self.argv]
+        # Our QEMU inherits its agent and QMP sockets from the edge (chardev fd=N); the
+        # peer makes its own at paths in its directory.
+        for name in ("agent", "qmp"):
+            prefix = f"socket,id={name},"
+            out = [
+                a.rsplit(",fd=", 1)[0] + f",path={d / (name + '.sock')}" if a.startswith(prefix) and ",fd=" in a else a
+                for a in out
+            ]
         return out + (["-incoming", "defer"] if incoming else [])
 
     def vm(self, name: str) -> PeerVm:
