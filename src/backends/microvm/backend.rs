@@ -126,7 +126,9 @@ pub struct MicrovmBackend {
     jailer: std::sync::Arc<Jailer>,
     /// The image disks' file system (`erofs_images`).
     image_format: disks::ImageFormat,
-    /// QEMU maps a copy's RAM from a file it opens read-only (8.2 and later).
+    /// QEMU maps a copy's RAM from a file it opens read-only (8.2 and later), so copies
+    /// share their snapshot's memory file; before 8.2 the jailer gives each copy a file
+    /// of its own (`Jailer::prepare`).
     private_ram_read_only: bool,
     /// Held while an image disk is made, so two creations of one image make it once.
     building: tokio::sync::Mutex<()>,
@@ -174,9 +176,10 @@ fn machine_of(qemu: &Path, accel: Accel) -> String {
     format!("{version}; {accel}")
 }
 
-/// Whether the QEMU of `machine` (`machine_of`) is `major.minor` or later; false when it
-/// did not say.
-fn qemu_at_least(machine: &str, major: u32, minor: u32) -> bool {
+/// Whether the QEMU of `machine` (`machine_of`, as a VM's `VmState::machine` records it:
+/// "QEMU emulator version X.Y.Z; accel") is `major.minor` or later; false when it did
+/// not say.
+pub fn qemu_at_least(machine: &str, major: u32, minor: u32) -> bool {
     let Some(v) = machine
         .strip_prefix("QEMU emulator version ")
         .and_then(|r| r.split([' ', ';']).next())

@@ -196,9 +196,9 @@ impl Jailer {
     /// Gives the VM's files to `uid` as QEMU needs them: the writable disk and a shared RAM
     /// file become its own; files it only reads (the node's, the image's, a snapshot's)
     /// become readable to it where they were not. A copy's RAM (a snapshot's memory,
-    /// mapped privately) must open read-write on a QEMU without `readonly=on,rom=off`
-    /// (before 8.2), so it is made writable to all: only jails that were given the file
-    /// can reach it (its directories are the node's, 0700). The guest kernel is read from
+    /// mapped privately) is shared by its siblings and only read where QEMU opens it
+    /// read-only (`readonly=on,rom=off`, 8.2 and later); before that QEMU opens it
+    /// read-write, so each copy has a file of its own, given to it. The guest kernel is read from
     /// where it is, and must be readable to all. Errors: the path and what failed.
     pub fn prepare(&self, m: &Machine, uid: u32) -> Result<(), String> {
         let own = |p: &Path| {
@@ -223,10 +223,13 @@ impl Jailer {
         }
         if m.ram.shared {
             own(&m.ram.path)?;
-        } else if m.ram.open_read_only {
-            readable(&m.ram.path, 0o004)?;
+        } else if !m.ram.open_read_only {
+            // Opened read-write, a file that other links hold (the snapshot's, its other
+            // copies') would let this QEMU write their memory: it gets one of its own.
+            private_file(&m.ram.path)?;
+            own(&m.ram.path)?;
         } else {
-            readable(&m.ram.path, 0o006)?;
+            readable(&m.ram.path, 0o004)?;
         }
         if let Some(i) = &m.initrd {
             readable(i, 0o004)?;
@@ -271,7 +274,7 @@ impl Jailer {
         // QEMU over cannot fill the node's disk through a file it was given.
         j.file_size_limit(largest + largest / 8 + (64 << 20));
         // Written by QEMU when shared, and opened read-write for a private mapping
-        // before QEMU 8.2 (see `prepare`).
+        // before QEMU 8.2: then it is the copy's own (see `prepare`).
         j.bind_own(&m.ram.path, !m.ram.shared && m.ram.open_read_only)
             .map_err(e)?;
         if let Some(log) = &m.console_log {
@@ -279,6 +282,23 @@ impl Jailer {
         }
         Ok(j)
     }
+}
+
+/// Makes `path` a file that no other link holds, by a copy (a reflink where the file
+/// system has them) put in its place. Errors: the path and what failed.
+fn private_file(path: &Path) -> Result<(), String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if meta.nlink() <= 1 {
+        return Ok(());
+    }
+    let tmp = path.with_extension("private");
+    let _ = std::fs::remove_file(&tmp);
+    crate::backends::container::disk::sparse_copy(path, &tmp)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            format!("a copy of {} of its own: {e}", path.display())
+        })
 }
 
 #[cfg(test)]
@@ -320,5 +340,69 @@ mod tests {
         assert_eq!(j.uid_of(&d).unwrap(), 4_000_000_002);
         assert!(Jailer::new(t.path(), &sandboxes, u32::MAX as i64, false).is_err());
         assert!(Jailer::new(t.path(), &sandboxes, -1, false).is_err());
+    }
+
+    #[test]
+    fn a_copys_memory_is_shared_only_where_qemu_opens_it_read_only() {
+        if !crate::sys::root_or_skip("a_copys_memory_is_shared_only_where_qemu_opens_it_read_only")
+        {
+            return;
+        }
+        use super::super::qemu::{Accel, RamFile};
+        let t = tempfile::tempdir().unwrap();
+        let snapshot = t.path().join("memory");
+        std::fs::write(&snapshot, b"the snapshot's pages").unwrap();
+        std::fs::set_permissions(&snapshot, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let j = Jailer::new(t.path(), &t.path().join("microvms"), 4_000_000_000, false).unwrap();
+        let copy = |name: &str, open_read_only: bool| {
+            let path = t.path().join(name);
+            std::fs::hard_link(&snapshot, &path).unwrap();
+            let m = Machine {
+                kernel: "/k".into(),
+                initrd: None,
+                append: String::new(),
+                init_args: vec![],
+                memory_mb: 16,
+                vcpus: 1,
+                accel: Accel::Tcg { tsc_khz: 0 },
+                ram: RamFile {
+                    path: path.clone(),
+                    shared: false,
+                    open_read_only,
+                },
+                disks: vec![],
+                agent_socket: "/s/a".into(),
+                qmp_socket: "/s/q".into(),
+                listen_fds: None,
+                tap: None,
+                console_log: None,
+                incoming: true,
+            };
+            j.prepare(&m, 4_000_000_007).unwrap();
+            std::fs::metadata(&path).unwrap()
+        };
+        // QEMU 8.2 and later: the copies share the snapshot's file, which they may only read.
+        let shared = copy("a", true);
+        assert_eq!(shared.ino(), std::fs::metadata(&snapshot).unwrap().ino());
+        assert_eq!((shared.uid(), shared.mode() & 0o777), (0, 0o604));
+        // Before 8.2 QEMU opens it read-write: the copy gets a file of its own, and the
+        // snapshot's stays root's and unwritable to others.
+        let own = copy("b", false);
+        let snap = std::fs::metadata(&snapshot).unwrap();
+        assert_ne!(own.ino(), snap.ino());
+        assert_eq!((own.nlink(), own.uid()), (1, 4_000_000_007));
+        assert_eq!(
+            (snap.uid(), snap.mode() & 0o777, snap.nlink()),
+            (0, 0o604, 2)
+        );
+        assert_eq!(
+            std::fs::read(t.path().join("b")).unwrap(),
+            b"the snapshot's pages"
+        );
+        // Prepared again (a resume), a file of its own is kept as it is.
+        std::fs::write(t.path().join("b"), b"its own").unwrap();
+        private_file(&t.path().join("b")).unwrap();
+        let again = std::fs::metadata(t.path().join("b")).unwrap();
+        assert_eq!(again.ino(), own.ino());
     }
 }

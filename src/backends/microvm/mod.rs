@@ -11,7 +11,7 @@ pub mod qemu;
 pub mod qmp;
 pub mod snapshot;
 
-pub use backend::{MicrovmBackend, VmState, DEFAULT_VM_OVERHEAD_MB, MIN_MEMORY_MB};
+pub use backend::{qemu_at_least, MicrovmBackend, VmState, DEFAULT_VM_OVERHEAD_MB, MIN_MEMORY_MB};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
