@@ -15,32 +15,21 @@
 
 mod common;
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use common::microvm::{
+    backend, backend_with, cgroup_pids, create_request, layer, shell, snapshot_with_memory, spec,
+    Leftovers,
+};
+
+use std::collections::{BTreeSet, HashSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use opendsec::backends::microvm::{qemu_at_least, VmState};
-use opendsec::backends::{
-    self, Backend, BackendContext, BackendError, CreateRequest, Handle, Health, Recorded,
-    SnapshotTarget,
-};
-use opendsec::config::BackendConfig;
-use opendsec::images::digest::Digest;
+use opendsec::backends::{Backend, BackendError, Handle, Health, Recorded, SnapshotTarget};
 use opendsec::images::name::ImageRef;
 use opendsec::images::store::{ImageManifest, Store};
 use opendsec::pb::{self, runtime_client::RuntimeClient};
-
-fn layer(store: &Store, n: usize, fill: impl FnOnce(&Path)) -> Digest {
-    let d = Digest::of(format!("vm test layer {n} {}", std::process::id()).as_bytes());
-    store
-        .put_layer(&d, |r| {
-            fill(r);
-            Ok(())
-        })
-        .unwrap();
-    d
-}
 
 fn image(store: &Store) -> ImageManifest {
     let base = layer(store, 0, |r| {
@@ -70,99 +59,6 @@ fn image(store: &Store) -> ImageManifest {
     }
 }
 
-fn backend(state: &Path, edge: &str, store: &Path) -> Arc<dyn Backend> {
-    backend_with(state, edge, store, false)
-}
-
-fn backend_with(state: &Path, edge: &str, store: &Path, erofs_images: bool) -> Arc<dyn Backend> {
-    let ctx = BackendContext {
-        edge_id: edge.into(),
-        state_dir: state.to_path_buf(),
-        agent_dir: PathBuf::from(common::BIN)
-            .parent()
-            .map(Path::to_path_buf)
-            .unwrap_or_default(),
-        images: BTreeMap::new(),
-        image_store: Some(store.to_path_buf()),
-        network: None,
-    };
-    let cfg = BackendConfig {
-        runtime: "qemu".into(),
-        kernel: common::guest_kernel().display().to_string(),
-        vm_overhead_mb: 48,
-        erofs_images,
-        ..Default::default()
-    };
-    match backends::build("microvm", &cfg, &ctx) {
-        Ok(b) => b,
-        Err(e) => panic!("building the microvm backend: {e}"),
-    }
-}
-
-fn spec(image: &str) -> pb::SandboxSpec {
-    pb::SandboxSpec {
-        backend: "microvm".into(),
-        image: image.into(),
-        cpu_cores_limit: 1.5,
-        memory_limit_mb: 256,
-        disk_mb: 128,
-        ..Default::default()
-    }
-}
-
-async fn shell(b: &Arc<dyn Backend>, h: &Handle<'_>, cmd: &str) -> String {
-    let ch = b.runtime().unwrap().channel(h).await.unwrap();
-    let r = RuntimeClient::new(ch)
-        .run_shell(pb::RunShellRequest {
-            sandbox_id: h.sandbox_id.into(),
-            cmd: cmd.into(),
-            timeout: 60.0,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(
-        r.exit_code,
-        0,
-        "{cmd}: {}",
-        String::from_utf8_lossy(&r.stderr)
-    );
-    String::from_utf8_lossy(&r.stdout).into_owned()
-}
-
-/// The pids in a cgroup file of every hierarchy the sandbox has.
-fn cgroup_pids(id: &str) -> HashSet<u32> {
-    let mut out = HashSet::new();
-    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    for m in mounts.lines().filter(|l| l.contains(" - cgroup")) {
-        let mount = m.split(' ').nth(4).unwrap();
-        let walk = walkdir(Path::new(mount));
-        for d in walk
-            .iter()
-            .filter(|d| d.ends_with(id) || d.to_string_lossy().contains(&format!("/{id}/")))
-        {
-            if let Ok(t) = std::fs::read_to_string(d.join("cgroup.procs")) {
-                out.extend(t.lines().filter_map(|l| l.parse::<u32>().ok()));
-            }
-        }
-    }
-    out
-}
-
-fn walkdir(d: &Path) -> Vec<PathBuf> {
-    let mut all = vec![d.to_path_buf()];
-    let Ok(rd) = std::fs::read_dir(d) else {
-        return all;
-    };
-    for e in rd.flatten() {
-        if e.file_type().is_ok_and(|t| t.is_dir()) {
-            all.extend(walkdir(&e.path()));
-        }
-    }
-    all
-}
-
 /// The memory limit of the sandbox's cgroup in MiB (v2 `memory.max`, else v1's).
 fn memory_limit_mb(edge: &str, id: &str) -> u64 {
     for f in [
@@ -174,23 +70,6 @@ fn memory_limit_mb(edge: &str, id: &str) -> u64 {
         }
     }
     panic!("no memory limit file for {id}");
-}
-
-/// Kills what is left in the sandboxes' cgroups when the test ends, passed or not: a
-/// failed assertion must not leave VMs running on the machine.
-struct Leftovers(Vec<String>);
-
-impl Drop for Leftovers {
-    fn drop(&mut self) {
-        for id in &self.0 {
-            for pid in cgroup_pids(id) {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid as i32),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-        }
-    }
 }
 
 /// The sandbox's cgroup's memory.stat, for a failure's message.
@@ -266,26 +145,12 @@ async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothi
     slow.cpu_cores_limit = 0.1;
     let err = b.check_spec(&slow).unwrap_err().to_string();
     assert!(err.contains("cpu_cores_limit 0.1"), "{err}");
-    // A VM has no network yet: rules that allow anything are refused, not ignored.
-    let mut netted = spec("root/t/vm:1");
-    netted.network_rules.insert("example.com".into(), true);
-    let err = b.check_spec(&netted).unwrap_err().to_string();
-    assert!(err.contains("no network yet"), "{err}");
-    netted.network_rules.insert("example.com".into(), false);
-    b.check_spec(&netted)
-        .expect("a rule that allows nothing is no network");
 
     // A user the image does not know is refused before a VM boots.
     let mut stranger = spec("root/t/vm:1");
     stranger.init_user = "nobody-here".into();
     let err = b
-        .create(&CreateRequest {
-            fork: None,
-            snapshot: None,
-            sandbox_id: format!("{edge}.u"),
-            project: "root".into(),
-            spec: stranger,
-        })
+        .create(&create_request(&format!("{edge}.u"), None, stranger))
         .await
         .expect_err("an unknown init_user");
     assert!(
@@ -300,13 +165,7 @@ async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothi
 
     let (id, sp) = (format!("{edge}.a"), spec("root/t/vm:1"));
     let st = b
-        .create(&CreateRequest {
-            fork: None,
-            snapshot: None,
-            sandbox_id: id.clone(),
-            project: "root".into(),
-            spec: sp.clone(),
-        })
+        .create(&create_request(&id, None, sp.clone()))
         .await
         .expect("create a microVM");
     let h = Handle {
@@ -371,13 +230,7 @@ async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothi
     // A second VM of the same image shares its image disk: one disk for the image.
     let (id2, sp2) = (format!("{edge}.b"), spec("root/t/vm:1"));
     let st2 = b
-        .create(&CreateRequest {
-            fork: None,
-            snapshot: None,
-            sandbox_id: id2.clone(),
-            project: "root".into(),
-            spec: sp2.clone(),
-        })
+        .create(&create_request(&id2, None, sp2.clone()))
         .await
         .expect("a second microVM");
     let vm2: VmState = serde_json::from_value(st2.clone()).unwrap();
@@ -490,16 +343,10 @@ async fn an_erofs_image_disk_holds_the_same_files() {
     let (_tmp, state, store_dir) = setup();
     let edge = "mvb-3";
     let _leftovers = Leftovers(vec![format!("{edge}.e")]);
-    let b = backend_with(&state, edge, &store_dir, true);
+    let b = backend_with(&state, edge, &store_dir, true, None);
     let (id, sp) = (format!("{edge}.e"), spec("root/t/vm:1"));
     let st = b
-        .create(&CreateRequest {
-            fork: None,
-            snapshot: None,
-            sandbox_id: id.clone(),
-            project: "root".into(),
-            spec: sp.clone(),
-        })
+        .create(&create_request(&id, None, sp.clone()))
         .await
         .expect("create a microVM from an EROFS image disk");
     let h = Handle {
@@ -660,13 +507,7 @@ async fn copies_of_a_memory_snapshot_carry_on_with_their_own_identity() {
     let b = backend(&state, edge, &store_dir);
     let mut sp = spec("root/t/vm:1");
     sp.cpu_cores_limit = 1.0;
-    let create = |id: &str, snapshot: Option<PathBuf>, sp: pb::SandboxSpec| CreateRequest {
-        fork: None,
-        snapshot,
-        sandbox_id: id.to_string(),
-        project: "root".into(),
-        spec: sp,
-    };
+    let create = create_request;
     let src = ids[0].clone();
     let st = b
         .create(&create(&src, None, sp.clone()))
@@ -707,16 +548,7 @@ async fn copies_of_a_memory_snapshot_carry_on_with_their_own_identity() {
         vm.pid,
         &state.join(edge).join("microvms").join(&src).join("ram"),
     );
-    let (_, info) = snapper
-        .snapshot(
-            &h,
-            &SnapshotTarget {
-                dir: snap.clone(),
-                memory: true,
-            },
-        )
-        .await
-        .expect("snapshot");
+    let info = snapshot_with_memory(&b, &h, &snap).await;
     println!(
         "snapshot: source stopped {:.1} ms, {} MiB written, source RAM resident {} MiB",
         info.paused_ms,

@@ -168,7 +168,7 @@ async fn a_microvm_boots_with_aether_as_init_and_answers_on_its_agent_port() {
         agent_socket: dir.path().join("agent.sock"),
         qmp_socket: dir.path().join("qmp.sock"),
         listen_fds: None,
-        tap: None,
+        tap_fd: None,
         console_log: Some(dir.path().join("console.log")),
         incoming: false,
     };

@@ -16,6 +16,7 @@ pub mod container;
 mod error;
 mod factory;
 pub mod microvm;
+pub mod netslot;
 pub mod sim;
 
 use std::collections::HashSet;

@@ -49,6 +49,23 @@ pub struct VmConfig {
     pub disk_mb: u64,
     /// The resolvers written to `/etc/resolv.conf`; none: the image's file stays.
     pub nameservers: Vec<String>,
+    /// The guest's network interface, when the VM has one.
+    pub net: Option<GuestNet>,
+}
+
+/// The guest's network interface (docs/microvm.md "Network"): the same in every VM, so
+/// that copies of a snapshot need no change.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GuestNet {
+    /// The NIC's MAC address, how the guest finds it (`02:fc:00:00:00:02`).
+    pub mac: String,
+    /// Its IPv4 address and prefix length.
+    pub address: std::net::Ipv4Addr,
+    pub prefix: u8,
+    /// The default route's gateway.
+    pub gateway: std::net::Ipv4Addr,
+    pub mtu: u32,
 }
 
 /// What the first stage (from the initramfs) hands the second (from the agent disk, in
@@ -74,6 +91,9 @@ pub enum VmInitError {
     NoPort(Duration),
     #[error("config disk: {0}")]
     Config(String),
+    /// The network interface the config names did not come up.
+    #[error("network interface {what}: {message}")]
+    Net { what: String, message: String },
     #[error("no disk with serial {serial} appeared in {limit:?}")]
     NoDisk { serial: String, limit: Duration },
     /// A step of assembling or entering the sandbox's root.
@@ -139,7 +159,91 @@ pub fn boot() -> Result<Booted, VmInitError> {
     if let Err(e) = crate::sys::net::set_up("lo") {
         tracing::warn!(error = %e, "cannot bring up the guest's lo");
     }
+    if let Some(net) = &config.net {
+        configure_net(net)?;
+    }
     Ok(Booted { config, port })
+}
+
+/// Brings up the interface of `net`, found by its MAC address (waiting for it as for the
+/// disks): IPv6 off, its address, MTU and the default route (docs/microvm.md "Network").
+/// Errors: `Net`, naming the step.
+pub fn configure_net(net: &GuestNet) -> Result<(), VmInitError> {
+    let err = |what: &str, message: String| VmInitError::Net {
+        what: what.to_string(),
+        message,
+    };
+    let mac = net.mac.to_ascii_lowercase();
+    let name = wait_for(DEVICE_WAIT, || interface_with_mac(&mac))
+        .ok_or_else(|| err(&mac, format!("did not appear in {DEVICE_WAIT:?}")))?;
+    let ipv6 = format!("/proc/sys/net/ipv6/conf/{name}/disable_ipv6");
+    if Path::new(&ipv6).exists() {
+        std::fs::write(&ipv6, "1").map_err(|e| err(&name, format!("{ipv6}: {e}")))?;
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .map_err(|e| err(&name, format!("a runtime for netlink: {e}")))?;
+    rt.block_on(async {
+        use futures::TryStreamExt;
+        let nl = |step: &str| {
+            let (name, step) = (name.clone(), step.to_string());
+            move |e: rtnetlink::Error| err(&name, format!("{step}: {e}"))
+        };
+        let (conn, handle, _) =
+            rtnetlink::new_connection().map_err(|e| err(&name, format!("netlink: {e}")))?;
+        let task = tokio::spawn(conn);
+        let index = handle
+            .link()
+            .get()
+            .match_name(name.clone())
+            .execute()
+            .try_next()
+            .await
+            .map_err(nl("finding it"))?
+            .map(|m| m.header.index)
+            .ok_or_else(|| err(&name, "gone".into()))?;
+        handle
+            .address()
+            .add(index, std::net::IpAddr::V4(net.address), net.prefix)
+            .execute()
+            .await
+            .map_err(nl("its address"))?;
+        handle
+            .link()
+            .set(
+                rtnetlink::LinkUnspec::new_with_index(index)
+                    .mtu(net.mtu)
+                    .up()
+                    .build(),
+            )
+            .execute()
+            .await
+            .map_err(nl("bringing it up"))?;
+        let route = rtnetlink::RouteMessageBuilder::<std::net::Ipv4Addr>::new()
+            .gateway(net.gateway)
+            .output_interface(index)
+            .build();
+        handle
+            .route()
+            .add(route)
+            .execute()
+            .await
+            .map_err(nl("the default route"))?;
+        task.abort();
+        Ok(())
+    })
+}
+
+/// The name of the interface whose MAC address is `mac` (lower case), if there is one.
+fn interface_with_mac(mac: &str) -> Option<String> {
+    std::fs::read_dir("/sys/class/net")
+        .ok()?
+        .flatten()
+        .find_map(|e| {
+            let addr = std::fs::read_to_string(e.path().join("address")).ok()?;
+            (addr.trim() == mac).then(|| e.file_name().to_string_lossy().into_owned())
+        })
 }
 
 /// The device of the disk with `serial`, waiting for it as for the port.

@@ -31,6 +31,7 @@ mod nlbatch;
 pub mod policy;
 pub mod rule;
 pub mod slot;
+pub mod vmns;
 
 use std::net::Ipv4Addr;
 

@@ -372,6 +372,95 @@ impl R {
     }
 }
 
+/// A batch that adds `table` if missing, and its `hooked` chains (name, type, hook,
+/// priority) if missing, flushed: what writes a table's fixed rules whole.
+fn with_base_chains(table: &str, hooked: &[(&str, &str, u32, i32)]) -> Batch {
+    let mut b = Batch::new(table);
+    b.add_table();
+    for &(name, kind, hook, prio) in hooked {
+        b.add_base_chain(name, kind, hook, prio);
+        b.flush_chain(name);
+    }
+    b
+}
+
+/// The table in a microVM's own network namespace (docs/microvm.md "Network").
+pub const VM_TABLE: &str = "opendsec-vm";
+
+/// Writes [`VM_TABLE`] whole (created, or its chains flushed and filled again, in one
+/// transaction) in the calling thread's network namespace: a microVM's, where `tap` leads
+/// to the guest at `guest` and `uplink` is the sandbox's `eth0`.
+///
+/// ```text
+/// pre-nat  nat prerouting -100    iifname tap udp|tcp dport 53 dnat ip to <dns>:53
+/// fwd      filter forward 0       iifname tap oifname uplink ip saddr <guest> accept;
+///                                 iifname uplink oifname tap ct state established,related accept;
+///                                 drop
+/// in       filter input 0         iifname != lo drop
+/// post-nat nat postrouting 100    oifname uplink masquerade
+/// ```
+///
+/// What leaves is the sandbox's own address, which the edge's table polices as it does a
+/// container's; the guest's DNS (to its gateway on the tap) goes to `dns`, the sandbox's
+/// gateway, where the edge's table sends it on to its proxy. A forged source, IPv6 and
+/// anything new from outside are dropped, and nothing of the namespace itself answers.
+/// Errors: [`NftError::Commit`] (nothing changed).
+pub fn install_vm_table(
+    tap: &str,
+    uplink: &str,
+    guest: Ipv4Addr,
+    dns: Ipv4Addr,
+) -> Result<(), NftError> {
+    let mut b = with_base_chains(
+        VM_TABLE,
+        &[
+            ("pre-nat", "nat", nfmsg::HOOK_PREROUTING, -100),
+            ("fwd", "filter", nfmsg::HOOK_FORWARD, 0),
+            ("in", "filter", nfmsg::HOOK_INPUT, 0),
+            ("post-nat", "nat", nfmsg::HOOK_POSTROUTING, 100),
+        ],
+    );
+    let eq = nfmsg::CMP_EQ;
+    for proto in [Proto::Udp, Proto::Tcp] {
+        R::new()
+            .ifname(true, tap, false, eq)
+            .ipv4()
+            .port(proto, false, DNS_PORT, DNS_PORT)
+            .e(Expr::immediate(R0, &dns.octets()))
+            .e(Expr::immediate(R1, &DNS_PORT.to_be_bytes()))
+            .e(Expr::dnat_ipv4(R0, R1))
+            .add(&mut b, "pre-nat");
+    }
+    R::new()
+        .ifname(true, tap, false, eq)
+        .ifname(false, uplink, false, eq)
+        .addr(true, Ipv4Net::host(guest))
+        .accept()
+        .add(&mut b, "fwd");
+    R::new()
+        .ifname(true, uplink, false, eq)
+        .ifname(false, tap, false, eq)
+        .established()
+        .accept()
+        .add(&mut b, "fwd");
+    R::new().drop().add(&mut b, "fwd");
+    R::new()
+        .ifname(true, "lo", false, nfmsg::CMP_NEQ)
+        .drop()
+        .add(&mut b, "in");
+    R::new()
+        .ifname(false, uplink, false, eq)
+        .e(Expr::masquerade())
+        .add(&mut b, "post-nat");
+    BatchSocket::new()
+        .send(b.finish())
+        .map_err(|source| NftError::Commit {
+            table: VM_TABLE.into(),
+            what: "installing a microVM's table".into(),
+            source,
+        })
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,
@@ -437,20 +526,17 @@ impl Firewall {
     /// sandboxes, whose own chains, sets and map elements it leaves in place.
     /// Errors: [`NftError`] (nothing changed).
     pub fn install_base(&self) -> Result<(), NftError> {
-        let mut b = Batch::new(&self.table);
-        b.add_table();
-        let hooked = [
-            ("pre", "filter", nfmsg::HOOK_PREROUTING, -150),
-            ("pre-nat", "nat", nfmsg::HOOK_PREROUTING, -100),
-            ("fwd", "filter", nfmsg::HOOK_FORWARD, 0),
-            ("in", "filter", nfmsg::HOOK_INPUT, 0),
-            ("out", "filter", nfmsg::HOOK_OUTPUT, 0),
-            ("post-nat", "nat", nfmsg::HOOK_POSTROUTING, 100),
-        ];
-        for (name, kind, hook, prio) in hooked {
-            b.add_base_chain(name, kind, hook, prio);
-            b.flush_chain(name);
-        }
+        let mut b = with_base_chains(
+            &self.table,
+            &[
+                ("pre", "filter", nfmsg::HOOK_PREROUTING, -150),
+                ("pre-nat", "nat", nfmsg::HOOK_PREROUTING, -100),
+                ("fwd", "filter", nfmsg::HOOK_FORWARD, 0),
+                ("in", "filter", nfmsg::HOOK_INPUT, 0),
+                ("out", "filter", nfmsg::HOOK_OUTPUT, 0),
+                ("post-nat", "nat", nfmsg::HOOK_POSTROUTING, 100),
+            ],
+        );
         // Nothing refers to these once the hooked chains are flushed.
         for c in LEGACY_CHAINS {
             b.destroy_chain(c);

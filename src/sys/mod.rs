@@ -34,7 +34,9 @@ minus_one!(i32, i64, isize);
 pub mod fd;
 pub mod jail;
 pub mod net;
+pub mod netns;
 pub mod process;
+pub mod tap;
 
 /// For tests that need root (docs/architecture.md "Rules of the codebase"): true as root; otherwise a skip line and false,
 /// except under `CI=true`, where a missing privilege fails the test (CI runs as root, so a

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 pub mod dns;
 pub mod layers;
+pub mod microvm;
 pub mod netns;
 
 /// The executable under test.

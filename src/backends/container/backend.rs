@@ -30,7 +30,7 @@ use crate::backends::{
 };
 use crate::config::BackendConfig;
 use crate::guest::config::AetherConfig;
-use crate::netpol::network::{Network, NetworkError};
+use crate::netpol::network::Network;
 use crate::netpol::Policy;
 use crate::pb;
 
@@ -427,16 +427,7 @@ impl ContainerBackend {
     ) -> Result<(), BackendError> {
         self.channels().remove(id);
         self.images.release(id).await;
-        let mut net_failed = None;
-        if let (Some(net), Some(slot)) = (&self.network, net_slot) {
-            if let Err(e) = net.release(slot).await {
-                net_failed = Some(format!(
-                    "removing its network (slot {slot}): {}",
-                    crate::types::chain(&e)
-                ));
-                net.release_later(slot, &DESTROY_RETRIES);
-            }
-        }
+        let net_failed = super::super::netslot::release(self.network.as_ref(), net_slot).await;
         let steps = DestroySteps {
             cg: self.cgroups.open(id),
             disk: self.disks.path(id),
@@ -776,22 +767,8 @@ impl Backend for ContainerBackend {
         }
         // Its network: the policy first (a bad rule changes nothing), then a slot, which
         // the destroy below gives back if the creation fails.
-        let net = match &self.network {
-            Some(n) => {
-                let policy =
-                    n.policy(&req.spec.network_rules)
-                        .map_err(|e| BackendError::Invalid {
-                            sandbox_id: id.to_string(),
-                            message: format!("network_rules: {e}"),
-                        })?;
-                let slot = n.reserve().map_err(|e| BackendError::Exhausted {
-                    backend: self.name.clone(),
-                    message: crate::types::chain(&e),
-                })?;
-                Some((slot, policy))
-            }
-            None => None,
-        };
+        let net =
+            super::super::netslot::reserve(self.network.as_deref(), &self.name, id, &req.spec)?;
         self.images.maybe_reclaim();
         let result = match self.images.mark_in_use(id, &image.layers).await {
             Ok(()) => {
@@ -874,7 +851,7 @@ impl Backend for ContainerBackend {
         }
         self.images.hold(sandbox.sandbox_id, &st.layers);
         if let Some(slot) = st.net_slot {
-            self.adopt_network(sandbox, slot).await?;
+            super::super::netslot::adopt(self.network.as_deref(), sandbox, slot).await?;
         }
         let marker = self.sandbox_dir(sandbox.sandbox_id).join(pack::PACKING);
         if marker.exists() {
@@ -891,39 +868,8 @@ impl Backend for ContainerBackend {
     }
 
     async fn update_network(&self, sandbox: &Handle<'_>) -> Result<(), BackendError> {
-        let id = sandbox.sandbox_id;
-        let Some(net) = &self.network else {
-            // No networking: its sandboxes have only `lo`, and the edge refuses rules that
-            // would allow anything, so an empty set is all that gets here.
-            return Ok(());
-        };
-        let invalid = |message: String| BackendError::Invalid {
-            sandbox_id: id.to_string(),
-            message,
-        };
-        // The policy first: a rule that does not resolve changes nothing.
-        let policy = net
-            .policy(&sandbox.spec.network_rules)
-            .map_err(|e| invalid(format!("network_rules: {e}")))?;
-        let Some(slot) = Self::state_of(sandbox).net_slot else {
-            // Created while this edge's networking was off: it has only `lo`, so there is
-            // nothing to take back, and nothing an allowance of its own could open.
-            if sandbox.spec.network_rules.values().all(|allowed| !allowed) {
-                return Ok(());
-            }
-            return Err(invalid(
-                "it was created while this edge's sandbox networking was off and has only a \
-                 loopback interface; its network_rules cannot allow anything"
-                    .into(),
-            ));
-        };
-        net.update(slot, &policy)
-            .await
-            .map_err(|e| BackendError::Step {
-                op: "network update",
-                sandbox_id: id.to_string(),
-                source: Box::new(e),
-            })
+        let slot = Self::state_of(sandbox).net_slot;
+        super::super::netslot::update(self.network.as_deref(), sandbox, slot).await
     }
 
     async fn cleanup(&self, keep: &HashSet<String>) -> Result<CleanupReport, BackendError> {
@@ -1003,37 +949,6 @@ impl Backend for ContainerBackend {
 }
 
 impl ContainerBackend {
-    /// Holds an adopted sandbox's network slot and writes its rules again. A slot whose veth
-    /// is not in this edge's subnet any more (the subnet changed while the sandbox ran) makes
-    /// the sandbox lost: nothing of this table would filter its traffic. Other failures are
-    /// logged, not fatal: the sandbox keeps whatever rules survived, and a sandbox without
-    /// its chains reaches nothing (the table drops what no chain accepts).
-    /// Errors: [`BackendError::Lost`].
-    async fn adopt_network(&self, sandbox: &Handle<'_>, slot: u32) -> Result<(), BackendError> {
-        let id = sandbox.sandbox_id;
-        let Some(net) = &self.network else {
-            tracing::warn!(sandbox_id = id, slot, "sandbox has a network slot but this edge's networking is off; its veth stays until it stops");
-            return Ok(());
-        };
-        let policy = net.policy(&sandbox.spec.network_rules).unwrap_or_else(|e| {
-            tracing::warn!(sandbox_id = id, error = %e, "its network rules no longer resolve (the config changed); it may reach nothing");
-            Policy::default()
-        });
-        match net.adopt(slot, &policy).await {
-            Ok(()) => Ok(()),
-            Err(e @ (NetworkError::NotHere { .. } | NetworkError::Slot(_))) => {
-                Err(BackendError::Lost {
-                    sandbox_id: id.to_string(),
-                    message: crate::types::chain(&e).to_string(),
-                })
-            }
-            Err(e) => {
-                tracing::warn!(sandbox_id = id, slot, error = %crate::types::chain(&e), "writing an adopted sandbox's network rules");
-                Ok(())
-            }
-        }
-    }
-
     async fn create_inner(
         &self,
         req: &CreateRequest,

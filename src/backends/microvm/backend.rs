@@ -26,6 +26,7 @@ use super::{agent_channel, disks, initramfs, snapshot};
 use crate::backends::container::cgroup::{Cgroups, Limits};
 use crate::backends::container::disk::Disks;
 use crate::backends::container::resolve::Images;
+use crate::backends::netslot;
 use crate::backends::{
     Adopted, Backend, BackendContext, BackendError, BackendState, CleanupReport, CreateRequest,
     Handle, Health, Recorded, Runtime, SnapshotInfo, SnapshotTarget, Snapshotter,
@@ -42,23 +43,6 @@ pub const MIN_MEMORY_MB: i64 = 128;
 /// The least CPU: under emulation a VM at a quarter of a core boots in about 20 s; below
 /// that its boot outlasts the creation's wait.
 pub const MIN_CPU_CORES: f64 = 0.25;
-
-/// Why `spec`'s network rules cannot be honoured: a VM has no network yet (only its
-/// loopback), so a rule that allows anything is refused rather than ignored.
-fn no_network(spec: &crate::pb::SandboxSpec) -> Option<String> {
-    let allowed: Vec<&String> = spec
-        .network_rules
-        .iter()
-        .filter(|(_, allowed)| **allowed)
-        .map(|(rule, _)| rule)
-        .collect();
-    (!allowed.is_empty()).then(|| {
-        format!(
-            "network_rules allow {allowed:?}, but microVMs have no network yet (only a \
-             loopback interface; docs/microvm.md)"
-        )
-    })
-}
 
 /// How long a new VM has to answer on its agent port: a boot under emulation (TCG) takes
 /// 4 to 6 s alone and several times that beside other boots on 2 cores.
@@ -101,6 +85,9 @@ pub struct VmState {
     /// `machine` then): what its snapshots record, even after the node's QEMU changed
     /// under it. Empty: recorded before this field, not known.
     pub machine: String,
+    /// Its slot in the edge's network (docs/microvm.md "Network"); None: created while
+    /// the edge's networking was off, it has only a loopback interface.
+    pub net_slot: Option<u32>,
 }
 
 /// The microVM backend; see the module doc.
@@ -130,6 +117,8 @@ pub struct MicrovmBackend {
     /// share their snapshot's memory file; before 8.2 the jailer gives each copy a file
     /// of its own (`Jailer::prepare`).
     private_ram_read_only: bool,
+    /// The edge's sandbox networking, when it is on.
+    network: Option<std::sync::Arc<crate::netpol::network::Network>>,
     /// Held while an image disk is made, so two creations of one image make it once.
     building: tokio::sync::Mutex<()>,
     channels: Mutex<HashMap<String, Channel>>,
@@ -421,6 +410,7 @@ impl MicrovmBackend {
             jailer: std::sync::Arc::new(jailer),
             image_format,
             private_ram_read_only,
+            network: ctx.network.clone(),
             building: tokio::sync::Mutex::new(()),
             channels: Mutex::new(HashMap::new()),
         })
@@ -506,7 +496,7 @@ impl MicrovmBackend {
             agent_socket: self.agent_socket(id),
             qmp_socket: self.qmp_socket(id),
             listen_fds: None,
-            tap: None,
+            tap_fd: None,
             console_log: None,
             incoming,
         }
@@ -547,8 +537,14 @@ impl MicrovmBackend {
     }
 
     /// Starts QEMU for `machine` in the sandbox's cgroup and its jail (docs/microvm.md
-    /// "The jail"), serving the agent port and QMP on sockets made here; returns its pid.
-    async fn start_qemu(&self, id: &str, machine: &Machine) -> Result<u32, BackendError> {
+    /// "The jail"), serving the agent port and QMP on sockets made here, and with the tap
+    /// of the VM's network namespace when it is `networked`; returns its pid.
+    async fn start_qemu(
+        &self,
+        id: &str,
+        machine: &Machine,
+        networked: bool,
+    ) -> Result<u32, BackendError> {
         let uid = self
             .jailer
             .uid_of(&self.sandbox_dir(id).join("config.img"))
@@ -567,8 +563,29 @@ impl MicrovmBackend {
             std::os::fd::AsRawFd::as_raw_fd(&agent),
             std::os::fd::AsRawFd::as_raw_fd(&qmp),
         ];
+        let tap = if networked {
+            let pin = self.netns_path(id);
+            let tap = tokio::task::spawn_blocking(move || {
+                let ns = crate::sys::netns::open_pinned(&pin)
+                    .map_err(|e| format!("its network namespace: {e}"))?;
+                crate::netpol::vmns::open_tap(std::os::fd::AsFd::as_fd(&ns))
+                    .map_err(|e| crate::types::chain(&e).to_string())
+            })
+            .await
+            .map_err(|e| create_err(id, e))?
+            .map_err(|m| create_err(id, m))?;
+            Some(tap)
+        } else {
+            None
+        };
         let mut machine = machine.clone();
         machine.listen_fds = Some((fds[0], fds[1]));
+        let mut inherited = fds.to_vec();
+        if let Some(t) = &tap {
+            let fd = std::os::fd::AsRawFd::as_raw_fd(t);
+            machine.tap_fd = Some(fd);
+            inherited.push(fd);
+        }
         let args = machine.args().map_err(|e| create_err(id, e))?;
         let jail = self
             .jailer
@@ -596,7 +613,7 @@ impl MicrovmBackend {
             .stderr(log);
         let procs_fds: Vec<i32> = procs.iter().map(std::os::fd::AsRawFd::as_raw_fd).collect();
         crate::sys::process::join_cgroups_at_exec(&mut cmd, &procs_fds);
-        crate::sys::process::inherit_at_exec(&mut cmd, &fds);
+        crate::sys::process::inherit_at_exec(&mut cmd, &inherited);
         // Last: the cgroup files are the host's, out of the jail's reach.
         jail.enter_at_exec(&mut cmd);
         let mut cmd = tokio::process::Command::from(cmd);
@@ -615,7 +632,7 @@ impl MicrovmBackend {
                     ),
                 )
             })?;
-        drop(procs);
+        drop((procs, tap));
         // QEMU holds the sockets now; the node's copies would keep a dead VM's port
         // accepting connections nobody serves.
         drop((agent, qmp));
@@ -705,8 +722,12 @@ impl MicrovmBackend {
             if let Err(e) = disks.remove(&sid) {
                 failed.push(crate::types::chain(&e).to_string());
             }
-            // QEMU is gone: its uid is free for the host's next VM.
+            // QEMU is gone: its uid is free for the host's next VM. Its network namespace
+            // ends with the pin, the slot's veth with it.
             jailer.release(&dir.join("config.img"));
+            if let Err(e) = crate::sys::netns::remove_pinned(&dir.join("netns")) {
+                failed.push(format!("unpinning its network namespace: {e}"));
+            }
             match std::fs::remove_dir_all(&dir) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -729,6 +750,55 @@ impl MicrovmBackend {
                 message: failed.join("; "),
             })
         }
+    }
+
+    /// Where the VM's network namespace is pinned (docs/microvm.md "Network").
+    fn netns_path(&self, id: &str) -> PathBuf {
+        self.sandbox_dir(id).join("netns")
+    }
+
+    /// Gives VM `id` its network in `slot`: a namespace of its own pinned in its directory,
+    /// the slot's veth as its `eth0` under `policy`, and the tap its QEMU gets
+    /// (`crate::netpol::vmns`). What was made stays for [`Self::destroy`] and the slot's
+    /// release when a step fails. Errors: `Internal`-kind creation errors naming the step.
+    async fn connect(
+        &self,
+        id: &str,
+        slot: u32,
+        policy: &crate::netpol::Policy,
+    ) -> Result<(), BackendError> {
+        let Some(network) = &self.network else {
+            return Err(create_err(id, "this edge's networking is off"));
+        };
+        let pin = self.netns_path(id);
+        let ns = tokio::task::spawn_blocking(move || {
+            crate::sys::netns::create_pinned(&pin)?;
+            crate::sys::netns::open_pinned(&pin)
+        })
+        .await
+        .map_err(|e| create_err(id, e))?
+        .map_err(|e| create_err(id, format!("making its network namespace: {e}")))?;
+        let attached = network
+            .attach(std::os::fd::AsFd::as_fd(&ns), slot, policy)
+            .await
+            .map_err(|e| {
+                create_err(
+                    id,
+                    format!("connecting its network: {}", crate::types::chain(&e)),
+                )
+            })?;
+        let dns = attached.addrs.gateway;
+        tokio::task::spawn_blocking(move || {
+            crate::netpol::vmns::setup(std::os::fd::AsFd::as_fd(&ns), dns)
+        })
+        .await
+        .map_err(|e| create_err(id, e))?
+        .map_err(|e| {
+            create_err(
+                id,
+                format!("its network namespace: {}", crate::types::chain(&e)),
+            )
+        })
     }
 
     fn qmp_socket(&self, id: &str) -> PathBuf {
@@ -883,7 +953,7 @@ impl MicrovmBackend {
         err: impl Fn(String) -> BackendError,
     ) -> Result<(u32, u64, Channel), BackendError> {
         let machine = self.machine(id, spec, st, true);
-        let pid = self.start_qemu(id, &machine).await?;
+        let pid = self.start_qemu(id, &machine, st.net_slot.is_some()).await?;
         let start_time = crate::backends::container::start_time(pid)
             .ok()
             .flatten()
@@ -1010,6 +1080,7 @@ impl MicrovmBackend {
             paused_ms: 0.0,
             init_user: st.init_user.clone(),
             machine: st.machine.clone(),
+            nic: st.net_slot.is_some(),
         };
         let files = {
             let (dir, target, st) = (dir.clone(), target.to_path_buf(), st.clone());
@@ -1090,7 +1161,12 @@ impl MicrovmBackend {
     /// copy-on-write, its stream restored, and then the guest told its new identity.
     /// Errors: `Invalid` (not a snapshot; memory, vCPUs or disk size other than the snapshot's),
     /// `Create` with the step that failed.
-    async fn restore_vm(&self, req: &CreateRequest, from: &Path) -> Result<VmState, BackendError> {
+    async fn restore_vm(
+        &self,
+        req: &CreateRequest,
+        from: &Path,
+        net: Option<&(u32, crate::netpol::Policy)>,
+    ) -> Result<VmState, BackendError> {
         let id = &req.sandbox_id;
         let invalid = |message: String| BackendError::Invalid {
             sandbox_id: id.clone(),
@@ -1137,6 +1213,14 @@ impl MicrovmBackend {
                 meta.machine, self.machine
             )));
         }
+        // The copy's devices are its source's, and its guest configured the network it had.
+        if meta.nic != net.is_some() {
+            return Err(invalid(format!(
+                "the snapshot's VM had {} network device and this node's sandbox networking is {}: a copy has its source's devices",
+                if meta.nic { "a" } else { "no" },
+                if net.is_some() { "on" } else { "off" }
+            )));
+        }
         // The copy's processes already run as the snapshot's user, and its config disk is
         // never read again: another user cannot be honoured, so it is refused, not ignored.
         let asked = &req.spec.init_user;
@@ -1170,6 +1254,9 @@ impl MicrovmBackend {
             .await
         {
             return Err(self.snapshot_gone(req, &from).await.unwrap_or(e));
+        }
+        if let Some((slot, policy)) = net {
+            self.connect(id, *slot, policy).await?;
         }
         // The copy holds the snapshot's files by hard links of its own where it can, so
         // that removing the snapshot never pulls them from under a copy that still runs
@@ -1216,6 +1303,7 @@ impl MicrovmBackend {
             snapshot: from.clone(),
             init_user: meta.init_user.clone(),
             machine: self.machine.clone(),
+            net_slot: net.map(|n| n.0),
             ..Default::default()
         };
         let (pid, start_time, ch) = self
@@ -1330,12 +1418,16 @@ impl MicrovmBackend {
         }
     }
 
-    async fn create_vm(&self, req: &CreateRequest) -> Result<VmState, BackendError> {
+    async fn create_vm(
+        &self,
+        req: &CreateRequest,
+        net: Option<&(u32, crate::netpol::Policy)>,
+    ) -> Result<VmState, BackendError> {
         let id = &req.sandbox_id;
         let image = self.images.resolve(id, &req.spec.image).await?;
         if let Some(from) = &image.vm_snapshot {
             // An image made by create_snapshot(memory=True): a copy of that VM.
-            return self.restore_vm(req, from).await;
+            return self.restore_vm(req, from, net).await;
         }
         let init_user = [req.spec.init_user.as_str(), image.user.as_str()]
             .into_iter()
@@ -1361,12 +1453,20 @@ impl MicrovmBackend {
             workdir: image.workdir,
             init_user: init_user.clone(),
             disk_mb: req.spec.disk_mb.max(1) as u64,
-            nameservers: Vec::new(),
+            // The node's end of its tap answers DNS (docs/microvm.md "Network").
+            nameservers: net
+                .map(|_| vec![crate::netpol::vmns::GATEWAY.to_string()])
+                .unwrap_or_default(),
+            net: net.map(|_| guest_net()),
         };
         let disk_mb = req.spec.disk_mb.max(1) as u64;
         self.make_files(id, &req.spec, cfg, NewDisk::Empty(disk_mb))
             .await?;
+        if let Some((slot, policy)) = net {
+            self.connect(id, *slot, policy).await?;
+        }
         let mut st = VmState {
+            net_slot: net.map(|n| n.0),
             layers,
             image_disk,
             // The build the guest mounts: a snapshot or resume after an upgrade of the
@@ -1377,7 +1477,7 @@ impl MicrovmBackend {
             ..Default::default()
         };
         let machine = self.machine(id, &req.spec, &st, false);
-        let pid = self.start_qemu(id, &machine).await?;
+        let pid = self.start_qemu(id, &machine, st.net_slot.is_some()).await?;
         let start_time = crate::backends::container::start_time(pid)
             .ok()
             .flatten()
@@ -1391,6 +1491,18 @@ impl MicrovmBackend {
         st.pid = pid;
         st.start_time = start_time;
         Ok(st)
+    }
+}
+
+/// The guest's interface, the same in every VM (docs/microvm.md "Network").
+fn guest_net() -> crate::guest::vminit::GuestNet {
+    use crate::netpol::vmns;
+    crate::guest::vminit::GuestNet {
+        mac: vmns::GUEST_MAC.into(),
+        address: vmns::GUEST,
+        prefix: vmns::PREFIX,
+        gateway: vmns::GATEWAY,
+        mtu: vmns::MTU,
     }
 }
 
@@ -1651,12 +1763,6 @@ impl Backend for MicrovmBackend {
                 ),
             });
         }
-        if let Some(m) = no_network(spec) {
-            return Err(BackendError::Config {
-                backend: self.name.clone(),
-                message: m,
-            });
-        }
         let host_root = self.images.local(&spec.image).is_some_and(|lowers| {
             lowers
                 .iter()
@@ -1676,13 +1782,8 @@ impl Backend for MicrovmBackend {
     }
 
     async fn update_network(&self, sandbox: &Handle<'_>) -> Result<(), BackendError> {
-        match no_network(sandbox.spec) {
-            None => Ok(()),
-            Some(message) => Err(BackendError::Invalid {
-                sandbox_id: sandbox.sandbox_id.to_string(),
-                message,
-            }),
-        }
+        let slot = Self::state_of(sandbox).net_slot;
+        netslot::update(self.network.as_deref(), sandbox, slot).await
     }
 
     async fn create(&self, req: &CreateRequest) -> Result<BackendState, BackendError> {
@@ -1694,10 +1795,12 @@ impl Backend for MicrovmBackend {
             });
         }
         let span = tracing::info_span!("microvm_create", sandbox_id = %id);
+        // The policy and a slot first: a bad rule changes nothing.
+        let net = netslot::reserve(self.network.as_deref(), &self.name, id, &req.spec)?;
         let made = async {
             match &req.snapshot {
-                Some(from) => self.restore_vm(req, from).await,
-                None => self.create_vm(req).await,
+                Some(from) => self.restore_vm(req, from, net.as_ref()).await,
+                None => self.create_vm(req, net.as_ref()).await,
             }
         };
         match tracing::Instrument::instrument(made, span).await {
@@ -1706,13 +1809,27 @@ impl Backend for MicrovmBackend {
                 if let Err(d) = self.destroy(id).await {
                     tracing::warn!(sandbox_id = %id, error = %d, "cleaning up a failed creation");
                 }
+                if let Some(m) = netslot::release(self.network.as_ref(), net.map(|n| n.0)).await {
+                    tracing::warn!(sandbox_id = %id, error = %m, "cleaning up a failed creation");
+                }
                 Err(e)
             }
         }
     }
 
     async fn stop(&self, sandbox: &Handle<'_>) -> Result<(), BackendError> {
-        self.destroy(sandbox.sandbox_id).await
+        let destroyed = self.destroy(sandbox.sandbox_id).await;
+        let slot = Self::state_of(sandbox).net_slot;
+        let net_failed = netslot::release(self.network.as_ref(), slot).await;
+        match (destroyed, net_failed) {
+            (Err(e), _) => Err(e),
+            (Ok(()), Some(message)) => Err(BackendError::Operation {
+                op: "stop",
+                sandbox_id: sandbox.sandbox_id.to_string(),
+                message,
+            }),
+            (Ok(()), None) => Ok(()),
+        }
     }
 
     async fn pause(&self, sandbox: &Handle<'_>) -> Result<BackendState, BackendError> {
@@ -1776,6 +1893,13 @@ impl Backend for MicrovmBackend {
             st.paused = true;
         } else {
             return Err(lost("the VM's QEMU is gone"));
+        }
+        if let Some(slot) = st.net_slot {
+            let pinned = self.netns_path(id);
+            if crate::sys::netns::open_pinned(&pinned).is_err() {
+                return Err(lost("its network namespace is gone"));
+            }
+            netslot::adopt(self.network.as_deref(), sandbox, slot).await?;
         }
         self.images.hold(id, &st.layers);
         Ok(Adopted {

@@ -374,7 +374,7 @@ mod tests {
                 agent_socket: "/s/a".into(),
                 qmp_socket: "/s/q".into(),
                 listen_fds: None,
-                tap: None,
+                tap_fd: None,
                 console_log: None,
                 incoming: true,
             };

@@ -66,17 +66,17 @@ pub struct Machine {
     /// QEMU as these descriptors (agent, QMP): a jailed QEMU cannot make sockets where the
     /// node looks for them, and must not be able to. None: QEMU makes them at the paths.
     pub listen_fds: Option<(i32, i32)>,
-    /// The TAP device of the VM's network namespace, when it has networking.
-    pub tap: Option<String>,
+    /// An open TAP device of the VM's network namespace (`crate::netpol::vmns`), inherited
+    /// by QEMU as this descriptor, when the VM has networking: QEMU, in a namespace of its
+    /// own, could open none.
+    pub tap_fd: Option<i32>,
     /// Where the guest's serial console goes (a file), for boot diagnostics.
     pub console_log: Option<PathBuf>,
     /// Start waiting for a migration stream (`-incoming defer`): a restore.
     pub incoming: bool,
 }
 
-/// The guest MAC every VM gets: copies of one snapshot keep it, each in a network
-/// namespace of its own.
-pub const GUEST_MAC: &str = "02:fc:00:00:00:02";
+pub use crate::netpol::vmns::GUEST_MAC;
 
 /// Why a [`Machine`] cannot be turned into a command line.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -95,7 +95,7 @@ pub enum MachineError {
     CommaInConsole(PathBuf),
 }
 
-/// A name QEMU takes inside `key=value,...` (a disk's serial, a tap's name): a short run
+/// A name QEMU takes inside `key=value,...` (a disk's serial): a short run
 /// of letters, digits and '-', so it can neither end its option nor start another.
 fn check_name(what: &'static str, value: &str, max: usize) -> Result<(), MachineError> {
     let ok = !value.is_empty()
@@ -116,8 +116,7 @@ fn check_name(what: &'static str, value: &str, max: usize) -> Result<(), Machine
 
 impl Machine {
     /// Checks what `args` puts on the command line: every path absolute (QEMU's working
-    /// directory is not ours to rely on), serials at most 20 and the tap's name at most 15
-    /// of `[A-Za-z0-9-]`, init arguments without white space (the kernel splits its
+    /// directory is not ours to rely on), serials at most 20 of `[A-Za-z0-9-]`, init arguments without white space (the kernel splits its
     /// command line there).
     pub fn check(&self) -> Result<(), MachineError> {
         let mut paths: Vec<(&'static str, &std::path::Path)> = vec![
@@ -146,9 +145,6 @@ impl Machine {
                     path: p.to_path_buf(),
                 });
             }
-        }
-        if let Some(tap) = &self.tap {
-            check_name("tap device", tap, 15)?;
         }
         if let Some(bad) = self
             .init_args
@@ -272,9 +268,9 @@ impl Machine {
         a.push(format!("virtserialport,chardev=agent,name={AGENT_PORT}").into());
         a.push("-device".into());
         a.push("virtio-rng-device".into());
-        if let Some(tap) = &self.tap {
+        if let Some(fd) = self.tap_fd {
             a.push("-netdev".into());
-            a.push(format!("tap,id=n0,ifname={tap},script=no,downscript=no").into());
+            a.push(format!("tap,id=n0,fd={fd}").into());
             a.push("-device".into());
             a.push(format!("virtio-net-device,netdev=n0,mac={GUEST_MAC}").into());
         }
@@ -360,7 +356,7 @@ mod tests {
             agent_socket: "/s/agent.sock".into(),
             qmp_socket: "/s/qmp.sock".into(),
             listen_fds: None,
-            tap: Some("tap0".into()),
+            tap_fd: Some(9),
             console_log: None,
             incoming: false,
         }
@@ -404,7 +400,7 @@ mod tests {
         m.ram.shared = false;
         m.incoming = true;
         m.accel = Accel::Kvm;
-        m.tap = None;
+        m.tap_fd = None;
         let a = text(&m);
         assert!(a.iter().any(|x| x.contains("share=off")));
         assert!(!a.iter().any(|x| x.contains("readonly=on,rom=off")));
@@ -445,15 +441,6 @@ mod tests {
                 refused(&|m| m.disks[0].serial = serial.into()),
                 MachineError::BadName {
                     what: "disk serial",
-                    ..
-                }
-            ));
-        }
-        for tap in ["tap0,script=/x", "tap0123456789abc", ""] {
-            assert!(matches!(
-                refused(&|m| m.tap = Some(tap.into())),
-                MachineError::BadName {
-                    what: "tap device",
                     ..
                 }
             ));

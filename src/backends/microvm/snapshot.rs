@@ -51,6 +51,9 @@ pub struct SnapshotMeta {
     /// The QEMU build and accelerator it ran on (`QEMU emulator version …; tcg`): a copy
     /// restores only on the same. Empty: not known.
     pub machine: String,
+    /// The source had a network device (its node's networking was on): a copy has the
+    /// same devices, so it restores only where networking is on too, and vice versa.
+    pub nic: bool,
 }
 
 /// Reads `<dir>/vm.json`. Errors: a message naming what is missing or wrong (not a
@@ -162,6 +165,7 @@ mod tests {
             paused_ms: 3.5,
             init_user: "app".into(),
             machine: "QEMU emulator version 7.2.22; tcg".into(),
+            nic: true,
         };
         write_meta(d.path(), &m).unwrap();
         assert_eq!(read_meta(d.path()).unwrap(), m);
