@@ -54,6 +54,19 @@ const QEMU_PIDS_MAX: i64 = 256;
 /// [`MicrovmBackend::machine`]); a panic ends the VM.
 const APPEND: &str = "console=ttyS0 quiet panic=-1 reboot=t";
 
+/// The RAM QEMU gives a guest whose `memory_limit_mb` is `limit` (MiB): the limit, at
+/// least [`MIN_MEMORY_MB`], except exactly 2048, which becomes 2049. With 2048 MiB QEMU's
+/// microvm machine loads the initramfs so that it ends at the top of RAM, over the ACPI
+/// tables the firmware put there, and the guest dies at boot (QEMU 7.2 and 10.0 alike);
+/// one MiB more moves the top of RAM away from the initramfs. Admission and snapshots keep
+/// counting the limit.
+fn guest_ram_mb(limit: i64) -> u64 {
+    match limit.max(MIN_MEMORY_MB) as u64 {
+        2048 => 2049,
+        mb => mb,
+    }
+}
+
 /// What the edge records for one VM.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -467,7 +480,7 @@ impl MicrovmBackend {
             initrd: Some(self.initrd.clone()),
             append: APPEND.into(),
             init_args: vec!["aether".into(), "--vm-init".into()],
-            memory_mb: spec.memory_limit_mb.max(MIN_MEMORY_MB) as u64,
+            memory_mb: guest_ram_mb(spec.memory_limit_mb),
             vcpus: vcpus_of(spec),
             accel: self.accel,
             ram,
@@ -1101,7 +1114,7 @@ impl MicrovmBackend {
                     .map_err(at("copying the RAM"))?;
                 } else {
                     // A copy's RAM is private and goes whole into its stream.
-                    snapshot::empty_memory(&target.join(snapshot::MEMORY), mb)
+                    snapshot::empty_memory(&target.join(snapshot::MEMORY), guest_ram_mb(mb) as i64)
                         .map_err(at("making the memory file"))?;
                 }
                 crate::backends::container::disk::sparse_copy(&disk, &target.join(snapshot::DISK))
@@ -2011,6 +2024,14 @@ impl Runtime for MicrovmBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_guest_of_exactly_2048_mib_gets_one_more() {
+        assert_eq!(guest_ram_mb(2048), 2049);
+        assert_eq!(guest_ram_mb(2047), 2047);
+        assert_eq!(guest_ram_mb(4096), 4096);
+        assert_eq!(guest_ram_mb(16), MIN_MEMORY_MB as u64);
+    }
 
     #[test]
     fn the_qemu_version_is_read_from_the_machine_line() {
