@@ -209,7 +209,20 @@ async fn a_microvm_runs_a_store_image_pauses_resumes_is_adopted_and_leaves_nothi
         // time, and the restart below needs the port.
     }
     let kernel = shell(&b, &h, "cat /proc/version").await;
-    assert!(kernel.contains("6.1."), "the guest's own kernel: {kernel}");
+    // The guest runs the kernel it was given (its release is in the file's name), not
+    // the host's.
+    let release = common::guest_kernel()
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("vmlinuz-"))
+        .map(str::to_string)
+        .unwrap();
+    assert!(
+        kernel.starts_with(&format!("Linux version {release} ")),
+        "the guest's own kernel {release}: {kernel}"
+    );
+    let host = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    assert_ne!(host.trim(), release);
     // QEMU runs in the sandbox's cgroup, limited to the guest's memory and the overhead.
     let vm: VmState = serde_json::from_value(st.clone()).unwrap();
     assert_eq!(vm.layers.len(), 2);
@@ -371,6 +384,55 @@ async fn an_erofs_image_disk_holds_the_same_files() {
     assert_eq!(&head[1024..1028], &0xE0F5_E1E2u32.to_le_bytes());
     b.stop(&h).await.expect("stop");
     assert_no_disks_left(&state, edge);
+}
+
+/// A VM that cannot come up says why: its creation's error carries the guest's last
+/// console lines (here aether's own, for an image whose `/run` is a file where the guest
+/// mounts a directory), and the failure leaves no QEMU behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_that_cannot_boot_says_why() {
+    let (_tmp, state, store_dir) = setup();
+    let store = Store::open(&store_dir).unwrap();
+    let broken = layer(&store, 7, |r| {
+        std::fs::write(r.join("run"), "a file where a directory goes\n").unwrap();
+    });
+    store
+        .write_manifest(
+            &ImageRef::parse("root/t/broken:1").unwrap(),
+            &ImageManifest {
+                layers: vec![broken],
+                ..Default::default()
+            },
+            false,
+        )
+        .unwrap();
+    let edge = "mvb-4";
+    let id = format!("{edge}.broken");
+    let _leftovers = Leftovers(vec![id.clone()]);
+    let b = backend(&state, edge, &store_dir);
+    let sp = spec("root/t/broken:1");
+    let err = b
+        .create(&create_request(&id, None, sp))
+        .await
+        .expect_err("a guest whose /run is a file does not come up");
+    let BackendError::Create { message, .. } = &err else {
+        panic!("{err:?}");
+    };
+    assert!(
+        message.contains("the VM ended before its agent answered"),
+        "{message}"
+    );
+    let (_, console) = message
+        .split_once("the guest's console ended with:\n")
+        .unwrap_or_else(|| panic!("no console in {message:?}"));
+    assert!(
+        console.contains("the VM's init failed") && console.contains("/run"),
+        "{console}"
+    );
+    // Text only: no escape sequences or carriage returns from the firmware or the log.
+    assert!(!console.contains(['\u{1b}', '\r']), "{console:?}");
+    assert!(console.len() <= opendsec::backends::microvm::console::KEEP);
+    assert!(cgroup_pids(&id).is_empty());
 }
 
 /// A field of `/proc/<pid>/status` (`Uid:`, `CapEff:`), its values.

@@ -104,10 +104,15 @@ async fn a_microvm_boots_with_aether_as_init_and_answers_on_its_agent_port() {
     let modules = initramfs::modules_of(&kernel);
     let initrd = dir.path().join("initrd");
     let loaded = initramfs::build(&agent(dir.path()), modules.as_deref(), &initrd).unwrap();
-    assert!(
-        loaded.iter().any(|m| m.starts_with("virtio_console.ko")),
-        "{loaded:?}"
-    );
+    // A modular kernel (Debian's) brings its virtio modules; one with them built in
+    // (packaging/kernel/build.sh) has none to bring.
+    match &modules {
+        Some(_) => assert!(
+            loaded.iter().any(|m| m.starts_with("virtio_console.ko")),
+            "{loaded:?}"
+        ),
+        None => assert!(loaded.is_empty(), "{loaded:?}"),
+    }
     // The three disks the guest assembles its root from: an image with one file of its own,
     // an empty writable disk, and the agent disk with this build's binary.
     let image_dir = dir.path().join("image");
@@ -169,7 +174,7 @@ async fn a_microvm_boots_with_aether_as_init_and_answers_on_its_agent_port() {
         qmp_socket: dir.path().join("qmp.sock"),
         listen_fds: None,
         tap_fd: None,
-        console_log: Some(dir.path().join("console.log")),
+        console: qemu::Console::File(dir.path().join("console.log")),
         incoming: false,
     };
     let child = Command::new(&qemu_bin)

@@ -19,8 +19,9 @@ use serde::{Deserialize, Serialize};
 use sha2::Digest as _;
 use tonic::transport::Channel;
 
+use super::console::ConsoleTail;
 use super::jail::Jailer;
-use super::qemu::{Accel, Disk, Machine, RamFile};
+use super::qemu::{Accel, Console, Disk, Machine, RamFile};
 use super::qmp::Qmp;
 use super::{agent_channel, disks, initramfs, snapshot};
 use crate::backends::container::cgroup::{Cgroups, Limits};
@@ -447,8 +448,9 @@ impl MicrovmBackend {
         serde_json::from_value(h.state.clone()).unwrap_or_default()
     }
 
-    /// QEMU's command line for sandbox `id`. The serial console goes nowhere: a guest's
-    /// root could write to it without end, and a file of it would fill the node's disk.
+    /// QEMU's command line for sandbox `id`. The serial console goes nowhere (a guest's
+    /// root could write to it without end, and a file of it would fill the node's disk);
+    /// `start_qemu` reads a boot's console until the agent answers.
     fn machine(
         &self,
         id: &str,
@@ -510,7 +512,7 @@ impl MicrovmBackend {
             qmp_socket: self.qmp_socket(id),
             listen_fds: None,
             tap_fd: None,
-            console_log: None,
+            console: Console::Null,
             incoming,
         }
     }
@@ -551,13 +553,14 @@ impl MicrovmBackend {
 
     /// Starts QEMU for `machine` in the sandbox's cgroup and its jail (docs/microvm.md
     /// "The jail"), serving the agent port and QMP on sockets made here, and with the tap
-    /// of the VM's network namespace when it is `networked`; returns its pid.
+    /// of the VM's network namespace when it is `networked`; returns its pid, and for a
+    /// boot (not a restore) the console's reader, to be dropped once the agent answers.
     async fn start_qemu(
         &self,
         id: &str,
         machine: &Machine,
         networked: bool,
-    ) -> Result<u32, BackendError> {
+    ) -> Result<(u32, Option<ConsoleTail>), BackendError> {
         let uid = self
             .jailer
             .uid_of(&self.sandbox_dir(id).join("config.img"))
@@ -594,6 +597,18 @@ impl MicrovmBackend {
         let mut machine = machine.clone();
         machine.listen_fds = Some((fds[0], fds[1]));
         let mut inherited = fds.to_vec();
+        // A boot's console is read until the agent answers; a restored guest's says
+        // nothing the node needs.
+        let console = if machine.incoming {
+            None
+        } else {
+            let (node, qemu) = std::os::unix::net::UnixStream::pair()
+                .map_err(|e| create_err(id, format!("the console's socket pair: {e}")))?;
+            let fd = std::os::fd::AsRawFd::as_raw_fd(&qemu);
+            machine.console = Console::Fd(fd);
+            inherited.push(fd);
+            Some((node, qemu))
+        };
         if let Some(t) = &tap {
             let fd = std::os::fd::AsRawFd::as_raw_fd(t);
             machine.tap_fd = Some(fd);
@@ -647,8 +662,21 @@ impl MicrovmBackend {
             })?;
         drop((procs, tap));
         // QEMU holds the sockets now; the node's copies would keep a dead VM's port
-        // accepting connections nobody serves.
+        // accepting connections nobody serves, and QEMU's console end open after QEMU.
         drop((agent, qmp));
+        let console = match console {
+            None => None,
+            Some((node, qemu)) => {
+                drop(qemu);
+                match ConsoleTail::spawn(node) {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        tracing::warn!(sandbox_id = %id, error = %e, "cannot read the VM's console");
+                        None
+                    }
+                }
+            }
+        };
         let pid = child
             .id()
             .ok_or_else(|| create_err(id, "QEMU exited at once"))?;
@@ -657,17 +685,28 @@ impl MicrovmBackend {
             let mut child = child;
             let _ = child.wait().await;
         });
-        Ok(pid)
+        Ok((pid, console))
     }
 
     /// Waits until the VM's aether answers on its port, or QEMU ends, or `limit` passes.
+    /// Errors: `Create`, with what QEMU logged last and, for a boot, the last lines of
+    /// the guest's `console`.
     async fn wait_for_agent(
         &self,
         id: &str,
         pid: u32,
         start_time: u64,
         limit: Duration,
+        console: Option<&ConsoleTail>,
     ) -> Result<Channel, BackendError> {
+        let last_words = || {
+            let t = console.map(ConsoleTail::text).unwrap_or_default();
+            if t.is_empty() {
+                String::new()
+            } else {
+                format!("; the guest's console ended with:\n{t}")
+            }
+        };
         let socket = self.agent_socket(id);
         let started = Instant::now();
         let mut wait = Duration::from_millis(10);
@@ -688,17 +727,21 @@ impl MicrovmBackend {
                 return Err(create_err(
                     id,
                     format!(
-                        "the VM ended before its agent answered{}",
+                        "the VM ended before its agent answered{}{}",
                         tail(&log)
                             .map(|t| format!(": QEMU said {t:?}"))
-                            .unwrap_or_default()
+                            .unwrap_or_default(),
+                        last_words()
                     ),
                 ));
             }
             if started.elapsed() > limit {
                 return Err(create_err(
                     id,
-                    format!("the VM's agent did not answer within {limit:?}"),
+                    format!(
+                        "the VM's agent did not answer within {limit:?}{}",
+                        last_words()
+                    ),
                 ));
             }
             tokio::time::sleep(wait).await;
@@ -966,7 +1009,7 @@ impl MicrovmBackend {
         err: impl Fn(String) -> BackendError,
     ) -> Result<(u32, u64, Channel), BackendError> {
         let machine = self.machine(id, spec, st, true);
-        let pid = self.start_qemu(id, &machine, st.net_slot.is_some()).await?;
+        let (pid, _) = self.start_qemu(id, &machine, st.net_slot.is_some()).await?;
         let start_time = crate::backends::container::start_time(pid)
             .ok()
             .flatten()
@@ -982,7 +1025,7 @@ impl MicrovmBackend {
             return Err(err(m));
         }
         let ch = self
-            .wait_for_agent(id, pid, start_time, BOOT_TIMEOUT_KVM)
+            .wait_for_agent(id, pid, start_time, BOOT_TIMEOUT_KVM, None)
             .await?;
         Ok((pid, start_time, ch))
     }
@@ -1490,7 +1533,7 @@ impl MicrovmBackend {
             ..Default::default()
         };
         let machine = self.machine(id, &req.spec, &st, false);
-        let pid = self.start_qemu(id, &machine, st.net_slot.is_some()).await?;
+        let (pid, console) = self.start_qemu(id, &machine, st.net_slot.is_some()).await?;
         let start_time = crate::backends::container::start_time(pid)
             .ok()
             .flatten()
@@ -1499,7 +1542,11 @@ impl MicrovmBackend {
             Accel::Kvm => BOOT_TIMEOUT_KVM,
             Accel::Tcg { .. } => BOOT_TIMEOUT_TCG,
         };
-        let ch = self.wait_for_agent(id, pid, start_time, limit).await?;
+        let ch = self
+            .wait_for_agent(id, pid, start_time, limit, console.as_ref())
+            .await?;
+        // From here QEMU drops what the guest writes to its console.
+        drop(console);
         self.channels().insert(id.clone(), ch);
         st.pid = pid;
         st.start_time = start_time;

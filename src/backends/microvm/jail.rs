@@ -8,7 +8,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use super::qemu::Machine;
+use super::qemu::{Console, Machine};
 use crate::sys::jail::Jail;
 
 /// The default `uid_base` (docs/configuration.md): VMs run as uids from one billion up,
@@ -277,7 +277,7 @@ impl Jailer {
         // before QEMU 8.2: then it is the copy's own (see `prepare`).
         j.bind_own(&m.ram.path, !m.ram.shared && m.ram.open_read_only)
             .map_err(e)?;
-        if let Some(log) = &m.console_log {
+        if let Console::File(log) = &m.console {
             j.bind_own(log, false).map_err(e)?;
         }
         Ok(j)
@@ -375,7 +375,7 @@ mod tests {
                 qmp_socket: "/s/q".into(),
                 listen_fds: None,
                 tap_fd: None,
-                console_log: None,
+                console: Console::Null,
                 incoming: true,
             };
             j.prepare(&m, 4_000_000_007).unwrap();

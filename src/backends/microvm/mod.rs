@@ -4,6 +4,7 @@
 //! what runs where.
 
 mod backend;
+pub mod console;
 pub mod disks;
 pub mod initramfs;
 pub mod jail;

@@ -70,13 +70,28 @@ pub struct Machine {
     /// by QEMU as this descriptor, when the VM has networking: QEMU, in a namespace of its
     /// own, could open none.
     pub tap_fd: Option<i32>,
-    /// Where the guest's serial console goes (a file), for boot diagnostics.
-    pub console_log: Option<PathBuf>,
+    /// Where the guest's serial console goes.
+    pub console: Console,
     /// Start waiting for a migration stream (`-incoming defer`): a restore.
     pub incoming: bool,
 }
 
 pub use crate::netpol::vmns::GUEST_MAC;
+
+/// Where a VM's serial console (the kernel's `ttyS0`) goes.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Console {
+    /// Nowhere (`-serial null`).
+    #[default]
+    Null,
+    /// Appended to a file without bound: for tests and diagnostics by hand, never for a
+    /// guest whose root could write to it without end.
+    File(PathBuf),
+    /// A connected stream socket QEMU inherits as this descriptor (`-chardev
+    /// socket,fd=N`): the node reads the other end while it wants to (a boot's last words,
+    /// `super::console`) and closes it after; QEMU then drops what the guest writes.
+    Fd(i32),
+}
 
 /// Why a [`Machine`] cannot be turned into a command line.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -128,7 +143,7 @@ impl Machine {
         if let Some(i) = &self.initrd {
             paths.push(("initrd", i));
         }
-        if let Some(c) = &self.console_log {
+        if let Console::File(c) = &self.console {
             paths.push(("console log", c));
             if c.to_string_lossy().contains(',') {
                 return Err(MachineError::CommaInConsole(c.clone()));
@@ -229,15 +244,23 @@ impl Machine {
         }
         a.push("-append".into());
         a.push(append.trim().into());
-        // The serial console (the kernel's ttyS0) goes to a file, or nowhere.
-        a.push("-serial".into());
-        match &self.console_log {
-            Some(p) => {
+        match &self.console {
+            Console::Null => {
+                a.push("-serial".into());
+                a.push("null".into());
+            }
+            Console::File(p) => {
                 let mut s = OsString::from("file:");
                 s.push(p);
+                a.push("-serial".into());
                 a.push(s);
             }
-            None => a.push("null".into()),
+            Console::Fd(fd) => {
+                a.push("-chardev".into());
+                a.push(format!("socket,id=console,fd={fd}").into());
+                a.push("-serial".into());
+                a.push("chardev:console".into());
+            }
         }
         for (i, d) in self.disks.iter().enumerate() {
             let mut drive = OsString::from(format!(
@@ -357,7 +380,7 @@ mod tests {
             qmp_socket: "/s/qmp.sock".into(),
             listen_fds: None,
             tap_fd: Some(9),
-            console_log: None,
+            console: Console::Null,
             incoming: false,
         }
     }
@@ -430,6 +453,22 @@ mod tests {
     }
 
     #[test]
+    fn the_console_goes_nowhere_to_a_file_or_to_an_inherited_socket() {
+        let mut m = machine();
+        let a = text(&m);
+        let at = a.iter().position(|x| x == "-serial").expect("-serial");
+        assert_eq!(a.get(at + 1).map(String::as_str), Some("null"));
+        m.console = Console::File("/s/console.log".into());
+        assert!(text(&m).contains(&"file:/s/console.log".to_string()));
+        m.console = Console::Fd(9);
+        let a = text(&m);
+        let at = a.iter().position(|x| x == "-serial").expect("-serial");
+        assert_eq!(a.get(at + 1).map(String::as_str), Some("chardev:console"));
+        assert!(a.contains(&"socket,id=console,fd=9".to_string()));
+        assert_eq!(a.iter().filter(|x| *x == "-serial").count(), 1);
+    }
+
+    #[test]
     fn names_that_could_reach_other_options_and_relative_paths_are_refused() {
         let refused = |f: &dyn Fn(&mut Machine)| {
             let mut m = machine();
@@ -458,7 +497,7 @@ mod tests {
             MachineError::BadInitArg("--x y".into())
         );
         assert!(matches!(
-            refused(&|m| m.console_log = Some("/s/a,b.log".into())),
+            refused(&|m| m.console = Console::File("/s/a,b.log".into())),
             MachineError::CommaInConsole(_)
         ));
         // panic=-1 is added where the caller gave no panic= of its own.

@@ -125,10 +125,16 @@ fn vm_main(rooted: bool) -> ExitCode {
         tracing::error!("--vm-init is for a microVM's PID 1");
         return ExitCode::from(2);
     }
-    let r = if rooted { vm_serve() } else { vm_first_stage() };
+    // A panic is a failure like any other: said on the console, then the VM powers off
+    // (the default hook has printed the panic's message by then).
+    let r = std::panic::catch_unwind(|| if rooted { vm_serve() } else { vm_first_stage() })
+        .unwrap_or_else(|_| Err("the agent panicked".into()));
     if let Err(e) = r {
         tracing::error!(error = %e, "the VM's init failed");
     }
+    // The console's driver sends what was written in the background: without the wait
+    // the VM's last words would be lost with it, and the node reports them.
+    let _ = nix::sys::termios::tcdrain(std::io::stderr());
     let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_POWER_OFF);
     ExitCode::FAILURE
 }
