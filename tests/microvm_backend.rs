@@ -16,8 +16,8 @@
 mod common;
 
 use common::microvm::{
-    backend, backend_with, cgroup_pids, create_request, layer, shell, snapshot_with_memory, spec,
-    Leftovers,
+    backend, backend_configured, backend_with, cgroup_pids, create_request, layer, shell, shell_in,
+    snapshot_with_memory, spec, Leftovers,
 };
 
 use std::collections::{BTreeSet, HashSet};
@@ -384,6 +384,150 @@ async fn an_erofs_image_disk_holds_the_same_files() {
     assert_eq!(&head[1024..1028], &0xE0F5_E1E2u32.to_le_bytes());
     b.stop(&h).await.expect("stop");
     assert_no_disks_left(&state, edge);
+}
+
+/// Sessions in a VM get cgroups of their own, as in a container (docs/microvm.md "Cgroups
+/// in the guest"): aether in `agent/`, each session below `workload/` with `pids.max` a
+/// margin under the backend's `pids_max`, the hierarchy read-only to the sandbox. A storm
+/// of processes in one session stops at its own limit, and a new session still starts its
+/// commands; closing the session ends the storm and removes its cgroup.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_in_a_vm_get_cgroups_of_their_own() {
+    let (_tmp, state, store_dir) = setup();
+    let edge = "mvb-5";
+    let id = format!("{edge}.cg");
+    let _leftovers = Leftovers(vec![id.clone()]);
+    let b = backend_configured(&state, edge, &store_dir, None, |c| c.pids_max = 100);
+    let sp = spec("root/t/vm:1");
+    let st = b
+        .create(&create_request(&id, None, sp.clone()))
+        .await
+        .expect("create");
+    let h = Handle {
+        sandbox_id: &id,
+        spec: &sp,
+        state: &st,
+    };
+    let out = shell(
+        &b,
+        &h,
+        "cat /proc/self/cgroup; echo --; cat /proc/1/cgroup; echo --; \
+         cat /sys/fs/cgroup/workload/pids.max /sys/fs/cgroup/agent/pids.max \
+             /sys/fs/cgroup/workload/memory.max /sys/fs/cgroup/workload/procs/pids.max; \
+         echo --; mkdir /sys/fs/cgroup/workload/mine 2>&1; echo $?",
+    )
+    .await;
+    let parts: Vec<&str> = out.split("--\n").collect();
+    let [mine, aether, limits, mkdir] = parts[..] else {
+        panic!("{out}");
+    };
+    // `s<N>/c<id>`: the command's own cgroup below its session's.
+    let session_cg = mine
+        .trim()
+        .strip_prefix("0::/workload/")
+        .and_then(|s| s.split('/').next())
+        .unwrap_or_else(|| panic!("the shell is not below workload/: {out}"));
+    assert!(session_cg.starts_with('s'), "{out}");
+    assert_eq!(aether.trim(), "0::/agent", "{out}");
+    let limits: Vec<&str> = limits.lines().collect();
+    assert_eq!(limits[..2], ["100", "512"], "{out}");
+    // The guest's memory (256 MiB, less what its kernel keeps) less the agents' reserve.
+    let workload_mem: u64 = limits[2].parse().unwrap();
+    assert!(
+        workload_mem > 128 << 20 && workload_mem < 256 << 20,
+        "{out}"
+    );
+    assert_eq!(limits[3], "75", "{out}");
+    assert!(mkdir.contains("Read-only file system"), "{out}");
+    assert_ne!(mkdir.trim().lines().last(), Some("0"), "{out}");
+    assert_eq!(
+        shell(
+            &b,
+            &h,
+            &format!("cat /sys/fs/cgroup/workload/{session_cg}/pids.max")
+        )
+        .await,
+        "75\n"
+    );
+
+    // The storm: far more sleeps than the session may have.
+    let r = shell_in(
+        &b,
+        &h,
+        "storm",
+        "i=0; while test $i -lt 150; do sleep 600 & i=$((i+1)); done; wait",
+        true,
+    )
+    .await;
+    assert!(r.cmd_id > 0, "{r:?}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let n: i64 = shell(&b, &h, "cat /sys/fs/cgroup/workload/pids.current")
+            .await
+            .trim()
+            .parse()
+            .unwrap();
+        if n >= 75 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the storm never filled its session: {n}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    let storm_cgroups = shell(
+        &b,
+        &h,
+        "for d in /sys/fs/cgroup/workload/s*; do echo $d $(cat $d/pids.current); done",
+    )
+    .await;
+    // The storm's session is at (or a process short of) its limit, never past it.
+    let count = |l: &str| l.rsplit(' ').next().unwrap().parse::<i64>().unwrap();
+    let full: Vec<&str> = storm_cgroups.lines().filter(|l| count(l) >= 70).collect();
+    assert_eq!(full.len(), 1, "one session at its limit: {storm_cgroups}");
+    assert!(count(full[0]) <= 75, "{storm_cgroups}");
+    // A new session's first command still forks: the storm left it the margin.
+    let r = shell_in(&b, &h, "fresh", "echo fresh", false).await;
+    assert_eq!(
+        (r.exit_code, String::from_utf8_lossy(&r.stdout).as_ref()),
+        (0, "fresh\n"),
+        "{r:?}"
+    );
+    // Closing the storm's session ends all of it and removes its cgroup.
+    let storm_dir = full[0].split(' ').next().unwrap().to_string();
+    {
+        let mut c = RuntimeClient::new(b.runtime().unwrap().channel(&h).await.unwrap());
+        c.close_session(pb::CloseSessionRequest {
+            sandbox_id: id.clone(),
+            session: "storm".into(),
+        })
+        .await
+        .expect("close the storm's session");
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let left = shell(
+            &b,
+            &h,
+            &format!("test -d {storm_dir} && echo left || echo gone"),
+        )
+        .await;
+        if left == "gone\n" {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{storm_dir} stayed");
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    assert!(
+        shell(&b, &h, "cat /sys/fs/cgroup/workload/pids.current")
+            .await
+            .trim()
+            .parse::<i64>()
+            .unwrap()
+            < 20
+    );
+    b.stop(&h).await.expect("stop");
 }
 
 /// A VM that cannot come up says why: its creation's error carries the guest's last

@@ -52,7 +52,8 @@ pub struct AetherConfig {
     /// process it starts there before the exec. The copy of the config a chronus gets names
     /// that session's own cgroup (`workload/s<N>/`), which its shell joins before its exec;
     /// so the workload never shares the agents' cgroup (docs/architecture.md "Cgroups").
-    /// Empty outside containers.
+    /// In a microVM aether opens them itself (docs/microvm.md "Cgroups in the guest").
+    /// Empty outside sandboxes.
     pub workload_cgroup_fds: Vec<i32>,
     /// Inherited directory fds of the sandbox's `workload/` cgroup, in the same hierarchies
     /// and order, where aether makes each session's cgroup when the session starts. Empty

@@ -12,6 +12,7 @@ pub mod proctree;
 pub mod reaper;
 pub mod uds;
 pub mod user;
+pub mod vmcgroups;
 pub mod vminit;
 pub mod watch;
 

@@ -47,6 +47,9 @@ pub struct VmConfig {
     pub workdir: String,
     pub init_user: String,
     pub disk_mb: u64,
+    /// The sandbox's `pids_max`, the guest's `workload/` cgroup's (0: none;
+    /// docs/microvm.md "Cgroups in the guest").
+    pub pids_max: i64,
     /// The resolvers written to `/etc/resolv.conf`; none: the image's file stays.
     pub nameservers: Vec<String>,
     /// The guest's network interface, when the VM has one.

@@ -39,6 +39,19 @@ pub fn backend_with(
     erofs_images: bool,
     network: Option<Arc<Network>>,
 ) -> Arc<dyn Backend> {
+    backend_configured(state, edge, store, network, |c| {
+        c.erofs_images = erofs_images
+    })
+}
+
+/// [`backend`] with the edge's `network` when given and its config changed by `f`.
+pub fn backend_configured(
+    state: &Path,
+    edge: &str,
+    store: &Path,
+    network: Option<Arc<Network>>,
+    f: impl FnOnce(&mut BackendConfig),
+) -> Arc<dyn Backend> {
     let ctx = BackendContext {
         edge_id: edge.into(),
         state_dir: state.to_path_buf(),
@@ -50,13 +63,13 @@ pub fn backend_with(
         image_store: Some(store.to_path_buf()),
         network,
     };
-    let cfg = BackendConfig {
+    let mut cfg = BackendConfig {
         runtime: "qemu".into(),
         kernel: super::guest_kernel().display().to_string(),
         vm_overhead_mb: 48,
-        erofs_images,
         ..Default::default()
     };
+    f(&mut cfg);
     match backends::build("microvm", &cfg, &ctx) {
         Ok(b) => b,
         Err(e) => panic!("building the microvm backend: {e}"),
@@ -83,6 +96,30 @@ pub fn spec(image: &str) -> pb::SandboxSpec {
         disk_mb: 128,
         ..Default::default()
     }
+}
+
+/// Runs `cmd` in session `session` (in the background when `background`), whatever its
+/// exit code.
+pub async fn shell_in(
+    b: &Arc<dyn Backend>,
+    h: &Handle<'_>,
+    session: &str,
+    cmd: &str,
+    background: bool,
+) -> pb::ShellResult {
+    let ch = b.runtime().unwrap().channel(h).await.unwrap();
+    RuntimeClient::new(ch)
+        .run_shell(pb::RunShellRequest {
+            sandbox_id: h.sandbox_id.into(),
+            cmd: cmd.into(),
+            timeout: 60.0,
+            session: session.into(),
+            background,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
 }
 
 pub async fn shell(b: &Arc<dyn Backend>, h: &Handle<'_>, cmd: &str) -> String {

@@ -17,6 +17,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tonic::transport::Channel;
 
 use super::agent::{self, SetupExe};
+use super::cgroup::DEFAULT_PIDS_MAX;
 use super::cgroup::{CgroupError, Cgroups, DiskIo, Limits, SandboxCgroup};
 use super::disk::Disks;
 use super::diskpool::{DiskPool, PreparedDisk};
@@ -36,8 +37,6 @@ use crate::pb;
 
 /// How long a new sandbox's aether has to answer its first `Watch`.
 const AGENT_START_TIMEOUT: Duration = Duration::from_secs(15);
-/// The default `pids_max` (docs/containers.md).
-const DEFAULT_PIDS_MAX: i64 = 4096;
 /// The least memory a container sandbox is created with (docs/containers.md "Minimums").
 /// The sandbox's cgroup is charged for its agents' anonymous memory (aether and chronus
 /// about 0.7 MB each, a session's bash about 0.9 MB) and for every file page it faults in

@@ -160,6 +160,10 @@ pub fn session_memory_mb(memory_mb: i64) -> i64 {
     w.saturating_sub((w / 8).max(8)).max(w / 2)
 }
 
+/// The default `pids_max` of a backend (docs/containers.md; a microVM's guest applies it
+/// too, docs/microvm.md "Cgroups in the guest").
+pub const DEFAULT_PIDS_MAX: i64 = 4096;
+
 /// The agents' child cgroup of a sandbox: aether and chronus.
 pub const AGENT: &str = "agent";
 /// The workload's child cgroup of a sandbox: session shells, commands, processes.
@@ -184,7 +188,7 @@ pub fn session_pids_max(pids_max: i64) -> i64 {
 
 /// The agents' CPU weight against the workload's default (v2 `cpu.weight`, 100): the most
 /// the kernel takes, so the agents run whenever they are runnable.
-const AGENT_CPU_WEIGHT: &str = "10000";
+pub const AGENT_CPU_WEIGHT: &str = "10000";
 /// The same on v1 (`cpu.shares`; the default is 1024), for the same 100:1 ratio.
 const AGENT_CPU_SHARES: &str = "102400";
 

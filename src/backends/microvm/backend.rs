@@ -107,6 +107,8 @@ pub struct VmState {
 /// The microVM backend; see the module doc.
 pub struct MicrovmBackend {
     name: String,
+    /// The processes and threads of a VM's workload (`pids_max`), limited in the guest.
+    pids_max: i64,
     qemu: PathBuf,
     kernel: PathBuf,
     accel: Accel,
@@ -405,6 +407,11 @@ impl MicrovmBackend {
         )?;
         Ok(MicrovmBackend {
             name: name.to_string(),
+            pids_max: if cfg.pids_max > 0 {
+                cfg.pids_max
+            } else {
+                crate::backends::container::cgroup::DEFAULT_PIDS_MAX
+            },
             qemu,
             kernel,
             accel,
@@ -1509,6 +1516,7 @@ impl MicrovmBackend {
             workdir: image.workdir,
             init_user: init_user.clone(),
             disk_mb: req.spec.disk_mb.max(1) as u64,
+            pids_max: self.pids_max,
             // The node's end of its tap answers DNS (docs/microvm.md "Network").
             nameservers: net
                 .map(|_| vec![crate::netpol::vmns::GATEWAY.to_string()])

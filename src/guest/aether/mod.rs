@@ -164,6 +164,9 @@ fn vm_serve() -> Result<(), String> {
     let h = vminit::take_handoff().map_err(|e| e.to_string())?;
     let c = h.config;
     vminit::write_identity(&c).map_err(|e| e.to_string())?;
+    // While aether is the only process and single-threaded: it moves itself to agent/.
+    let cg = crate::guest::vmcgroups::setup(c.pids_max)
+        .map_err(|e| format!("the guest's cgroups: {e}"))?;
     let cfg = AetherConfig {
         sandbox_id: c.sandbox_id,
         run_dir: "/run/opendsec".into(),
@@ -174,6 +177,11 @@ fn vm_serve() -> Result<(), String> {
         pid1: true,
         protect_from_oom: true,
         disk_mb: c.disk_mb,
+        cgroup_dir: cg.workload_dir,
+        workload_cgroup_fds: vec![std::os::fd::IntoRawFd::into_raw_fd(cg.procs)],
+        workload_cgroup_dir_fds: vec![std::os::fd::IntoRawFd::into_raw_fd(cg.workload)],
+        session_pids_max: cg.session_pids_max,
+        session_memory_max: cg.session_memory_max,
         ..Default::default()
     };
     let rt = tokio::runtime::Builder::new_current_thread()
