@@ -389,6 +389,13 @@ class Peer:
                 a.rsplit(",fd=", 1)[0] + f",path={d / (name + '.sock')}" if a.startswith(prefix) and ",fd=" in a else a
                 for a in out
             ]
+        # A boot's console goes to a socket pair the edge reads (-chardev socket,id=console,fd=N);
+        # the peer's goes nowhere, as ours does once the agent answers.
+        for i, a in enumerate(out):
+            if a.startswith("socket,id=console,") and i > 0 and out[i - 1] == "-chardev":
+                del out[i - 1 : i + 1]
+                break
+        out = ["null" if a == "chardev:console" else a for a in out]
         return out + (["-incoming", "defer"] if incoming else [])
 
     def vm(self, name: str) -> PeerVm:
