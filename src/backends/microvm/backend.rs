@@ -133,6 +133,10 @@ pub struct MicrovmBackend {
     /// share their snapshot's memory file; before 8.2 the jailer gives each copy a file
     /// of its own (`Jailer::prepare`).
     private_ram_read_only: bool,
+    /// Whether QEMU takes a migration file through an fd set (`file:/dev/fdset/N`, 9.0
+    /// and later); before, it is handed over for `fd:`, which later QEMUs deprecate for
+    /// anything but sockets.
+    file_migration: bool,
     /// The edge's sandbox networking, when it is on.
     network: Option<std::sync::Arc<crate::netpol::network::Network>>,
     /// Held while an image disk is made, so two creations of one image make it once.
@@ -230,16 +234,19 @@ fn kvm_works() -> bool {
         let mode = m.permissions().mode();
         mode & 0o006 == 0o006 || (m.gid() != 0 && mode & 0o060 == 0o060)
     });
-    if opens && !jailed {
-        tracing::warn!("/dev/kvm opens for root only (or group root): a VM's jailed QEMU could not use it, so VMs are emulated; give /dev/kvm a group of its own with rw (Debian: kvm, 0660)");
-    }
-    let opens = opens && jailed;
     let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let hw = flags
         .lines()
         .filter(|l| l.starts_with("flags"))
         .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"));
-    opens && hw
+    // Only where KVM would otherwise be used is its mode worth a word.
+    if hw && opens && !jailed {
+        tracing::warn!("/dev/kvm opens for root only (or group root): a VM's jailed QEMU could not use it, so VMs are emulated; give /dev/kvm a group of its own with rw (Debian: kvm, 0660)");
+    }
+    if opens && !hw {
+        tracing::info!("/dev/kvm is here but the CPU offers neither VMX nor SVM (a nested paravirtual KVM): VMs are emulated");
+    }
+    opens && jailed && hw
 }
 
 /// A copy of the agent binary without its debug sections (`strip`, when installed), made
@@ -386,6 +393,7 @@ impl MicrovmBackend {
         let jailer = Jailer::new(&node, &dir, cfg.uid_base, accel == Accel::Kvm)
             .map_err(|m| cfg_err(name, m))?;
         let private_ram_read_only = qemu_at_least(&machine, 8, 2);
+        let file_migration = qemu_at_least(&machine, 9, 0);
         let image_format = if cfg.erofs_images {
             if disks::mkfs_erofs().is_none() {
                 return Err(cfg_err(
@@ -431,6 +439,7 @@ impl MicrovmBackend {
             jailer: std::sync::Arc::new(jailer),
             image_format,
             private_ram_read_only,
+            file_migration,
             network: ctx.network.clone(),
             building: tokio::sync::Mutex::new(()),
             channels: Mutex::new(HashMap::new()),
@@ -951,17 +960,17 @@ impl MicrovmBackend {
                 .open(&path)
                 .map_err(|e| format!("{}: {e}", path.display()))?
         };
-        q.send_fd("state", std::os::fd::AsFd::as_fd(&file))
+        let (uri, set) = self.hand_over(q, &file).await?;
+        q.execute("migrate", Some(serde_json::json!({ "uri": uri })))
             .await
             .map_err(|e| e.to_string())?;
-        q.execute("migrate", Some(serde_json::json!({"uri": "fd:state"})))
-            .await
-            .map_err(|e| e.to_string())?;
-        if let Err(e) = migration_done(q).await {
+        let done = migration_done(q).await;
+        if done.is_err() {
             // A migration left running would refuse the next one.
             let _ = q.execute("migrate_cancel", None).await;
-            return Err(e);
         }
+        forget_set(q, set).await;
+        done?;
         file.sync_all()
             .map_err(|e| format!("{}: {e}", path.display()))
     }
@@ -1067,15 +1076,37 @@ impl MicrovmBackend {
         };
         ignore_shared_ram(&mut q).await?;
         let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        q.send_fd("state", std::os::fd::AsFd::as_fd(&file))
+        let (uri, set) = self.hand_over(&mut q, &file).await?;
+        q.execute("migrate-incoming", Some(serde_json::json!({ "uri": uri })))
             .await
             .map_err(|e| e.to_string())?;
-        q.execute(
-            "migrate-incoming",
-            Some(serde_json::json!({"uri": "fd:state"})),
-        )
-        .await
-        .map_err(|e| e.to_string())?;
+        let loaded = Self::until_loaded(&mut q, started).await;
+        forget_set(&mut q, set).await;
+        loaded?;
+        q.execute("cont", None).await.map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
+    /// Hands QEMU the migration file `file` and returns the URI it is known by, with the
+    /// fd set it went into (QEMU 9.0 on: `file:/dev/fdset/N`; before: `fd:state`).
+    async fn hand_over(
+        &self,
+        q: &mut Qmp,
+        file: &std::fs::File,
+    ) -> Result<(String, Option<u64>), String> {
+        let fd = std::os::fd::AsFd::as_fd(file);
+        if self.file_migration {
+            let set = q.add_fd(fd).await.map_err(|e| e.to_string())?;
+            Ok((format!("file:/dev/fdset/{set}"), Some(set)))
+        } else {
+            q.send_fd("state", fd).await.map_err(|e| e.to_string())?;
+            Ok(("fd:state".into(), None))
+        }
+    }
+
+    /// Waits until an incoming migration has loaded (the VM stands `paused`), from
+    /// `started` on. Errors: another state, or [`MIGRATE_TIMEOUT`].
+    async fn until_loaded(q: &mut Qmp, started: Instant) -> Result<(), String> {
         loop {
             let status = q.status().await.map_err(|e| e.to_string())?;
             match status.as_str() {
@@ -1088,7 +1119,6 @@ impl MicrovmBackend {
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        q.execute("cont", None).await.map_err(|e| e.to_string())?;
         Ok(())
     }
 
@@ -1715,6 +1745,16 @@ async fn ignore_shared_ram(q: &mut Qmp) -> Result<(), String> {
     .await
     .map(|_| ())
     .map_err(|e| e.to_string())
+}
+
+/// Drops fd set `set` (QEMU's copy of a migration file), when there is one: the
+/// migration's own copy closes when it ends, the set's only with the QMP connection.
+async fn forget_set(q: &mut Qmp, set: Option<u64>) {
+    if let Some(set) = set {
+        let _ = q
+            .execute("remove-fd", Some(serde_json::json!({ "fdset-id": set })))
+            .await;
+    }
 }
 
 /// Waits until QEMU `pid` has exited; kills it after [`QUIT_TIMEOUT`].

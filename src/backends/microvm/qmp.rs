@@ -151,6 +151,21 @@ impl Qmp {
         self.answer("getfd", id).await.map(|_| ())
     }
 
+    /// Hands QEMU the open file `fd` in a new fd set (`add-fd`), for a later
+    /// `file:/dev/fdset/<id>` migration URI (QEMU 9.0 and later); returns the set's id.
+    /// Errors: as [`Qmp::execute`]; `Protocol` for an answer without `fdset-id`.
+    pub async fn add_fd(&mut self, fd: std::os::fd::BorrowedFd<'_>) -> Result<u64, QmpError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut line = json!({ "execute": "add-fd", "id": id }).to_string();
+        line.push('\n');
+        crate::sys::fd::send_with_fd(self.writer.as_ref(), line.as_bytes(), fd).await?;
+        let r = self.answer("add-fd", id).await?;
+        r.get("fdset-id")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| QmpError::Protocol(format!("add-fd answered {r}")))
+    }
+
     /// [`Qmp::execute`] within `limit`. Errors: `Timeout`, or the command's.
     pub async fn execute_within(
         &mut self,

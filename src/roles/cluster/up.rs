@@ -135,7 +135,13 @@ fn microvm_kernel(f: &UpFlags) -> String {
             .map(|p| p.display().to_string())
             .unwrap_or_else(|_| f.microvm_kernel.clone());
     }
-    if f.runtime != "linux" || crate::backends::microvm::qemu_binary().is_none() {
+    if f.runtime != "linux" {
+        return String::new();
+    }
+    if crate::backends::microvm::qemu_binary().is_none() {
+        tracing::info!(
+            "no microvm backend: no qemu-system-x86_64 on PATH (Debian: qemu-system-x86)"
+        );
         return String::new();
     }
     let mut found: Vec<(String, std::path::PathBuf)> = std::fs::read_dir("/boot")
@@ -157,7 +163,14 @@ fn microvm_kernel(f: &UpFlags) -> String {
             tracing::info!(kernel = %path.display(), "microVMs use the installed kernel");
             path.display().to_string()
         }
-        None => String::new(),
+        None => {
+            tracing::info!(
+                "no microvm backend: no installed kernel (/boot/vmlinuz-* with its \
+                 /lib/modules); give one with -microvm-kernel (packaging/kernel/fetch-debian.sh \
+                 or packaging/kernel/build.sh make one)"
+            );
+            String::new()
+        }
     }
 }
 
