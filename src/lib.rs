@@ -8,6 +8,7 @@ pub mod guest;
 pub mod images;
 pub mod netpol;
 pub mod pb;
+pub mod pki;
 pub mod roles;
 pub mod rpc;
 pub mod rt;

@@ -19,6 +19,7 @@ mod cp;
 mod exec;
 mod image;
 mod output;
+mod pki;
 mod port;
 mod principal;
 mod progress;
@@ -135,6 +136,8 @@ pub fn main(args: Vec<String>) -> ExitCode {
         // cluster up and bench live in src/roles/cluster/ (their own flags, connection
         // options included); they get the whole ctl argument list, starting with the name.
         Some("cluster") | Some("bench") => crate::roles::cluster::ctl_main(args),
+        // Offline: files in, files out, no connection options.
+        Some("pki") => pki::main(&args),
         _ => match run(&args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => report(e),
