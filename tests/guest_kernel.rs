@@ -4,7 +4,7 @@
 //! holds in what it resolves, and where the source and compiler are those the committed
 //! `packaging/kernel/config-6.12` came from, the result is that file.
 //!
-//! The full build (about 20 minutes on two cores) is not run here; docs/microvm.md says
+//! The full build (about 10 minutes on two cores) is not run here; docs/microvm.md says
 //! how it was last run and booted.
 
 // Tests may unwrap, expect, panic and index (the codebase's rules are for non-test code).

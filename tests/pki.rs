@@ -135,13 +135,14 @@ fn init_issue_and_ca_write_what_the_cluster_needs_and_refuse_bad_input() {
     // 365 days by default, well inside the CA's 3650.
     let days = (a1.not_after - a1.not_before).whole_days();
     assert!((365..=366).contains(&days), "{days}");
-    // An edge listening on a wildcard address names no address of it.
+    // An edge names its own address only: not the load balancer's names, nor an address
+    // when it listens on a wildcard.
+    let n1 = info(&out.join("edge-n1.crt"));
+    assert!(n1.dns_names.is_empty(), "{n1:?}");
+    assert_eq!(n1.ips, ["10.0.0.5".parse::<std::net::IpAddr>().unwrap()]);
     let n2 = info(&out.join("edge-n2.crt"));
     assert_eq!(n2.identities, [Identity::new(Role::Edge, "n2").unwrap()]);
-    assert!(
-        n2.dns_names == ["lb.example"] && n2.ips.len() == 1,
-        "{n2:?}"
-    );
+    assert!(n2.dns_names.is_empty() && n2.ips.is_empty(), "{n2:?}");
 
     // One more component from the same CA.
     let v = ok(&ctl(&[
@@ -246,6 +247,20 @@ fn init_issue_and_ca_write_what_the_cluster_needs_and_refuse_bad_input() {
     // A usage error exits 2.
     failed(&ctl(&["pki", "issue", "-role", "edge"]), 2, "invalid");
 
+    // A node's trust directory (ca.crt alone) is not a place for a new CA either.
+    let trust = tmp.path().join("trust");
+    std::fs::create_dir(&trust).unwrap();
+    std::fs::copy(out.join("ca.crt"), trust.join("ca.crt")).unwrap();
+    failed(
+        &ctl(&["pki", "ca", "-out", trust.to_str().unwrap()]),
+        1,
+        "conflict",
+    );
+    assert_eq!(
+        std::fs::read(trust.join("ca.crt")).unwrap(),
+        std::fs::read(out.join("ca.crt")).unwrap()
+    );
+    assert!(!trust.join("ca.key").exists());
     // A CA alone, for a rotation; another in the same place is refused.
     let next = tmp.path().join("next");
     ok(&ctl(&[

@@ -36,20 +36,28 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}"
 fi
 tarball=$(compgen -G "/usr/src/$pkg.tar.*" | head -n1)
+version=$(dpkg-query -W -f='${Version}' "$pkg" 2>/dev/null || stat -c %Y "$tarball")
 
 mkdir -p "$out/src"
 if [ -n "$config_only" ]; then
   # What kconfig reads: a tenth of the tree, unpacked in seconds.
-  src="$out/src/$pkg.kconfig"
+  src="$out/src/$pkg-$version.kconfig"
   if [ ! -d "$src" ]; then
-    mkdir -p "$src"
-    tar -C "$src" --strip-components=1 -xf "$tarball" --wildcards \
+    rm -rf "$src.part" && mkdir -p "$src.part"
+    tar -C "$src.part" --strip-components=1 -xf "$tarball" --wildcards \
       '*/Kconfig*' '*Makefile*' '*/Kbuild*' "$pkg/scripts/*" '*/configs/*' '*.sh' \
       "$pkg/include/*" "$pkg/arch/x86/include/*" "$pkg/arch/x86/tools/*"
+    mv "$src.part" "$src"
   fi
 else
-  src="$out/src/$pkg"
-  [ -d "$src" ] || tar -C "$out/src" -xf "$tarball"
+  # A tree per package version, unpacked whole before it is used: an interrupted unpack
+  # or an upgraded package never builds from a stale or partial tree.
+  src="$out/src/$pkg-$version"
+  if [ ! -d "$src" ]; then
+    rm -rf "$src.part" && mkdir -p "$src.part"
+    tar -C "$src.part" --strip-components=1 -xf "$tarball"
+    mv "$src.part" "$src"
+  fi
 fi
 cd "$src"
 make -s tinyconfig

@@ -151,9 +151,11 @@ pub fn setup(pids_max: i64) -> Result<GuestCgroups, VmCgroupError> {
         Ok(_) => show(private, flags),
         Err(_) => Ok(()),
     };
-    let _ = umount2(private, MntFlags::MNT_DETACH);
+    // A writable mount left behind would let any process of the guest rewrite the split.
+    let gone = umount2(private, MntFlags::MNT_DETACH).map_err(step("detaching cgroup2"));
     let _ = std::fs::remove_dir(private);
     shown?;
+    gone?;
     made
 }
 

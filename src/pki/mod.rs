@@ -145,8 +145,10 @@ pub enum PkiError {
     BadHost(String),
     #[error("{0} days: a certificate is valid 1 to 36500 days")]
     BadDays(i64),
-    #[error("the CA in {dir} expires {expires}: no certificate can be issued from it")]
-    Expired { dir: PathBuf, expires: String },
+    #[error("the CA expires {expires}: it can issue no certificate valid a day or more")]
+    Expired { expires: String },
+    #[error("{0} is there already: a CA is never replaced; remove it first, or write elsewhere")]
+    Exists(PathBuf),
     #[error("making a certificate: {0}")]
     Make(#[from] rcgen::Error),
     #[error("{path}: {source}")]
@@ -224,7 +226,12 @@ fn host_san(h: &str) -> Result<SanType, PkiError> {
                 && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
                 && !l.starts_with('-')
                 && !l.ends_with('-')
-        });
+        })
+        // A mistyped address ("10.0.0.256", "1.2.3") is not a host name.
+        && !h
+            .rsplit('.')
+            .next()
+            .is_some_and(|l| l.bytes().all(|b| b.is_ascii_digit()));
     if !ok {
         return Err(PkiError::BadHost(h.to_string()));
     }
@@ -277,6 +284,19 @@ impl Ca {
             path: cert_path.clone(),
             message,
         })?;
+        // A leaf in ca.crt, or a key of another CA, would issue what nothing verifies.
+        if !info.is_ca {
+            return Err(PkiError::Parse {
+                path: cert_path,
+                message: "not a CA certificate".into(),
+            });
+        }
+        if info.public_key != rcgen::PublicKeyData::subject_public_key_info(&key) {
+            return Err(PkiError::Parse {
+                path: key_path,
+                message: format!("not the key of {}", cert_path.display()),
+            });
+        }
         Ok(Ca {
             cert_pem,
             key,
@@ -284,16 +304,23 @@ impl Ca {
         })
     }
 
-    /// Writes `ca.crt` (0644) and `ca.key` (0600) into `dir`, made if missing.
-    /// Errors: `Io`.
+    /// Writes `ca.key` (0600), then `ca.crt` (0644), into `dir` (made if missing), never
+    /// over a CA that is there: each file is linked into place only where no file of that
+    /// name is (a trust directory with only `ca.crt` counts too). Errors: `Exists`, `Io`.
     pub fn save(&self, dir: &Path) -> Result<(), PkiError> {
         std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-        write_file(&dir.join(CA_CERT), self.cert_pem.as_bytes(), 0o644)?;
-        write_file(
+        for f in [CA_KEY, CA_CERT] {
+            let p = dir.join(f);
+            if std::fs::symlink_metadata(&p).is_ok() {
+                return Err(PkiError::Exists(p));
+            }
+        }
+        write_new(
             &dir.join(CA_KEY),
             self.key.serialize_pem().as_bytes(),
             0o600,
-        )
+        )?;
+        write_new(&dir.join(CA_CERT), self.cert_pem.as_bytes(), 0o644)
     }
 
     /// A certificate for `who`, valid `days` from now but never past the CA's own
@@ -303,9 +330,8 @@ impl Ca {
     pub fn issue(&self, who: &Identity, hosts: &[String], days: i64) -> Result<Issued, PkiError> {
         let valid = valid_for(days)?;
         let now = OffsetDateTime::now_utc();
-        if self.not_after <= now {
+        if self.not_after <= now + Duration::days(1) {
             return Err(PkiError::Expired {
-                dir: PathBuf::new(),
                 expires: self.not_after.to_string(),
             });
         }
@@ -363,21 +389,53 @@ pub fn save_issued(dir: &Path, who: &Identity, issued: &Issued) -> Result<PathBu
     Ok(cert)
 }
 
-/// Writes `bytes` to `path` with `mode`, replacing what is there through a new file (a
-/// key never exists, even briefly, with a wider mode). Errors: `Io`.
-fn write_file(path: &Path, bytes: &[u8], mode: u32) -> Result<(), PkiError> {
-    let tmp = path.with_extension("tmp");
-    let _ = std::fs::remove_file(&tmp);
+/// A file of `bytes` with `mode` beside `path`, under a name no other writer uses, synced;
+/// returns its path. A key never exists, even briefly, with a wider mode. Errors: `Io`.
+fn temp_beside(path: &Path, bytes: &[u8], mode: u32) -> Result<PathBuf, PkiError> {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.{}.{nanos}.tmp", std::process::id()));
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(mode)
         .open(&tmp)
         .map_err(io_err(&tmp))?;
-    f.write_all(bytes)
-        .and_then(|()| f.sync_all())
-        .map_err(io_err(&tmp))?;
-    std::fs::rename(&tmp, path).map_err(io_err(path))
+    if let Err(e) = f.write_all(bytes).and_then(|()| f.sync_all()) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io_err(&tmp)(e));
+    }
+    Ok(tmp)
+}
+
+/// Writes `bytes` to `path` with `mode`, replacing what is there atomically. Errors: `Io`.
+fn write_file(path: &Path, bytes: &[u8], mode: u32) -> Result<(), PkiError> {
+    let tmp = temp_beside(path, bytes, mode)?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        io_err(path)(e)
+    })
+}
+
+/// Writes `bytes` to `path` with `mode` only where nothing is at `path`, atomically (a
+/// hard link into place fails on an existing name, whoever made it meanwhile).
+/// Errors: `Exists`, `Io`.
+fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), PkiError> {
+    let tmp = temp_beside(path, bytes, mode)?;
+    let linked = std::fs::hard_link(&tmp, path);
+    let _ = std::fs::remove_file(&tmp);
+    match linked {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            Err(PkiError::Exists(path.to_path_buf()))
+        }
+        Err(e) => Err(io_err(path)(e)),
+    }
 }
 
 /// What a certificate says that the cluster reads: its identities (URI SANs of ours), DNS
@@ -390,6 +448,8 @@ pub struct CertInfo {
     pub not_before: OffsetDateTime,
     pub not_after: OffsetDateTime,
     pub is_ca: bool,
+    /// Its SubjectPublicKeyInfo, DER.
+    pub public_key: Vec<u8>,
 }
 
 impl CertInfo {
@@ -404,6 +464,7 @@ impl CertInfo {
             not_before: x.validity().not_before.to_datetime(),
             not_after: x.validity().not_after.to_datetime(),
             is_ca: x.is_ca(),
+            public_key: x.public_key().raw.to_vec(),
         };
         if let Ok(Some(san)) = x.subject_alternative_name() {
             for n in &san.value.general_names {
@@ -500,7 +561,7 @@ mod tests {
         let who = Identity::new(Role::Edge, "n1").unwrap();
         assert!(matches!(ca.issue(&who, &[], 0), Err(PkiError::BadDays(0))));
         assert!(matches!(Ca::generate(40000), Err(PkiError::BadDays(_))));
-        for h in ["", "a..b", "-a.b", "a b", "a,b"] {
+        for h in ["", "a..b", "-a.b", "a b", "a,b", "10.0.0.256", "1.2.3"] {
             assert!(
                 matches!(
                     ca.issue(&who, &[h.to_string()], 1),
@@ -509,6 +570,34 @@ mod tests {
                 "{h}"
             );
         }
+        // A CA is never written over, not even a trust directory's lone ca.crt.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(CA_CERT), "trusted").unwrap();
+        assert!(matches!(ca.save(dir.path()), Err(PkiError::Exists(_))));
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join(CA_CERT)).unwrap(),
+            "trusted"
+        );
+        assert!(!dir.path().join(CA_KEY).exists());
+        // A leaf where the CA goes, or another CA's key, is refused.
+        let leaf = ca.issue(&who, &[], 1).unwrap();
+        let other = Ca::generate(30).unwrap();
+        for (cert, key) in [
+            (leaf.cert_pem.clone(), leaf.key_pem.clone()),
+            (ca.cert_pem.clone(), other.key.serialize_pem()),
+        ] {
+            let d = tempfile::tempdir().unwrap();
+            std::fs::write(d.path().join(CA_CERT), cert).unwrap();
+            std::fs::write(d.path().join(CA_KEY), key).unwrap();
+            assert!(matches!(Ca::load(d.path()), Err(PkiError::Parse { .. })));
+        }
+        // A CA about to expire issues nothing.
+        let mut ending = Ca::generate(30).unwrap();
+        ending.not_after = OffsetDateTime::now_utc() + Duration::hours(2);
+        assert!(matches!(
+            ending.issue(&who, &[], 1),
+            Err(PkiError::Expired { .. })
+        ));
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join(CA_CERT), "not a certificate").unwrap();
         std::fs::write(dir.path().join(CA_KEY), "nor a key").unwrap();

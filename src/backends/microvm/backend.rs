@@ -715,8 +715,7 @@ impl MicrovmBackend {
         limit: Duration,
         console: Option<&ConsoleTail>,
     ) -> Result<Channel, BackendError> {
-        let last_words = || {
-            let t = console.map(ConsoleTail::text).unwrap_or_default();
+        let last_words = |t: String| {
             if t.is_empty() {
                 String::new()
             } else {
@@ -739,6 +738,10 @@ impl MicrovmBackend {
                 return Ok(ch);
             }
             if !qemu_alive(pid, start_time) {
+                let words = match console {
+                    Some(c) => c.last_words(Duration::from_secs(1)).await,
+                    None => String::new(),
+                };
                 let log = log_tail(&self.sandbox_dir(id).join("qemu.log"));
                 return Err(create_err(
                     id,
@@ -747,7 +750,7 @@ impl MicrovmBackend {
                         tail(&log)
                             .map(|t| format!(": QEMU said {t:?}"))
                             .unwrap_or_default(),
-                        last_words()
+                        last_words(words)
                     ),
                 ));
             }
@@ -756,7 +759,7 @@ impl MicrovmBackend {
                     id,
                     format!(
                         "the VM's agent did not answer within {limit:?}{}",
-                        last_words()
+                        last_words(console.map(ConsoleTail::text).unwrap_or_default())
                     ),
                 ));
             }
@@ -961,9 +964,13 @@ impl MicrovmBackend {
                 .map_err(|e| format!("{}: {e}", path.display()))?
         };
         let (uri, set) = self.hand_over(q, &file).await?;
-        q.execute("migrate", Some(serde_json::json!({ "uri": uri })))
+        if let Err(e) = q
+            .execute("migrate", Some(serde_json::json!({ "uri": uri })))
             .await
-            .map_err(|e| e.to_string())?;
+        {
+            forget_set(q, set).await;
+            return Err(e.to_string());
+        }
         let done = migration_done(q).await;
         if done.is_err() {
             // A migration left running would refuse the next one.
@@ -1077,10 +1084,13 @@ impl MicrovmBackend {
         ignore_shared_ram(&mut q).await?;
         let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
         let (uri, set) = self.hand_over(&mut q, &file).await?;
-        q.execute("migrate-incoming", Some(serde_json::json!({ "uri": uri })))
+        let loaded = match q
+            .execute("migrate-incoming", Some(serde_json::json!({ "uri": uri })))
             .await
-            .map_err(|e| e.to_string())?;
-        let loaded = Self::until_loaded(&mut q, started).await;
+        {
+            Ok(_) => Self::until_loaded(&mut q, started).await,
+            Err(e) => Err(e.to_string()),
+        };
         forget_set(&mut q, set).await;
         loaded?;
         q.execute("cont", None).await.map_err(|e| e.to_string())?;

@@ -45,6 +45,17 @@ impl ConsoleTail {
         Ok(ConsoleTail { kept, reader })
     }
 
+    /// [`ConsoleTail::text`] once QEMU has gone: first waits, at most `limit`, until
+    /// everything QEMU wrote has been read (the socket's end), so that the last lines,
+    /// the ones that say why, are not lost to the reader's lag.
+    pub async fn last_words(&self, limit: std::time::Duration) -> String {
+        let started = std::time::Instant::now();
+        while !self.reader.is_finished() && started.elapsed() < limit {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        self.text()
+    }
+
     /// What the console said last, as text fit for an error: at most [`LINES`] lines of
     /// the last [`KEEP`] bytes, escape sequences and other control characters removed;
     /// empty when it said nothing.
@@ -158,6 +169,15 @@ mod tests {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
         assert_eq!(tail.text(), "Kernel panic - not syncing");
+        // What came just before the writer went is read before the words are taken.
+        let (node2, mut qemu2) = std::os::unix::net::UnixStream::pair().unwrap();
+        let tail2 = ConsoleTail::spawn(node2).unwrap();
+        qemu2.write_all(b"one\ntwo\nreboot: Power down\n").unwrap();
+        drop(qemu2);
+        assert!(tail2
+            .last_words(std::time::Duration::from_secs(5))
+            .await
+            .ends_with("reboot: Power down"));
         drop(tail);
         // The writer then finds the socket closed (QEMU drops the console's output).
         let started = std::time::Instant::now();

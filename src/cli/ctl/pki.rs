@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use argh::FromArgs;
 
 use crate::config::Config;
-use crate::pki::{save_issued, Ca, Identity, PkiError, Role, CA_CERT, CA_KEY};
+use crate::pki::{save_issued, Ca, Identity, PkiError, Role, CA_CERT};
 use crate::types::{Failure, Reason};
 
 #[derive(FromArgs, Debug)]
@@ -43,7 +43,8 @@ struct InitArgs {
     /// days the CA is valid (default 3650)
     #[argh(option, default = "3650")]
     ca_days: i64,
-    /// host names or IP addresses added to every certificate, comma separated
+    /// host names or IP addresses the apiservers' certificates also name (the load
+    /// balancer's), comma separated
     #[argh(option, default = "String::new()")]
     hosts: String,
 }
@@ -118,6 +119,7 @@ fn failure(e: PkiError) -> Failure {
         PkiError::Io { source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => {
             Reason::Forbidden
         }
+        PkiError::Exists(_) => Reason::Conflict,
         PkiError::Io { .. } | PkiError::Make(_) => Reason::Internal,
         _ => Reason::Invalid,
     };
@@ -132,18 +134,9 @@ fn hosts_of(s: &str) -> Vec<String> {
         .collect()
 }
 
-/// A new CA in `out`, refusing to replace one: its key is what every certificate of the
-/// cluster hangs on. Errors: `conflict` when `out` holds a CA key.
+/// A new CA in `out`; one that is there (`ca.key` or `ca.crt`) is never replaced: every
+/// certificate of the cluster hangs on it. Errors: `conflict` for a CA there.
 fn new_ca(out: &Path, days: i64) -> Result<Ca, Failure> {
-    if out.join(CA_KEY).exists() {
-        return Err(Failure::new(
-            Reason::Conflict,
-            format!(
-                "{} already holds a CA; remove it first, or write the new one elsewhere",
-                out.display()
-            ),
-        ));
-    }
     let ca = Ca::generate(days).map_err(failure)?;
     ca.save(out).map_err(failure)?;
     Ok(ca)
@@ -263,7 +256,13 @@ fn init(a: &InitArgs) -> Result<serde_json::Value, Failure> {
     let ca = new_ca(&out, a.ca_days)?;
     let mut written = Vec::new();
     for (who, own) in components {
-        let mut names = hosts.clone();
+        // Only the apiservers answer at the load balancer's names: an edge (the machine
+        // that runs sandboxes) must hold no certificate for them.
+        let mut names = if who.role == Role::Apiserver {
+            hosts.clone()
+        } else {
+            Vec::new()
+        };
         names.extend(own);
         let issued = ca.issue(&who, &names, a.days).map_err(failure)?;
         written.push(save_issued(&out, &who, &issued).map_err(failure)?);
