@@ -31,6 +31,27 @@ fn ctl(args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// `pki init` of `config` into `out`.
+fn init(config: &Path, out: &Path) -> Output {
+    ctl(&[
+        "pki",
+        "init",
+        "-config",
+        config.to_str().unwrap(),
+        "-out",
+        out.to_str().unwrap(),
+    ])
+}
+
+/// The names in directory `d`.
+fn names(d: &Path) -> Vec<std::ffi::OsString> {
+    std::fs::read_dir(d)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect()
+}
+
 fn ok(o: &Output) -> serde_json::Value {
     assert!(
         o.status.success(),
@@ -165,23 +186,8 @@ fn init_issue_and_ca_write_what_the_cluster_needs_and_refuse_bad_input() {
     assert_eq!((f1.not_after - f1.not_before).whole_days(), 30);
 
     // Bad input: a clear error, nothing written.
-    let before: Vec<_> = std::fs::read_dir(&out)
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name())
-        .collect();
-    failed(
-        &ctl(&[
-            "pki",
-            "init",
-            "-config",
-            config.to_str().unwrap(),
-            "-out",
-            out.to_str().unwrap(),
-        ]),
-        1,
-        "conflict",
-    );
+    let before = names(&out);
+    failed(&init(&config, &out), 1, "conflict");
     for (args, reason) in [
         (vec!["-role", "admin", "-id", "x"], "invalid"),
         (vec!["-role", "edge", "-id", "../x"], "invalid"),
@@ -218,11 +224,7 @@ fn init_issue_and_ca_write_what_the_cluster_needs_and_refuse_bad_input() {
         1,
         "not_found",
     );
-    let after: Vec<_> = std::fs::read_dir(&out)
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name())
-        .collect();
+    let after = names(&out);
     assert_eq!(before, after);
     // An invalid config writes nothing at all.
     std::fs::write(
@@ -231,18 +233,7 @@ fn init_issue_and_ca_write_what_the_cluster_needs_and_refuse_bad_input() {
     )
     .unwrap();
     let fresh = tmp.path().join("fresh");
-    failed(
-        &ctl(&[
-            "pki",
-            "init",
-            "-config",
-            config.to_str().unwrap(),
-            "-out",
-            fresh.to_str().unwrap(),
-        ]),
-        1,
-        "invalid",
-    );
+    failed(&init(&config, &fresh), 1, "invalid");
     assert!(!fresh.exists());
     // A usage error exits 2.
     failed(&ctl(&["pki", "issue", "-role", "edge"]), 2, "invalid");
@@ -386,14 +377,7 @@ async fn the_certificates_make_mutual_tls_and_strangers_are_refused() {
     std::fs::write(&config, CONFIG).unwrap();
     let (pki, other) = (tmp.path().join("pki"), tmp.path().join("other"));
     for d in [&pki, &other] {
-        ok(&ctl(&[
-            "pki",
-            "init",
-            "-config",
-            config.to_str().unwrap(),
-            "-out",
-            d.to_str().unwrap(),
-        ]));
+        ok(&init(&config, d));
     }
     // An edge calls an apiserver: both sides check the other against the cluster's CA,
     // and the server reads the caller's identity from its certificate.

@@ -24,7 +24,7 @@ use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sys::stat::Mode;
 
 use crate::backends::container::cgroup::{
-    session_memory_mb, session_pids_max, workload_memory_mb, AGENT, AGENT_CPU_WEIGHT,
+    pids_value, session_memory_mb, session_pids_max, workload_memory_mb, AGENT, AGENT_CPU_WEIGHT,
     AGENT_PIDS_MAX, PROCS, WORKLOAD,
 };
 
@@ -100,23 +100,16 @@ fn guest_memory_mb() -> i64 {
 /// `memory_mb` (0: unknown, none written): `(file below the root, value)`, in order,
 /// for the controllers in `have`.
 fn limit_writes(pids_max: i64, memory_mb: i64, have: &[&str]) -> Vec<(String, String)> {
-    let pids = |n: i64| {
-        if n > 0 {
-            n.to_string()
-        } else {
-            "max".to_string()
-        }
-    };
     let mut out = Vec::new();
     if have.contains(&"cpu") {
         out.push((format!("{AGENT}/cpu.weight"), AGENT_CPU_WEIGHT.to_string()));
     }
     if have.contains(&"pids") {
         out.push((format!("{AGENT}/pids.max"), AGENT_PIDS_MAX.to_string()));
-        out.push((format!("{WORKLOAD}/pids.max"), pids(pids_max)));
+        out.push((format!("{WORKLOAD}/pids.max"), pids_value(pids_max)));
         out.push((
             format!("{WORKLOAD}/{PROCS}/pids.max"),
-            pids(session_pids_max(pids_max)),
+            pids_value(session_pids_max(pids_max)),
         ));
     }
     let w = workload_memory_mb(memory_mb);

@@ -791,7 +791,7 @@ impl SandboxCgroup {
 }
 
 /// A `pids.max` value: the number, or "max" for 0 and below (unlimited).
-fn pids_value(n: i64) -> String {
+pub fn pids_value(n: i64) -> String {
     if n > 0 {
         n.to_string()
     } else {
