@@ -496,7 +496,9 @@ async fn start() -> Server {
     let svc = DSecServer::from_arc(fake.clone())
         .max_decoding_message_size(rpc::MAX_MESSAGE)
         .max_encoding_message_size(rpc::MAX_MESSAGE);
-    let router = rpc::serve::builder().add_service(svc);
+    let router = rpc::serve::builder(None, rpc::acl::Policy::Public)
+        .unwrap()
+        .add_service(svc);
     tokio::spawn(async move {
         let _ = router
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
@@ -1159,13 +1161,30 @@ async fn failover_from_a_dead_address_and_tls_refusal() {
         r.stderr
     );
 
-    let r = ctl(&s.addr, &["whoami", "-ca", "/etc/opendsec/ca.crt"]).await;
-    assert_eq!(
-        (r.code, r.stderr.as_str()),
-        (
-            1,
-            "error: invalid: TLS is not supported by this build yet\n"
-        )
+    // A CA file that is not there: refused before any call.
+    let missing = tempfile::tempdir().unwrap().path().join("ca.crt");
+    let r = ctl(&s.addr, &["whoami", "-ca", missing.to_str().unwrap()]).await;
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stderr
+            .starts_with(&format!("error: not_found: -ca {}: ", missing.display())),
+        "{}",
+        r.stderr
+    );
+    // A real CA against this plaintext server: the TLS handshake fails, as `unavailable`.
+    let pki = tempfile::tempdir().unwrap();
+    opendsec::pki::Ca::generate(30)
+        .unwrap()
+        .save(pki.path())
+        .unwrap();
+    let ca = pki.path().join("ca.crt");
+    let r = ctl(&s.addr, &["whoami", "-ca", ca.to_str().unwrap()]).await;
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stderr
+            .starts_with(&format!("error: unavailable: {}: ", s.addr)),
+        "{}",
+        r.stderr
     );
 }
 

@@ -263,7 +263,9 @@ async fn runtime_calls_resume_forward_and_hold_off_idle() {
         .to_string();
     let aether_down = Shutdown::new();
     let at = tokio::spawn(rpc::serve::serve(
-        rpc::serve::builder().add_service(pb::runtime_server::RuntimeServer::new(Aether)),
+        rpc::serve::builder(None, rpc::acl::Policy::Public)
+            .unwrap()
+            .add_service(pb::runtime_server::RuntimeServer::new(Aether)),
         al,
         aether_down.clone(),
     ));

@@ -746,7 +746,9 @@ async fn leases_are_released_in_batches_and_orphans_deleted() {
         .unwrap_or_else(|e| panic!("{e}"));
     let iam_addr = l.local_addr().unwrap_or_else(|e| panic!("{e}")).to_string();
     let iam_down = Shutdown::new();
-    let router = rpc::serve::builder().add_service(pb::iam_server::IamServer::new(fake.clone()));
+    let router = rpc::serve::builder(None, rpc::acl::Policy::Public)
+        .unwrap()
+        .add_service(pb::iam_server::IamServer::new(fake.clone()));
     let iam_task = tokio::spawn(rpc::serve::serve(router, l, iam_down.clone()));
 
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
@@ -865,7 +867,9 @@ async fn registers_with_every_watcher_and_survives_a_missing_one() {
     let waddr = l.local_addr().unwrap_or_else(|e| panic!("{e}")).to_string();
     let down = Shutdown::new();
     let wt = tokio::spawn(rpc::serve::serve(
-        rpc::serve::builder().add_service(pb::watcher_server::WatcherServer::new(fake.clone())),
+        rpc::serve::builder(None, rpc::acl::Policy::Public)
+            .unwrap()
+            .add_service(pb::watcher_server::WatcherServer::new(fake.clone())),
         l,
         down.clone(),
     ));

@@ -126,6 +126,11 @@ fn init_issue_and_ca_write_what_the_cluster_needs_and_refuse_bad_input() {
     );
     assert_eq!(mode(&out.join("ca.key")), 0o600);
     assert_eq!(mode(&out.join("ca.crt")), 0o644);
+    // The sandbox access token secret: 32 random bytes in hex, owner only.
+    assert_eq!(mode(&out.join("grant.key")), 0o600);
+    let grant = std::fs::read_to_string(out.join("grant.key")).unwrap();
+    assert_eq!(grant.trim().len(), 64);
+    assert!(grant.trim().bytes().all(|b| b.is_ascii_hexdigit()));
     for stem in [
         "iam-0",
         "watcher-0",

@@ -388,8 +388,12 @@ impl Config {
         if self.tls.dir.is_empty() && self.service_token.is_empty() {
             return bad("at least one of tls.dir and service_token must be set".into());
         }
-        if !self.tls.dir.is_empty() {
-            return bad("tls.dir is not supported by this build yet; use service_token".into());
+        if !self.tls.dir.is_empty() && !self.service_token.is_empty() {
+            return bad(
+                "tls.dir and service_token are both set: the service token is for development \
+                 clusters without TLS; remove it"
+                    .into(),
+            );
         }
         let tok = self.iam.admin_token()?;
         if tok.contains("change-me") {
@@ -494,6 +498,24 @@ mod tests {
     fn unknown_fields_are_refused() {
         let r: Result<Config, _> = serde_json::from_str(r#"{"service_token":"x","admision":{}}"#);
         assert!(r.is_err());
+    }
+
+    #[test]
+    fn tls_or_a_service_token_but_not_both() {
+        let mut c = Config::default();
+        c.iam.admin_token = "dsk.admin.secret".into();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("at least one of tls.dir and service_token"),
+            "{e}"
+        );
+        c.tls.dir = "/etc/opendsec/pki".into();
+        c.validate().unwrap();
+        c.service_token = "s".into();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("both set"), "{e}");
+        c.tls.dir.clear();
+        c.validate().unwrap();
     }
 
     #[test]

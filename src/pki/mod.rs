@@ -6,6 +6,8 @@
 //! A directory made here holds `ca.crt`, `ca.key` (only on the machine that issues), and
 //! `<role>-<id>.crt` / `<role>-<id>.key` per component.
 
+pub mod cluster;
+
 use std::io::Write;
 use std::net::IpAddr;
 use std::os::unix::fs::OpenOptionsExt;

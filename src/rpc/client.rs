@@ -1,10 +1,16 @@
-//! Client channels between roles and from the CLI: lazy connections over plaintext HTTP/2 on
-//! the addresses of the config, with the message limits and keepalives every role uses.
+//! Client channels between roles and from the CLI: lazy connections over HTTP/2 on the
+//! addresses of the config, plaintext or mutual TLS ([`Dialer`]), with the message limits and
+//! keepalives every role uses (docs/tls.md "Connections").
 
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tonic::metadata::MetadataValue;
 use tonic::transport::{Channel, Endpoint};
+
+use super::tls::{Tls, TlsError};
+use crate::pki::Role;
 
 /// A channel could not be built for this address.
 #[derive(Debug, thiserror::Error)]
@@ -14,6 +20,97 @@ pub enum ClientError {
         addr: String,
         source: tonic::transport::Error,
     },
+    #[error("TLS settings for {addr}")]
+    Tls {
+        addr: String,
+        source: tonic::transport::Error,
+    },
+}
+
+/// How a component reaches the others: plaintext (development clusters with a
+/// `service_token`), or mutual TLS with its own certificate, accepting only a server of the
+/// role it meant to reach.
+#[derive(Clone, Default)]
+pub struct Dialer {
+    tls: Option<Arc<Tls>>,
+    configs: Arc<HashMap<Role, Arc<rustls::ClientConfig>>>,
+}
+
+impl std::fmt::Debug for Dialer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dialer").field("tls", &self.tls).finish()
+    }
+}
+
+impl Dialer {
+    /// Plaintext connections.
+    pub fn plain() -> Dialer {
+        Dialer::default()
+    }
+
+    /// Mutual TLS with `tls`, or plaintext with `None`. Errors: what rustls refused in the
+    /// material (it was checked at load, so this is not expected).
+    pub fn new(tls: Option<Arc<Tls>>) -> Result<Dialer, TlsError> {
+        let Some(tls) = tls else {
+            return Ok(Dialer::plain());
+        };
+        let mut configs = HashMap::new();
+        for r in [Role::Iam, Role::Watcher, Role::Edge, Role::Apiserver] {
+            configs.insert(r, tls.client_config(r)?);
+        }
+        Ok(Dialer {
+            tls: Some(tls),
+            configs: Arc::new(configs),
+        })
+    }
+
+    /// The TLS material, when on.
+    pub fn tls(&self) -> Option<&Arc<Tls>> {
+        self.tls.as_ref()
+    }
+
+    /// A lazily connecting channel to the `expect` component at `addr` (`host:port`).
+    /// Errors: `BadAddress`.
+    pub fn channel(
+        &self,
+        addr: &str,
+        connect_timeout: Duration,
+        expect: Role,
+    ) -> Result<Channel, ClientError> {
+        let ep = endpoint(addr, connect_timeout)?;
+        match self.configs.get(&expect) {
+            Some(cfg) => Ok(super::tls::channel(ep, cfg.clone(), expect)),
+            None => Ok(ep.connect_lazy()),
+        }
+    }
+
+    /// The endpoint of an apiserver's public port at `addr`, for channels balanced over
+    /// several: over TLS with this component's certificate when on. Errors: `BadAddress`,
+    /// `Tls`.
+    pub fn public_endpoint(
+        &self,
+        addr: &str,
+        connect_timeout: Duration,
+    ) -> Result<Endpoint, ClientError> {
+        match &self.tls {
+            None => endpoint(addr, connect_timeout),
+            Some(tls) => endpoint(&https(addr), connect_timeout)?
+                .tls_config(tls.public_client())
+                .map_err(|source| ClientError::Tls {
+                    addr: addr.to_string(),
+                    source,
+                }),
+        }
+    }
+}
+
+/// `addr` as an `https://` URI (tonic's own TLS applies only to those).
+pub fn https(addr: &str) -> String {
+    let bare = addr
+        .strip_prefix("http://")
+        .or_else(|| addr.strip_prefix("https://"))
+        .unwrap_or(addr);
+    format!("https://{bare}")
 }
 
 /// Builds a lazily connecting channel to `addr` (`host:port`). Connection failures surface

@@ -5,8 +5,8 @@
 //! URLs with it, and the apiserver checks it without asking IAM.
 //!
 //! The token is `dsg.<sandbox id>.<mac>`, the MAC an HMAC-SHA256 of the sandbox id under a
-//! key derived from the cluster's `service_token`: every role that reads the config can
-//! check one, none can be forged without the secret, and changing the secret voids them
+//! key derived from the cluster's `service_token` (or, with TLS, from `tls.dir/grant.key`):
+//! every role that reads the config can check one, none can be forged without the secret, and changing the secret voids them
 //! all. A token is good for as long as its sandbox id names a sandbox.
 
 use hmac::{Hmac, Mac};
@@ -14,6 +14,10 @@ use sha2::Sha256;
 
 /// The prefix that tells a sandbox access token from an IAM token (`dsk.`).
 pub const PREFIX: &str = "dsg.";
+
+/// The file in `tls.dir` holding the secret sandbox access tokens are made with when the
+/// cluster runs with TLS (and has no `service_token`).
+pub const GRANT_KEY_FILE: &str = "grant.key";
 
 /// The key sandbox access tokens are made with.
 #[derive(Clone)]
@@ -48,6 +52,31 @@ impl GrantKey {
             &[b"opendsec sandbox access token v1"],
         );
         Some(GrantKey(m.finalize().into_bytes().into()))
+    }
+
+    /// The key of a cluster's config: from its `service_token` without TLS, else from the
+    /// secret in `tls.dir/grant.key` that `ctl pki init` writes (docs/tls.md "Files").
+    /// `None` when there is neither: sandbox access tokens are then off. Errors: the file
+    /// exists but cannot be read, or holds less than 32 bytes.
+    pub fn for_config(cfg: &crate::config::Config) -> Result<Option<GrantKey>, std::io::Error> {
+        if !cfg.service_token.is_empty() || cfg.tls.dir.is_empty() {
+            return Ok(GrantKey::from_service_token(&cfg.service_token));
+        }
+        let path = std::path::Path::new(&cfg.tls.dir).join(GRANT_KEY_FILE);
+        let secret = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let secret = secret.trim_ascii();
+        if secret.len() < 32 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{} holds less than 32 bytes", path.display()),
+            ));
+        }
+        let m = mac_of(secret, &[b"opendsec sandbox access token v1 (grant.key)"]);
+        Ok(Some(GrantKey(m.finalize().into_bytes().into())))
     }
 
     fn mac(&self, sandbox_id: &str) -> HmacSha256 {

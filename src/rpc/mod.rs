@@ -1,10 +1,12 @@
 //! gRPC plumbing shared by every role: the one place a `Failure` becomes a `tonic::Status`
 //! (and back), metadata helpers for tokens, and client channels.
 
+pub mod acl;
 pub mod client;
 pub mod grant;
 pub mod serve;
 pub mod status;
+pub mod tls;
 pub mod uds;
 
 pub use status::{failure_from_status, to_status};
@@ -50,7 +52,8 @@ pub fn peer_addr<T>(req: &tonic::Request<T>) -> String {
 }
 
 /// Checks the component secret on an internal call. With no `service_token` configured every
-/// caller is accepted (TLS would authenticate components; see docs/configuration.md `tls`).
+/// caller is accepted: the cluster runs with TLS, and [`acl`] has checked the caller's
+/// certificate and role before any handler runs (docs/tls.md).
 pub fn check_service_token<T>(
     req: &tonic::Request<T>,
     expected: &str,

@@ -123,12 +123,12 @@ impl Settings {
         })
     }
 
-    /// Opens (lazily) a client per address. Errors: `invalid` with TLS requested (not built
-    /// yet), without any address, with a bad address or a bad `-project`.
+    /// Opens (lazily) a client per address, over TLS when `-ca` (`OPENDSEC_CA`) names the
+    /// cluster's CA certificate: the server is checked against the address's host, or
+    /// `api.opendsec.internal` with several addresses (docs/tls.md "Callers").
+    /// Errors: `invalid` without any address, with a bad address or a bad `-project`;
+    /// `not_found` / `invalid` for a CA file that is missing or holds no certificate.
     pub fn connect(&self, started: Instant) -> Result<Conn, Failure> {
-        if self.ca.is_some() {
-            return Err(Failure::invalid("TLS is not supported by this build yet"));
-        }
         if self.addrs.is_empty() {
             return Err(Failure::invalid(
                 "no apiserver address: set -addr or OPENDSEC_ADDR",
@@ -136,11 +136,33 @@ impl Settings {
         }
         names::check_project_path(&self.project)
             .map_err(|f| Failure::invalid(format!("-project: {}", f.message)))?;
+        let ca = match &self.ca {
+            None => None,
+            Some(path) => Some(read_ca(path)?),
+        };
         let mut clients = Vec::with_capacity(self.addrs.len());
         for addr in &self.addrs {
-            let ch = rpc::client::channel(addr, CONNECT_TIMEOUT).map_err(|e| {
-                Failure::invalid(format!("-addr: {e}", e = crate::types::chain(&e)))
-            })?;
+            let bad = |e: &dyn std::error::Error| {
+                Failure::invalid(format!("-addr: {e}", e = crate::types::chain(e)))
+            };
+            let ch = match &ca {
+                None => rpc::client::channel(addr, CONNECT_TIMEOUT).map_err(|e| bad(&e))?,
+                Some(ca) => {
+                    let name = if self.addrs.len() > 1 {
+                        crate::pki::API_DNS_NAME.to_string()
+                    } else {
+                        host_of(addr)
+                    };
+                    let tls = tonic::transport::ClientTlsConfig::new()
+                        .ca_certificate(tonic::transport::Certificate::from_pem(ca))
+                        .domain_name(name);
+                    rpc::client::endpoint(&rpc::client::https(addr), CONNECT_TIMEOUT)
+                        .map_err(|e| bad(&e))?
+                        .tls_config(tls)
+                        .map_err(|e| bad(&e))?
+                        .connect_lazy()
+                }
+            };
             let c = DSecClient::new(ch)
                 .max_decoding_message_size(rpc::MAX_MESSAGE)
                 .max_encoding_message_size(rpc::MAX_MESSAGE);
@@ -153,6 +175,38 @@ impl Settings {
             deadline_at: self.deadline.and_then(|d| started.checked_add(d)),
         })
     }
+}
+
+/// The CA bundle at `path`, checked to hold certificates. Errors: `not_found`, `invalid`.
+fn read_ca(path: &str) -> Result<Vec<u8>, Failure> {
+    let p = std::path::Path::new(path);
+    let pem = std::fs::read(p).map_err(|e| {
+        let reason = if e.kind() == std::io::ErrorKind::NotFound {
+            crate::types::Reason::NotFound
+        } else {
+            crate::types::Reason::Invalid
+        };
+        Failure::new(reason, format!("-ca {path}: {e}"))
+    })?;
+    crate::rpc::tls::pem_certs(p, &pem)
+        .map_err(|e| Failure::invalid(format!("-ca: {}", crate::types::chain(&e))))?;
+    Ok(pem)
+}
+
+/// The host of `host:port` (brackets of an IPv6 address dropped), the name a single
+/// apiserver's certificate is checked against.
+fn host_of(addr: &str) -> String {
+    let bare = addr
+        .strip_prefix("https://")
+        .or_else(|| addr.strip_prefix("http://"))
+        .unwrap_or(addr);
+    let host = match bare.rsplit_once(':') {
+        Some((h, _)) => h,
+        None => bare,
+    };
+    host.trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string()
 }
 
 /// Clients for every configured apiserver, tried in order.
@@ -318,10 +372,18 @@ mod tests {
             addrs: vec!["127.0.0.1:1".into()],
             ..base.clone()
         };
-        assert_eq!(
-            tls.connect(Instant::now()).err().unwrap().message,
-            "TLS is not supported by this build yet"
-        );
+        let e = tls.connect(Instant::now()).err().unwrap();
+        assert_eq!(e.reason, Reason::NotFound, "{}", e.message);
+        assert!(e.message.contains("-ca /ca.crt"), "{}", e.message);
+        let dir = tempfile::tempdir().unwrap();
+        let not_pem = dir.path().join("ca.crt");
+        std::fs::write(&not_pem, "not a certificate").unwrap();
+        let tls = Settings {
+            ca: Some(not_pem.display().to_string()),
+            ..tls
+        };
+        let e = tls.connect(Instant::now()).err().unwrap();
+        assert_eq!(e.reason, Reason::Invalid, "{}", e.message);
         let proj = Settings {
             project: "team-a".into(),
             addrs: vec!["127.0.0.1:1".into()],

@@ -160,61 +160,6 @@ fn issue(a: &IssueArgs) -> Result<serde_json::Value, Failure> {
     Ok(serde_json::json!({ "identity": who.uri(), "certificate": cert }))
 }
 
-/// The host part of a `host:port` address, when it names one machine (not a wildcard).
-fn addr_host(addr: &str) -> Option<String> {
-    let host = match addr.rsplit_once(':') {
-        Some((h, _)) => h.trim_start_matches('[').trim_end_matches(']'),
-        None => addr,
-    };
-    match host {
-        "" | "0.0.0.0" | "::" => None,
-        h => Some(h.to_string()),
-    }
-}
-
-/// Every component instance `cfg` names, with the host of its configured address: IAM
-/// (its replicas' `id`s, else `0`), the watcher replicas (`id`, else `0`), the apiservers
-/// (by index), the edges (`id`) and the E2B gateways (by index).
-pub fn components(cfg: &Config) -> Result<Vec<(Identity, Option<String>)>, PkiError> {
-    let mut out = Vec::new();
-    if cfg.iam.replicas.is_empty() {
-        out.push((Identity::new(Role::Iam, "0")?, addr_host(&cfg.iam.addr)));
-    }
-    for (i, r) in cfg.iam.replicas.iter().enumerate() {
-        let id = r
-            .get("id")
-            .and_then(|v| v.as_str())
-            .map_or_else(|| i.to_string(), str::to_string);
-        let addr = r.get("addr").and_then(|v| v.as_str()).unwrap_or_default();
-        out.push((Identity::new(Role::Iam, &id)?, addr_host(addr)));
-    }
-    if cfg.watcher.replicas.is_empty() {
-        out.push((
-            Identity::new(Role::Watcher, "0")?,
-            addr_host(&cfg.watcher.addr),
-        ));
-    }
-    for r in &cfg.watcher.replicas {
-        out.push((Identity::new(Role::Watcher, &r.id)?, addr_host(&r.addr)));
-    }
-    for (i, a) in cfg.apiserver.iter().enumerate() {
-        out.push((
-            Identity::new(Role::Apiserver, &i.to_string())?,
-            addr_host(&a.addr),
-        ));
-    }
-    for e in &cfg.edges {
-        out.push((Identity::new(Role::Edge, &e.id)?, addr_host(&e.addr)));
-    }
-    for (i, g) in cfg.e2b.gateways.iter().enumerate() {
-        out.push((
-            Identity::new(Role::E2b, &i.to_string())?,
-            addr_host(&g.addr),
-        ));
-    }
-    Ok(out)
-}
-
 fn init(a: &InitArgs) -> Result<serde_json::Value, Failure> {
     let text = std::fs::read_to_string(&a.config).map_err(|e| {
         Failure::new(
@@ -228,20 +173,19 @@ fn init(a: &InitArgs) -> Result<serde_json::Value, Failure> {
     })?;
     let cfg: Config = serde_json::from_str(&text)
         .map_err(|e| Failure::new(Reason::Invalid, format!("{}: {e}", a.config)))?;
-    // The certificates do not depend on how components authenticate today: a config
-    // that turns TLS on is checked as if it named a service token instead.
+    // The certificates do not depend on how components authenticate: a config without
+    // `tls.dir` yet (the usual order: certificates first, then the config that uses them)
+    // is checked as if it named it.
     let mut checked = cfg.clone();
-    if !checked.tls.dir.is_empty() {
-        checked.tls.dir.clear();
-        if checked.service_token.is_empty() {
-            checked.service_token = "pki-init".into();
-        }
+    if checked.tls.dir.is_empty() {
+        checked.tls.dir = "pki".into();
+        checked.service_token.clear();
     }
     checked
         .validate()
         .map_err(|e| Failure::new(Reason::Invalid, format!("{}: {e}", a.config)))?;
     let hosts = hosts_of(&a.hosts);
-    let components = components(&cfg).map_err(failure)?;
+    let components = crate::pki::cluster::components(&cfg).map_err(failure)?;
     // Everything is checked before anything is written.
     for h in hosts
         .iter()
@@ -254,35 +198,8 @@ fn init(a: &InitArgs) -> Result<serde_json::Value, Failure> {
         .map_err(failure)?;
     let out = PathBuf::from(&a.out);
     let ca = new_ca(&out, a.ca_days)?;
-    let mut written = Vec::new();
-    for (who, own) in components {
-        // Only the apiservers answer at the load balancer's names: an edge (the machine
-        // that runs sandboxes) must hold no certificate for them.
-        let mut names = if who.role == Role::Apiserver {
-            hosts.clone()
-        } else {
-            Vec::new()
-        };
-        names.extend(own);
-        let issued = ca.issue(&who, &names, a.days).map_err(failure)?;
-        written.push(save_issued(&out, &who, &issued).map_err(failure)?);
-    }
+    let written =
+        crate::pki::cluster::issue_all(&ca, &components, &hosts, a.days, &out).map_err(failure)?;
+    crate::pki::cluster::ensure_grant_key(&out).map_err(failure)?;
     Ok(serde_json::json!({ "ca": out.join(CA_CERT), "certificates": written }))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_component_s_own_address_is_one_of_its_hosts_unless_a_wildcard() {
-        assert_eq!(addr_host("10.0.0.1:7100").as_deref(), Some("10.0.0.1"));
-        assert_eq!(
-            addr_host("n1.internal:9461").as_deref(),
-            Some("n1.internal")
-        );
-        assert_eq!(addr_host("[fd00::1]:7100").as_deref(), Some("fd00::1"));
-        assert_eq!(addr_host("0.0.0.0:7100"), None);
-        assert_eq!(addr_host(""), None);
-    }
 }

@@ -75,10 +75,15 @@ fn key_of(token: &str, client_addr: &str) -> [u8; 32] {
 }
 
 impl AuthCache {
-    pub fn new(iam: IamClient<Channel>, service_token: String) -> AuthCache {
+    /// A cache over `iam`; `grants` checks sandbox access tokens (none: they are refused).
+    pub fn new(
+        iam: IamClient<Channel>,
+        service_token: String,
+        grants: Option<GrantKey>,
+    ) -> AuthCache {
         AuthCache {
             iam,
-            grants: GrantKey::from_service_token(&service_token),
+            grants,
             service_token,
             tokens: RwLock::new(HashMap::new()),
             authz: RwLock::new(HashMap::new()),
@@ -108,13 +113,19 @@ impl AuthCache {
 
     /// The address a call's token came from, for IAM's failed-authentication limit and the
     /// audit log: the client address a component (the E2B gateway) forwarded on a caller's
-    /// behalf when the call carries the component secret, else the peer's IP. Without it
+    /// behalf when the call carries the component secret (with TLS: comes with a gateway's
+    /// certificate), else the peer's IP. Without it
     /// every caller of a gateway would share the gateway's address, so one caller's bad
     /// tokens would lock all of them out.
     pub fn client_addr<T>(&self, req: &tonic::Request<T>) -> String {
-        if !self.service_token.is_empty()
-            && crate::rpc::check_service_token(req, &self.service_token).is_ok()
-        {
+        let component = match crate::rpc::acl::caller(req) {
+            Some(who) => who.role == crate::pki::Role::E2b,
+            None => {
+                !self.service_token.is_empty()
+                    && crate::rpc::check_service_token(req, &self.service_token).is_ok()
+            }
+        };
+        if component {
             crate::rpc::peer_addr(req)
         } else {
             req.remote_addr()

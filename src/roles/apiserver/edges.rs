@@ -11,13 +11,15 @@ use crate::types::Failure;
 
 pub(crate) struct EdgeClients {
     service_token: String,
+    dialer: crate::rpc::client::Dialer,
     channels: Mutex<HashMap<String, Channel>>,
 }
 
 impl EdgeClients {
-    pub fn new(service_token: String) -> EdgeClients {
+    pub fn new(service_token: String, dialer: crate::rpc::client::Dialer) -> EdgeClients {
         EdgeClients {
             service_token,
+            dialer,
             channels: Mutex::new(HashMap::new()),
         }
     }
@@ -27,7 +29,9 @@ impl EdgeClients {
         if let Some(c) = m.get(addr) {
             return Ok(c.clone());
         }
-        let c = crate::rpc::client::channel(addr, Duration::from_secs(2))
+        let c = self
+            .dialer
+            .channel(addr, Duration::from_secs(2), crate::pki::Role::Edge)
             .map_err(|e| Failure::internal(crate::types::chain(&e)))?;
         m.insert(addr.to_string(), c.clone());
         Ok(c)

@@ -41,6 +41,12 @@ pub enum ApiserverError {
     Images(#[from] crate::images::store::StoreError),
     #[error("apiserver: network rules")]
     Network(#[from] crate::config::ConfigError),
+    #[error("apiserver: TLS")]
+    Tls(#[from] crate::rpc::tls::TlsError),
+    #[error("apiserver: TLS settings")]
+    Serve(#[from] tonic::transport::Error),
+    #[error("apiserver: reading the sandbox access token key")]
+    GrantKey(#[source] std::io::Error),
 }
 
 /// Shared state of one apiserver.
@@ -49,6 +55,8 @@ pub(crate) struct Inner {
     pub auth: Arc<auth::AuthCache>,
     pub iam: pb::iam_client::IamClient<tonic::transport::Channel>,
     pub snapshot: RwLock<Arc<pb::Snapshot>>,
+    /// How this apiserver reaches IAM, the watchers and the edges.
+    pub dialer: crate::rpc::client::Dialer,
     pub snapshot_at: std::sync::atomic::AtomicI64,
     pub overlay: Mutex<placement::Overlay>,
     pub params: placement::Params,
@@ -94,11 +102,25 @@ pub async fn start_with(
     if !cfg.apiserver.is_empty() && index >= cfg.apiserver.len() {
         return Err(ApiserverError::NoEntry(index));
     }
-    let ch = crate::rpc::client::channel(&cfg.iam.addr, Duration::from_secs(2))?;
+    let me = crate::pki::Identity::new(crate::pki::Role::Apiserver, &index.to_string()).map_err(
+        |e| crate::rpc::tls::TlsError::Bad {
+            path: cfg.tls.dir.clone().into(),
+            why: e.to_string(),
+        },
+    )?;
+    let tls = crate::rpc::tls::for_component(&cfg, &me)?;
+    let builder = crate::rpc::serve::builder(tls.as_deref(), crate::rpc::acl::Policy::Public)?;
+    let dialer = crate::rpc::client::Dialer::new(tls)?;
+    let ch = dialer.channel(&cfg.iam.addr, Duration::from_secs(2), crate::pki::Role::Iam)?;
     let iam = pb::iam_client::IamClient::new(ch)
         .max_decoding_message_size(crate::rpc::MAX_MESSAGE)
         .max_encoding_message_size(crate::rpc::MAX_MESSAGE);
-    let auth = Arc::new(auth::AuthCache::new(iam.clone(), cfg.service_token.clone()));
+    let grants = crate::rpc::grant::GrantKey::for_config(&cfg).map_err(ApiserverError::GrantKey)?;
+    let auth = Arc::new(auth::AuthCache::new(
+        iam.clone(),
+        cfg.service_token.clone(),
+        grants,
+    ));
     let audit = if entry.audit_dir.is_empty() {
         None
     } else {
@@ -130,7 +152,8 @@ pub async fn start_with(
         inflight: adm
             .max_inflight_creates()
             .map(|n| Arc::new(Semaphore::new(n))),
-        edges: edges::EdgeClients::new(cfg.service_token.clone()),
+        edges: edges::EdgeClients::new(cfg.service_token.clone(), dialer.clone()),
+        dialer,
         audit,
         audit_runtime: entry.audit_runtime,
         owners: Mutex::new(std::collections::HashMap::new()),
@@ -153,7 +176,7 @@ pub async fn start_with(
     .max_encoding_message_size(crate::rpc::MAX_MESSAGE);
     // One span per request, like IAM's and the edge's: the method now, the principal
     // once authenticated, the project and sandbox once the call names them (Api::finish).
-    let router = crate::rpc::serve::builder()
+    let router = builder
         .trace_fn(|req| {
             let method = req.uri().path().rsplit('/').next().unwrap_or_default();
             tracing::info_span!(
@@ -182,7 +205,12 @@ async fn snapshot_loop(inner: Arc<Inner>, every: f64, shutdown: Shutdown, ready:
     let addrs = inner.cfg.watcher.addrs();
     let clients: Vec<_> = addrs
         .iter()
-        .filter_map(|a| crate::rpc::client::channel(a, Duration::from_secs(2)).ok())
+        .filter_map(|a| {
+            inner
+                .dialer
+                .channel(a, Duration::from_secs(2), crate::pki::Role::Watcher)
+                .ok()
+        })
         .map(|c| {
             pb::watcher_client::WatcherClient::new(c)
                 .max_decoding_message_size(crate::rpc::MAX_MESSAGE)

@@ -45,6 +45,11 @@ pub enum ClusterError {
         path: String,
         source: std::io::Error,
     },
+    #[error("certificates in {path}")]
+    Pki {
+        path: String,
+        source: crate::pki::PkiError,
+    },
 }
 
 /// What `cluster up` generates without `-config`.
@@ -86,6 +91,9 @@ pub struct UpOptions {
     /// The guest kernel of the generated linux edges' `microvm` backend (runtime `qemu`,
     /// docs/microvm.md); empty = no microvm backend.
     pub microvm_kernel: String,
+    /// Run with mutual TLS between the roles and TLS on the public port, with a CA and
+    /// certificates in `<state_dir>/pki` (the CA is made once and kept; `cluster up -tls`).
+    pub tls: bool,
 }
 
 impl Default for UpOptions {
@@ -111,6 +119,7 @@ impl Default for UpOptions {
             e2b_addr: String::new(),
             upstream_dns: Vec::new(),
             microvm_kernel: String::new(),
+            tls: false,
         }
     }
 }
@@ -184,6 +193,24 @@ fn local_addr(l: &TcpListener) -> String {
 
 fn secret() -> String {
     hex::encode(rand::random::<[u8; 20]>())
+}
+
+/// The certificates of a generated cluster in `dir`: its CA (made on first use, then kept,
+/// so callers' `OPENDSEC_CA` stays good across restarts), a fresh certificate for every
+/// component (the apiservers' also for `127.0.0.1` and `localhost`), and `grant.key`.
+fn local_pki(cfg: &Config, dir: &std::path::Path) -> Result<(), crate::pki::PkiError> {
+    use crate::pki::{cluster, Ca};
+    let ca = if dir.join(crate::pki::CA_KEY).exists() {
+        Ca::load(dir)?
+    } else {
+        let ca = Ca::generate(3650)?;
+        ca.save(dir)?;
+        ca
+    };
+    let hosts = ["127.0.0.1".to_string(), "localhost".to_string()];
+    cluster::issue_all(&ca, &cluster::components(cfg)?, &hosts, 365, dir)?;
+    cluster::ensure_grant_key(dir)?;
+    Ok(())
 }
 
 impl LocalCluster {
@@ -323,6 +350,15 @@ impl LocalCluster {
                 .to_string();
             Some(l)
         };
+        if o.tls {
+            let dir = std::path::Path::new(&o.state_dir).join("pki");
+            local_pki(&cfg, &dir).map_err(|source| ClusterError::Pki {
+                path: dir.display().to_string(),
+                source,
+            })?;
+            cfg.tls.dir = dir.display().to_string();
+            cfg.service_token.clear();
+        }
         cfg.validate()?;
         let ls = Listeners {
             iam: iam_l,

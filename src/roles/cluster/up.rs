@@ -45,7 +45,8 @@ struct UpFlags {
     /// (default 512)
     #[argh(option, default = "512")]
     disk_reserve_mb: i64,
-    /// create a CA and certificates and run with mTLS (not built yet: refused)
+    /// create a CA and certificates in <state-dir>/pki and run with mTLS between the roles
+    /// and TLS on the public port (prints OPENDSEC_CA)
     #[argh(switch)]
     tls: bool,
     /// apiserver audit log directory (default: no audit log)
@@ -110,8 +111,8 @@ fn check_flags(f: &UpFlags) -> Result<(), &'static str> {
     if matches!(f.network.as_str(), "on" | "true") && f.runtime != "linux" {
         return Err("-network on: sandbox networking needs -runtime linux");
     }
-    if f.tls {
-        return Err("-tls is not built yet; run without it (plaintext on loopback)");
+    if f.tls && !f.config.is_empty() {
+        return Err("-tls makes certificates for a generated cluster; with -config, set tls.dir in the config (opendsec ctl pki init)");
     }
     if f.config.is_empty() && f.sim_edges == 0 {
         // A cluster of no edge runs nothing; one edge used to start in its place.
@@ -226,6 +227,7 @@ async fn run(f: UpFlags) -> anyhow::Result<()> {
                 .map(String::from)
                 .collect(),
             microvm_kernel: microvm_kernel(&f),
+            tls: f.tls,
             ..Default::default()
         };
         LocalCluster::up(&o).await?
@@ -259,6 +261,10 @@ async fn run(f: UpFlags) -> anyhow::Result<()> {
         cluster.api_addrs.join(","),
         cluster.admin_token
     );
+    if !cluster.cfg.tls.dir.is_empty() {
+        let ca = std::path::Path::new(&cluster.cfg.tls.dir).join(crate::pki::CA_CERT);
+        env.push_str(&format!("export OPENDSEC_CA={}\n", ca.display()));
+    }
     if !cluster.cfg.image_store.root.is_empty() {
         env.push_str(&format!(
             "export OPENDSEC_IMAGE_STORE={}\n",

@@ -655,7 +655,7 @@ mod tests {
         }))
         .unwrap();
         cfg.iam.admin_token = "dsk.admin.x".into();
-        Gateway::new(&cfg).unwrap()
+        Gateway::new(&cfg, &crate::rpc::client::Dialer::plain()).unwrap()
     }
 
     #[tokio::test]
@@ -668,7 +668,7 @@ mod tests {
         }))
         .unwrap();
         cfg.iam.admin_token = "dsk.admin.x".into();
-        let g = Gateway::new(&cfg).unwrap();
+        let g = Gateway::new(&cfg, &crate::rpc::client::Dialer::plain()).unwrap();
         let e = spec_of(
             &g,
             &body(json!({"templateID": "root/py:1", "timeout": 1001})),

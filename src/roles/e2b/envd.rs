@@ -202,10 +202,11 @@ fn signed_file_url(
         ("/files", "POST") => "write",
         _ => return Err(refused("only /files is signed")),
     };
-    let key = g
-        .grants
-        .as_ref()
-        .ok_or_else(|| refused("this gateway makes no access tokens (no service_token)"))?;
+    let key = g.grants.as_ref().ok_or_else(|| {
+        refused(
+            "this gateway makes no access tokens (no service_token, or no grant.key in tls.dir)",
+        )
+    })?;
     let token = key.mint(sandbox_id);
     let mut raw = format!(
         "{}:{op}:{}:{token}",
@@ -494,7 +495,7 @@ mod tests {
         }))
         .unwrap();
         cfg.iam.admin_token = "dsk.admin.x".into();
-        Gateway::new(&cfg).unwrap()
+        Gateway::new(&cfg, &crate::rpc::client::Dialer::plain()).unwrap()
     }
 
     /// A request's parts for `method uri`.

@@ -50,6 +50,10 @@ pub enum GatewayError {
     Address(#[from] crate::rpc::client::ClientError),
     #[error(transparent)]
     Tls(#[from] serve::TlsError),
+    #[error("e2b: TLS to the apiservers")]
+    ClientTls(#[from] crate::rpc::tls::TlsError),
+    #[error("e2b: reading the sandbox access token key")]
+    GrantKey(#[source] std::io::Error),
 }
 
 /// What every request handler shares: the apiserver client and the config, read once.
@@ -81,15 +85,13 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    /// Builds the gateway of `cfg`, with a channel balanced over every apiserver.
-    /// Errors: `NoApiserver`, `Address` for an address that is not `host:port`.
-    pub fn new(cfg: &Config) -> Result<Gateway, GatewayError> {
+    /// Builds the gateway of `cfg`, with a channel balanced over every apiserver, reached
+    /// through `dialer` (TLS with the gateway's certificate when the cluster has TLS).
+    /// Errors: `NoApiserver`, `Address` for an address that is not `host:port`, `GrantKey`.
+    pub fn new(cfg: &Config, dialer: &crate::rpc::client::Dialer) -> Result<Gateway, GatewayError> {
         let mut eps: Vec<Endpoint> = Vec::new();
         for a in &cfg.apiserver {
-            eps.push(crate::rpc::client::endpoint(
-                &a.addr,
-                Duration::from_secs(5),
-            )?);
+            eps.push(dialer.public_endpoint(&a.addr, Duration::from_secs(5))?);
         }
         if eps.is_empty() {
             return Err(GatewayError::NoApiserver);
@@ -106,7 +108,7 @@ impl Gateway {
         Ok(Gateway {
             api,
             service_token: cfg.service_token.clone(),
-            grants: crate::rpc::grant::GrantKey::from_service_token(&cfg.service_token),
+            grants: crate::rpc::grant::GrantKey::for_config(cfg).map_err(GatewayError::GrantKey)?,
             project: e.project.clone(),
             domain: (!e.domain.is_empty()).then(|| e.domain.clone()),
             templates: e.templates.clone(),
@@ -335,7 +337,14 @@ pub async fn start(
     } else {
         Some(serve::tls_acceptor(&entry.tls_cert, &entry.tls_key)?)
     };
-    let mut g = Gateway::new(&cfg)?;
+    let me = crate::pki::Identity::new(crate::pki::Role::E2b, &index.to_string()).map_err(|e| {
+        crate::rpc::tls::TlsError::Bad {
+            path: cfg.tls.dir.clone().into(),
+            why: e.to_string(),
+        }
+    })?;
+    let dialer = crate::rpc::client::Dialer::new(crate::rpc::tls::for_component(&cfg, &me)?)?;
+    let mut g = Gateway::new(&cfg, &dialer)?;
     if tls.is_some() {
         g.scheme = "https";
     }

@@ -88,13 +88,21 @@ async fn coalesce_lookups(
 }
 
 impl IamLeases {
-    /// A lazily connecting client for `addr` ("" = no IAM).
-    pub fn new(addr: &str, service_token: &str) -> Result<IamLeases, rpc::client::ClientError> {
+    /// A lazily connecting client for `addr` ("" = no IAM), through `dialer`.
+    pub fn new(
+        addr: &str,
+        service_token: &str,
+        dialer: &rpc::client::Dialer,
+    ) -> Result<IamLeases, rpc::client::ClientError> {
         let timeout = Duration::from_secs(2);
         let client = if addr.is_empty() {
             None
         } else {
-            Some(IamClient::new(rpc::client::channel(addr, timeout)?))
+            Some(IamClient::new(dialer.channel(
+                addr,
+                timeout,
+                crate::pki::Role::Iam,
+            )?))
         };
         Ok(IamLeases {
             client,

@@ -174,7 +174,10 @@ async fn probe_loop(core: Arc<Core>, shutdown: Shutdown) {
 async fn register_loop(core: Arc<Core>, shutdown: Shutdown) {
     let mut clients = Vec::new();
     for addr in core.watchers.clone() {
-        match rpc::client::channel(&addr, Duration::from_secs(2)) {
+        match core
+            .dialer
+            .channel(&addr, Duration::from_secs(2), crate::pki::Role::Watcher)
+        {
             Ok(ch) => clients.push((addr, WatcherClient::new(ch))),
             Err(e) => {
                 tracing::warn!(edge_id = %core.edge_id, error = %crate::types::chain(&e), "bad watcher address")

@@ -56,6 +56,16 @@ const RELEASE_FLUSH: Duration = Duration::from_secs(5);
 pub enum EdgeError {
     #[error("edge {0:?} is neither in `edges` nor covered by `edge_template`")]
     UnknownEdge(String),
+    #[error("edge {edge_id}: TLS")]
+    Tls {
+        edge_id: String,
+        source: crate::rpc::tls::TlsError,
+    },
+    #[error("edge {edge_id}: TLS settings")]
+    Serve {
+        edge_id: String,
+        source: tonic::transport::Error,
+    },
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error("building backend {name}")]
@@ -211,6 +221,25 @@ pub async fn start_with_backends(
         .edge(&edge_id)
         .ok_or_else(|| EdgeError::UnknownEdge(edge_id.clone()))?;
     ec.validate()?;
+    let tls_err = |source| EdgeError::Tls {
+        edge_id: edge_id.clone(),
+        source,
+    };
+    let me = crate::pki::Identity::new(crate::pki::Role::Edge, &edge_id).map_err(|e| {
+        tls_err(crate::rpc::tls::TlsError::Bad {
+            path: cfg.tls.dir.clone().into(),
+            why: e.to_string(),
+        })
+    })?;
+    let tls = crate::rpc::tls::for_component(&cfg, &me).map_err(tls_err)?;
+    let mut builder =
+        rpc::serve::builder(tls.as_deref(), crate::rpc::acl::Policy::Edge).map_err(|source| {
+            EdgeError::Serve {
+                edge_id: edge_id.clone(),
+                source,
+            }
+        })?;
+    let dialer = crate::rpc::client::Dialer::new(tls).map_err(tls_err)?;
     let local = listener
         .local_addr()
         .map_err(|source| EdgeError::Listener {
@@ -237,9 +266,11 @@ pub async fn start_with_backends(
         None
     };
     let sink: Arc<dyn LeaseSink> = Arc::new(
-        IamLeases::new(&cfg.iam.addr, &cfg.service_token).map_err(|source| EdgeError::Client {
-            edge_id: edge_id.clone(),
-            source,
+        IamLeases::new(&cfg.iam.addr, &cfg.service_token, &dialer).map_err(|source| {
+            EdgeError::Client {
+                edge_id: edge_id.clone(),
+                source,
+            }
         })?,
     );
     let (releaser, releaser_task) = Releaser::spawn(sink.clone(), BatchConfig::default());
@@ -272,6 +303,7 @@ pub async fn start_with_backends(
         edge_id: edge_id.clone(),
         addr,
         service_token: cfg.service_token.clone(),
+        dialer,
         watchers: cfg.watcher.addrs(),
         slots,
         entries: Mutex::new(Default::default()),
@@ -307,7 +339,7 @@ pub async fn start_with_backends(
         })?,
     );
     let loop_tasks = loops::spawn(core.clone(), probe, shutdown.clone());
-    let router = rpc::serve::builder()
+    let router = builder
         .add_service(
             pb::edge_server::EdgeServer::new(service::EdgeService {
                 core: core.clone(),

@@ -87,6 +87,8 @@ pub(crate) struct Core {
     /// Address registered with the watchers and reported in Status.
     pub addr: String,
     pub service_token: String,
+    /// How the edge reaches the watchers (mTLS when `tls.dir` is set).
+    pub dialer: crate::rpc::client::Dialer,
     /// Watcher addresses to register with.
     pub watchers: Vec<String>,
     pub slots: BTreeMap<String, Slot>,

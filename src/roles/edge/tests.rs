@@ -229,6 +229,7 @@ fn core_of(
         edge_id: "e1".into(),
         addr: "127.0.0.1:1".into(),
         service_token: String::new(),
+        dialer: crate::rpc::client::Dialer::plain(),
         watchers: vec![],
         slots,
         entries: Mutex::new(Default::default()),

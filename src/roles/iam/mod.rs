@@ -71,6 +71,10 @@ pub enum IamError {
     Bootstrap(crate::types::Failure),
     #[error("opening the IAM store: {0}")]
     Task(String),
+    #[error("iam: TLS")]
+    Tls(#[from] crate::rpc::tls::TlsError),
+    #[error("iam: TLS settings")]
+    Serve(#[from] tonic::transport::Error),
 }
 
 /// A built IAM: the service to serve and the store under it (close it after serving).
@@ -169,6 +173,9 @@ async fn settle(
     Ok(())
 }
 
+/// The identity of a standalone IAM in its certificate (docs/tls.md "Identities").
+pub const IAM_ID: &str = "0";
+
 /// Starts the iam role: builds it, serves `Iam` on `listener` until `shutdown` fires, sets
 /// `ready`, then closes the store (its files and lock) before the returned task ends.
 pub async fn start(
@@ -177,8 +184,12 @@ pub async fn start(
     shutdown: Shutdown,
     ready: Ready,
 ) -> Result<JoinHandle<()>, IamError> {
+    let me = crate::pki::Identity::new(crate::pki::Role::Iam, IAM_ID)
+        .map_err(|e| IamError::Config(e.to_string()))?;
+    let tls = crate::rpc::tls::for_component(&cfg, &me)?;
+    let mut builder = crate::rpc::serve::builder(tls.as_deref(), crate::rpc::acl::Policy::Iam)?;
     let iam = build(&cfg).await?;
-    let router = crate::rpc::serve::builder().add_service(iam.service.clone().server());
+    let router = builder.add_service(iam.service.clone().server());
     metrics::gauge!("opendsec_iam_leader").set(1.0);
     tracing::info!(addr = ?listener.local_addr().ok(), state = %cfg.iam.state, "iam serving");
     ready.set(true, "iam");

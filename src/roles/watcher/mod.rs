@@ -23,7 +23,14 @@ use crate::telemetry::Ready;
 pub enum WatcherError {
     #[error("watcher: IAM address")]
     IamClient(#[from] crate::rpc::client::ClientError),
+    #[error("watcher: TLS")]
+    Tls(#[from] crate::rpc::tls::TlsError),
+    #[error("watcher: TLS settings")]
+    Serve(#[from] tonic::transport::Error),
 }
+
+/// The identity of a single watcher in its certificate (docs/tls.md "Identities").
+pub const WATCHER_ID: &str = "0";
 
 /// What the watcher knows of one edge.
 #[derive(Debug, Clone, Default)]
@@ -41,6 +48,8 @@ pub(crate) struct Inner {
     pub cfg: Arc<Config>,
     pub edges: RwLock<BTreeMap<String, EdgeEntry>>,
     pub snapshot: RwLock<Arc<pb::Snapshot>>,
+    /// How the watcher reaches IAM and the edges (mTLS when `tls.dir` is set).
+    pub dialer: crate::rpc::client::Dialer,
 }
 
 /// Serves the Watcher service on `listener` and spawns the probe and reconcile loops.
@@ -51,6 +60,15 @@ pub async fn start(
     shutdown: Shutdown,
     ready: Ready,
 ) -> Result<tokio::task::JoinHandle<()>, WatcherError> {
+    let me = crate::pki::Identity::new(crate::pki::Role::Watcher, WATCHER_ID).map_err(|e| {
+        crate::rpc::tls::TlsError::Bad {
+            path: cfg.tls.dir.clone().into(),
+            why: e.to_string(),
+        }
+    })?;
+    let tls = crate::rpc::tls::for_component(&cfg, &me)?;
+    let mut builder = crate::rpc::serve::builder(tls.as_deref(), crate::rpc::acl::Policy::Watcher)?;
+    let dialer = crate::rpc::client::Dialer::new(tls)?;
     let mut edges = BTreeMap::new();
     for e in &cfg.edges {
         if !e.addr.is_empty() {
@@ -72,10 +90,12 @@ pub async fn start(
         cfg: cfg.clone(),
         edges: RwLock::new(edges),
         snapshot: RwLock::new(Arc::new(pb::Snapshot::default())),
+        dialer: dialer.clone(),
     });
-    let iam = pb::iam_client::IamClient::new(crate::rpc::client::channel(
+    let iam = pb::iam_client::IamClient::new(dialer.channel(
         &cfg.iam.addr,
         std::time::Duration::from_secs(2),
+        crate::pki::Role::Iam,
     )?);
 
     let p = tokio::spawn(probe::run(inner.clone(), shutdown.clone(), ready.clone()));
@@ -83,7 +103,7 @@ pub async fn start(
     let svc = pb::watcher_server::WatcherServer::new(service::WatcherService {
         inner: inner.clone(),
     });
-    let router = crate::rpc::serve::builder().add_service(svc);
+    let router = builder.add_service(svc);
     let sd = shutdown.clone();
     Ok(tokio::spawn(async move {
         if let Err(e) = crate::rpc::serve::serve(router, listener, sd).await {

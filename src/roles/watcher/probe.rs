@@ -57,9 +57,12 @@ pub(crate) async fn run(inner: Arc<Inner>, shutdown: Shutdown, ready: Ready) {
         for (id, addr) in &targets {
             let ch = match channels.get(addr) {
                 Some(c) => Ok(c.clone()),
-                None => crate::rpc::client::channel(addr, timeout).inspect(|c| {
-                    channels.insert(addr.clone(), c.clone());
-                }),
+                None => inner
+                    .dialer
+                    .channel(addr, timeout, crate::pki::Role::Edge)
+                    .inspect(|c| {
+                        channels.insert(addr.clone(), c.clone());
+                    }),
             };
             let cfg = cfg.clone();
             let id = id.clone();

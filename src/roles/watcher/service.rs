@@ -30,8 +30,17 @@ impl pb::watcher_server::Watcher for WatcherService {
         req: Request<pb::RegisterEdgeRequest>,
     ) -> Result<Response<pb::RegisterEdgeResponse>, Status> {
         crate::rpc::check_service_token(&req, &self.inner.cfg.service_token)?;
+        // Over mTLS an edge registers only itself: its certificate names its id.
+        let caller = crate::rpc::acl::caller(&req).cloned();
         let r = req.into_inner();
         names::check_edge_id(&r.edge_id).map_err(|f| crate::rpc::to_status(&f))?;
+        if let Some(who) = caller {
+            if who.role != crate::pki::Role::Edge || who.id != r.edge_id {
+                return Err(crate::rpc::to_status(&crate::types::Failure::forbidden(
+                    format!("{who} may not register edge {:?}", r.edge_id),
+                )));
+            }
+        }
         if r.addr.is_empty()
             || r.addr.len() > 256
             || r.addr.parse::<std::net::SocketAddr>().is_err()
