@@ -480,3 +480,147 @@ async fn the_e2b_gateway_reaches_the_apiservers_over_tls_as_itself() {
     assert_eq!(code, 200, "{body}");
     cluster.down().await;
 }
+
+/// A watcher that answers every call, for handshakes alone.
+struct FakeWatcher;
+
+#[tonic::async_trait]
+impl pb::watcher_server::Watcher for FakeWatcher {
+    async fn get_snapshot(
+        &self,
+        _: tonic::Request<pb::GetSnapshotRequest>,
+    ) -> Result<tonic::Response<pb::Snapshot>, tonic::Status> {
+        Ok(tonic::Response::new(pb::Snapshot::default()))
+    }
+    async fn register(
+        &self,
+        _: tonic::Request<pb::RegisterEdgeRequest>,
+    ) -> Result<tonic::Response<pb::RegisterEdgeResponse>, tonic::Status> {
+        Ok(tonic::Response::new(pb::RegisterEdgeResponse {
+            known: true,
+        }))
+    }
+}
+
+/// Whether an apiserver loaded from `client` reaches a watcher loaded from `server`: each
+/// holds the certificate and trust of one moment of a rotation.
+async fn talks(server: &Path, client: &Path) -> bool {
+    use opendsec::rpc::acl::Policy;
+    let watcher = Identity::new(Role::Watcher, "0").unwrap();
+    let tls = Tls::load(server, &watcher).unwrap();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let router = opendsec::rpc::serve::builder(Some(&tls), Policy::Watcher)
+        .unwrap()
+        .add_service(pb::watcher_server::WatcherServer::new(FakeWatcher));
+    let sd = opendsec::shutdown::Shutdown::new();
+    let task = tokio::spawn(opendsec::rpc::serve::serve(router, l, sd.clone()));
+    let me = Identity::new(Role::Apiserver, "0").unwrap();
+    let d = Dialer::new(Some(Arc::new(Tls::load(client, &me).unwrap()))).unwrap();
+    let mut c = pb::watcher_client::WatcherClient::new(
+        d.channel(&addr, Duration::from_secs(2), Role::Watcher)
+            .unwrap(),
+    );
+    let ok = c
+        .get_snapshot(pb::GetSnapshotRequest { min_version: 0 })
+        .await
+        .is_ok();
+    sd.fire();
+    let _ = task.await;
+    ok
+}
+
+/// `opendsec ctl pki rotate -dir DIR -step N`: its exit code and output.
+fn rotate(dir: &Path, step: u8) -> (i32, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_opendsec"))
+        .args(["ctl", "pki", "rotate", "-dir"])
+        .arg(dir)
+        .args(["-step", &step.to_string()])
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+/// A copy of the files a component would have been given at this moment.
+fn deliver(dir: &Path, to: &Path) -> std::path::PathBuf {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+    to.to_path_buf()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ca_rotates_in_three_steps_and_each_step_keeps_old_and_new_talking() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("pki");
+    let ca = Ca::generate(3650).unwrap();
+    ca.save(&dir).unwrap();
+    for (role, id) in [(Role::Watcher, "0"), (Role::Apiserver, "0")] {
+        let who = Identity::new(role, id).unwrap();
+        save_issued(
+            &dir,
+            &who,
+            &ca.issue(&who, &["127.0.0.1".into()], 30).unwrap(),
+        )
+        .unwrap();
+    }
+    let p0 = deliver(&dir, &tmp.path().join("p0"));
+    assert!(talks(&p0, &p0).await);
+    // Dropping the old CA before anything was reissued is refused, and changes nothing.
+    let (code, out) = rotate(&dir, 3);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("run steps 1 and 2 first"), "{out}");
+
+    let (code, out) = rotate(&dir, 1);
+    assert_eq!(code, 0, "{out}");
+    let p1 = deliver(&dir, &tmp.path().join("p1"));
+    let (code, out) = rotate(&dir, 1);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("under way"), "{out}");
+    // Restarted and not yet restarted components talk, either way round.
+    assert!(talks(&p0, &p1).await && talks(&p1, &p0).await);
+    // Step 3 now would strand every certificate still from the old CA: refused.
+    let (code, out) = rotate(&dir, 3);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("still from the old CA"), "{out}");
+    assert!(
+        out.contains("watcher-0.crt") && out.contains("apiserver-0.crt"),
+        "{out}"
+    );
+
+    let (code, out) = rotate(&dir, 2);
+    assert_eq!(code, 0, "{out}");
+    let p2 = deliver(&dir, &tmp.path().join("p2"));
+    assert!(talks(&p1, &p2).await && talks(&p2, &p1).await);
+    // What step 1 is for: a certificate from the new CA is refused by a component that
+    // trusts only the old one, either way round.
+    assert!(!talks(&p0, &p2).await && !talks(&p2, &p0).await);
+
+    let (code, out) = rotate(&dir, 3);
+    assert_eq!(code, 0, "{out}");
+    let p3 = deliver(&dir, &tmp.path().join("p3"));
+    assert!(talks(&p2, &p3).await && talks(&p3, &p2).await);
+    // The old CA is gone: its certificates are refused now.
+    assert!(!talks(&p3, &p1).await);
+    assert!(!dir.join("next").exists());
+    // The directory is a plain one again: its CA issues, and a new rotation may begin.
+    let new_ca = Ca::load(&dir).unwrap();
+    assert_ne!(new_ca.cert_pem, ca.cert_pem);
+    assert_eq!(
+        std::fs::read_to_string(dir.join("ca.crt")).unwrap(),
+        new_ca.cert_pem
+    );
+    let (code, out) = rotate(&dir, 1);
+    assert_eq!(code, 0, "{out}");
+}

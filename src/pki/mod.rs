@@ -7,6 +7,7 @@
 //! `<role>-<id>.crt` / `<role>-<id>.key` per component.
 
 pub mod cluster;
+pub mod rotate;
 
 use std::io::Write;
 use std::net::IpAddr;
@@ -160,6 +161,8 @@ pub enum PkiError {
     },
     #[error("{path}: not a certificate: {message}")]
     Parse { path: PathBuf, message: String },
+    #[error("CA rotation step {step}: {why}")]
+    Rotation { step: u8, why: String },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> PkiError + '_ {

@@ -24,6 +24,28 @@ enum PkiCmd {
     Init(InitArgs),
     Ca(CaArgs),
     Issue(IssueArgs),
+    Rotate(RotateArgs),
+}
+
+#[derive(FromArgs, Debug)]
+/// one step of rotating the CA of a certificate directory without downtime (docs/tls.md
+/// "Rotating the CA"): 1 trust a new CA beside the old, 2 reissue every component
+/// certificate from it, 3 drop the old CA; deliver the files and restart the roles one at a
+/// time after each
+#[argh(subcommand, name = "rotate", help_triggers("-h", "--help", "help"))]
+struct RotateArgs {
+    /// the certificate directory (ca.crt, ca.key and the components' certificates)
+    #[argh(option)]
+    dir: String,
+    /// the step: 1, 2 or 3
+    #[argh(option)]
+    step: u8,
+    /// step 2: days each certificate is valid, never past the CA (default 365)
+    #[argh(option, default = "365")]
+    days: i64,
+    /// step 1: days the new CA is valid (default 3650)
+    #[argh(option, default = "3650")]
+    ca_days: i64,
 }
 
 #[derive(FromArgs, Debug)]
@@ -97,6 +119,7 @@ pub fn main(args: &[String]) -> ExitCode {
         PkiCmd::Init(a) => init(&a),
         PkiCmd::Ca(a) => ca(&a),
         PkiCmd::Issue(a) => issue(&a),
+        PkiCmd::Rotate(a) => rotate(&a),
     };
     match r.and_then(|v| {
         serde_json::to_string_pretty(&v)
@@ -158,6 +181,29 @@ fn issue(a: &IssueArgs) -> Result<serde_json::Value, Failure> {
         .map_err(failure)?;
     let cert = save_issued(Path::new(&a.out), &who, &issued).map_err(failure)?;
     Ok(serde_json::json!({ "identity": who.uri(), "certificate": cert }))
+}
+
+fn rotate(a: &RotateArgs) -> Result<serde_json::Value, Failure> {
+    use crate::pki::rotate;
+    let dir = Path::new(&a.dir);
+    match a.step {
+        1 => {
+            crate::pki::check_days(a.ca_days).map_err(failure)?;
+            let next = rotate::step1(dir, a.ca_days).map_err(failure)?;
+            Ok(serde_json::json!({ "step": 1, "bundle": dir.join(CA_CERT), "new_ca": next }))
+        }
+        2 => {
+            crate::pki::check_days(a.days).map_err(failure)?;
+            let written = rotate::step2(dir, a.days).map_err(failure)?;
+            Ok(serde_json::json!({ "step": 2, "certificates": written }))
+        }
+        3 => {
+            let checked = rotate::step3(dir).map_err(failure)?;
+            let ids: Vec<String> = checked.iter().map(Identity::uri).collect();
+            Ok(serde_json::json!({ "step": 3, "ca": dir.join(CA_CERT), "checked": ids }))
+        }
+        n => Err(Failure::invalid(format!("-step {n}: 1, 2 or 3"))),
+    }
 }
 
 fn init(a: &InitArgs) -> Result<serde_json::Value, Failure> {
