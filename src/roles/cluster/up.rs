@@ -26,9 +26,9 @@ struct UpFlags {
     /// containers; needs root) (default sim)
     #[argh(option, default = "String::from(\"sim\")")]
     runtime: String,
-    /// the guest kernel of the microvm backend (runtime qemu) of the generated linux edges
-    /// (default: the newest installed /boot/vmlinuz-* with its modules, when QEMU is
-    /// installed; none: no microvm backend)
+    /// the guest kernel of the microvm backend (runtime qemu) of the generated linux edges,
+    /// or `none` for no microvm backend (default: the newest installed /boot/vmlinuz-* with
+    /// its modules, when QEMU is installed)
     #[argh(option, default = "String::new()")]
     microvm_kernel: String,
     /// shared image store directory (default: images under -state-dir)
@@ -121,7 +121,7 @@ fn check_flags(f: &UpFlags) -> Result<(), &'static str> {
     if f.config.is_empty() && f.apiservers == 0 {
         return Err("-apiservers 0: a cluster needs at least one apiserver");
     }
-    if !f.microvm_kernel.is_empty() && f.runtime != "linux" {
+    if !f.microvm_kernel.is_empty() && f.microvm_kernel != "none" && f.runtime != "linux" {
         return Err("-microvm-kernel needs -runtime linux (VMs are real; sim edges run nothing)");
     }
     Ok(())
@@ -131,6 +131,9 @@ fn check_flags(f: &UpFlags) -> Result<(), &'static str> {
 /// Debian kernel (`/boot/vmlinuz-*` whose `/lib/modules/<version>` is there) when QEMU is
 /// installed too, else none.
 fn microvm_kernel(f: &UpFlags) -> String {
+    if f.microvm_kernel == "none" {
+        return String::new();
+    }
     if !f.microvm_kernel.is_empty() {
         return std::path::absolute(&f.microvm_kernel)
             .map(|p| p.display().to_string())
@@ -306,4 +309,26 @@ fn write_private(path: &str, data: &[u8]) -> std::io::Result<()> {
         .open(path)?;
     f.write_all(data)?;
     f.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use argh::FromArgs;
+
+    fn flags(args: &[&str]) -> UpFlags {
+        UpFlags::from_args(&["cluster up"], args).unwrap()
+    }
+
+    #[test]
+    fn microvm_kernel_none_means_no_microvm_backend() {
+        let f = flags(&["--runtime", "linux", "--microvm-kernel", "none"]);
+        assert!(check_flags(&f).is_ok());
+        assert_eq!(microvm_kernel(&f), "");
+        // `none` is not a file name, with the simulated runtime either.
+        assert!(check_flags(&flags(&["--microvm-kernel", "none"])).is_ok());
+        let f = flags(&["--runtime", "linux", "--microvm-kernel", "/k/vmlinuz"]);
+        assert_eq!(microvm_kernel(&f), "/k/vmlinuz");
+        assert!(check_flags(&flags(&["--microvm-kernel", "/k/vmlinuz"])).is_err());
+    }
 }
