@@ -25,6 +25,7 @@ mod apply_principals;
 pub mod backup;
 pub mod command;
 pub mod limiter;
+pub mod raftlog;
 pub mod service;
 mod service_internal;
 mod service_mgmt;
