@@ -306,6 +306,86 @@ async fn an_edge_registers_only_itself_and_clients_check_whom_they_reach() {
         .channel(&w.cluster.cfg.iam.addr, Duration::from_secs(2), Role::Iam)
         .unwrap();
     call(ch, "Iam", "GetEpoch").await.unwrap();
+    // An edge is checked by its id too (as the apiserver and the watcher reach edges): edge
+    // sim-1's certificate at the address where sim-0 is expected is refused.
+    let edge1 = w.cluster.cfg.edges[1].addr.clone();
+    let to = |addr: &str, id: &str| {
+        apiserver
+            .channel_to(addr, Duration::from_secs(2), Role::Edge, Some(id))
+            .unwrap()
+    };
+    let f = call(to(&edge1, "sim-0"), "Edge", "Status")
+        .await
+        .unwrap_err();
+    assert_eq!(f.reason, Reason::Unavailable, "{f}");
+    call(to(&edge0, "sim-0"), "Edge", "Status").await.unwrap();
+    call(to(&edge1, "sim-1"), "Edge", "Status").await.unwrap();
+    w.cluster.down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_sees_and_releases_only_the_leases_bound_to_it() {
+    let w = up().await;
+    let token = w.cluster.admin_token.clone();
+    let mut c = pb::d_sec_client::DSecClient::new(anonymous(&w, &w.cluster.api_addrs[0]));
+    let sb = c
+        .create_sandbox(with_token(
+            pb::CreateSandboxRequest {
+                project: "root".into(),
+                spec: Some(pb::SandboxSpec {
+                    backend: "sim".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            &token,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    let lease = sb.lease_id.clone();
+    assert!(!lease.is_empty());
+    let (own, other) = if sb.edge_id == "sim-0" {
+        ("sim-0", "sim-1")
+    } else {
+        ("sim-1", "sim-0")
+    };
+    let iam = w.cluster.cfg.iam.addr.clone();
+    let client = |id: &str| {
+        pb::iam_client::IamClient::new(
+            w.dialer(Role::Edge, id)
+                .channel(&iam, Duration::from_secs(2), Role::Iam)
+                .unwrap(),
+        )
+    };
+    let ids = pb::GetLeasesRequest {
+        lease_ids: vec![lease.clone()],
+    };
+    // Another edge learns nothing of it, and cannot free its quota.
+    let mut theirs = client(other);
+    let got = theirs.get_leases(ids.clone()).await.unwrap().into_inner();
+    assert!(got.leases.is_empty(), "{got:?}");
+    let released = theirs
+        .release_leases(pb::ReleaseLeasesRequest {
+            lease_ids: vec![lease.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .released;
+    assert_eq!(released, 0);
+    // Its own edge sees it, still held.
+    let mut mine = client(own);
+    let got = mine.get_leases(ids).await.unwrap().into_inner();
+    assert_eq!(got.leases.len(), 1, "{got:?}");
+    assert_eq!(got.leases[0].lease_id, lease);
+    let now = c
+        .get_sandbox(with_token(pb::SandboxRef { id: sb.id.clone() }, &token))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(now.state(), pb::SandboxState::Running);
     w.cluster.down().await;
 }
 

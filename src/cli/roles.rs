@@ -108,8 +108,8 @@ role_args!(E2bArgs, "Run an E2B-compatible gateway (docs/e2b.md).", {
     /// on SIGTERM, fail /readyz and keep serving this long (default 5s)
     #[argh(option, default = "String::from(\"5s\")")]
     pub drain_delay: String,
-    /// CA certificate for TLS to the apiservers (TLS between roles is not built yet:
-    /// refused when set)
+    /// not taken: the gateway reaches the apiservers over TLS with tls.dir's ca.crt and its
+    /// own e2b-<index> certificate (docs/tls.md); refused when set
     #[argh(option, default = "String::new()")]
     pub ca: String,
 });
@@ -136,7 +136,9 @@ fn parse_role(role: &str, args: &[String]) -> Result<RoleFlags, ExitCode> {
         "e2b" => {
             let a: E2bArgs = super::flags::parse(&cmd, args)?;
             if !a.ca.is_empty() {
-                eprintln!("error: invalid: -ca: TLS between the roles is not built yet");
+                eprintln!(
+                    "error: invalid: -ca: the gateway takes ca.crt and its certificate from the config's tls.dir"
+                );
                 return Err(ExitCode::from(2));
             }
             // The gateway's /readyz is what load balancers check: on by default.

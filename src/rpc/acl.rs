@@ -3,9 +3,10 @@
 //! certificate, checks its role against the method's list, and hands the identity to the
 //! handlers (for checks that need the request, such as an edge registering only itself).
 //!
-//! Internal ports require a certificate during the handshake; the apiservers' public port
-//! makes it optional (callers there use bearer tokens), and a component that presents one
-//! there is known by it (the E2B gateway, whose forwarded client addresses are trusted).
+//! A handshake without a client certificate completes (one from another CA does not); an
+//! internal port then answers every call `unauthenticated`. The apiservers' public port
+//! needs none (callers there use bearer tokens), and a component that presents one there is
+//! known by it (the E2B gateway, whose forwarded client addresses are trusted).
 //! Without TLS (development clusters with a `service_token`) the layer lets every call
 //! through and the token checks in the handlers apply.
 

@@ -25,6 +25,8 @@ pub enum ClientError {
         addr: String,
         source: tonic::transport::Error,
     },
+    #[error("TLS settings for {addr}: {why}")]
+    Identity { addr: String, why: String },
 }
 
 /// How a component reaches the others: plaintext (development clusters with a
@@ -82,6 +84,28 @@ impl Dialer {
             Some(cfg) => Ok(super::tls::channel(ep, cfg.clone(), expect)),
             None => Ok(ep.connect_lazy()),
         }
+    }
+
+    /// As [`Dialer::channel`], and with `id` accepting only the server of that identity
+    /// (an edge by its id). Errors: `BadAddress`, `Tls`.
+    pub fn channel_to(
+        &self,
+        addr: &str,
+        connect_timeout: Duration,
+        expect: Role,
+        id: Option<&str>,
+    ) -> Result<Channel, ClientError> {
+        let (Some(tls), Some(id)) = (&self.tls, id) else {
+            return self.channel(addr, connect_timeout, expect);
+        };
+        let ep = endpoint(addr, connect_timeout)?;
+        let cfg = tls
+            .client_config_for(expect, Some(id))
+            .map_err(|e| ClientError::Identity {
+                addr: addr.to_string(),
+                why: e.to_string(),
+            })?;
+        Ok(super::tls::channel(ep, cfg, expect))
     }
 
     /// The endpoint of an apiserver's public port at `addr`, for channels balanced over

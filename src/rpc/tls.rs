@@ -238,6 +238,16 @@ impl Tls {
     /// A client config that presents this component's certificate and accepts only a
     /// server of role `expect` (see the module's comment).
     pub fn client_config(&self, expect: Role) -> Result<Arc<ClientConfig>, TlsError> {
+        self.client_config_for(expect, None)
+    }
+
+    /// As [`Tls::client_config`], and with `id` only the server of that identity: an
+    /// apiserver reaching edge `n1` refuses edge `n2`'s certificate at `n1`'s address.
+    pub fn client_config_for(
+        &self,
+        expect: Role,
+        id: Option<&str>,
+    ) -> Result<Arc<ClientConfig>, TlsError> {
         let webpki = WebPkiServerVerifier::builder(self.roots.clone())
             .build()
             .map_err(|e| TlsError::Bad {
@@ -249,6 +259,7 @@ impl Tls {
             .with_custom_certificate_verifier(Arc::new(RoleVerifier {
                 inner: webpki,
                 expect,
+                id: id.map(str::to_string),
             }))
             .with_client_auth_cert(self.certs.clone(), self.key.clone_key())?;
         cfg.alpn_protocols = vec![b"h2".to_vec()];
@@ -265,11 +276,13 @@ impl Tls {
     }
 }
 
-/// Checks a server's chain and name as WebPKI does, then that it is a `expect` component.
+/// Checks a server's chain and name as WebPKI does, then that it is a `expect` component
+/// (with `id`, that very one).
 #[derive(Debug)]
 struct RoleVerifier {
     inner: Arc<WebPkiServerVerifier>,
     expect: Role,
+    id: Option<String>,
 }
 
 impl ServerCertVerifier for RoleVerifier {
@@ -291,7 +304,11 @@ impl ServerCertVerifier for RoleVerifier {
         let info = CertInfo::from_der(end_entity).map_err(|_| {
             rustls::Error::InvalidCertificate(rustls::CertificateError::BadEncoding)
         })?;
-        if info.identities.iter().any(|i| i.role == self.expect) {
+        if info
+            .identities
+            .iter()
+            .any(|i| i.role == self.expect && self.id.as_ref().is_none_or(|id| &i.id == id))
+        {
             Ok(ServerCertVerified::assertion())
         } else {
             Err(rustls::Error::InvalidCertificate(

@@ -12,7 +12,11 @@ use crate::types::Failure;
 pub(crate) struct EdgeClients {
     service_token: String,
     dialer: crate::rpc::client::Dialer,
-    channels: Mutex<HashMap<String, Channel>>,
+    /// Channels by (address, edge id): the id, from the snapshot, is what the edge's
+    /// certificate must name over mTLS.
+    channels: Mutex<HashMap<(String, String), Channel>>,
+    /// Edge id by address, from the latest snapshot.
+    ids: Mutex<HashMap<String, String>>,
 }
 
 impl EdgeClients {
@@ -21,19 +25,43 @@ impl EdgeClients {
             service_token,
             dialer,
             channels: Mutex::new(HashMap::new()),
+            ids: Mutex::new(HashMap::new()),
         }
     }
 
+    /// Learns which edge is at which address from a snapshot.
+    pub fn learn(&self, snap: &pb::Snapshot) {
+        let ids = snap
+            .edges
+            .iter()
+            .map(|e| (e.addr.clone(), e.id.clone()))
+            .collect();
+        *self.ids.lock().unwrap_or_else(|p| p.into_inner()) = ids;
+    }
+
     fn channel(&self, addr: &str) -> Result<Channel, Failure> {
+        let id = self
+            .ids
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(addr)
+            .cloned()
+            .unwrap_or_default();
+        let key = (addr.to_string(), id);
         let mut m = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = m.get(addr) {
+        if let Some(c) = m.get(&key) {
             return Ok(c.clone());
         }
         let c = self
             .dialer
-            .channel(addr, Duration::from_secs(2), crate::pki::Role::Edge)
+            .channel_to(
+                addr,
+                Duration::from_secs(2),
+                crate::pki::Role::Edge,
+                Some(key.1.as_str()).filter(|i| !i.is_empty()),
+            )
             .map_err(|e| Failure::internal(crate::types::chain(&e)))?;
-        m.insert(addr.to_string(), c.clone());
+        m.insert(key, c.clone());
         Ok(c)
     }
 

@@ -235,6 +235,7 @@ async fn snapshot_loop(inner: Arc<Inner>, every: f64, shutdown: Shutdown, ready:
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
                             .observe(&snap);
+                        inner.edges.learn(&snap);
                         *inner.snapshot.write().await = Arc::new(snap);
                         inner.snapshot_at.store(now_s(), Ordering::Relaxed);
                     }

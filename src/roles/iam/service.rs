@@ -30,6 +30,14 @@ pub struct Identity {
     pub epoch: u64,
 }
 
+/// The id of the edge making this call over mTLS: an edge may look up and release only the
+/// leases bound to it (docs/tls.md "Who may call what"). `None` for any other caller.
+fn calling_edge<T>(req: &Request<T>) -> Option<String> {
+    rpc::acl::caller(req)
+        .filter(|who| who.role == crate::pki::Role::Edge)
+        .map(|who| who.id.clone())
+}
+
 /// The IAM service; clones share the store and the limiter.
 #[derive(Clone)]
 pub struct IamService {
@@ -179,7 +187,8 @@ impl pb::iam_server::Iam for IamService {
         req: Request<pb::ReleaseLeasesRequest>,
     ) -> Result<Response<pb::ReleaseLeasesResponse>, Status> {
         self.internal(&req)?;
-        reply(self.rpc_release_leases(req.into_inner()).await)
+        let edge = calling_edge(&req);
+        reply(self.rpc_release_leases(req.into_inner(), edge).await)
     }
     async fn get_lease(
         &self,
@@ -193,7 +202,8 @@ impl pb::iam_server::Iam for IamService {
         req: Request<pb::GetLeasesRequest>,
     ) -> Result<Response<pb::GetLeasesResponse>, Status> {
         self.internal(&req)?;
-        reply(self.rpc_get_leases(req.into_inner()))
+        let edge = calling_edge(&req);
+        reply(self.rpc_get_leases(req.into_inner(), edge.as_deref()))
     }
     async fn reconcile(
         &self,

@@ -126,17 +126,30 @@ impl IamService {
     }
 
     #[tracing::instrument(name = "iam.release_leases", skip_all, fields(leases = r.lease_ids.len()))]
+    /// Releases `r.lease_ids`; with `edge` (an edge's call over mTLS) only those bound to
+    /// that edge, so one edge's certificate cannot free another's quota.
     pub(super) async fn rpc_release_leases(
         &self,
         r: pb::ReleaseLeasesRequest,
+        edge: Option<String>,
     ) -> Result<pb::ReleaseLeasesResponse, Failure> {
-        if !apply_leases::any_held(&self.store().read(), &r.lease_ids) {
+        let lease_ids = match &edge {
+            None => r.lease_ids,
+            Some(e) => {
+                let st = self.store().read();
+                r.lease_ids
+                    .into_iter()
+                    .filter(|id| st.leases.get(id).is_some_and(|l| &l.edge_id == e))
+                    .collect()
+            }
+        };
+        if !apply_leases::any_held(&self.store().read(), &lease_ids) {
             return Ok(pb::ReleaseLeasesResponse { released: 0 });
         }
         match self
             .store()
             .propose(Command::ReleaseLeases {
-                lease_ids: r.lease_ids,
+                lease_ids,
                 at: r.at,
                 now: now_s(),
                 not_created: r.not_created,
@@ -156,10 +169,12 @@ impl IamService {
             .ok_or_else(|| Failure::not_found(format!("lease {:?} not found", r.lease_id)))
     }
 
-    /// The leases among `lease_ids` that IAM holds; `invalid` past 4096 ids.
+    /// The leases among `lease_ids` that IAM holds (with `edge`, an edge's call over mTLS:
+    /// only those bound to it); `invalid` past 4096 ids.
     pub(super) fn rpc_get_leases(
         &self,
         r: pb::GetLeasesRequest,
+        edge: Option<&str>,
     ) -> Result<pb::GetLeasesResponse, Failure> {
         if r.lease_ids.len() > 4096 {
             return Err(Failure::invalid(format!(
@@ -171,7 +186,9 @@ impl IamService {
         let leases = r
             .lease_ids
             .iter()
-            .filter_map(|id| st.leases.get(id).map(|l| views::lease_info(id, l)))
+            .filter_map(|id| st.leases.get(id).map(|l| (id, l)))
+            .filter(|(_, l)| edge.is_none_or(|e| l.edge_id == e))
+            .map(|(id, l)| views::lease_info(id, l))
             .collect();
         Ok(pb::GetLeasesResponse { leases })
     }

@@ -43,7 +43,7 @@ pub(crate) async fn run(inner: Arc<Inner>, shutdown: Shutdown, ready: Ready) {
     let timeout = Duration::from_secs_f64(cfg.watcher.probe_timeout());
     let mut version: u64 = 0;
     // Channels are kept per address: reconnecting every second would cost a TCP handshake each.
-    let mut channels: HashMap<String, Channel> = HashMap::new();
+    let mut channels: HashMap<(String, String), Channel> = HashMap::new();
     loop {
         let targets: Vec<(String, String)> = inner
             .edges
@@ -52,16 +52,18 @@ pub(crate) async fn run(inner: Arc<Inner>, shutdown: Shutdown, ready: Ready) {
             .iter()
             .map(|(id, e)| (id.clone(), e.addr.clone()))
             .collect();
-        channels.retain(|a, _| targets.iter().any(|(_, t)| t == a));
+        channels.retain(|k, _| targets.iter().any(|t| t == k));
         let mut probes = Vec::with_capacity(targets.len());
         for (id, addr) in &targets {
-            let ch = match channels.get(addr) {
+            // Keyed by id and address: over mTLS the edge at `addr` must be `id`.
+            let key = (id.clone(), addr.clone());
+            let ch = match channels.get(&key) {
                 Some(c) => Ok(c.clone()),
                 None => inner
                     .dialer
-                    .channel(addr, timeout, crate::pki::Role::Edge)
+                    .channel_to(addr, timeout, crate::pki::Role::Edge, Some(id))
                     .inspect(|c| {
-                        channels.insert(addr.clone(), c.clone());
+                        channels.insert(key, c.clone());
                     }),
             };
             let cfg = cfg.clone();

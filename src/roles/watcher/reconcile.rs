@@ -18,11 +18,17 @@ use crate::types::now_f;
 async fn leases_of(
     cfg: &crate::config::Config,
     dialer: &crate::rpc::client::Dialer,
+    id: &str,
     addr: &str,
 ) -> Result<(String, Vec<pb::LeaseInfo>), String> {
     let t = Duration::from_secs(10);
     let ch = dialer
-        .channel(addr, Duration::from_secs(2), crate::pki::Role::Edge)
+        .channel_to(
+            addr,
+            Duration::from_secs(2),
+            crate::pki::Role::Edge,
+            Some(id),
+        )
         .map_err(|e| crate::types::chain(&e))?;
     let mut c =
         pb::edge_client::EdgeClient::new(ch).max_decoding_message_size(crate::rpc::MAX_MESSAGE);
@@ -52,7 +58,7 @@ pub(crate) async fn round(inner: &Inner, iam: &mut pb::iam_client::IamClient<Cha
         .collect();
     for (id, addr, healthy, since) in edges {
         let leases = if healthy {
-            match leases_of(cfg, &inner.dialer, &addr).await {
+            match leases_of(cfg, &inner.dialer, &id, &addr).await {
                 Ok((eid, l)) if eid == id => l,
                 Ok(_) | Err(_) => continue,
             }
