@@ -57,8 +57,9 @@ impl Shutdown {
                 _ = term.recv() => {},
                 _ = int.recv() => {},
             }
-            tracing::info!("signal received, shutting down");
+            // Fire first: nothing that logging does may stand between a signal and shutdown.
             me.fire();
+            tracing::info!("signal received, shutting down");
         });
     }
 }

@@ -68,6 +68,11 @@ pub fn init_logging(level: &str) -> Result<(), String> {
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .with_target(false)
+        // By default a failed write is reported with eprintln!, which panics when stderr is
+        // a closed pipe (`| head`, a log shipper that died): the panic killed whichever task
+        // was logging, the SIGTERM handler among them, and the role never stopped. A log
+        // line that cannot be written is dropped instead.
+        .log_internal_errors(false)
         .try_init();
     // Metrics recorded before a recorder exists are dropped, and some gauges are set only once
     // at start: install it together with logging, before any role runs.
