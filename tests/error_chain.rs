@@ -171,7 +171,8 @@ fn usage_errors_exit_2_and_name_what_was_wrong() {
         &["edge", "-id", "node-0", "-drain-delay", "1s"][..],
         &["cluster", "up", "-sim-edges", "0"][..],
         &["cluster", "up", "-apiservers", "0"][..],
-        &["cluster", "up", "-tls"][..],
+        // -tls makes certificates for a generated cluster only.
+        &["cluster", "up", "-tls", "-config", "/nonexistent.json"][..],
     ] {
         assert_eq!(common::run(args, &[]).code, 2, "{args:?}");
     }
