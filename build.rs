@@ -11,6 +11,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/opendsec/v1/opendsec.proto",
         "proto/opendsec/v1/iam.proto",
         "proto/opendsec/v1/cluster.proto",
+        "proto/opendsec/v1/raft.proto",
     ];
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     let descriptor = out.join("opendsec_descriptor.bin");

@@ -184,13 +184,13 @@ fn each_role_lists_only_its_own_flags() {
     for (role, own, others) in [
         (
             "iam",
-            &["-replica"][..],
+            &["-replica", "-join"][..],
             &["-id", "-index", "-drain-delay", "-advertise"][..],
         ),
         (
             "watcher",
             &["-replica"][..],
-            &["-id", "-index", "-drain-delay"][..],
+            &["-id", "-index", "-drain-delay", "-join"][..],
         ),
         (
             "apiserver",

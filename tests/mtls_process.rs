@@ -56,18 +56,7 @@ fn role_processes_talk_mtls_from_pki_init() {
     });
     let cfg_path = tmp.path().join("opendsec.json");
     std::fs::write(&cfg_path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
-    let init = Command::new(BIN)
-        .args(["ctl", "pki", "init", "-config"])
-        .arg(&cfg_path)
-        .arg("-out")
-        .arg(&pki)
-        .output()
-        .unwrap();
-    assert!(
-        init.status.success(),
-        "{}",
-        String::from_utf8_lossy(&init.stderr)
-    );
+    common::pki_init(&cfg_path, &pki);
 
     let _iam = role(tmp.path(), &cfg_path, &["iam"], "iam.log");
     let _w = role(tmp.path(), &cfg_path, &["watcher"], "watcher.log");

@@ -25,6 +25,7 @@ pub struct RoleFlags {
     pub addr: String,
     pub advertise: String,
     pub replica: String,
+    pub join: bool,
     pub drain_delay: String,
     pub grace: String,
 }
@@ -40,6 +41,7 @@ impl RoleFlags {
             addr: String::new(),
             advertise: String::new(),
             replica: String::new(),
+            join: false,
             drain_delay: String::from("6s"),
             grace,
         }
@@ -73,8 +75,18 @@ macro_rules! role_args {
     };
 }
 
-role_args!(ReplicaArgs, "Run IAM (principals, projects, quotas, leases) or the watcher (edge probes, the cluster snapshot).", {
-    /// which replica to run (replicated mode; not built yet)
+role_args!(IamArgs, "Run IAM (principals, projects, quotas, leases): standalone, or one replica of iam.replicas.", {
+    /// which entry of iam.replicas to run, by id (replicated IAM; docs/iam-replicas.md)
+    #[argh(option, default = "String::new()")]
+    pub replica: String,
+    /// a new replica: do not bootstrap; wait until a member adds it (`opendsec ctl iam
+    /// member add`), then catch up from the leader
+    #[argh(switch)]
+    pub join: bool,
+});
+
+role_args!(ReplicaArgs, "Run the watcher (edge probes, the cluster snapshot).", {
+    /// which replica to run (replicated watchers are not built yet)
     #[argh(option, default = "String::new()")]
     pub replica: String,
 });
@@ -118,7 +130,15 @@ role_args!(E2bArgs, "Run an E2B-compatible gateway (docs/e2b.md).", {
 fn parse_role(role: &str, args: &[String]) -> Result<RoleFlags, ExitCode> {
     let cmd = format!("opendsec {role}");
     Ok(match role {
-        "iam" | "watcher" => {
+        "iam" => {
+            let a: IamArgs = super::flags::parse(&cmd, args)?;
+            RoleFlags {
+                replica: a.replica,
+                join: a.join,
+                ..RoleFlags::common(a.config, a.metrics, a.log, a.grace)
+            }
+        }
+        "watcher" => {
             let a: ReplicaArgs = super::flags::parse(&cmd, args)?;
             RoleFlags {
                 replica: a.replica,
@@ -227,8 +247,17 @@ async fn run(role: &str, flags: RoleFlags) -> anyhow::Result<()> {
         }
         e => anyhow::Error::new(e),
     })?;
-    if !flags.replica.is_empty() {
-        bail!("-replica: replicated IAM and watchers are not built yet; run a single one");
+    if role == "watcher" && !flags.replica.is_empty() {
+        bail!("-replica: replicated watchers are not built yet; run a single one");
+    }
+    if role == "iam" && cfg.iam.replicas.is_empty() != flags.replica.is_empty() {
+        if flags.replica.is_empty() {
+            bail!("the config has iam.replicas: choose one with -replica ID");
+        }
+        bail!("-replica {}: the config has no iam.replicas", flags.replica);
+    }
+    if flags.join && flags.replica.is_empty() {
+        bail!("-join is for a new replica: give -replica ID too");
     }
     let shutdown = Shutdown::new();
     let ready = Ready::default();
@@ -264,6 +293,29 @@ async fn run(role: &str, flags: RoleFlags) -> anyhow::Result<()> {
     }
     let mut handles = Vec::new();
     match role {
+        "iam" if !flags.replica.is_empty() => {
+            let r = cfg.iam.replica(&flags.replica).cloned().ok_or_else(|| {
+                anyhow!(
+                    "-replica {}: iam.replicas has no replica with that id",
+                    flags.replica
+                )
+            })?;
+            let listeners = crate::roles::iam::replicated::Listeners {
+                api: bind(&r.addr, "iam.replicas[].addr").await?,
+                raft: bind(&r.raft_addr, "iam.replicas[].raft_addr").await?,
+            };
+            handles.push(
+                crate::roles::iam::replicated::start(
+                    Arc::new(cfg),
+                    &flags.replica,
+                    flags.join,
+                    listeners,
+                    shutdown.clone(),
+                    ready,
+                )
+                .await?,
+            );
+        }
         "iam" => {
             let l = bind(&cfg.iam.addr, "iam.addr").await?;
             handles

@@ -106,11 +106,12 @@ impl NetworkConfig {
     }
 }
 
-/// docs/configuration.md `iam` (standalone fields; `replicas` is for the Raft issue).
+/// docs/configuration.md `iam`: a standalone IAM at `addr` (state in `state`), or Raft
+/// `replicas` (docs/iam-replicas.md).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct IamConfig {
-    pub replicas: Vec<serde_json::Value>,
+    pub replicas: Vec<IamReplica>,
     pub addr: String,
     /// State file; empty = memory only.
     pub state: String,
@@ -119,6 +120,52 @@ pub struct IamConfig {
     pub admin_token_file: String,
     pub root_quota: BTreeMap<String, f64>,
     pub max_token_ttl_s: i64,
+}
+
+/// One IAM replica (docs/iam-replicas.md).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct IamReplica {
+    /// A decimal number, unique among the replicas (also its certificate's id).
+    pub id: String,
+    /// Its `Iam` gRPC address, `host:port`.
+    pub addr: String,
+    /// Its Raft address, `host:port`, reached by the other replicas only.
+    pub raft_addr: String,
+    /// Its Raft log and snapshots (default `/var/lib/opendsec/iam`).
+    pub data_dir: String,
+}
+
+impl IamConfig {
+    /// The addresses IAM's clients call: every replica's, or the standalone `addr`.
+    pub fn addrs(&self) -> Vec<String> {
+        if self.replicas.is_empty() {
+            vec![self.addr.clone()]
+        } else {
+            self.replicas.iter().map(|r| r.addr.clone()).collect()
+        }
+    }
+
+    /// The replica `id`, if the config has it.
+    pub fn replica(&self, id: &str) -> Option<&IamReplica> {
+        self.replicas.iter().find(|r| r.id == id)
+    }
+}
+
+impl IamReplica {
+    /// The replica id as a number (checked by `Config::validate`).
+    pub fn number(&self) -> u64 {
+        self.id.parse().unwrap_or(0)
+    }
+
+    /// `data_dir`, or its default.
+    pub fn data_dir(&self) -> &str {
+        if self.data_dir.is_empty() {
+            "/var/lib/opendsec/iam"
+        } else {
+            &self.data_dir
+        }
+    }
 }
 
 /// docs/configuration.md `watcher`.
@@ -383,6 +430,53 @@ impl Config {
     }
 
     /// Checks the constraints of docs/configuration.md that can be checked without the machine.
+    /// `iam.replicas`: ids decimal and unique, addresses set and distinct, at most 7.
+    fn check_iam_replicas(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        let reps = &self.iam.replicas;
+        if reps.len() > 7 {
+            return bad(format!(
+                "iam.replicas: {} replicas; 1, 3 or 5 are usual, at most 7",
+                reps.len()
+            ));
+        }
+        let mut ids = std::collections::BTreeSet::new();
+        let mut addrs = std::collections::BTreeSet::new();
+        for r in reps {
+            let ok = !r.id.is_empty()
+                && r.id.len() <= 9
+                && r.id.bytes().all(|b| b.is_ascii_digit())
+                && (r.id == "0" || !r.id.starts_with('0'));
+            if !ok {
+                return bad(format!(
+                    "iam.replicas: id {} is not a decimal number (0 to 999999999)",
+                    names::shown(&r.id)
+                ));
+            }
+            if !ids.insert(r.id.clone()) {
+                return bad(format!("iam.replicas: id {} appears twice", r.id));
+            }
+            for (what, a) in [("addr", &r.addr), ("raft_addr", &r.raft_addr)] {
+                if a.is_empty() {
+                    return bad(format!("iam.replicas: replica {} has no {what}", r.id));
+                }
+                if !addrs.insert(a.clone()) {
+                    return bad(format!("iam.replicas: address {a} appears twice"));
+                }
+            }
+        }
+        if !reps.is_empty()
+            && self.iam.admin_token.is_empty()
+            && self.iam.admin_token_file.is_empty()
+        {
+            return bad(
+                "iam.replicas: set iam.admin_token or iam.admin_token_file (replicas bootstrap with it)"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         if self.tls.dir.is_empty() && self.service_token.is_empty() {
@@ -413,6 +507,7 @@ impl Config {
                 return bad(format!("iam.root_quota: unknown key {k:?}"));
             }
         }
+        self.check_iam_replicas()?;
         if self.iam.max_token_ttl_s < 0 {
             return bad("iam.max_token_ttl_s may not be negative".into());
         }

@@ -26,13 +26,10 @@ pub fn components(cfg: &Config) -> Result<Vec<(Identity, Option<String>)>, PkiEr
     if cfg.iam.replicas.is_empty() {
         out.push((Identity::new(Role::Iam, "0")?, addr_host(&cfg.iam.addr)));
     }
-    for (i, r) in cfg.iam.replicas.iter().enumerate() {
-        let id = r
-            .get("id")
-            .and_then(|v| v.as_str())
-            .map_or_else(|| i.to_string(), str::to_string);
-        let addr = r.get("addr").and_then(|v| v.as_str()).unwrap_or_default();
-        out.push((Identity::new(Role::Iam, &id)?, addr_host(addr)));
+    // A replica's certificate names the host of its `addr`; its `raft_addr` is expected on
+    // the same host (docs/iam-replicas.md).
+    for r in &cfg.iam.replicas {
+        out.push((Identity::new(Role::Iam, &r.id)?, addr_host(&r.addr)));
     }
     if cfg.watcher.replicas.is_empty() {
         out.push((

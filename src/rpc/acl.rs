@@ -30,9 +30,11 @@ pub enum Policy {
     Edge,
     /// The apiservers' public port (`opendsec.v1.DSec`): no role needed.
     Public,
+    /// An IAM replica's Raft port (`opendsec.v1.Raft`).
+    Raft,
 }
 
-use Role::{Apiserver, Edge, Watcher};
+use Role::{Apiserver, Edge, Iam, Watcher};
 
 impl Policy {
     /// The roles that may call `path` (`/package.Service/Method`). An unknown method is
@@ -60,6 +62,7 @@ impl Policy {
                 _ => &[Apiserver],
             },
             (Policy::Edge, "opendsec.v1.Runtime") => &[Apiserver],
+            (Policy::Raft, "opendsec.v1.Raft") => &[Iam],
             _ => &[],
         }
     }
@@ -226,5 +229,20 @@ mod tests {
         );
         let plain = AclLayer::new(Policy::Iam, false);
         assert_eq!(decide(plain, "/opendsec.v1.Iam/Admit", None), Ok(None));
+    }
+
+    #[test]
+    fn only_iam_replicas_call_the_raft_port() {
+        let raft = AclLayer::new(Policy::Raft, true);
+        let send = "/opendsec.v1.Raft/Send";
+        assert!(decide(raft, send, id(Iam, "1")).is_ok());
+        for r in [Apiserver, Edge, Watcher, Role::E2b, Role::Ops] {
+            let e = decide(raft, send, id(r, "0")).unwrap_err();
+            assert_eq!(e.reason, crate::types::Reason::Forbidden, "{r:?}");
+        }
+        // Nothing else is served there, and the Raft service on another port is refused.
+        assert!(decide(raft, "/opendsec.v1.Iam/Admit", id(Iam, "1")).is_err());
+        let iam = AclLayer::new(Policy::Iam, true);
+        assert!(decide(iam, send, id(Iam, "1")).is_err());
     }
 }

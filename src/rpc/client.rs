@@ -86,6 +86,22 @@ impl Dialer {
         }
     }
 
+    /// A channel over the replicas of `expect` at `addrs` (IAM's), failing over between
+    /// them (see [`super::failover`]) for up to `patience`. Errors: `BadAddress`.
+    pub fn failover(
+        &self,
+        addrs: &[String],
+        connect_timeout: Duration,
+        expect: Role,
+        patience: Duration,
+    ) -> Result<super::failover::Failover, ClientError> {
+        let channels = addrs
+            .iter()
+            .map(|a| self.channel(a, connect_timeout, expect))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(super::failover::Failover::new(channels, patience))
+    }
+
     /// As [`Dialer::channel`], and with `id` accepting only the server of that identity
     /// (an edge by its id). Errors: `BadAddress`, `Tls`.
     pub fn channel_to(

@@ -3,6 +3,7 @@
 
 pub mod acl;
 pub mod client;
+pub mod failover;
 pub mod grant;
 pub mod serve;
 pub mod status;

@@ -20,6 +20,22 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_opendsec");
 #[allow(unused_imports)] // not every test binary has root-only tests
 pub use opendsec::sys::root_or_skip;
 
+/// `opendsec ctl pki init -config cfg -out out`: the CA and every component's certificate.
+pub fn pki_init(cfg: &Path, out: &Path) {
+    let init = Command::new(BIN)
+        .args(["ctl", "pki", "init", "-config"])
+        .arg(cfg)
+        .arg("-out")
+        .arg(out)
+        .output()
+        .unwrap();
+    assert!(
+        init.status.success(),
+        "{}",
+        String::from_utf8_lossy(&init.stderr)
+    );
+}
+
 /// A free TCP port on 127.0.0.1 (free when asked; good enough for tests).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

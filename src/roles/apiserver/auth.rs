@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+use crate::rpc::failover::IamChannel;
 use sha2::{Digest, Sha256};
-use tonic::transport::Channel;
 
 use crate::pb;
 use crate::pb::iam_client::IamClient;
@@ -51,7 +51,7 @@ type AuthzKey = (String, String, String);
 
 /// Caches over IAM's Authenticate and Authorize.
 pub struct AuthCache {
-    iam: IamClient<Channel>,
+    iam: IamClient<IamChannel>,
     service_token: String,
     /// Checks sandbox access tokens; none without a `service_token`.
     grants: Option<GrantKey>,
@@ -77,7 +77,7 @@ fn key_of(token: &str, client_addr: &str) -> [u8; 32] {
 impl AuthCache {
     /// A cache over `iam`; `grants` checks sandbox access tokens (none: they are refused).
     pub fn new(
-        iam: IamClient<Channel>,
+        iam: IamClient<IamChannel>,
         service_token: String,
         grants: Option<GrantKey>,
     ) -> AuthCache {

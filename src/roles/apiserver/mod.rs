@@ -53,7 +53,7 @@ pub enum ApiserverError {
 pub(crate) struct Inner {
     pub cfg: Arc<Config>,
     pub auth: Arc<auth::AuthCache>,
-    pub iam: pb::iam_client::IamClient<tonic::transport::Channel>,
+    pub iam: pb::iam_client::IamClient<crate::rpc::failover::IamChannel>,
     pub snapshot: RwLock<Arc<pb::Snapshot>>,
     /// How this apiserver reaches IAM, the watchers and the edges.
     pub dialer: crate::rpc::client::Dialer,
@@ -111,7 +111,12 @@ pub async fn start_with(
     let tls = crate::rpc::tls::for_component(&cfg, &me)?;
     let builder = crate::rpc::serve::builder(tls.as_deref(), crate::rpc::acl::Policy::Public)?;
     let dialer = crate::rpc::client::Dialer::new(tls)?;
-    let ch = dialer.channel(&cfg.iam.addr, Duration::from_secs(2), crate::pki::Role::Iam)?;
+    let ch = dialer.failover(
+        &cfg.iam.addrs(),
+        Duration::from_secs(2),
+        crate::pki::Role::Iam,
+        crate::rpc::failover::IAM_PATIENCE,
+    )?;
     let iam = pb::iam_client::IamClient::new(ch)
         .max_decoding_message_size(crate::rpc::MAX_MESSAGE)
         .max_encoding_message_size(crate::rpc::MAX_MESSAGE);

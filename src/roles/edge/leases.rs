@@ -11,10 +11,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::rpc::failover::IamChannel;
 use async_trait::async_trait;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
-use tonic::transport::Channel;
 
 use crate::pb::{self, iam_client::IamClient};
 use crate::rpc;
@@ -32,7 +32,7 @@ pub trait LeaseSink: Send + Sync + 'static {
 /// `LeaseSink` over IAM's gRPC service. Without an IAM address, releases are dropped and
 /// lookups fail as `unavailable`.
 pub struct IamLeases {
-    client: Option<IamClient<Channel>>,
+    client: Option<IamClient<IamChannel>>,
     token: String,
     timeout: Duration,
     lookups: std::sync::OnceLock<mpsc::Sender<Lookup>>,
@@ -49,7 +49,7 @@ const LOOKUP_BATCH: usize = 1024;
 /// Answers queued lookups: takes the first waiting one and everything queued behind it, asks
 /// IAM once, and answers each. No waiting to fill a batch: under load the queue fills itself.
 async fn coalesce_lookups(
-    client: IamClient<Channel>,
+    client: IamClient<IamChannel>,
     token: String,
     timeout: Duration,
     mut rx: mpsc::Receiver<Lookup>,
@@ -88,20 +88,22 @@ async fn coalesce_lookups(
 }
 
 impl IamLeases {
-    /// A lazily connecting client for `addr` ("" = no IAM), through `dialer`.
+    /// A lazily connecting client for IAM at `addrs` (its replicas; none or "" = no IAM),
+    /// through `dialer`.
     pub fn new(
-        addr: &str,
+        addrs: &[String],
         service_token: &str,
         dialer: &rpc::client::Dialer,
     ) -> Result<IamLeases, rpc::client::ClientError> {
         let timeout = Duration::from_secs(2);
-        let client = if addr.is_empty() {
+        let client = if addrs.iter().all(|a| a.is_empty()) {
             None
         } else {
-            Some(IamClient::new(dialer.channel(
-                addr,
+            Some(IamClient::new(dialer.failover(
+                addrs,
                 timeout,
                 crate::pki::Role::Iam,
+                rpc::failover::IAM_PATIENCE,
             )?))
         };
         Ok(IamLeases {

@@ -266,7 +266,7 @@ pub async fn start_with_backends(
         None
     };
     let sink: Arc<dyn LeaseSink> = Arc::new(
-        IamLeases::new(&cfg.iam.addr, &cfg.service_token, &dialer).map_err(|source| {
+        IamLeases::new(&cfg.iam.addrs(), &cfg.service_token, &dialer).map_err(|source| {
             EdgeError::Client {
                 edge_id: edge_id.clone(),
                 source,

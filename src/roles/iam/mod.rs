@@ -22,10 +22,13 @@ use crate::telemetry::Ready;
 pub mod apply;
 mod apply_leases;
 mod apply_principals;
+mod backing;
 pub mod backup;
 pub mod command;
 pub mod limiter;
 pub mod raftlog;
+pub mod replica;
+pub mod replicated;
 pub mod service;
 mod service_internal;
 mod service_mgmt;
@@ -38,6 +41,7 @@ pub mod views;
 #[cfg(test)]
 mod testutil;
 
+pub use backing::IamStore;
 pub use service::IamService;
 pub use store::{Store, StoreOptions};
 
@@ -76,6 +80,8 @@ pub enum IamError {
     Tls(#[from] crate::rpc::tls::TlsError),
     #[error("iam: TLS settings")]
     Serve(#[from] tonic::transport::Error),
+    #[error("iam: starting the replica")]
+    Replica(#[source] Box<replica::ReplicaError>),
 }
 
 /// A built IAM: the service to serve and the store under it (close it after serving).
@@ -89,18 +95,7 @@ pub struct Iam {
 /// bootstraps it at first start (root, the administrator with every permission on root and
 /// the config's admin token) and applies `root_quota` / `max_token_ttl_s` on later starts.
 pub async fn build(cfg: &Config) -> Result<Iam, IamError> {
-    let admin_id = cfg.iam.admin_id().to_string();
-    crate::types::names::check_principal_id(&admin_id)
-        .map_err(|f| IamError::Config(format!("admin_id: {}", f.message)))?;
-    let token = cfg
-        .iam
-        .admin_token()
-        .map_err(|e| IamError::Config(e.to_string()))?;
-    let admin_token = if token.is_empty() {
-        None
-    } else {
-        Some(tokens::configured(&admin_id, &token).map_err(IamError::Config)?)
-    };
+    let (admin_id, admin_token) = admin_of(cfg)?;
     state::check_quota_map(&cfg.iam.root_quota)
         .map_err(|f| IamError::Config(format!("root_quota: {}", f.message)))?;
     if cfg.iam.max_token_ttl_s < 0 {
@@ -113,7 +108,7 @@ pub async fn build(cfg: &Config) -> Result<Iam, IamError> {
         tokio::task::spawn_blocking(move || Store::open(path.as_deref(), StoreOptions::default()))
             .await
             .map_err(|e| IamError::Task(e.to_string()))??;
-    if let Err(e) = settle(&store, cfg, &admin_id, admin_token).await {
+    if let Err(e) = settle(&store.clone().into(), cfg, &admin_id, admin_token).await {
         store.close().await;
         return Err(e);
     }
@@ -125,14 +120,33 @@ pub async fn build(cfg: &Config) -> Result<Iam, IamError> {
     Ok(Iam { service, store })
 }
 
+/// The admin id and bootstrap token of the config, checked (placeholders are refused).
+fn admin_of(cfg: &Config) -> Result<(String, Option<command::NewToken>), IamError> {
+    let admin_id = cfg.iam.admin_id().to_string();
+    crate::types::names::check_principal_id(&admin_id)
+        .map_err(|f| IamError::Config(format!("admin_id: {}", f.message)))?;
+    let token = cfg
+        .iam
+        .admin_token()
+        .map_err(|e| IamError::Config(e.to_string()))?;
+    let admin_token = if token.is_empty() {
+        None
+    } else {
+        Some(tokens::configured(&admin_id, &token).map_err(IamError::Config)?)
+    };
+    Ok((admin_id, admin_token))
+}
+
 /// Bootstraps a fresh state, or brings the operator settings of a bootstrapped one in line
-/// with the config.
+/// with the config. On a replica every replica tries: the first bootstrap to commit wins,
+/// and the others find the state bootstrapped (after a consistent read) and settle it.
 async fn settle(
-    store: &Store,
+    store: &IamStore,
     cfg: &Config,
     admin_id: &str,
     admin_token: Option<command::NewToken>,
 ) -> Result<(), IamError> {
+    store.fresh().await.map_err(IamError::Bootstrap)?;
     let (booted, settings, current_admin) = {
         let st = store.read();
         (st.bootstrapped(), st.settings.clone(), st.admin_id.clone())
@@ -151,12 +165,20 @@ async fn settle(
             max_token_ttl_s,
             now,
         };
-        store.propose(cmd).await.map_err(IamError::Bootstrap)?;
-        tracing::info!(
-            principal = admin_id,
-            "IAM bootstrapped: root project and administrator created"
-        );
-        return Ok(());
+        match store.propose(cmd).await {
+            Ok(_) => {
+                tracing::info!(
+                    principal = admin_id,
+                    "IAM bootstrapped: root project and administrator created"
+                );
+                return Ok(());
+            }
+            // Another replica bootstrapped first.
+            Err(f) if f.reason == crate::types::Reason::Conflict && store.replicated() => {
+                return Box::pin(settle(store, cfg, admin_id, None)).await;
+            }
+            Err(f) => return Err(IamError::Bootstrap(f)),
+        }
     }
     if current_admin != admin_id {
         tracing::warn!(principal = %current_admin, configured = admin_id, "admin_id differs from the bootstrapped administrator; it is used only at bootstrap");
@@ -172,6 +194,31 @@ async fn settle(
         tracing::info!("iam settings updated from the config");
     }
     Ok(())
+}
+
+/// Serves `router` on `listener` until it fails or `shutdown` fires, then gives calls in
+/// flight [`DRAIN`] to finish.
+async fn serve_iam(
+    router: tonic::transport::server::Router<
+        tower::layer::util::Stack<crate::rpc::acl::AclLayer, tower::layer::util::Identity>,
+    >,
+    listener: TcpListener,
+    shutdown: &Shutdown,
+) {
+    let mut server = tokio::spawn(crate::rpc::serve::serve(router, listener, shutdown.clone()));
+    tokio::select! {
+        r = &mut server => {
+            if let Ok(Err(e)) = r {
+                tracing::error!(error = %e, "iam server failed");
+            }
+        }
+        _ = shutdown.wait() => {
+            if tokio::time::timeout(DRAIN, &mut server).await.is_err() {
+                tracing::warn!("iam calls did not finish within the drain timeout");
+                server.abort();
+            }
+        }
+    }
 }
 
 /// The identity of a standalone IAM in its certificate (docs/tls.md "Identities").
@@ -195,20 +242,7 @@ pub async fn start(
     tracing::info!(addr = ?listener.local_addr().ok(), state = %cfg.iam.state, "iam serving");
     ready.set(true, "iam");
     Ok(tokio::spawn(async move {
-        let mut server = tokio::spawn(crate::rpc::serve::serve(router, listener, shutdown.clone()));
-        tokio::select! {
-            r = &mut server => {
-                if let Ok(Err(e)) = r {
-                    tracing::error!(error = %e, "iam server failed");
-                }
-            }
-            _ = shutdown.wait() => {
-                if tokio::time::timeout(DRAIN, &mut server).await.is_err() {
-                    tracing::warn!("iam calls did not finish within the drain timeout");
-                    server.abort();
-                }
-            }
-        }
+        serve_iam(router, listener, &shutdown).await;
         ready.set(false, "iam");
         metrics::gauge!("opendsec_iam_leader").set(0.0);
         iam.store.close().await;

@@ -195,6 +195,40 @@ impl RaftLog {
         Ok(())
     }
 
+    /// Moves the commit index forward, without an fsync of its own: a commit index that a
+    /// crash loses is learned again from the leader, and the next durable write carries it.
+    /// Errors: `Db`.
+    pub fn set_commit(&self, commit: u64) -> Result<(), LogError> {
+        let mut hs = self
+            .mem
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .hard
+            .clone();
+        if hs.commit >= commit {
+            return Ok(());
+        }
+        hs.commit = commit;
+        let mut tx = db_call(&self.path, self.db.begin_write())?;
+        tx.set_durability(redb::Durability::None);
+        {
+            let mut meta = db_call(&self.path, tx.open_table(META))?;
+            db_call(&self.path, meta.insert(HARD_STATE, encode(&hs).as_slice()))?;
+        }
+        db_call(&self.path, tx.commit())?;
+        self.mem.write().unwrap_or_else(|p| p.into_inner()).hard = hs;
+        Ok(())
+    }
+
+    /// The snapshot stored last (empty before the first).
+    pub fn last_snapshot(&self) -> Snapshot {
+        self.mem
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .snapshot
+            .clone()
+    }
+
     fn put_meta(&self, key: &str, value: &[u8]) -> Result<(), LogError> {
         let tx = db_call(&self.path, self.db.begin_write())?;
         {

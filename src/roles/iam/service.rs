@@ -10,9 +10,9 @@ use std::time::Instant;
 
 use tonic::{Request, Response, Status};
 
+use super::backing::IamStore;
 use super::limiter::AuthLimiter;
 use super::state::Actor;
-use super::store::Store;
 use super::tokens::hash_secret;
 use crate::pb;
 use crate::rpc;
@@ -45,7 +45,7 @@ pub struct IamService {
 }
 
 pub(super) struct Inner {
-    pub(super) store: Store,
+    pub(super) store: IamStore,
     pub(super) service_token: String,
     pub(super) limiter: AuthLimiter,
 }
@@ -53,10 +53,14 @@ pub(super) struct Inner {
 impl IamService {
     /// A service over `store`. `service_token` "" accepts every internal caller;
     /// `auth_fail_rate` is `cfg.admission.auth_fail_rate()` (`None` = no limit).
-    pub fn new(store: Store, service_token: &str, auth_fail_rate: Option<f64>) -> IamService {
+    pub fn new(
+        store: impl Into<IamStore>,
+        service_token: &str,
+        auth_fail_rate: Option<f64>,
+    ) -> IamService {
         IamService {
             inner: Arc::new(Inner {
-                store,
+                store: store.into(),
                 service_token: service_token.to_string(),
                 limiter: AuthLimiter::new(auth_fail_rate),
             }),
@@ -70,7 +74,7 @@ impl IamService {
             .max_encoding_message_size(rpc::MAX_MESSAGE)
     }
 
-    pub(super) fn store(&self) -> &Store {
+    pub(super) fn store(&self) -> &IamStore {
         &self.inner.store
     }
 
@@ -94,7 +98,25 @@ impl IamService {
     /// Authenticates `token` from `addr` against the current state, through the
     /// failed-authentication limiter: `unauthenticated` for a malformed, unknown, revoked or
     /// expired token; `rate_limited` for a new token from a locked-out address.
-    pub(super) fn authenticate(&self, token: &str, addr: &str) -> Result<Identity, Failure> {
+    ///
+    /// On a replica a token it does not know yet may have been made a moment ago through
+    /// another: such a failure is checked again after a consistent read before it counts.
+    pub(super) async fn authenticate(&self, token: &str, addr: &str) -> Result<Identity, Failure> {
+        match self.authenticate_here(token, addr, !self.store().replicated()) {
+            Err(f)
+                if f.reason == crate::types::Reason::Unauthenticated
+                    && self.store().replicated() =>
+            {
+                self.store().fresh().await?;
+                self.authenticate_here(token, addr, true)
+            }
+            r => r,
+        }
+    }
+
+    /// Authenticates against the state as applied here; a failure counts against `addr`
+    /// only when `count` (the last try).
+    fn authenticate_here(&self, token: &str, addr: &str, count: bool) -> Result<Identity, Failure> {
         let t0 = Instant::now();
         let limiter = &self.inner.limiter;
         limiter.check(addr, token, t0)?;
@@ -134,15 +156,19 @@ impl IamService {
                 })
             }
             Err(e) => {
-                limiter.failed(addr, t0);
-                tracing::debug!(principal = %actor.principal, client_addr = addr, "authentication failed");
+                if count {
+                    limiter.failed(addr, t0);
+                    tracing::debug!(principal = %actor.principal, client_addr = addr, "authentication failed");
+                }
                 Err(e)
             }
         }
     }
 
-    /// The caller of a management RPC, from its bearer token.
-    pub(super) fn caller<T>(&self, req: &Request<T>) -> Result<Identity, Failure> {
+    /// The caller of a management RPC, from its bearer token. On a replica, after a
+    /// consistent read: management calls see every change committed before them, whichever
+    /// replica took it.
+    pub(super) async fn caller<T>(&self, req: &Request<T>) -> Result<Identity, Failure> {
         let token = rpc::bearer(req);
         if token.is_empty() {
             return Err(Failure::unauthenticated(
@@ -150,7 +176,8 @@ impl IamService {
             ));
         }
         let addr = self.client_addr(req);
-        self.authenticate(&token, &addr)
+        self.store().fresh().await?;
+        self.authenticate(&token, &addr).await
     }
 }
 
@@ -166,14 +193,14 @@ impl pb::iam_server::Iam for IamService {
         req: Request<pb::AuthenticateRequest>,
     ) -> Result<Response<pb::AuthenticateResponse>, Status> {
         self.internal(&req)?;
-        reply(self.rpc_authenticate(req))
+        reply(self.rpc_authenticate(req).await)
     }
     async fn authorize(
         &self,
         req: Request<pb::AuthorizeRequest>,
     ) -> Result<Response<pb::AuthorizeResponse>, Status> {
         self.internal(&req)?;
-        reply(self.rpc_authorize(req.into_inner()))
+        reply(self.rpc_authorize(req.into_inner()).await)
     }
     async fn admit(
         &self,
@@ -195,7 +222,7 @@ impl pb::iam_server::Iam for IamService {
         req: Request<pb::GetLeaseRequest>,
     ) -> Result<Response<pb::LeaseInfo>, Status> {
         self.internal(&req)?;
-        reply(self.rpc_get_lease(req.into_inner()))
+        reply(self.rpc_get_lease(req.into_inner()).await)
     }
     async fn get_leases(
         &self,
@@ -203,7 +230,7 @@ impl pb::iam_server::Iam for IamService {
     ) -> Result<Response<pb::GetLeasesResponse>, Status> {
         self.internal(&req)?;
         let edge = calling_edge(&req);
-        reply(self.rpc_get_leases(req.into_inner(), edge.as_deref()))
+        reply(self.rpc_get_leases(req.into_inner(), edge.as_deref()).await)
     }
     async fn reconcile(
         &self,
@@ -233,7 +260,7 @@ impl pb::iam_server::Iam for IamService {
         &self,
         req: Request<pb::Empty>,
     ) -> Result<Response<pb::WhoAmIResponse>, Status> {
-        reply(self.rpc_who_am_i(req))
+        reply(self.rpc_who_am_i(req).await)
     }
     async fn create_project(
         &self,
@@ -245,7 +272,7 @@ impl pb::iam_server::Iam for IamService {
         &self,
         req: Request<pb::ProjectRef>,
     ) -> Result<Response<pb::Project>, Status> {
-        reply(self.rpc_get_project(req))
+        reply(self.rpc_get_project(req).await)
     }
     async fn set_quota(
         &self,
@@ -290,7 +317,7 @@ impl pb::iam_server::Iam for IamService {
         &self,
         req: Request<pb::PrincipalRef>,
     ) -> Result<Response<pb::ListTokensResponse>, Status> {
-        reply(self.rpc_list_tokens(req))
+        reply(self.rpc_list_tokens(req).await)
     }
     async fn revoke_token(
         &self,
@@ -302,13 +329,13 @@ impl pb::iam_server::Iam for IamService {
         &self,
         req: Request<pb::GetUsageRequest>,
     ) -> Result<Response<pb::UsageReport>, Status> {
-        reply(self.rpc_get_usage(req))
+        reply(self.rpc_get_usage(req).await)
     }
     async fn backup(
         &self,
         req: Request<pb::Empty>,
     ) -> Result<Response<pb::IamBackupResponse>, Status> {
-        reply(self.rpc_backup(req))
+        reply(self.rpc_backup(req).await)
     }
     async fn restore(
         &self,

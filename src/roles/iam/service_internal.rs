@@ -27,12 +27,12 @@ impl IamService {
     }
 
     #[tracing::instrument(name = "iam.authenticate", skip_all)]
-    pub(super) fn rpc_authenticate(
+    pub(super) async fn rpc_authenticate(
         &self,
         req: Request<pb::AuthenticateRequest>,
     ) -> Result<pb::AuthenticateResponse, Failure> {
         let addr = Self::addr_of(&req, &req.get_ref().client_addr);
-        let id = self.authenticate(&req.get_ref().token, &addr)?;
+        let id = self.authenticate(&req.get_ref().token, &addr).await?;
         Ok(pb::AuthenticateResponse {
             principal: id.actor.principal,
             project: id.project,
@@ -44,12 +44,28 @@ impl IamService {
     }
 
     #[tracing::instrument(name = "iam.authorize", skip_all, fields(principal = %r.principal, project = %r.project))]
-    pub(super) fn rpc_authorize(
+    pub(super) async fn rpc_authorize(
         &self,
         r: pb::AuthorizeRequest,
     ) -> Result<pb::AuthorizeResponse, Failure> {
         names::check_permission(&r.permission)?;
         names::check_project_path(&r.project)?;
+        // A replica may trail a grant made a moment ago through another: a refusal is
+        // checked again after a consistent read.
+        match self.authorize_here(&r) {
+            Ok(a) if !a.allowed && self.store().replicated() => {
+                self.store().fresh().await?;
+                self.authorize_here(&r)
+            }
+            Err(f) if f.reason == crate::types::Reason::NotFound && self.store().replicated() => {
+                self.store().fresh().await?;
+                self.authorize_here(&r)
+            }
+            other => other,
+        }
+    }
+
+    fn authorize_here(&self, r: &pb::AuthorizeRequest) -> Result<pb::AuthorizeResponse, Failure> {
         let st = self.store().read();
         let allowed = st.principals.contains_key(&r.principal)
             && st.holds(&r.principal, &r.project, &r.permission);
@@ -77,7 +93,7 @@ impl IamService {
                 r.items.len()
             )));
         }
-        let id = self.authenticate(&r.token, &addr)?;
+        let id = self.authenticate(&r.token, &addr).await?;
         tracing::Span::current().record("principal", id.actor.principal.as_str());
         let items: Vec<AdmitItem> = r
             .items
@@ -133,6 +149,8 @@ impl IamService {
         r: pb::ReleaseLeasesRequest,
         edge: Option<String>,
     ) -> Result<pb::ReleaseLeasesResponse, Failure> {
+        // What is held is read before proposing: on a replica, as of now.
+        self.store().fresh().await?;
         let lease_ids = match &edge {
             None => r.lease_ids,
             Some(e) => {
@@ -161,7 +179,11 @@ impl IamService {
         }
     }
 
-    pub(super) fn rpc_get_lease(&self, r: pb::GetLeaseRequest) -> Result<pb::LeaseInfo, Failure> {
+    pub(super) async fn rpc_get_lease(
+        &self,
+        r: pb::GetLeaseRequest,
+    ) -> Result<pb::LeaseInfo, Failure> {
+        self.store().fresh().await?;
         let st = self.store().read();
         st.leases
             .get(&r.lease_id)
@@ -170,8 +192,10 @@ impl IamService {
     }
 
     /// The leases among `lease_ids` that IAM holds (with `edge`, an edge's call over mTLS:
-    /// only those bound to it); `invalid` past 4096 ids.
-    pub(super) fn rpc_get_leases(
+    /// only those bound to it); `invalid` past 4096 ids. On a replica, as of the call (an
+    /// edge deletes a sandbox whose lease IAM does not hold: a trailing replica must not
+    /// answer for a lease admitted a moment ago).
+    pub(super) async fn rpc_get_leases(
         &self,
         r: pb::GetLeasesRequest,
         edge: Option<&str>,
@@ -182,6 +206,7 @@ impl IamService {
                 r.lease_ids.len()
             )));
         }
+        self.store().fresh().await?;
         let st = self.store().read();
         let leases = r
             .lease_ids
@@ -199,6 +224,7 @@ impl IamService {
         r: pb::ReconcileRequest,
     ) -> Result<pb::ReconcileResponse, Failure> {
         let leases: Vec<_> = r.leases.iter().map(views::lease_report).collect();
+        self.store().fresh().await?;
         let now = now_s();
         // IAM commits only differences: a report that matches changes nothing.
         if apply_leases::reconcile_plan(
@@ -240,6 +266,7 @@ impl IamService {
         &self,
         r: pb::SweepUnboundRequest,
     ) -> Result<pb::SweepUnboundResponse, Failure> {
+        self.store().fresh().await?;
         let now = now_s();
         if r.max_age_s >= 0
             && !apply_leases::any_unbound_older(&self.store().read(), r.max_age_s, now)

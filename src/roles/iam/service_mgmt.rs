@@ -39,11 +39,11 @@ impl IamService {
     }
 
     #[tracing::instrument(name = "iam.who_am_i", skip_all)]
-    pub(super) fn rpc_who_am_i(
+    pub(super) async fn rpc_who_am_i(
         &self,
         req: Request<pb::Empty>,
     ) -> Result<pb::WhoAmIResponse, Failure> {
-        let id = self.caller(&req)?;
+        let id = self.caller(&req).await?;
         Ok(pb::WhoAmIResponse {
             principal: id.actor.principal,
             project: id.project,
@@ -57,7 +57,7 @@ impl IamService {
         &self,
         req: Request<pb::CreateProjectRequest>,
     ) -> Result<pb::Project, Failure> {
-        let id = self.caller(&req)?;
+        let id = self.caller(&req).await?;
         tracing::Span::current().record("principal", id.actor.principal.as_str());
         let r = req.into_inner();
         let quota = views::quota(&r.quota)?;
@@ -75,11 +75,11 @@ impl IamService {
     }
 
     #[tracing::instrument(name = "iam.get_project", skip_all, fields(project = %req.get_ref().project))]
-    pub(super) fn rpc_get_project(
+    pub(super) async fn rpc_get_project(
         &self,
         req: Request<pb::ProjectRef>,
     ) -> Result<pb::Project, Failure> {
-        let id = self.caller(&req)?;
+        let id = self.caller(&req).await?;
         let path = if req.get_ref().project.is_empty() {
             ROOT
         } else {
@@ -101,7 +101,7 @@ impl IamService {
         &self,
         req: Request<pb::SetQuotaRequest>,
     ) -> Result<pb::Project, Failure> {
-        let id = self.caller(&req)?;
+        let id = self.caller(&req).await?;
         let r = req.into_inner();
         let quota = views::quota(&r.quota)?;
         let o = self
@@ -121,7 +121,7 @@ impl IamService {
         &self,
         req: Request<pb::ProjectRef>,
     ) -> Result<pb::Empty, Failure> {
-        let id = self.caller(&req)?;
+        let id = self.caller(&req).await?;
         self.store()
             .propose(Command::DeleteProject {
                 actor: id.actor,
@@ -137,7 +137,7 @@ impl IamService {
         &self,
         req: Request<pb::CreatePrincipalRequest>,
     ) -> Result<pb::CreatePrincipalResponse, Failure> {
-        let id = self.caller(&req)?;
+        let id = self.caller(&req).await?;
         let r = req.into_inner();
         names::check_principal_id(&r.principal_id)?;
         let (token, new) = tokens::issue(&r.principal_id);
@@ -171,7 +171,7 @@ impl IamService {
         &self,
         req: Request<pb::PrincipalRef>,
     ) -> Result<pb::Empty, Failure> {
-        let id = self.caller(&req)?;
+        let id = self.caller(&req).await?;
         let principal = or_caller(&req.get_ref().principal, &id);
         self.store()
             .propose(Command::DeletePrincipal {
@@ -190,7 +190,7 @@ impl IamService {
         grant: bool,
     ) -> Result<pb::Project, Failure> {
         tracing::Span::current().record("grant", grant);
-        let id = self.caller(&req)?;
+        let id = self.caller(&req).await?;
         let r = req.into_inner();
         let permissions = views::permissions(&r.permissions)?;
         let now = now_s();
@@ -220,7 +220,7 @@ impl IamService {
         &self,
         req: Request<pb::CreateTokenRequest>,
     ) -> Result<pb::CreateTokenResponse, Failure> {
-        let id = self.caller(&req)?;
+        let id = self.caller(&req).await?;
         let r = req.into_inner();
         let principal = or_caller(&r.principal, &id);
         names::check_principal_id(&principal)?;
@@ -246,11 +246,11 @@ impl IamService {
     }
 
     #[tracing::instrument(name = "iam.list_tokens", skip_all, fields(principal = %req.get_ref().principal))]
-    pub(super) fn rpc_list_tokens(
+    pub(super) async fn rpc_list_tokens(
         &self,
         req: Request<pb::PrincipalRef>,
     ) -> Result<pb::ListTokensResponse, Failure> {
-        let id = self.caller(&req)?;
+        let id = self.caller(&req).await?;
         let principal = or_caller(&req.get_ref().principal, &id);
         let st = self.store().read();
         let p = st.require_token_manager(&id.actor.principal, &principal)?;
@@ -268,7 +268,7 @@ impl IamService {
         &self,
         req: Request<pb::RevokeTokenRequest>,
     ) -> Result<pb::Empty, Failure> {
-        let id = self.caller(&req)?;
+        let id = self.caller(&req).await?;
         let r = req.into_inner();
         let principal = or_caller(&r.principal, &id);
         self.store()
@@ -283,11 +283,11 @@ impl IamService {
     }
 
     #[tracing::instrument(name = "iam.get_usage", skip_all, fields(project = %req.get_ref().project))]
-    pub(super) fn rpc_get_usage(
+    pub(super) async fn rpc_get_usage(
         &self,
         req: Request<pb::GetUsageRequest>,
     ) -> Result<pb::UsageReport, Failure> {
-        let id = self.caller(&req)?;
+        let id = self.caller(&req).await?;
         let r = req.get_ref();
         let path = if r.project.is_empty() {
             ROOT
@@ -304,11 +304,11 @@ impl IamService {
     }
 
     #[tracing::instrument(name = "iam.backup", skip_all)]
-    pub(super) fn rpc_backup(
+    pub(super) async fn rpc_backup(
         &self,
         req: Request<pb::Empty>,
     ) -> Result<pb::IamBackupResponse, Failure> {
-        let id = self.caller(&req)?;
+        let id = self.caller(&req).await?;
         let backup = {
             let st = self.store().read();
             st.require(&id.actor.principal, ROOT, "project.admin")?;
@@ -325,7 +325,7 @@ impl IamService {
         &self,
         req: Request<pb::IamRestoreRequest>,
     ) -> Result<pb::Empty, Failure> {
-        let id = self.caller(&req)?;
+        let id = self.caller(&req).await?;
         self.store()
             .read()
             .require(&id.actor.principal, ROOT, "project.admin")?;

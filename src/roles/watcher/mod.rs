@@ -92,10 +92,11 @@ pub async fn start(
         snapshot: RwLock::new(Arc::new(pb::Snapshot::default())),
         dialer: dialer.clone(),
     });
-    let iam = pb::iam_client::IamClient::new(dialer.channel(
-        &cfg.iam.addr,
+    let iam = pb::iam_client::IamClient::new(dialer.failover(
+        &cfg.iam.addrs(),
         std::time::Duration::from_secs(2),
         crate::pki::Role::Iam,
+        crate::rpc::failover::IAM_PATIENCE,
     )?);
 
     let p = tokio::spawn(probe::run(inner.clone(), shutdown.clone(), ready.clone()));

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tonic::transport::Channel;
+use crate::rpc::failover::IamChannel;
 
 use super::Inner;
 use crate::pb;
@@ -44,7 +44,7 @@ async fn leases_of(
 }
 
 /// One reconciliation round over every known edge.
-pub(crate) async fn round(inner: &Inner, iam: &mut pb::iam_client::IamClient<Channel>) {
+pub(crate) async fn round(inner: &Inner, iam: &mut pb::iam_client::IamClient<IamChannel>) {
     let cfg = &inner.cfg;
     // IAM counts whole seconds; rounding down could release a lease created this second.
     let min_age = cfg.watcher.reconcile_min_age().ceil() as i64;
@@ -98,7 +98,7 @@ pub(crate) async fn round(inner: &Inner, iam: &mut pb::iam_client::IamClient<Cha
 
 pub(crate) async fn run(
     inner: Arc<Inner>,
-    mut iam: pb::iam_client::IamClient<Channel>,
+    mut iam: pb::iam_client::IamClient<IamChannel>,
     shutdown: Shutdown,
 ) {
     let every = Duration::from_secs_f64(inner.cfg.watcher.reconcile_interval());

@@ -1,0 +1,464 @@
+//! The thread that owns a replica's `RawNode`: it ticks, steps peer messages, proposes, and
+//! handles each `Ready` in raft-rs's documented order (messages a leader may send at once;
+//! snapshot; committed entries applied; new entries and hard state persisted; then the
+//! messages that needed them persisted). Nothing else touches the node, so no lock is held
+//! across Raft's steps.
+//!
+//! Proposals wait for their entry to be applied here; a proposal that has not committed
+//! after [`REPROPOSE`] is proposed again with the same tag (a leader change may have lost it;
+//! the tag makes a second copy a no-op), and one still not committed after the commit
+//! timeout is answered `unavailable`.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::{Arc, PoisonError};
+use std::time::{Duration, Instant};
+
+use protobuf::Message as _;
+use raft::prelude::{ConfChange, ConfChangeV2, Entry, EntryType, Message, Snapshot};
+use raft::{RawNode, StateRole, Storage};
+use tokio::sync::oneshot;
+
+use super::super::command::Outcome;
+use super::super::raftlog::RaftLog;
+use super::machine::{self, Applied, Envelope, Tags};
+use super::{Input, Options, Reporter, Shared, Status, Transport};
+use crate::types::Failure;
+
+/// How long a proposal waits for its commit before it is proposed again.
+pub const REPROPOSE: Duration = Duration::from_millis(1000);
+
+struct Pending {
+    data: Vec<u8>,
+    reply: oneshot::Sender<Result<Outcome, Failure>>,
+    since: Instant,
+    proposed: Instant,
+}
+
+struct PendingRead {
+    reply: oneshot::Sender<Result<(), Failure>>,
+    since: Instant,
+    asked: Instant,
+}
+
+/// The node thread's own state.
+pub(super) struct Node {
+    raw: RawNode<RaftLog>,
+    shared: Arc<Shared>,
+    tags: Tags,
+    transport: Arc<dyn Transport>,
+    reporter: Reporter,
+    opts: Options,
+    proposals: HashMap<u128, Pending>,
+    /// Read requests by context, before the leader has confirmed an index for them.
+    reads: HashMap<u64, PendingRead>,
+    /// Confirmed reads waiting for the apply index to reach theirs.
+    confirmed: Vec<(u64, oneshot::Sender<Result<(), Failure>>)>,
+    next_read: u64,
+    applied: u64,
+    snapshot_index: u64,
+    installed: u64,
+}
+
+impl Node {
+    pub(super) fn new(
+        raw: RawNode<RaftLog>,
+        shared: Arc<Shared>,
+        tags: Tags,
+        transport: Arc<dyn Transport>,
+        reporter: Reporter,
+        opts: Options,
+        applied: u64,
+    ) -> Node {
+        Node {
+            raw,
+            shared,
+            tags,
+            transport,
+            reporter,
+            opts,
+            proposals: HashMap::new(),
+            reads: HashMap::new(),
+            confirmed: Vec::new(),
+            next_read: 1,
+            applied,
+            snapshot_index: applied,
+            installed: 0,
+        }
+    }
+
+    /// Runs until `Close` or until every handle is gone.
+    pub(super) fn run(mut self, rx: Receiver<Input>) {
+        let mut next_tick = Instant::now() + self.opts.tick;
+        let mut close = None;
+        loop {
+            let wait = next_tick.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(wait) {
+                Ok(Input::Close(c)) => {
+                    close = Some(c);
+                    break;
+                }
+                Ok(input) => {
+                    self.handle(input);
+                    // Take whatever else is queued before handling the Ready: one fsync
+                    // for many proposals and messages.
+                    while let Ok(more) = rx.try_recv() {
+                        if let Input::Close(c) = more {
+                            close = Some(c);
+                            break;
+                        }
+                        self.handle(more);
+                    }
+                    if close.is_some() {
+                        break;
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+            if Instant::now() >= next_tick {
+                self.raw.tick();
+                self.on_tick();
+                next_tick += self.opts.tick;
+                if next_tick < Instant::now() {
+                    next_tick = Instant::now() + self.opts.tick;
+                }
+            }
+            if let Err(e) = self.on_ready() {
+                tracing::error!(error = %e, "IAM replica could not persist its Raft log; stopping it");
+                self.shared.failed.store(true, Ordering::Relaxed);
+                break;
+            }
+        }
+        self.shared.leader.store(0, Ordering::Relaxed);
+        self.shared.is_leader.store(false, Ordering::Relaxed);
+        for (_, p) in self.proposals.drain() {
+            let _ = p
+                .reply
+                .send(Err(Failure::unavailable("IAM replica stopped")));
+        }
+        for (_, r) in self.reads.drain() {
+            let _ = r
+                .reply
+                .send(Err(Failure::unavailable("IAM replica stopped")));
+        }
+        for (_, r) in self.confirmed.drain(..) {
+            let _ = r.send(Err(Failure::unavailable("IAM replica stopped")));
+        }
+        // Release the log file before answering Close, so the same directory can be opened
+        // again at once.
+        drop(self.raw);
+        if let Some(c) = close {
+            let _ = c.send(());
+        }
+    }
+
+    fn handle(&mut self, input: Input) {
+        match input {
+            Input::Propose { tag, data, reply } => {
+                let now = Instant::now();
+                // A proposal that finds no leader waits in `proposals` and goes out again
+                // at the next REPROPOSE.
+                let _ = self.raw.propose(vec![], data.clone());
+                self.proposals.insert(
+                    tag,
+                    Pending {
+                        data,
+                        reply,
+                        since: now,
+                        proposed: now,
+                    },
+                );
+            }
+            Input::ReadIndex(reply) => {
+                let ctx = self.next_read;
+                self.next_read += 1;
+                self.raw.read_index(ctx.to_be_bytes().to_vec());
+                let now = Instant::now();
+                self.reads.insert(
+                    ctx,
+                    PendingRead {
+                        reply,
+                        since: now,
+                        asked: now,
+                    },
+                );
+            }
+            Input::Step(m) => {
+                if let Err(e) = self.raw.step(*m) {
+                    tracing::debug!(error = %e, "dropping a Raft message");
+                }
+            }
+            Input::Unreachable(id) => self.raw.report_unreachable(id),
+            Input::SnapshotSent { to, ok } => self.raw.report_snapshot(
+                to,
+                if ok {
+                    raft::SnapshotStatus::Finish
+                } else {
+                    raft::SnapshotStatus::Failure
+                },
+            ),
+            Input::Status(reply) => {
+                let _ = reply.send(self.status());
+            }
+            Input::Close(_) => {}
+        }
+    }
+
+    fn status(&self) -> Status {
+        let r = &self.raw.raft;
+        let conf = self.raw.store().initial_state().map(|s| s.conf_state);
+        Status {
+            id: r.id,
+            leader: r.leader_id,
+            term: r.term,
+            commit: r.raft_log.committed,
+            applied: self.applied,
+            voters: conf.as_ref().map(|c| c.voters.clone()).unwrap_or_default(),
+            learners: conf.map(|c| c.learners).unwrap_or_default(),
+            progress: if r.state == StateRole::Leader {
+                r.prs().iter().map(|(id, p)| (*id, p.matched)).collect()
+            } else {
+                Vec::new()
+            },
+            snapshots_installed: self.installed,
+        }
+    }
+
+    fn on_tick(&mut self) {
+        let now = Instant::now();
+        let timeout = self.opts.commit_timeout;
+        let failure = self.no_quorum("the change was not committed");
+        for (_, p) in self
+            .proposals
+            .extract_if(|_, p| now.duration_since(p.since) >= timeout)
+        {
+            let _ = p.reply.send(Err(failure.clone()));
+        }
+        for p in self.proposals.values_mut() {
+            if now.duration_since(p.proposed) >= REPROPOSE {
+                p.proposed = now;
+                let _ = self.raw.propose(vec![], p.data.clone());
+            }
+        }
+        let failure = self.no_quorum("a consistent read");
+        for (_, r) in self
+            .reads
+            .extract_if(|_, r| now.duration_since(r.since) >= timeout)
+        {
+            let _ = r.reply.send(Err(failure.clone()));
+        }
+        let mut again = Vec::new();
+        for (c, r) in self.reads.iter_mut() {
+            if now.duration_since(r.asked) >= REPROPOSE {
+                r.asked = now;
+                again.push(*c);
+            }
+        }
+        for c in again {
+            self.raw.read_index(c.to_be_bytes().to_vec());
+        }
+    }
+
+    fn no_quorum(&self, what: &str) -> Failure {
+        let leader = self.raw.raft.leader_id;
+        if leader == raft::INVALID_ID {
+            Failure::unavailable(format!(
+                "IAM has no leader (fewer than a majority of replicas reachable): {what} timed out"
+            ))
+        } else {
+            Failure::unavailable(format!(
+                "IAM replica {} did not confirm {what} in time",
+                leader.saturating_sub(1)
+            ))
+        }
+    }
+
+    fn send(&self, msgs: Vec<Message>) {
+        if !msgs.is_empty() {
+            self.transport.send(msgs, &self.reporter);
+        }
+    }
+
+    fn on_ready(&mut self) -> Result<(), String> {
+        if !self.raw.has_ready() {
+            return Ok(());
+        }
+        let mut ready = self.raw.ready();
+        if let Some(ss) = ready.ss() {
+            self.shared.leader.store(ss.leader_id, Ordering::Relaxed);
+            let lead = ss.raft_state == StateRole::Leader;
+            self.shared.is_leader.store(lead, Ordering::Relaxed);
+            if self.opts.metrics {
+                metrics::gauge!("opendsec_iam_leader").set(if lead { 1.0 } else { 0.0 });
+            }
+            tracing::info!(
+                leader = ss.leader_id.saturating_sub(1),
+                role = ?ss.raft_state,
+                term = self.raw.raft.term,
+                "IAM Raft state changed"
+            );
+        }
+        self.send(ready.take_messages());
+        if !ready.snapshot().is_empty() {
+            let snap = ready.snapshot().clone();
+            self.install(&snap)?;
+        }
+        let committed = ready.take_committed_entries();
+        self.apply(committed)?;
+        let hs = ready.hs().cloned();
+        if !ready.entries().is_empty() || hs.is_some() {
+            self.raw
+                .store()
+                .append(ready.entries(), hs.as_ref())
+                .map_err(|e| e.to_string())?;
+        }
+        for rs in ready.take_read_states() {
+            self.confirm_read(&rs.request_ctx, rs.index);
+        }
+        self.send(ready.take_persisted_messages());
+        let mut light = self.raw.advance(ready);
+        if let Some(commit) = light.commit_index() {
+            self.raw
+                .store()
+                .set_commit(commit)
+                .map_err(|e| e.to_string())?;
+        }
+        self.send(light.take_messages());
+        let committed = light.take_committed_entries();
+        self.apply(committed)?;
+        self.raw.advance_apply();
+        self.answer_reads();
+        self.maybe_snapshot()?;
+        Ok(())
+    }
+
+    fn confirm_read(&mut self, ctx: &[u8], index: u64) {
+        let Ok(b) = <[u8; 8]>::try_from(ctx) else {
+            return;
+        };
+        if let Some(r) = self.reads.remove(&u64::from_be_bytes(b)) {
+            self.confirmed.push((index, r.reply));
+        }
+    }
+
+    fn answer_reads(&mut self) {
+        let applied = self.applied;
+        let (done, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.confirmed)
+            .into_iter()
+            .partition(|(index, _)| *index <= applied);
+        self.confirmed = waiting;
+        for (_, reply) in done {
+            let _ = reply.send(Ok(()));
+        }
+    }
+
+    /// A leader's snapshot: the log and the state machine become it.
+    fn install(&mut self, snap: &Snapshot) -> Result<(), String> {
+        let (state, tags) =
+            machine::decode_snapshot(snap.get_data()).map_err(|e| format!("snapshot: {e}"))?;
+        self.raw
+            .store()
+            .apply_snapshot(snap)
+            .map_err(|e| e.to_string())?;
+        *self
+            .shared
+            .state
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = state;
+        self.tags = tags;
+        self.applied = snap.get_metadata().index;
+        self.snapshot_index = self.applied;
+        self.installed += 1;
+        tracing::info!(index = self.applied, "IAM replica installed a snapshot");
+        Ok(())
+    }
+
+    fn apply(&mut self, entries: Vec<Entry>) -> Result<(), String> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        let mut answers = Vec::new();
+        let shared = self.shared.clone();
+        {
+            let mut st = shared.state.write().unwrap_or_else(PoisonError::into_inner);
+            for e in &entries {
+                self.applied = e.index;
+                match e.get_entry_type() {
+                    EntryType::EntryNormal => {
+                        if e.data.is_empty() {
+                            continue; // a new leader's empty entry
+                        }
+                        let env = match Envelope::decode(&e.data) {
+                            Ok(env) => env,
+                            Err(err) => {
+                                // The same bytes fail the same way on every replica.
+                                tracing::error!(index = e.index, error = %err, "skipping an unreadable IAM log entry");
+                                continue;
+                            }
+                        };
+                        if let Applied::Result(r) =
+                            machine::apply_entry(&mut st, &mut self.tags, &env)
+                        {
+                            if let Some(p) = self.proposals.remove(&env.tag) {
+                                answers.push((p.reply, r));
+                            }
+                        }
+                    }
+                    EntryType::EntryConfChange => {
+                        let mut cc = ConfChange::default();
+                        cc.merge_from_bytes(&e.data)
+                            .map_err(|err| format!("conf change: {err}"))?;
+                        let cs = self.raw.apply_conf_change(&cc).map_err(|e| e.to_string())?;
+                        self.conf_changed(&cs)?;
+                    }
+                    EntryType::EntryConfChangeV2 => {
+                        let mut cc = ConfChangeV2::default();
+                        cc.merge_from_bytes(&e.data)
+                            .map_err(|err| format!("conf change: {err}"))?;
+                        let cs = self.raw.apply_conf_change(&cc).map_err(|e| e.to_string())?;
+                        self.conf_changed(&cs)?;
+                    }
+                }
+            }
+            if self.opts.metrics {
+                metrics::gauge!("opendsec_iam_leases").set(st.leases.len() as f64);
+            }
+        }
+        for (reply, r) in answers {
+            let _ = reply.send(r);
+        }
+        Ok(())
+    }
+
+    fn conf_changed(&self, cs: &raft::prelude::ConfState) -> Result<(), String> {
+        self.raw
+            .store()
+            .set_conf_state(cs)
+            .map_err(|e| e.to_string())?;
+        tracing::info!(voters = ?cs.voters, "IAM membership changed");
+        Ok(())
+    }
+
+    fn maybe_snapshot(&mut self) -> Result<(), String> {
+        if self.applied < self.snapshot_index + self.opts.snapshot_every.max(1) {
+            return Ok(());
+        }
+        let data = {
+            let st = self
+                .shared
+                .state
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            machine::encode_snapshot(&st, &self.tags)
+        };
+        self.raw
+            .store()
+            .snapshot_at(self.applied, data)
+            .map_err(|e| e.to_string())?;
+        self.snapshot_index = self.applied;
+        tracing::debug!(index = self.applied, "IAM replica took a snapshot");
+        Ok(())
+    }
+}

@@ -1,0 +1,203 @@
+//! Raft messages between IAM replicas over gRPC (raft.proto's `Raft` service on each
+//! replica's `raft_addr`), mutual TLS when the cluster has it: only a certificate of role
+//! `iam` may call it, and each peer is dialled expecting its own identity `iam/<id>`.
+//!
+//! Each peer has a queue and one task that sends what is queued in batches, in order. Raft
+//! copes with loss, so nothing here waits or retries a message: a full queue or a failed
+//! call drops the messages and tells the node the peer is unreachable, and the task waits
+//! before the next call (100 ms, doubling to 2 s) while the peer stays down.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use protobuf::Message as _;
+use raft::prelude::{Message, MessageType};
+use tokio::sync::mpsc;
+use tonic::{Request, Response, Status};
+
+use super::{replica_id, Replica, Reporter, Transport};
+use crate::pb;
+use crate::pki::Role;
+use crate::rpc;
+
+/// Messages waiting for one peer before new ones are dropped.
+const QUEUE: usize = 4096;
+/// Most messages in one call.
+const BATCH: usize = 256;
+/// The longest wait between calls to a peer that is down.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// Sends to the peers of one replica; their raft ids to their `raft_addr`.
+pub struct GrpcTransport {
+    peers: HashMap<u64, mpsc::Sender<Message>>,
+    reporter: Arc<Mutex<Option<Reporter>>>,
+}
+
+impl GrpcTransport {
+    /// A transport to `peers` (raft id → `raft_addr`), each dialled with `dialer` expecting
+    /// the identity `iam/<replica id>`, and the component secret on every call. Starts one
+    /// task per peer on the current runtime. Errors: a bad address.
+    pub fn new(
+        peers: &[(u64, String)],
+        dialer: &rpc::client::Dialer,
+        service_token: &str,
+    ) -> Result<GrpcTransport, rpc::client::ClientError> {
+        let reporter: Arc<Mutex<Option<Reporter>>> = Arc::default();
+        let mut out = HashMap::new();
+        for (id, addr) in peers {
+            let ch = dialer.channel_to(
+                addr,
+                Duration::from_secs(2),
+                Role::Iam,
+                Some(&replica_id(*id).to_string()),
+            )?;
+            let client = pb::raft_client::RaftClient::new(ch)
+                .max_decoding_message_size(rpc::MAX_MESSAGE)
+                .max_encoding_message_size(rpc::MAX_MESSAGE);
+            let (tx, rx) = mpsc::channel(QUEUE);
+            tokio::spawn(sender(
+                *id,
+                client,
+                rx,
+                reporter.clone(),
+                service_token.to_string(),
+            ));
+            out.insert(*id, tx);
+        }
+        Ok(GrpcTransport {
+            peers: out,
+            reporter,
+        })
+    }
+}
+
+impl Transport for GrpcTransport {
+    fn send(&self, msgs: Vec<Message>, reporter: &Reporter) {
+        {
+            let mut r = self.reporter.lock().unwrap_or_else(PoisonError::into_inner);
+            if r.is_none() {
+                *r = Some(reporter.clone());
+            }
+        }
+        for m in msgs {
+            let to = m.to;
+            let snap = m.get_msg_type() == MessageType::MsgSnapshot;
+            let sent = self.peers.get(&to).is_some_and(|q| q.try_send(m).is_ok());
+            if !sent {
+                if snap {
+                    reporter.snapshot_sent(to, false);
+                }
+                reporter.unreachable(to);
+            }
+        }
+    }
+}
+
+async fn sender(
+    to: u64,
+    mut client: pb::raft_client::RaftClient<tonic::transport::Channel>,
+    mut rx: mpsc::Receiver<Message>,
+    reporter: Arc<Mutex<Option<Reporter>>>,
+    service_token: String,
+) {
+    let mut backoff = Duration::ZERO;
+    let mut batch = Vec::with_capacity(BATCH);
+    while rx.recv_many(&mut batch, BATCH).await > 0 {
+        let snapshots = batch
+            .iter()
+            .filter(|m| m.get_msg_type() == MessageType::MsgSnapshot)
+            .count();
+        let messages = batch
+            .drain(..)
+            .map(|m| m.write_to_bytes().unwrap_or_default())
+            .collect();
+        let req = rpc::client::internal(pb::RaftBatch { messages }, &service_token);
+        let ok = match client.send(req).await {
+            Ok(_) => true,
+            Err(s) => {
+                tracing::debug!(peer = replica_id(to), error = %s.message(), "Raft messages not delivered");
+                false
+            }
+        };
+        let rep = reporter
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        if let Some(rep) = rep {
+            for _ in 0..snapshots {
+                rep.snapshot_sent(to, ok);
+            }
+            if !ok {
+                rep.unreachable(to);
+            }
+        }
+        if ok {
+            backoff = Duration::ZERO;
+        } else {
+            backoff = (backoff * 2).clamp(Duration::from_millis(100), MAX_BACKOFF);
+            tokio::time::sleep(backoff).await;
+            // What queued up meanwhile is stale: Raft sends again what still matters.
+            while rx.try_recv().is_ok() {}
+        }
+    }
+}
+
+/// The `Raft` service of one replica: hands each message to its node.
+#[derive(Clone)]
+pub struct RaftService {
+    replica: Replica,
+    service_token: String,
+}
+
+impl RaftService {
+    /// The service for `replica`; `service_token` "" accepts every caller (plaintext
+    /// development clusters), as the other internal services.
+    pub fn new(replica: Replica, service_token: &str) -> RaftService {
+        RaftService {
+            replica,
+            service_token: service_token.to_string(),
+        }
+    }
+
+    /// The tonic server, with the project's message limits.
+    pub fn server(self) -> pb::raft_server::RaftServer<RaftService> {
+        pb::raft_server::RaftServer::new(self)
+            .max_decoding_message_size(rpc::MAX_MESSAGE)
+            .max_encoding_message_size(rpc::MAX_MESSAGE)
+    }
+}
+
+#[tonic::async_trait]
+impl pb::raft_server::Raft for RaftService {
+    async fn send(&self, req: Request<pb::RaftBatch>) -> Result<Response<pb::RaftAck>, Status> {
+        rpc::check_service_token(&req, &self.service_token)?;
+        // Under mTLS the sender's certificate names it: a replica speaks only for itself.
+        let sender = rpc::acl::caller(&req).map(|who| who.id.clone());
+        let me = self.replica.id();
+        for b in req.into_inner().messages {
+            let m = Message::parse_from_bytes(&b).map_err(|e| {
+                rpc::to_status(&crate::types::Failure::invalid(format!(
+                    "not a Raft message: {e}"
+                )))
+            })?;
+            if m.to != me {
+                return Err(rpc::to_status(&crate::types::Failure::invalid(format!(
+                    "a message for replica {} reached replica {}",
+                    replica_id(m.to),
+                    replica_id(me)
+                ))));
+            }
+            if let Some(s) = &sender {
+                if *s != replica_id(m.from).to_string() {
+                    return Err(rpc::to_status(&crate::types::Failure::forbidden(format!(
+                        "replica {s} sent a message as replica {}",
+                        replica_id(m.from)
+                    ))));
+                }
+            }
+            self.replica.step(m);
+        }
+        Ok(Response::new(pb::RaftAck {}))
+    }
+}

@@ -1,0 +1,365 @@
+//! Three IAM replicas as separate processes (mutual TLS from `pki init`), with a watcher, an
+//! edge and an apiserver, as docs/iam-replicas.md sets them up. While clients create and stop
+//! sandboxes, the leader is killed with SIGKILL again and again (then followers): no call
+//! fails, and afterwards every project made during the drill is there and the quota in use
+//! is exactly zero. With two of three replicas down creation fails `unavailable`, and it
+//! works again once one is back.
+
+// Tests may unwrap, expect, panic and index (the codebase's rules are for non-test code).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+mod common;
+use common::{free_port, BIN};
+
+const ADMIN: &str = "dsk.admin.0123456789abcdef0123456789abcdef";
+
+struct Proc {
+    args: Vec<String>,
+    log: PathBuf,
+    cfg: PathBuf,
+    child: Option<Child>,
+}
+
+impl Proc {
+    fn start(dir: &Path, cfg: &Path, args: &[&str], log: &str) -> Proc {
+        let mut p = Proc {
+            args: args.iter().map(|s| s.to_string()).collect(),
+            log: dir.join(log),
+            cfg: cfg.to_path_buf(),
+            child: None,
+        };
+        p.spawn();
+        p
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        self.child = Some(
+            Command::new(BIN)
+                .args(&self.args)
+                .arg("-config")
+                .arg(&self.cfg)
+                .stderr(log)
+                .spawn()
+                .unwrap(),
+        );
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill(); // SIGKILL
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+struct Cluster {
+    dir: tempfile::TempDir,
+    api: u16,
+    ca: PathBuf,
+    iams: Vec<Proc>,
+    iam_metrics: Vec<u16>,
+    _others: Vec<Proc>,
+}
+
+impl Cluster {
+    fn start() -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let pki = dir.path().join("pki");
+        let [watcher, api, edge] = [(); 3].map(|()| free_port());
+        let replicas: Vec<serde_json::Value> = (0..3)
+            .map(|i| {
+                serde_json::json!({
+                    "id": i.to_string(),
+                    "addr": format!("127.0.0.1:{}", free_port()),
+                    "raft_addr": format!("127.0.0.1:{}", free_port()),
+                    "data_dir": dir.path().join(format!("iam-{i}")),
+                })
+            })
+            .collect();
+        let cfg = serde_json::json!({
+            "tls": {"dir": pki},
+            "iam": {"replicas": replicas, "admin_token": ADMIN},
+            "watcher": {"addr": format!("127.0.0.1:{watcher}"), "probe_interval": 0.25},
+            "apiserver": [{"addr": format!("127.0.0.1:{api}"), "snapshot_refresh": 0.25}],
+            "edges": [{"id": "n1", "addr": format!("127.0.0.1:{edge}"),
+                       "capacity": {"cpu_cores": 64, "memory_mb": 65536, "disk_mb": 655360},
+                       "mem_reserve_mb": -1, "disk_reserve_mb": -1,
+                       "backends": {"sim": {"runtime": "sim"}}}]
+        });
+        let cfg_path = dir.path().join("opendsec.json");
+        std::fs::write(&cfg_path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+        common::pki_init(&cfg_path, &pki);
+        let iam_metrics: Vec<u16> = (0..3).map(|_| free_port()).collect();
+        let iams = (0..3)
+            .map(|i| {
+                let m = format!("127.0.0.1:{}", iam_metrics[i]);
+                Proc::start(
+                    dir.path(),
+                    &cfg_path,
+                    &["iam", "-replica", &i.to_string(), "-metrics", &m],
+                    &format!("iam-{i}.log"),
+                )
+            })
+            .collect();
+        let others = vec![
+            Proc::start(dir.path(), &cfg_path, &["watcher"], "watcher.log"),
+            Proc::start(dir.path(), &cfg_path, &["edge", "-id", "n1"], "edge.log"),
+            Proc::start(
+                dir.path(),
+                &cfg_path,
+                &["apiserver", "-index", "0"],
+                "api.log",
+            ),
+        ];
+        let c = Cluster {
+            ca: pki.join("ca.crt"),
+            dir,
+            api,
+            iams,
+            iam_metrics,
+            _others: others,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let o = c.ctl(&["status"]);
+            if o.status.success()
+                && String::from_utf8_lossy(&o.stdout).contains("\"healthy\": true")
+            {
+                break;
+            }
+            assert!(Instant::now() < deadline, "never ready:\n{}", c.logs());
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        c
+    }
+
+    fn ctl(&self, args: &[&str]) -> Output {
+        Command::new(BIN)
+            .arg("ctl")
+            .args(args)
+            .env("OPENDSEC_ADDR", format!("127.0.0.1:{}", self.api))
+            .env("OPENDSEC_TOKEN", ADMIN)
+            .env("OPENDSEC_CA", &self.ca)
+            .env_remove("OPENDSEC_PROJECT")
+            .output()
+            .unwrap()
+    }
+
+    fn logs(&self) -> String {
+        let mut names: Vec<String> = (0..3).map(|i| format!("iam-{i}.log")).collect();
+        names.extend(["watcher.log", "edge.log", "api.log"].map(String::from));
+        names
+            .iter()
+            .map(|l| {
+                let text = std::fs::read_to_string(self.dir.path().join(l)).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(40).collect();
+                format!(
+                    "--- {l}\n{}\n",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                )
+            })
+            .collect()
+    }
+
+    /// The replica whose /metrics says it leads.
+    fn leader(&self) -> usize {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            for (i, port) in self.iam_metrics.iter().enumerate() {
+                if self.iams[i].child.is_none() {
+                    continue;
+                }
+                if let Some((200, body)) = common::http_get(*port, "/metrics") {
+                    if body.lines().any(|l| l == "opendsec_iam_leader 1") {
+                        return i;
+                    }
+                }
+            }
+            assert!(Instant::now() < deadline, "no leader:\n{}", self.logs());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn root_usage(&self) -> f64 {
+        let o = self.ctl(&["project", "get", "root"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let p: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        p["usage"]["sandboxes"].as_f64().unwrap_or(0.0)
+    }
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[test]
+fn sigkill_of_leaders_and_followers_under_load_fails_no_call() {
+    let mut c = Cluster::start();
+    let stop = Arc::new(AtomicBool::new(false));
+    let failures = Arc::new(Mutex::new(Vec::<String>::new()));
+    let projects = Arc::new(Mutex::new(Vec::<String>::new()));
+    let done = Arc::new(Mutex::new(0usize));
+    let env = (format!("127.0.0.1:{}", c.api), c.ca.clone());
+    let mut workers = Vec::new();
+    for w in 0..2 {
+        let (stop, failures, projects, done, env) = (
+            stop.clone(),
+            failures.clone(),
+            projects.clone(),
+            done.clone(),
+            env.clone(),
+        );
+        workers.push(std::thread::spawn(move || {
+            let ctl = |args: &[&str]| {
+                Command::new(BIN)
+                    .arg("ctl")
+                    .args(args)
+                    .env("OPENDSEC_ADDR", &env.0)
+                    .env("OPENDSEC_TOKEN", ADMIN)
+                    .env("OPENDSEC_CA", &env.1)
+                    .env_remove("OPENDSEC_PROJECT")
+                    .output()
+                    .unwrap()
+            };
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                let o = ctl(&["sandbox", "create", "-backend", "sim"]);
+                if !o.status.success() {
+                    failures
+                        .lock()
+                        .unwrap()
+                        .push(format!("create: {}", text(&o)));
+                    continue;
+                }
+                let sb: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+                let id = sb["id"].as_str().unwrap().to_string();
+                let o = ctl(&["sandbox", "stop", &id]);
+                if !o.status.success() {
+                    failures
+                        .lock()
+                        .unwrap()
+                        .push(format!("stop {id}: {}", text(&o)));
+                }
+                // A management change through the apiserver: committed or refused, never lost.
+                if i % 3 == 0 {
+                    let name = format!("w{w}-{i}");
+                    let o = ctl(&["project", "create", "root", &name]);
+                    if o.status.success() {
+                        projects.lock().unwrap().push(name);
+                    } else {
+                        failures
+                            .lock()
+                            .unwrap()
+                            .push(format!("project: {}", text(&o)));
+                    }
+                }
+                *done.lock().unwrap() += 1;
+            }
+        }));
+    }
+    // Three leaders killed, then two followers, each brought back after a second.
+    let mut kills = Vec::new();
+    for round in 0..5 {
+        std::thread::sleep(Duration::from_secs(3));
+        let leader = c.leader();
+        let victim = if round < 3 { leader } else { (leader + 1) % 3 };
+        c.iams[victim].kill();
+        kills.push((victim, victim == leader));
+        std::thread::sleep(Duration::from_secs(1));
+        c.iams[victim].spawn();
+    }
+    std::thread::sleep(Duration::from_secs(3));
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.join().unwrap();
+    }
+    let failures = failures.lock().unwrap().clone();
+    assert!(
+        failures.is_empty(),
+        "{} failed calls, first: {}\n{}",
+        failures.len(),
+        failures[0],
+        c.logs()
+    );
+    let done = *done.lock().unwrap();
+    assert!(done >= 10, "only {done} create/stop rounds");
+    // Every acknowledged project is there, from whichever replica answers.
+    for p in projects.lock().unwrap().iter() {
+        let o = c.ctl(&["project", "get", &format!("root/{p}")]);
+        assert!(o.status.success(), "project {p} lost: {}", text(&o));
+    }
+    // Every sandbox was stopped: once the edge has released the leases, none is counted.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let used = c.root_usage();
+        if used == 0.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{used} sandboxes still counted after every one was stopped\n{}",
+            c.logs()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!("{done} rounds, kills {kills:?}");
+
+    // Two of three down: creation fails with `unavailable`...
+    let leader = c.leader();
+    for i in 0..3 {
+        if i != leader {
+            c.iams[i].kill();
+        }
+    }
+    let o = c.ctl(&["sandbox", "create", "-backend", "sim"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("unavailable"), "{}", text(&o));
+    // ...and works again within 60 s of one coming back.
+    let back = (leader + 1) % 3;
+    c.iams[back].spawn();
+    let t0 = Instant::now();
+    loop {
+        let o = c.ctl(&["sandbox", "create", "-backend", "sim"]);
+        if o.status.success() {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no creation within 60 s: {}\n{}",
+            text(&o),
+            c.logs()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    eprintln!(
+        "creation worked again {:?} after a replica came back",
+        t0.elapsed()
+    );
+}
