@@ -85,10 +85,16 @@ struct Cluster {
 
 impl Cluster {
     fn start() -> Cluster {
+        Cluster::start_with(3)
+    }
+
+    /// A cluster with `replicas` IAM replicas, or a standalone IAM with a state file for 0.
+    fn start_with(replicas: usize) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let pki = dir.path().join("pki");
         let [watcher, api, edge] = [(); 3].map(|()| free_port());
-        let replicas: Vec<serde_json::Value> = (0..3)
+        let n = replicas.max(1);
+        let replicas: Vec<serde_json::Value> = (0..replicas)
             .map(|i| {
                 serde_json::json!({
                     "id": i.to_string(),
@@ -100,7 +106,12 @@ impl Cluster {
             .collect();
         let cfg = serde_json::json!({
             "tls": {"dir": pki},
-            "iam": {"replicas": replicas, "admin_token": ADMIN},
+            "iam": if replicas.is_empty() {
+                serde_json::json!({"addr": format!("127.0.0.1:{}", free_port()),
+                                   "state": dir.path().join("iam.state"), "admin_token": ADMIN})
+            } else {
+                serde_json::json!({"replicas": replicas, "admin_token": ADMIN})
+            },
             "watcher": {"addr": format!("127.0.0.1:{watcher}"), "probe_interval": 0.25},
             "apiserver": [{"addr": format!("127.0.0.1:{api}"), "snapshot_refresh": 0.25}],
             "edges": [{"id": "n1", "addr": format!("127.0.0.1:{edge}"),
@@ -111,16 +122,16 @@ impl Cluster {
         let cfg_path = dir.path().join("opendsec.json");
         std::fs::write(&cfg_path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
         common::pki_init(&cfg_path, &pki);
-        let iam_metrics: Vec<u16> = (0..3).map(|_| free_port()).collect();
-        let iams = (0..3)
+        let iam_metrics: Vec<u16> = (0..n).map(|_| free_port()).collect();
+        let iams = (0..n)
             .map(|i| {
                 let m = format!("127.0.0.1:{}", iam_metrics[i]);
-                Proc::start(
-                    dir.path(),
-                    &cfg_path,
-                    &["iam", "-replica", &i.to_string(), "-metrics", &m],
-                    &format!("iam-{i}.log"),
-                )
+                let id = i.to_string();
+                let mut args = vec!["iam", "-metrics", &m];
+                if !replicas.is_empty() {
+                    args.extend(["-replica", &id]);
+                }
+                Proc::start(dir.path(), &cfg_path, &args, &format!("iam-{i}.log"))
             })
             .collect();
         let others = vec![
@@ -362,4 +373,101 @@ fn sigkill_of_leaders_and_followers_under_load_fails_no_call() {
         "creation worked again {:?} after a replica came back",
         t0.elapsed()
     );
+}
+
+/// The move from one IAM with a state file to three replicas (docs/iam-replicas.md): back
+/// up the old IAM, start the replicated cluster (it bootstraps with the same admin token),
+/// restore. What the backup held is then served by every replica, leader killed or not.
+#[test]
+fn a_standalone_iam_moves_to_three_replicas_by_backup_and_restore() {
+    let keep = tempfile::tempdir().unwrap();
+    let backup = keep.path().join("iam.json.gz");
+    {
+        let old = Cluster::start_with(0);
+        let o = old.ctl(&["project", "create", "root", "team", "-quota", "sandboxes=7"]);
+        assert!(o.status.success(), "{}", text(&o));
+        let o = old.ctl(&["iam", "backup", "-out", backup.to_str().unwrap()]);
+        assert!(o.status.success(), "{}", text(&o));
+    }
+    let mut new = Cluster::start();
+    let o = new.ctl(&["project", "get", "root/team"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let o = new.ctl(&["iam", "restore", backup.to_str().unwrap()]);
+    assert!(o.status.success(), "{}\n{}", text(&o), new.logs());
+    let quota = |c: &Cluster| {
+        let o = c.ctl(&["project", "get", "root/team"]);
+        assert!(o.status.success(), "{}\n{}", text(&o), c.logs());
+        let p: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        p["quota"]["sandboxes"].as_f64()
+    };
+    assert_eq!(quota(&new), Some(7.0));
+    // Committed on a majority: the restored state outlives its leader.
+    let leader = new.leader();
+    new.iams[leader].kill();
+    assert_eq!(quota(&new), Some(7.0));
+    let o = new.ctl(&[
+        "sandbox",
+        "create",
+        "-backend",
+        "sim",
+        "-project",
+        "root/team",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+}
+
+/// A replica's command line must match the config: the errors say what to change.
+#[test]
+fn replica_flags_are_checked_against_the_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, iam: serde_json::Value| {
+        let p = dir.path().join(name);
+        let cfg = serde_json::json!({"service_token": "s", "iam": iam});
+        std::fs::write(&p, cfg.to_string()).unwrap();
+        p
+    };
+    let standalone = write(
+        "one.json",
+        serde_json::json!({"addr": "127.0.0.1:0", "admin_token": ADMIN}),
+    );
+    let replicated = write(
+        "three.json",
+        serde_json::json!({"admin_token": ADMIN, "replicas": [
+            {"id": "0", "addr": "127.0.0.1:1", "raft_addr": "127.0.0.1:2",
+             "data_dir": dir.path().join("d0")}]}),
+    );
+    let run = |cfg: &Path, args: &[&str]| {
+        let o = Command::new(BIN)
+            .arg("iam")
+            .arg("-config")
+            .arg(cfg)
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).to_string(),
+        )
+    };
+    for (cfg, args, want) in [
+        (
+            &standalone,
+            &["-replica", "0"][..],
+            "the config has no iam.replicas",
+        ),
+        (&replicated, &[][..], "choose one with -replica ID"),
+        (
+            &replicated,
+            &["-replica", "7"][..],
+            "no replica with that id",
+        ),
+        (&replicated, &["-join"][..], "choose one with -replica ID"),
+        (&standalone, &["-join"][..], "give -replica ID too"),
+    ] {
+        let (code, err) = run(cfg, args);
+        assert_eq!(code, Some(1), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+    // Nothing was created for the refused replica.
+    assert!(!dir.path().join("d0").exists());
 }

@@ -590,6 +590,65 @@ mod tests {
     }
 
     #[test]
+    fn iam_replicas_are_checked() {
+        let rep = |id: &str, port: u16| IamReplica {
+            id: id.into(),
+            addr: format!("10.0.0.{port}:7001"),
+            raft_addr: format!("10.0.0.{port}:7011"),
+            data_dir: String::new(),
+        };
+        let mut c = base();
+        c.iam.replicas = vec![rep("0", 1), rep("1", 2), rep("2", 3)];
+        c.validate().unwrap();
+        assert_eq!(c.iam.addrs().len(), 3);
+        assert_eq!(c.iam.replica("2").map(IamReplica::number), Some(2));
+        assert_eq!(c.iam.replicas[0].data_dir(), "/var/lib/opendsec/iam");
+        type Change<'a> = Box<dyn Fn(&mut Config) + 'a>;
+        let cases: Vec<(Change, &str)> = vec![
+            (
+                Box::new(|c| c.iam.replicas[1].id = "a".into()),
+                "not a decimal number",
+            ),
+            (
+                Box::new(|c| c.iam.replicas[1].id = "01".into()),
+                "not a decimal number",
+            ),
+            (
+                Box::new(|c| c.iam.replicas[1].id = "".into()),
+                "not a decimal number",
+            ),
+            (
+                Box::new(|c| c.iam.replicas[1].id = "0".into()),
+                "appears twice",
+            ),
+            (
+                Box::new(|c| c.iam.replicas[1].raft_addr.clear()),
+                "has no raft_addr",
+            ),
+            (Box::new(|c| c.iam.replicas[1].addr.clear()), "has no addr"),
+            (
+                Box::new(|c| c.iam.replicas[1].raft_addr = c.iam.replicas[0].addr.clone()),
+                "appears twice",
+            ),
+            (Box::new(|c| c.iam.admin_token.clear()), "admin_token"),
+            (
+                Box::new(|c| {
+                    let more: Vec<IamReplica> =
+                        (3..8).map(|i| rep(&i.to_string(), 10 + i as u16)).collect();
+                    c.iam.replicas.extend(more);
+                }),
+                "at most 7",
+            ),
+        ];
+        for (change, want) in cases {
+            let mut bad = c.clone();
+            change(&mut bad);
+            let e = bad.validate().unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+    }
+
+    #[test]
     fn unknown_fields_are_refused() {
         let r: Result<Config, _> = serde_json::from_str(r#"{"service_token":"x","admision":{}}"#);
         assert!(r.is_err());

@@ -587,3 +587,76 @@ async fn two_of_three_down_fail_then_recover_and_a_restarted_replica_catches_up_
     g.leader().await;
     assert_eq!(g.converged().await, before);
 }
+
+/// Three replicas over the real transport (gRPC on loopback, plaintext with a component
+/// secret): they commit, and the `Raft` service refuses a wrong secret, a message meant for
+/// another replica and bytes that are not a message, changing nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replicas_commit_over_grpc_and_the_raft_port_refuses_bad_input() {
+    use super::transport::{GrpcTransport, RaftService};
+    use crate::rpc::client::{internal, Dialer};
+    use protobuf::Message as _;
+
+    const TOKEN: &str = "component-secret";
+    let listeners: Vec<tokio::net::TcpListener> = {
+        let mut v = Vec::new();
+        for _ in 0..3 {
+            v.push(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
+        }
+        v
+    };
+    let addrs: Vec<String> = listeners
+        .iter()
+        .map(|l| l.local_addr().unwrap().to_string())
+        .collect();
+    let dirs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let shutdown = crate::shutdown::Shutdown::new();
+    let mut replicas = Vec::new();
+    for (i, l) in listeners.into_iter().enumerate() {
+        let id = i as u64 + 1;
+        let peers: Vec<(u64, String)> = (0..3)
+            .filter(|j| *j != i)
+            .map(|j| (j as u64 + 1, addrs[j].clone()))
+            .collect();
+        let t = GrpcTransport::new(&peers, &Dialer::plain(), TOKEN).unwrap();
+        let mut o = Options::new(id, vec![1, 2, 3], dirs[i].path().to_path_buf());
+        o.metrics = false;
+        let r = Replica::open(o, Arc::new(t)).unwrap();
+        let mut b = crate::rpc::serve::builder(None, crate::rpc::acl::Policy::Raft).unwrap();
+        let router = b.add_service(RaftService::new(r.clone(), TOKEN).server());
+        tokio::spawn(crate::rpc::serve::serve(router, l, shutdown.clone()));
+        replicas.push(r);
+    }
+    settle(&replicas[2], bootstrap(10.0)).await;
+    assert!(admitted_ok(&settle(&replicas[1], admit("a")).await));
+    let before = replicas[0].status().await.unwrap();
+
+    let ch = crate::rpc::client::channel(&addrs[0], Duration::from_secs(2)).unwrap();
+    let mut client = crate::pb::raft_client::RaftClient::new(ch);
+    let vote = |to: u64| {
+        let mut m = Message::default();
+        m.set_msg_type(MessageType::MsgRequestVote);
+        m.to = to;
+        m.from = 2;
+        m.term = 1_000_000;
+        m.write_to_bytes().unwrap()
+    };
+    let send =
+        |messages: Vec<Vec<u8>>, token: &str| internal(crate::pb::RaftBatch { messages }, token);
+    let e = client.send(send(vec![vote(1)], "wrong")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated);
+    let e = client.send(send(vec![vote(3)], TOKEN)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    let e = client
+        .send(send(vec![b"\xff\xff\xff not protobuf".to_vec()], TOKEN))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    // None of it reached the node: the term did not move to the forged vote's.
+    let after = replicas[0].status().await.unwrap();
+    assert_eq!(after.term, before.term);
+    for r in &replicas {
+        r.close().await;
+    }
+    shutdown.fire();
+}
