@@ -441,6 +441,10 @@ dsec_impl!({
         self.auth(&r)?;
         Ok(Response::new(pb::IamBackupResponse { data: BACKUP.to_vec() }))
     }
+    async fn iam_members(&self, r: Request<pb::Empty>) -> Result<Response<pb::IamMembersResponse>, Status> {
+        self.auth(&r)?;
+        Err(Status::unimplemented("iam_members"))
+    }
     async fn iam_restore(&self, r: Request<pb::IamRestoreRequest>) -> Result<Response<pb::Empty>, Status> {
         self.auth(&r)?;
         *self.restored.lock().unwrap() = Some(r.into_inner().data);

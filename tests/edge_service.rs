@@ -736,6 +736,9 @@ impl pb::iam_server::Iam for FakeIam {
     async fn restore(&self, _: Request<pb::IamRestoreRequest>) -> R<pb::Empty> {
         unimpl()
     }
+    async fn members(&self, _: Request<pb::Empty>) -> R<pb::IamMembersResponse> {
+        unimpl()
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

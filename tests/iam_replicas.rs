@@ -279,16 +279,24 @@ fn sigkill_of_leaders_and_followers_under_load_fails_no_call() {
                         .push(format!("stop {id}: {}", text(&o)));
                 }
                 // A management change through the apiserver: committed or refused, never lost.
+                // A creation is not sent twice behind the caller's back (its fate may be
+                // unknown when a replica dies): the caller retries an `unavailable` one, and
+                // a `conflict` then means the first try committed.
                 if i % 3 == 0 {
                     let name = format!("w{w}-{i}");
-                    let o = ctl(&["project", "create", "root", &name]);
-                    if o.status.success() {
-                        projects.lock().unwrap().push(name);
-                    } else {
-                        failures
-                            .lock()
-                            .unwrap()
-                            .push(format!("project: {}", text(&o)));
+                    let mut retried = false;
+                    loop {
+                        let o = ctl(&["project", "create", "root", &name]);
+                        let out = text(&o);
+                        if o.status.success() || (retried && out.contains("conflict")) {
+                            projects.lock().unwrap().push(name);
+                            break;
+                        }
+                        if !out.contains("unavailable") || retried {
+                            failures.lock().unwrap().push(format!("project: {out}"));
+                            break;
+                        }
+                        retried = true;
                     }
                 }
                 *done.lock().unwrap() += 1;
@@ -401,8 +409,23 @@ fn a_standalone_iam_moves_to_three_replicas_by_backup_and_restore() {
         p["quota"]["sandboxes"].as_f64()
     };
     assert_eq!(quota(&new), Some(7.0));
-    // Committed on a majority: the restored state outlives its leader.
+    // `iam members`: the three replicas with their addresses, one of them leading.
+    let o = new.ctl(&["iam", "members"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let m: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let members = m["members"].as_array().unwrap();
+    assert_eq!(members.len(), 3, "{m}");
     let leader = new.leader();
+    for (i, x) in members.iter().enumerate() {
+        assert_eq!(x["id"], i.to_string(), "{m}");
+        assert_eq!(x["voter"], true, "{m}");
+        assert!(
+            x["raft_addr"].as_str().unwrap().starts_with("127.0.0.1:"),
+            "{m}"
+        );
+        assert_eq!(x["leader"].as_bool().unwrap_or(false), i == leader, "{m}");
+    }
+    // Committed on a majority: the restored state outlives its leader.
     new.iams[leader].kill();
     assert_eq!(quota(&new), Some(7.0));
     let o = new.ctl(&[

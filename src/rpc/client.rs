@@ -86,8 +86,8 @@ impl Dialer {
         }
     }
 
-    /// A channel over the replicas of `expect` at `addrs` (IAM's), failing over between
-    /// them (see [`super::failover`]) for up to `patience`. Errors: `BadAddress`.
+    /// A channel over IAM's replicas at `addrs`, failing over between them (see
+    /// [`super::failover`]) for up to `patience`. Errors: `BadAddress`.
     pub fn failover(
         &self,
         addrs: &[String],
@@ -99,7 +99,11 @@ impl Dialer {
             .iter()
             .map(|a| self.channel(a, connect_timeout, expect))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(super::failover::Failover::new(channels, patience))
+        Ok(super::failover::Failover::new(
+            channels,
+            patience,
+            super::failover::iam_resendable,
+        ))
     }
 
     /// As [`Dialer::channel`], and with `id` accepting only the server of that identity

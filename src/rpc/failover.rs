@@ -3,9 +3,12 @@
 //! `unavailable` (it has no majority, or is stopping), is sent again to the next replica,
 //! round the list, until one answers or [`Failover::new`]'s patience runs out.
 //!
-//! Sending a call again is safe only for calls whose effect does not double: IAM's are
-//! (admissions and releases are keyed by lease id, a replayed creation finds its object and
-//! answers `conflict`). Over a single address the channel adds nothing.
+//! A call that provably never reached a replica (the connection could not be made) is sent
+//! to the next one whatever it is. A call whose fate is unknown (the connection broke after
+//! it was sent, or the replica answered `unavailable`, which may mean its change commits
+//! later) is sent again only when the method's effect does not double ([`iam_resendable`]:
+//! reads, and admissions and releases keyed by lease id); the others fail with what the
+//! replica said. Over a single address the channel adds nothing.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -37,6 +40,53 @@ pub struct Failover {
     channels: Arc<[Channel]>,
     current: Arc<AtomicUsize>,
     patience: Duration,
+    resendable: fn(&str) -> bool,
+}
+
+/// The IAM methods (by gRPC path) that may be sent again when their first try's fate is
+/// unknown: reads, and the lease changes that are keyed by lease id (a second `Admit` of a
+/// held lease charges nothing, a second release releases nothing).
+pub fn iam_resendable(path: &str) -> bool {
+    matches!(
+        path.strip_prefix("/opendsec.v1.Iam/"),
+        Some(
+            "Authenticate"
+                | "Authorize"
+                | "Admit"
+                | "ReleaseLeases"
+                | "GetLease"
+                | "GetLeases"
+                | "Reconcile"
+                | "SweepUnbound"
+                | "GetEpoch"
+                | "WhoAmI"
+                | "GetProject"
+                | "ListTokens"
+                | "GetUsage"
+                | "Backup"
+                | "Members"
+        )
+    )
+}
+
+/// True when `e` failed before anything was sent: no connection could be made.
+fn never_sent(e: &BoxError) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e.as_ref());
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionRefused
+                    | std::io::ErrorKind::AddrNotAvailable
+                    | std::io::ErrorKind::HostUnreachable
+                    | std::io::ErrorKind::NetworkUnreachable
+            ) {
+                return true;
+            }
+        }
+        cur = err.source();
+    }
+    false
 }
 
 impl std::fmt::Debug for Failover {
@@ -49,12 +99,18 @@ impl std::fmt::Debug for Failover {
 
 impl Failover {
     /// Over `channels` (one per replica, in the config's order), sending a call again for up
-    /// to `patience` after it first failed. Panics never; an empty list fails every call.
-    pub fn new(channels: Vec<Channel>, patience: Duration) -> Failover {
+    /// to `patience` after it first failed; calls whose path `resendable` accepts also when
+    /// their first try's fate is unknown. An empty list fails every call.
+    pub fn new(
+        channels: Vec<Channel>,
+        patience: Duration,
+        resendable: fn(&str) -> bool,
+    ) -> Failover {
         Failover {
             channels: channels.into(),
             current: Arc::default(),
             patience,
+            resendable,
         }
     }
 }
@@ -81,10 +137,11 @@ impl tower::Service<http::Request<Body>> for Failover {
         let channels = self.channels.clone();
         let current = self.current.clone();
         let patience = self.patience;
+        let resendable = (self.resendable)(req.uri().path());
         Box::pin(async move {
             match &*channels {
                 [only] => Ok(only.clone().oneshot(req).await?),
-                _ => failover(&channels, &current, patience, req).await,
+                _ => failover(&channels, &current, patience, resendable, req).await,
             }
         })
     }
@@ -95,6 +152,7 @@ async fn failover(
     channels: &[Channel],
     current: &AtomicUsize,
     patience: Duration,
+    resendable: bool,
     req: http::Request<Body>,
 ) -> Result<http::Response<Body>, BoxError> {
     let n = channels.len();
@@ -116,18 +174,20 @@ async fn failover(
         let Some(ch) = channels.get(i) else {
             return Err("replica index out of range".into());
         };
-        let r = ch.clone().oneshot(again).await;
-        let failed = match &r {
-            Ok(resp) => unavailable(resp),
-            Err(_) => true,
+        let r: Result<_, BoxError> = ch.clone().oneshot(again).await.map_err(Into::into);
+        let send_again = match &r {
+            Ok(resp) => unavailable(resp) && resendable,
+            Err(e) => resendable || never_sent(e),
         };
-        if !failed {
-            current.store(i, Ordering::Relaxed);
-            return Ok(r?);
+        if !send_again {
+            if r.is_ok() {
+                current.store(i, Ordering::Relaxed);
+            }
+            return r;
         }
         let since = *first_failure.get_or_insert_with(Instant::now);
         if since.elapsed() >= patience {
-            return Ok(r?);
+            return r;
         }
         tracing::debug!(replica = i, "call failed over to the next replica");
         i = (i + 1) % n;

@@ -43,7 +43,7 @@ pub struct DrainArgs {
 }
 
 #[derive(FromArgs, Debug)]
-/// back up and restore IAM (needs project.admin on root)
+/// back up and restore IAM, list its replicas (needs project.admin on root)
 #[argh(subcommand, name = "iam", help_triggers("-h", "--help", "help"))]
 pub struct IamArgs {
     #[argh(subcommand)]
@@ -55,7 +55,14 @@ pub struct IamArgs {
 pub enum IamCmd {
     Backup(BackupArgs),
     Restore(RestoreArgs),
+    Members(MembersArgs),
 }
+
+#[derive(FromArgs, Debug)]
+/// list IAM's replicas: id, addresses, which leads, voter or learner, and (in the leader's
+/// answer) how far each has the log
+#[argh(subcommand, name = "members", help_triggers("-h", "--help", "help"))]
+pub struct MembersArgs {}
 
 #[derive(FromArgs, Debug)]
 /// back up IAM into a file (gzipped JSON, mode 0600): principals, projects, grants, quotas,
@@ -134,6 +141,17 @@ impl IamArgs {
                     .data;
                 write_private(Path::new(&a.out), &data)?;
                 output::err(format!("wrote {} bytes to {}\n", data.len(), a.out).as_bytes())
+            }
+            IamCmd::Members(_) => {
+                let conn = ctx.connect()?;
+                output::json(
+                    &conn
+                        .call(
+                            pb::Empty {},
+                            |mut c, r| async move { c.iam_members(r).await },
+                        )
+                        .await?,
+                )
             }
             IamCmd::Restore(a) => {
                 let path = Path::new(&a.file);

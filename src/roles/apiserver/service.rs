@@ -751,6 +751,13 @@ impl pb::d_sec_server::DSec for Api {
     );
     iam_call!(iam_backup, backup, pb::Empty, pb::IamBackupResponse, true);
     iam_call!(iam_restore, restore, pb::IamRestoreRequest, pb::Empty, true);
+    iam_call!(
+        iam_members,
+        members,
+        pb::Empty,
+        pb::IamMembersResponse,
+        false
+    );
 
     async fn cluster_status(
         &self,

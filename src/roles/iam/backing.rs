@@ -57,6 +57,15 @@ impl IamStore {
         }
     }
 
+    /// True on a replica that knows no leader or has stopped: its state may be behind by
+    /// any amount, so even what it would allow must be read fresh first.
+    pub fn cut_off(&self) -> bool {
+        match self {
+            IamStore::Standalone(_) => false,
+            IamStore::Replicated(r) => r.failed() || r.leader() == 0,
+        }
+    }
+
     /// True on a replica (where `read` may trail the leader by a moment).
     pub fn replicated(&self) -> bool {
         matches!(self, IamStore::Replicated(_))

@@ -117,6 +117,11 @@ pub async fn build(cfg: &Config) -> Result<Iam, IamError> {
         &cfg.service_token,
         cfg.admission.auth_fail_rate(),
     );
+    service.set_members(vec![crate::config::IamReplica {
+        id: IAM_ID.into(),
+        addr: cfg.iam.addr.clone(),
+        ..Default::default()
+    }]);
     Ok(Iam { service, store })
 }
 

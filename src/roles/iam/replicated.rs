@@ -81,6 +81,7 @@ pub async fn start(
         &cfg.service_token,
         cfg.admission.auth_fail_rate(),
     );
+    service.set_members(cfg.iam.replicas.clone());
     let mut raft_builder =
         crate::rpc::serve::builder(tls.as_deref(), crate::rpc::acl::Policy::Raft)?;
     let raft_router =

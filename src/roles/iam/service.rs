@@ -48,6 +48,8 @@ pub(super) struct Inner {
     pub(super) store: IamStore,
     pub(super) service_token: String,
     pub(super) limiter: AuthLimiter,
+    /// The replicas of the config (a standalone IAM: one, id "0"), for `Members`.
+    pub(super) members: std::sync::OnceLock<Vec<crate::config::IamReplica>>,
 }
 
 impl IamService {
@@ -63,8 +65,14 @@ impl IamService {
                 store: store.into(),
                 service_token: service_token.to_string(),
                 limiter: AuthLimiter::new(auth_fail_rate),
+                members: std::sync::OnceLock::new(),
             }),
         }
+    }
+
+    /// Sets the replicas `Members` describes (their addresses); once.
+    pub fn set_members(&self, members: Vec<crate::config::IamReplica>) {
+        let _ = self.inner.members.set(members);
     }
 
     /// The tonic server for this service, with the project's message size limits.
@@ -102,6 +110,10 @@ impl IamService {
     /// On a replica a token it does not know yet may have been made a moment ago through
     /// another: such a failure is checked again after a consistent read before it counts.
     pub(super) async fn authenticate(&self, token: &str, addr: &str) -> Result<Identity, Failure> {
+        if self.store().cut_off() {
+            // A revoked token must not keep working on a replica cut off from the others.
+            self.store().fresh().await?;
+        }
         match self.authenticate_here(token, addr, !self.store().replicated()) {
             Err(f)
                 if f.reason == crate::types::Reason::Unauthenticated
@@ -342,5 +354,11 @@ impl pb::iam_server::Iam for IamService {
         req: Request<pb::IamRestoreRequest>,
     ) -> Result<Response<pb::Empty>, Status> {
         reply(self.rpc_restore(req).await)
+    }
+    async fn members(
+        &self,
+        req: Request<pb::Empty>,
+    ) -> Result<Response<pb::IamMembersResponse>, Status> {
+        reply(self.rpc_members(req).await)
     }
 }

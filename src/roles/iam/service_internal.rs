@@ -50,6 +50,9 @@ impl IamService {
     ) -> Result<pb::AuthorizeResponse, Failure> {
         names::check_permission(&r.permission)?;
         names::check_project_path(&r.project)?;
+        if self.store().cut_off() {
+            self.store().fresh().await?;
+        }
         // A replica may trail a grant made a moment ago through another: a refusal is
         // checked again after a consistent read.
         match self.authorize_here(&r) {

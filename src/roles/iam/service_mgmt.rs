@@ -320,6 +320,64 @@ impl IamService {
         })
     }
 
+    /// The replicas as this one sees them (`project.admin` on root): every voter and learner
+    /// with its addresses from the config, which one leads, and on the leader how far each
+    /// has the log. A standalone IAM is one member, id "0".
+    #[tracing::instrument(name = "iam.members", skip_all)]
+    pub(super) async fn rpc_members(
+        &self,
+        req: Request<pb::Empty>,
+    ) -> Result<pb::IamMembersResponse, Failure> {
+        let id = self.caller(&req).await?;
+        self.store()
+            .read()
+            .require(&id.actor.principal, ROOT, "project.admin")?;
+        let known = self.inner.members.get().cloned().unwrap_or_default();
+        let by_number = |n: u64| known.iter().find(|r| r.number() == n && !r.id.is_empty());
+        let super::IamStore::Replicated(r) = self.store() else {
+            let me = by_number(0).cloned().unwrap_or_default();
+            return Ok(pb::IamMembersResponse {
+                members: vec![pb::IamMember {
+                    id: "0".into(),
+                    addr: me.addr,
+                    leader: true,
+                    voter: true,
+                    ..Default::default()
+                }],
+                answered_by: "0".into(),
+                ..Default::default()
+            });
+        };
+        let st = r
+            .status()
+            .await
+            .ok_or_else(|| Failure::unavailable("IAM replica is stopped"))?;
+        let member = |raft: u64, voter: bool| {
+            let n = super::replica::replica_id(raft);
+            let c = by_number(n);
+            pb::IamMember {
+                id: n.to_string(),
+                addr: c.map(|c| c.addr.clone()).unwrap_or_default(),
+                raft_addr: c.map(|c| c.raft_addr.clone()).unwrap_or_default(),
+                leader: st.leader == raft,
+                voter,
+                matched: st
+                    .progress
+                    .iter()
+                    .find(|(id, _)| *id == raft)
+                    .map_or(0, |(_, m)| *m),
+            }
+        };
+        let mut members: Vec<pb::IamMember> = st.voters.iter().map(|v| member(*v, true)).collect();
+        members.extend(st.learners.iter().map(|l| member(*l, false)));
+        Ok(pb::IamMembersResponse {
+            members,
+            answered_by: super::replica::replica_id(st.id).to_string(),
+            term: st.term,
+            commit: st.commit,
+        })
+    }
+
     #[tracing::instrument(name = "iam.restore", skip_all)]
     pub(super) async fn rpc_restore(
         &self,

@@ -258,9 +258,25 @@ impl Replica {
             opts,
             applied,
         );
+        let guard = shared.clone();
+        let metrics = node.exports_metrics();
         std::thread::Builder::new()
             .name(format!("iam-raft-{}", replica_id(id)))
-            .spawn(move || node.run(rx))
+            .spawn(move || {
+                // raft-rs panics on what it holds impossible: then this replica stops
+                // answering as a member (its callers fail over) instead of serving a
+                // frozen state as if it still led.
+                let run = std::panic::AssertUnwindSafe(move || node.run(rx));
+                if std::panic::catch_unwind(run).is_err() {
+                    tracing::error!("IAM replica's Raft thread panicked; the replica stopped");
+                    guard.failed.store(true, Ordering::Relaxed);
+                    guard.leader.store(0, Ordering::Relaxed);
+                    guard.is_leader.store(false, Ordering::Relaxed);
+                    if metrics {
+                        metrics::gauge!("opendsec_iam_leader").set(0.0);
+                    }
+                }
+            })
             .map_err(ReplicaError::Thread)?;
         Ok(Replica { shared, tx, id })
     }

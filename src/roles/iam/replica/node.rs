@@ -36,6 +36,8 @@ struct Pending {
     proposed: Instant,
 }
 
+type ReadReply = oneshot::Sender<Result<(), Failure>>;
+
 struct PendingRead {
     reply: oneshot::Sender<Result<(), Failure>>,
     since: Instant,
@@ -53,9 +55,15 @@ pub(super) struct Node {
     proposals: HashMap<u128, Pending>,
     /// Read requests by context, before the leader has confirmed an index for them.
     reads: HashMap<u64, PendingRead>,
-    /// Confirmed reads waiting for the apply index to reach theirs.
-    confirmed: Vec<(u64, oneshot::Sender<Result<(), Failure>>)>,
+    /// Confirmed reads waiting for the apply index to reach theirs (index, asked at, reply).
+    confirmed: Vec<(u64, Instant, ReadReply)>,
+    /// Read contexts: a random prefix per start (so that replicas, and this one before a
+    /// restart, never share a context: raft-rs ignores a context already pending) and a
+    /// counter.
+    read_prefix: u64,
     next_read: u64,
+    /// A leader became known during the last Ready.
+    leader_known: bool,
     applied: u64,
     snapshot_index: u64,
     installed: u64,
@@ -81,6 +89,8 @@ impl Node {
             proposals: HashMap::new(),
             reads: HashMap::new(),
             confirmed: Vec::new(),
+            read_prefix: rand::random(),
+            leader_known: false,
             next_read: 1,
             applied,
             snapshot_index: applied,
@@ -143,7 +153,7 @@ impl Node {
                 .reply
                 .send(Err(Failure::unavailable("IAM replica stopped")));
         }
-        for (_, r) in self.confirmed.drain(..) {
+        for (_, _, r) in self.confirmed.drain(..) {
             let _ = r.send(Err(Failure::unavailable("IAM replica stopped")));
         }
         // Release the log file before answering Close, so the same directory can be opened
@@ -152,6 +162,11 @@ impl Node {
         if let Some(c) = close {
             let _ = c.send(());
         }
+    }
+
+    /// Whether this node sets the role's metrics.
+    pub(super) fn exports_metrics(&self) -> bool {
+        self.opts.metrics
     }
 
     fn handle(&mut self, input: Input) {
@@ -174,7 +189,7 @@ impl Node {
             Input::ReadIndex(reply) => {
                 let ctx = self.next_read;
                 self.next_read += 1;
-                self.raw.read_index(ctx.to_be_bytes().to_vec());
+                self.raw.read_index(self.read_ctx(ctx));
                 let now = Instant::now();
                 self.reads.insert(
                     ctx,
@@ -229,7 +244,7 @@ impl Node {
     fn on_tick(&mut self) {
         let now = Instant::now();
         let timeout = self.opts.commit_timeout;
-        let failure = self.no_quorum("the change was not committed");
+        let failure = self.no_quorum("the change");
         for (_, p) in self
             .proposals
             .extract_if(|_, p| now.duration_since(p.since) >= timeout)
@@ -257,7 +272,29 @@ impl Node {
             }
         }
         for c in again {
-            self.raw.read_index(c.to_be_bytes().to_vec());
+            let ctx = self.read_ctx(c);
+            self.raw.read_index(ctx);
+        }
+        let (late, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.confirmed)
+            .into_iter()
+            .partition(|(_, since, _)| now.duration_since(*since) >= timeout);
+        self.confirmed = waiting;
+        for (_, _, reply) in late {
+            let _ = reply.send(Err(failure.clone()));
+        }
+    }
+
+    fn repropose_all(&mut self) {
+        let now = Instant::now();
+        for p in self.proposals.values_mut() {
+            p.proposed = now;
+            let _ = self.raw.propose(vec![], p.data.clone());
+        }
+        for (c, r) in self.reads.iter_mut() {
+            r.asked = now;
+            let mut ctx = self.read_prefix.to_be_bytes().to_vec();
+            ctx.extend_from_slice(&c.to_be_bytes());
+            self.raw.read_index(ctx);
         }
     }
 
@@ -299,6 +336,9 @@ impl Node {
                 term = self.raw.raft.term,
                 "IAM Raft state changed"
             );
+            // What waited for a leader goes to the new one as soon as this Ready is done
+            // (not at the next REPROPOSE): failover then costs the election alone.
+            self.leader_known = ss.leader_id != raft::INVALID_ID;
         }
         self.send(ready.take_messages());
         if !ready.snapshot().is_empty() {
@@ -331,15 +371,33 @@ impl Node {
         self.raw.advance_apply();
         self.answer_reads();
         self.maybe_snapshot()?;
+        if std::mem::take(&mut self.leader_known) {
+            // Proposing inside a Ready is not allowed: raft-rs wants no new messages
+            // between `ready` and `advance`.
+            self.repropose_all();
+            return self.on_ready();
+        }
         Ok(())
     }
 
+    fn read_ctx(&self, n: u64) -> Vec<u8> {
+        let mut ctx = self.read_prefix.to_be_bytes().to_vec();
+        ctx.extend_from_slice(&n.to_be_bytes());
+        ctx
+    }
+
     fn confirm_read(&mut self, ctx: &[u8], index: u64) {
-        let Ok(b) = <[u8; 8]>::try_from(ctx) else {
+        let Some((prefix, n)) = ctx.split_at_checked(8) else {
             return;
         };
-        if let Some(r) = self.reads.remove(&u64::from_be_bytes(b)) {
-            self.confirmed.push((index, r.reply));
+        let (Ok(prefix), Ok(n)) = (<[u8; 8]>::try_from(prefix), <[u8; 8]>::try_from(n)) else {
+            return;
+        };
+        if u64::from_be_bytes(prefix) != self.read_prefix {
+            return;
+        }
+        if let Some(r) = self.reads.remove(&u64::from_be_bytes(n)) {
+            self.confirmed.push((index, r.since, r.reply));
         }
     }
 
@@ -347,9 +405,9 @@ impl Node {
         let applied = self.applied;
         let (done, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.confirmed)
             .into_iter()
-            .partition(|(index, _)| *index <= applied);
+            .partition(|(index, _, _)| *index <= applied);
         self.confirmed = waiting;
-        for (_, reply) in done {
+        for (_, _, reply) in done {
             let _ = reply.send(Ok(()));
         }
     }
@@ -408,15 +466,20 @@ impl Node {
                     }
                     EntryType::EntryConfChange => {
                         let mut cc = ConfChange::default();
-                        cc.merge_from_bytes(&e.data)
-                            .map_err(|err| format!("conf change: {err}"))?;
+                        if let Err(err) = cc.merge_from_bytes(&e.data) {
+                            // As an unreadable command: the same on every replica.
+                            tracing::error!(index = e.index, error = %err, "skipping an unreadable membership change");
+                            continue;
+                        }
                         let cs = self.raw.apply_conf_change(&cc).map_err(|e| e.to_string())?;
                         self.conf_changed(&cs)?;
                     }
                     EntryType::EntryConfChangeV2 => {
                         let mut cc = ConfChangeV2::default();
-                        cc.merge_from_bytes(&e.data)
-                            .map_err(|err| format!("conf change: {err}"))?;
+                        if let Err(err) = cc.merge_from_bytes(&e.data) {
+                            tracing::error!(index = e.index, error = %err, "skipping an unreadable membership change");
+                            continue;
+                        }
                         let cs = self.raw.apply_conf_change(&cc).map_err(|e| e.to_string())?;
                         self.conf_changed(&cs)?;
                     }

@@ -12,7 +12,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use protobuf::Message as _;
-use raft::prelude::{Message, MessageType};
+use raft::prelude::{EntryType, Message, MessageType};
+
+use crate::types::Failure;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
@@ -124,7 +126,7 @@ async fn sender(
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
-        if let Some(rep) = rep {
+        if let Some(rep) = &rep {
             for _ in 0..snapshots {
                 rep.snapshot_sent(to, ok);
             }
@@ -138,7 +140,14 @@ async fn sender(
             backoff = (backoff * 2).clamp(Duration::from_millis(100), MAX_BACKOFF);
             tokio::time::sleep(backoff).await;
             // What queued up meanwhile is stale: Raft sends again what still matters.
-            while rx.try_recv().is_ok() {}
+            // A snapshot dropped here must be reported, or the leader waits for it forever.
+            while let Ok(m) = rx.try_recv() {
+                if m.get_msg_type() == MessageType::MsgSnapshot {
+                    if let Some(rep) = &rep {
+                        rep.snapshot_sent(to, false);
+                    }
+                }
+            }
         }
     }
 }
@@ -175,29 +184,63 @@ impl pb::raft_server::Raft for RaftService {
         // Under mTLS the sender's certificate names it: a replica speaks only for itself.
         let sender = rpc::acl::caller(&req).map(|who| who.id.clone());
         let me = self.replica.id();
+        // The whole batch is checked before any of it reaches the node.
+        let mut msgs = Vec::new();
         for b in req.into_inner().messages {
             let m = Message::parse_from_bytes(&b).map_err(|e| {
                 rpc::to_status(&crate::types::Failure::invalid(format!(
                     "not a Raft message: {e}"
                 )))
             })?;
-            if m.to != me {
-                return Err(rpc::to_status(&crate::types::Failure::invalid(format!(
-                    "a message for replica {} reached replica {}",
-                    replica_id(m.to),
-                    replica_id(me)
-                ))));
-            }
-            if let Some(s) = &sender {
-                if *s != replica_id(m.from).to_string() {
-                    return Err(rpc::to_status(&crate::types::Failure::forbidden(format!(
-                        "replica {s} sent a message as replica {}",
-                        replica_id(m.from)
-                    ))));
-                }
-            }
+            check_message(&m, me, sender.as_deref()).map_err(|f| rpc::to_status(&f))?;
+            msgs.push(m);
+        }
+        for m in msgs {
             self.replica.step(m);
         }
         Ok(Response::new(pb::RaftAck {}))
     }
+}
+
+/// Refuses what a replica never sends and raft-rs would trip over: a sender id 0 (raft-rs
+/// would record a vote for "nobody" and vote again), a sender other than the calling
+/// certificate's replica, a message for another replica, a proposal or read request
+/// without entries (raft-rs panics on them), and a proposal of anything but plain entries
+/// (membership changes are proposed by a replica itself, never forwarded).
+fn check_message(m: &Message, me: u64, sender: Option<&str>) -> Result<(), Failure> {
+    if m.to != me {
+        return Err(Failure::invalid(format!(
+            "a message for replica {} reached replica {}",
+            replica_id(m.to),
+            replica_id(me)
+        )));
+    }
+    if m.from == 0 {
+        return Err(Failure::invalid("a Raft message from replica id 0 (none)"));
+    }
+    if let Some(s) = sender {
+        if s.parse::<u64>().ok().map(super::raft_id) != Some(m.from) {
+            return Err(Failure::forbidden(format!(
+                "replica {s} sent a message as replica {}",
+                replica_id(m.from)
+            )));
+        }
+    }
+    match m.get_msg_type() {
+        MessageType::MsgPropose
+            if m.entries.is_empty()
+                || m.entries
+                    .iter()
+                    .any(|e| e.get_entry_type() != EntryType::EntryNormal) =>
+        {
+            return Err(Failure::invalid(
+                "a forwarded proposal must carry plain entries",
+            ));
+        }
+        MessageType::MsgReadIndex if m.entries.is_empty() => {
+            return Err(Failure::invalid("a read index request without its context"));
+        }
+        _ => {}
+    }
+    Ok(())
 }
