@@ -445,6 +445,14 @@ dsec_impl!({
         self.auth(&r)?;
         Err(Status::unimplemented("iam_members"))
     }
+    async fn iam_member_add(&self, r: Request<pb::IamMemberAddRequest>) -> Result<Response<pb::IamMembersResponse>, Status> {
+        self.auth(&r)?;
+        Err(Status::unimplemented("iam_member_add"))
+    }
+    async fn iam_member_remove(&self, r: Request<pb::IamMemberRemoveRequest>) -> Result<Response<pb::IamMembersResponse>, Status> {
+        self.auth(&r)?;
+        Err(Status::unimplemented("iam_member_remove"))
+    }
     async fn iam_restore(&self, r: Request<pb::IamRestoreRequest>) -> Result<Response<pb::Empty>, Status> {
         self.auth(&r)?;
         *self.restored.lock().unwrap() = Some(r.into_inner().data);

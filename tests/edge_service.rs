@@ -739,6 +739,15 @@ impl pb::iam_server::Iam for FakeIam {
     async fn members(&self, _: Request<pb::Empty>) -> R<pb::IamMembersResponse> {
         unimpl()
     }
+    async fn member_add(&self, _: Request<pb::IamMemberAddRequest>) -> R<pb::IamMembersResponse> {
+        unimpl()
+    }
+    async fn member_remove(
+        &self,
+        _: Request<pb::IamMemberRemoveRequest>,
+    ) -> R<pb::IamMembersResponse> {
+        unimpl()
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

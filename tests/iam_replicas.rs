@@ -213,6 +213,12 @@ impl Cluster {
         }
     }
 
+    /// `ctl sandbox create` of a sim sandbox in `project`, which must succeed.
+    fn create_sandbox(&self, project: &str) {
+        let o = self.ctl(&["sandbox", "create", "-backend", "sim", "-project", project]);
+        assert!(o.status.success(), "{}\n{}", text(&o), self.logs());
+    }
+
     fn root_usage(&self) -> f64 {
         let o = self.ctl(&["project", "get", "root"]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -428,15 +434,7 @@ fn a_standalone_iam_moves_to_three_replicas_by_backup_and_restore() {
     // Committed on a majority: the restored state outlives its leader.
     new.iams[leader].kill();
     assert_eq!(quota(&new), Some(7.0));
-    let o = new.ctl(&[
-        "sandbox",
-        "create",
-        "-backend",
-        "sim",
-        "-project",
-        "root/team",
-    ]);
-    assert!(o.status.success(), "{}", text(&o));
+    new.create_sandbox("root/team");
 }
 
 /// A replica's command line must match the config: the errors say what to change.
@@ -493,4 +491,142 @@ fn replica_flags_are_checked_against_the_config() {
     }
     // Nothing was created for the refused replica.
     assert!(!dir.path().join("d0").exists());
+}
+
+/// Replacing a lost replica as docs/iam-replicas.md describes: replica 2's machine is gone,
+/// so it is removed; a new replica 3 at new addresses starts with `-join` (not ready: it
+/// waits to be added), is added, is caught up from the leader's snapshot, and counts for
+/// the majority. Bad membership changes get clear errors and change nothing.
+#[test]
+fn a_lost_replica_is_replaced_by_one_that_joins_and_is_caught_up_by_snapshot() {
+    let mut c = Cluster::start();
+    let o = c.ctl(&["project", "create", "root", "team", "-quota", "sandboxes=5"]);
+    assert!(o.status.success(), "{}", text(&o));
+    c.iams[2].kill();
+    let ids = |o: &Output| -> Vec<String> {
+        assert!(o.status.success(), "{}", text(o));
+        let m: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        m["members"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let bad: [(&[&str], &str); 5] = [
+        (&["remove", "7"], "not_found: replica 7 is not a member"),
+        (&["remove", "x"], "invalid: replica id"),
+        (
+            &[
+                "add",
+                "1",
+                "-raft-addr",
+                "127.0.0.1:1",
+                "-iam-addr",
+                "127.0.0.1:2",
+            ],
+            "conflict: replica 1 is already a member",
+        ),
+        (
+            &[
+                "add",
+                "3",
+                "-raft-addr",
+                "nohost",
+                "-iam-addr",
+                "127.0.0.1:2",
+            ],
+            "invalid: -raft-addr",
+        ),
+        (&["add", "3", "-iam-addr", "127.0.0.1:2"], "-raft-addr"),
+    ];
+    for (args, want) in bad {
+        let mut a = vec!["iam", "member"];
+        a.extend(args);
+        let o = c.ctl(&a);
+        assert_ne!(o.status.code(), Some(0), "{args:?}");
+        assert!(text(&o).contains(want), "{args:?}: {}", text(&o));
+    }
+    assert_eq!(ids(&c.ctl(&["iam", "members"])), ["0", "1", "2"]);
+    assert_eq!(ids(&c.ctl(&["iam", "member", "remove", "2"])), ["0", "1"]);
+
+    // The new machine: the config names replica 3 where 2 was; its certificate from the CA.
+    let cfg_path = c.dir.path().join("opendsec.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    let (addr, raft_addr) = (
+        format!("127.0.0.1:{}", free_port()),
+        format!("127.0.0.1:{}", free_port()),
+    );
+    cfg["iam"]["replicas"][2] = serde_json::json!({
+        "id": "3", "addr": addr, "raft_addr": raft_addr,
+        "data_dir": c.dir.path().join("iam-3"),
+    });
+    let new_cfg = c.dir.path().join("opendsec-new.json");
+    std::fs::write(&new_cfg, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+    let pki = c.dir.path().join("pki");
+    let o = Command::new(BIN)
+        .args(["ctl", "pki", "issue", "-ca"])
+        .arg(&pki)
+        .args(["-role", "iam", "-id", "3", "-hosts", "127.0.0.1", "-out"])
+        .arg(&pki)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let metrics = free_port();
+    let m = format!("127.0.0.1:{metrics}");
+    c.iams.push(Proc::start(
+        c.dir.path(),
+        &new_cfg,
+        &["iam", "-metrics", &m, "-replica", "3", "-join"],
+        "iam-3.log",
+    ));
+    c.iam_metrics.push(metrics);
+    let ready = || common::http_get(metrics, "/readyz").map(|(code, _)| code);
+    let t0 = Instant::now();
+    while ready().is_none() {
+        assert!(t0.elapsed() < Duration::from_secs(30), "{}", c.logs());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_ne!(
+        ready(),
+        Some(200),
+        "a joining replica is not ready before it is added"
+    );
+
+    let o = c.ctl(&[
+        "iam",
+        "member",
+        "add",
+        "3",
+        "-raft-addr",
+        &raft_addr,
+        "-iam-addr",
+        &addr,
+    ]);
+    assert_eq!(ids(&o), ["0", "1", "3"]);
+    let m: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let three = &m["members"][2];
+    assert_eq!(
+        (three["addr"].as_str(), three["raft_addr"].as_str()),
+        (Some(addr.as_str()), Some(raft_addr.as_str()))
+    );
+    assert_eq!(three["voter"], true);
+    let t0 = Instant::now();
+    while ready() != Some(200) {
+        assert!(t0.elapsed() < Duration::from_secs(30), "{}", c.logs());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = std::fs::read_to_string(c.dir.path().join("iam-3.log")).unwrap();
+    assert!(log.contains("installed a leader's snapshot"), "{log}");
+
+    // Replica 3 now counts: with 0 gone, only 1 and 3 make a majority.
+    c.iams[0].kill();
+    let o = c.ctl(&["project", "get", "root/team"]);
+    assert!(o.status.success(), "{}\n{}", text(&o), c.logs());
+    c.create_sandbox("root/team");
+    let o = c.ctl(&["project", "get", "root/team"]);
+    let p: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(p["usage"]["sandboxes"].as_f64(), Some(1.0), "{p}");
 }

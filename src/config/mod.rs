@@ -136,6 +136,14 @@ pub struct IamReplica {
     pub data_dir: String,
 }
 
+/// A replica id: a decimal number from 0 to 999999999 without leading zeros.
+pub fn valid_replica_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 9
+        && id.bytes().all(|b| b.is_ascii_digit())
+        && (id == "0" || !id.starts_with('0'))
+}
+
 impl IamConfig {
     /// The addresses IAM's clients call: every replica's, or the standalone `addr`.
     pub fn addrs(&self) -> Vec<String> {
@@ -443,11 +451,7 @@ impl Config {
         let mut ids = std::collections::BTreeSet::new();
         let mut addrs = std::collections::BTreeSet::new();
         for r in reps {
-            let ok = !r.id.is_empty()
-                && r.id.len() <= 9
-                && r.id.bytes().all(|b| b.is_ascii_digit())
-                && (r.id == "0" || !r.id.starts_with('0'));
-            if !ok {
+            if !valid_replica_id(&r.id) {
                 return bad(format!(
                     "iam.replicas: id {} is not a decimal number (0 to 999999999)",
                     names::shown(&r.id)

@@ -43,7 +43,7 @@ pub struct DrainArgs {
 }
 
 #[derive(FromArgs, Debug)]
-/// back up and restore IAM, list its replicas (needs project.admin on root)
+/// back up and restore IAM, list and change its replicas (needs project.admin on root)
 #[argh(subcommand, name = "iam", help_triggers("-h", "--help", "help"))]
 pub struct IamArgs {
     #[argh(subcommand)]
@@ -56,6 +56,47 @@ pub enum IamCmd {
     Backup(BackupArgs),
     Restore(RestoreArgs),
     Members(MembersArgs),
+    Member(MemberArgs),
+}
+
+#[derive(FromArgs, Debug)]
+/// change IAM's membership: add a replica started with -join, or remove one (its machine is
+/// gone, say); one change at a time (docs/iam-replicas.md)
+#[argh(subcommand, name = "member", help_triggers("-h", "--help", "help"))]
+pub struct MemberArgs {
+    #[argh(subcommand)]
+    pub cmd: MemberCmd,
+}
+
+#[derive(FromArgs, Debug)]
+#[argh(subcommand)]
+pub enum MemberCmd {
+    Add(MemberAddArgs),
+    Remove(MemberRemoveArgs),
+}
+
+#[derive(FromArgs, Debug)]
+/// add replica ID, running with -join at these addresses, as a voter; prints the members
+#[argh(subcommand, name = "add", help_triggers("-h", "--help", "help"))]
+pub struct MemberAddArgs {
+    /// the new replica's id (a decimal number, as in iam.replicas)
+    #[argh(positional)]
+    pub id: String,
+    /// its Raft address, host:port
+    #[argh(option)]
+    pub raft_addr: String,
+    /// its IAM address, host:port
+    #[argh(option)]
+    pub iam_addr: String,
+}
+
+#[derive(FromArgs, Debug)]
+/// remove replica ID from the group; prints the members
+#[argh(subcommand, name = "remove", help_triggers("-h", "--help", "help"))]
+pub struct MemberRemoveArgs {
+    /// the replica's id
+    #[argh(positional)]
+    pub id: String,
 }
 
 #[derive(FromArgs, Debug)]
@@ -150,6 +191,32 @@ impl IamArgs {
                             pb::Empty {},
                             |mut c, r| async move { c.iam_members(r).await },
                         )
+                        .await?,
+                )
+            }
+            IamCmd::Member(MemberArgs {
+                cmd: MemberCmd::Add(a),
+            }) => {
+                let conn = ctx.connect()?;
+                let req = pb::IamMemberAddRequest {
+                    id: a.id,
+                    raft_addr: a.raft_addr,
+                    iam_addr: a.iam_addr,
+                };
+                output::json(
+                    &conn
+                        .call(req, |mut c, r| async move { c.iam_member_add(r).await })
+                        .await?,
+                )
+            }
+            IamCmd::Member(MemberArgs {
+                cmd: MemberCmd::Remove(a),
+            }) => {
+                let conn = ctx.connect()?;
+                let req = pb::IamMemberRemoveRequest { id: a.id };
+                output::json(
+                    &conn
+                        .call(req, |mut c, r| async move { c.iam_member_remove(r).await })
                         .await?,
                 )
             }

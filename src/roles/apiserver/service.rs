@@ -758,6 +758,20 @@ impl pb::d_sec_server::DSec for Api {
         pb::IamMembersResponse,
         false
     );
+    iam_call!(
+        iam_member_add,
+        member_add,
+        pb::IamMemberAddRequest,
+        pb::IamMembersResponse,
+        true
+    );
+    iam_call!(
+        iam_member_remove,
+        member_remove,
+        pb::IamMemberRemoveRequest,
+        pb::IamMembersResponse,
+        true
+    );
 
     async fn cluster_status(
         &self,

@@ -9,7 +9,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use super::replica::transport::{GrpcTransport, RaftService};
-use super::replica::{raft_id, Options, Replica};
+use super::replica::{raft_id, Member, Options, Replica};
 use super::{admin_of, settle, IamError, IamService, IamStore};
 use crate::config::Config;
 use crate::pki::{Identity, Role};
@@ -71,6 +71,16 @@ pub async fn start(
         me_cfg.data_dir().into(),
     );
     opts.join = join;
+    opts.members = cfg
+        .iam
+        .replicas
+        .iter()
+        .map(|r| Member {
+            id: r.number(),
+            addr: r.addr.clone(),
+            raft_addr: r.raft_addr.clone(),
+        })
+        .collect();
     let replica = tokio::task::spawn_blocking(move || Replica::open(opts, Arc::new(transport)))
         .await
         .map_err(|e| IamError::Task(e.to_string()))?
@@ -81,7 +91,6 @@ pub async fn start(
         &cfg.service_token,
         cfg.admission.auth_fail_rate(),
     );
-    service.set_members(cfg.iam.replicas.clone());
     let mut raft_builder =
         crate::rpc::serve::builder(tls.as_deref(), crate::rpc::acl::Policy::Raft)?;
     let raft_router =

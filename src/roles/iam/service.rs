@@ -361,4 +361,18 @@ impl pb::iam_server::Iam for IamService {
     ) -> Result<Response<pb::IamMembersResponse>, Status> {
         reply(self.rpc_members(req).await)
     }
+
+    async fn member_add(
+        &self,
+        req: Request<pb::IamMemberAddRequest>,
+    ) -> Result<Response<pb::IamMembersResponse>, Status> {
+        reply(self.rpc_member_add(req).await)
+    }
+
+    async fn member_remove(
+        &self,
+        req: Request<pb::IamMemberRemoveRequest>,
+    ) -> Result<Response<pb::IamMembersResponse>, Status> {
+        reply(self.rpc_member_remove(req).await)
+    }
 }

@@ -308,38 +308,43 @@ impl IamService {
         &self,
         req: Request<pb::Empty>,
     ) -> Result<pb::IamBackupResponse, Failure> {
-        let id = self.caller(&req).await?;
-        let backup = {
-            let st = self.store().read();
-            st.require(&id.actor.principal, ROOT, "project.admin")?;
-            Backup::of(&st, now_s())
-        };
+        let id = self.root_admin(&req).await?;
+        let backup = Backup::of(&self.store().read(), now_s());
         tracing::info!(principal = %id.actor.principal, "IAM backup taken");
         Ok(pb::IamBackupResponse {
             data: backup.encode()?,
         })
     }
 
+    /// The caller, who must hold `project.admin` on root (backup, restore, membership).
+    /// Errors: `unauthenticated`, `forbidden`.
+    async fn root_admin<T>(&self, req: &Request<T>) -> Result<Identity, Failure> {
+        let id = self.caller(req).await?;
+        self.store()
+            .read()
+            .require(&id.actor.principal, ROOT, "project.admin")?;
+        Ok(id)
+    }
+
     /// The replicas as this one sees them (`project.admin` on root): every voter and learner
-    /// with its addresses from the config, which one leads, and on the leader how far each
-    /// has the log. A standalone IAM is one member, id "0".
+    /// with its addresses, which one leads, and on the leader how far each has the log. A
+    /// standalone IAM is one member, id "0".
     #[tracing::instrument(name = "iam.members", skip_all)]
     pub(super) async fn rpc_members(
         &self,
         req: Request<pb::Empty>,
     ) -> Result<pb::IamMembersResponse, Failure> {
-        let id = self.caller(&req).await?;
-        self.store()
-            .read()
-            .require(&id.actor.principal, ROOT, "project.admin")?;
-        let known = self.inner.members.get().cloned().unwrap_or_default();
-        let by_number = |n: u64| known.iter().find(|r| r.number() == n && !r.id.is_empty());
+        self.root_admin(&req).await?;
+        self.members_view().await
+    }
+
+    async fn members_view(&self) -> Result<pb::IamMembersResponse, Failure> {
         let super::IamStore::Replicated(r) = self.store() else {
-            let me = by_number(0).cloned().unwrap_or_default();
+            let known = self.inner.members.get().cloned().unwrap_or_default();
             return Ok(pb::IamMembersResponse {
                 members: vec![pb::IamMember {
                     id: "0".into(),
-                    addr: me.addr,
+                    addr: known.first().map(|m| m.addr.clone()).unwrap_or_default(),
                     leader: true,
                     voter: true,
                     ..Default::default()
@@ -354,7 +359,7 @@ impl IamService {
             .ok_or_else(|| Failure::unavailable("IAM replica is stopped"))?;
         let member = |raft: u64, voter: bool| {
             let n = super::replica::replica_id(raft);
-            let c = by_number(n);
+            let c = st.members.iter().find(|m| m.id == n);
             pb::IamMember {
                 id: n.to_string(),
                 addr: c.map(|c| c.addr.clone()).unwrap_or_default(),
@@ -378,15 +383,75 @@ impl IamService {
         })
     }
 
+    /// Adds a voter (`project.admin` on root; docs/iam-replicas.md "Membership"): the
+    /// replica must be running with `-join` at those addresses. Answers with the members
+    /// once the change is applied here. Errors: `invalid` for a bad id or address or on a
+    /// standalone IAM, `conflict` for a member's id or address, `unavailable` (see
+    /// [`Replica::change_member`](super::replica::Replica::change_member)).
+    #[tracing::instrument(name = "iam.member_add", skip_all, fields(replica = %req.get_ref().id))]
+    pub(super) async fn rpc_member_add(
+        &self,
+        req: Request<pb::IamMemberAddRequest>,
+    ) -> Result<pb::IamMembersResponse, Failure> {
+        let who = self.root_admin(&req).await?;
+        let r = req.get_ref();
+        let id = replica_number(&r.id)?;
+        for (flag, a) in [("-raft-addr", &r.raft_addr), ("-iam-addr", &r.iam_addr)] {
+            check_host_port(flag, a)?;
+        }
+        if r.raft_addr == r.iam_addr {
+            return Err(Failure::invalid(
+                "-raft-addr and -iam-addr must be different addresses",
+            ));
+        }
+        let replica = self.replicated()?;
+        replica
+            .change_member(super::replica::Change::Add(super::replica::Member {
+                id,
+                addr: r.iam_addr.clone(),
+                raft_addr: r.raft_addr.clone(),
+            }))
+            .await?;
+        tracing::warn!(principal = %who.actor.principal, replica = id, raft_addr = %r.raft_addr, "IAM replica added");
+        self.members_view().await
+    }
+
+    /// Removes a voter (`project.admin` on root). Errors: `invalid` for a bad id, the last
+    /// voter or a standalone IAM, `not_found` for a non-member, `unavailable` (see
+    /// [`Replica::change_member`](super::replica::Replica::change_member)).
+    #[tracing::instrument(name = "iam.member_remove", skip_all, fields(replica = %req.get_ref().id))]
+    pub(super) async fn rpc_member_remove(
+        &self,
+        req: Request<pb::IamMemberRemoveRequest>,
+    ) -> Result<pb::IamMembersResponse, Failure> {
+        let who = self.root_admin(&req).await?;
+        let id = replica_number(&req.get_ref().id)?;
+        self.replicated()?
+            .change_member(super::replica::Change::Remove(id))
+            .await?;
+        tracing::warn!(principal = %who.actor.principal, replica = id, "IAM replica removed");
+        if self.store().failed() {
+            // This replica removed itself: what it would list is no longer the group.
+            return Ok(pb::IamMembersResponse::default());
+        }
+        self.members_view().await
+    }
+
+    fn replicated(&self) -> Result<&super::replica::Replica, Failure> {
+        match self.store() {
+            super::IamStore::Replicated(r) => Ok(r),
+            super::IamStore::Standalone(_) => Err(Failure::invalid(
+                "IAM runs standalone: to replicate it, move to iam.replicas (backup, new cluster, restore; docs/iam-replicas.md)",
+            )),
+        }
+    }
+
     #[tracing::instrument(name = "iam.restore", skip_all)]
     pub(super) async fn rpc_restore(
         &self,
         req: Request<pb::IamRestoreRequest>,
     ) -> Result<pb::Empty, Failure> {
-        let id = self.caller(&req).await?;
-        self.store()
-            .read()
-            .require(&id.actor.principal, ROOT, "project.admin")?;
+        let id = self.root_admin(&req).await?;
         let backup = Backup::decode(&req.get_ref().data)?;
         let principal = id.actor.principal.clone();
         self.store()
@@ -399,4 +464,32 @@ impl IamService {
         tracing::warn!(principal = %principal, "IAM restored from a backup");
         Ok(pb::Empty {})
     }
+}
+
+/// A replica id as the config writes it. Errors: `invalid`.
+fn replica_number(id: &str) -> Result<u64, Failure> {
+    if !crate::config::valid_replica_id(id) {
+        return Err(Failure::invalid(format!(
+            "replica id {} is not a decimal number (0 to 999999999)",
+            names::shown(id)
+        )));
+    }
+    id.parse()
+        .map_err(|_| Failure::invalid(format!("replica id {id} is not a number")))
+}
+
+/// `host:port` with a port from 1 to 65535. Errors: `invalid`, naming the flag.
+fn check_host_port(flag: &str, addr: &str) -> Result<(), Failure> {
+    let ok = addr.rsplit_once(':').is_some_and(|(host, port)| {
+        !host.is_empty()
+            && !host.contains(['/', ' ', '@'])
+            && port.parse::<u16>().is_ok_and(|p| p > 0)
+    });
+    if !ok {
+        return Err(Failure::invalid(format!(
+            "{flag}: {} is not host:port",
+            names::shown(addr)
+        )));
+    }
+    Ok(())
 }

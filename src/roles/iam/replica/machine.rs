@@ -79,43 +79,100 @@ pub fn apply_entry(state: &mut IamState, tags: &mut Tags, env: &Envelope) -> App
     Applied::Result(apply(state, &env.cmd))
 }
 
+/// One replica of the group as every replica knows it: the membership's addresses, changed
+/// only by committed membership changes, so that a replica added after the config was written
+/// is reached at the address it was added with.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Member {
+    /// The replica id (the config's `id`; its raft id is this plus one).
+    pub id: u64,
+    /// Its `Iam` gRPC address.
+    pub addr: String,
+    /// Its Raft address.
+    pub raft_addr: String,
+}
+
+/// The context of a membership change entry: who asked (to answer them) and, for an
+/// addition, the new member's addresses.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MemberChange {
+    pub tag: u128,
+    pub member: Member,
+}
+
+impl MemberChange {
+    pub fn encode(&self) -> Vec<u8> {
+        // Serializing plain data into a Vec does not fail.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    pub fn decode(data: &[u8]) -> Result<MemberChange, serde_json::Error> {
+        serde_json::from_slice(data)
+    }
+}
+
+/// Sets `m` in `members` (replacing the entry with its id), kept sorted by id.
+pub fn put_member(members: &mut Vec<Member>, m: Member) {
+    members.retain(|o| o.id != m.id);
+    members.push(m);
+    members.sort_by_key(|m| m.id);
+}
+
 #[derive(Serialize)]
 struct SnapshotRef<'a> {
     state: &'a IamState,
     recent: &'a VecDeque<u128>,
+    members: &'a [Member],
 }
 
 #[derive(Deserialize)]
 struct SnapshotOwned {
     state: IamState,
     recent: VecDeque<u128>,
+    /// Absent in snapshots from before membership changes existed: the config's then.
+    #[serde(default)]
+    members: Option<Vec<Member>>,
+}
+
+/// What a snapshot holds.
+pub struct Machine {
+    pub state: IamState,
+    pub tags: Tags,
+    /// `None`: the snapshot does not say (empty bytes, or an older snapshot).
+    pub members: Option<Vec<Member>>,
 }
 
 /// The snapshot bytes of a machine.
-pub fn encode_snapshot(state: &IamState, tags: &Tags) -> Vec<u8> {
+pub fn encode_snapshot(state: &IamState, tags: &Tags, members: &[Member]) -> Vec<u8> {
     serde_json::to_vec(&SnapshotRef {
         state,
         recent: &tags.recent,
+        members,
     })
     .unwrap_or_default()
 }
 
 /// A machine from snapshot bytes (empty bytes: the initial machine).
-pub fn decode_snapshot(data: &[u8]) -> Result<(IamState, Tags), serde_json::Error> {
+pub fn decode_snapshot(data: &[u8]) -> Result<Machine, serde_json::Error> {
     if data.is_empty() {
-        return Ok((IamState::default(), Tags::default()));
+        return Ok(Machine {
+            state: IamState::default(),
+            tags: Tags::default(),
+            members: None,
+        });
     }
     let s: SnapshotOwned = serde_json::from_slice(data)?;
     let mut state = s.state;
     state.rebuild_index();
     let seen = s.recent.iter().copied().collect();
-    Ok((
+    Ok(Machine {
         state,
-        Tags {
+        tags: Tags {
             recent: s.recent,
             seen,
         },
-    ))
+        members: s.members,
+    })
 }
 
 #[cfg(test)]
@@ -148,8 +205,18 @@ mod tests {
             apply_entry(&mut st, &mut tags, &e),
             Applied::Duplicate
         ));
-        let (mut st2, mut tags2) = decode_snapshot(&encode_snapshot(&st, &tags)).unwrap();
+        let members = vec![Member {
+            id: 3,
+            addr: "a:1".into(),
+            raft_addr: "a:2".into(),
+        }];
+        let m = decode_snapshot(&encode_snapshot(&st, &tags, &members)).unwrap();
+        let (mut st2, mut tags2) = (m.state, m.tags);
         assert_eq!((&st2, &tags2), (&st, &tags));
+        assert_eq!(m.members, Some(members));
+        // A snapshot from before membership changes names no members.
+        let old = serde_json::json!({"state": st, "recent": [7]}).to_string();
+        assert_eq!(decode_snapshot(old.as_bytes()).unwrap().members, None);
         assert!(matches!(
             apply_entry(&mut st2, &mut tags2, &e),
             Applied::Duplicate
@@ -158,7 +225,7 @@ mod tests {
             apply_entry(&mut st2, &mut tags2, &env(8, 2.0)),
             Applied::Result(_)
         ));
-        assert_eq!(decode_snapshot(b"").unwrap().1, Tags::default());
+        assert_eq!(decode_snapshot(b"").unwrap().tags, Tags::default());
         let raw = Envelope::decode(&e.encode()).unwrap();
         assert_eq!((raw.tag, raw.cmd), (7, configure(1.0)));
         // Tags use the whole 128 bits.

@@ -27,6 +27,7 @@ use super::state::IamState;
 use crate::types::Failure;
 
 pub mod machine;
+pub use machine::Member;
 mod node;
 pub mod transport;
 
@@ -48,6 +49,11 @@ pub fn replica_id(raft: u64) -> u64 {
 /// snapshot went out (or did not), tells the node through `reporter`.
 pub trait Transport: Send + Sync + 'static {
     fn send(&self, msgs: Vec<Message>, reporter: &Reporter);
+
+    /// The peers changed (a membership change committed, or a snapshot brought another
+    /// membership): from now on send to these (raft id, Raft address) only. Called from the
+    /// node thread; must not block.
+    fn set_peers(&self, _peers: &[(u64, String)]) {}
 }
 
 /// Feedback from a transport to its node.
@@ -75,6 +81,10 @@ pub(crate) enum Input {
         reply: oneshot::Sender<Result<Outcome, Failure>>,
     },
     ReadIndex(oneshot::Sender<Result<(), Failure>>),
+    ChangeMember {
+        change: Change,
+        reply: oneshot::Sender<Result<(), Failure>>,
+    },
     Step(Box<Message>),
     Unreachable(u64),
     SnapshotSent {
@@ -83,6 +93,15 @@ pub(crate) enum Input {
     },
     Status(oneshot::Sender<Status>),
     Close(oneshot::Sender<()>),
+}
+
+/// A membership change asked of [`Replica::change_member`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// Add a voter at these addresses.
+    Add(Member),
+    /// Remove the voter with this replica id.
+    Remove(u64),
 }
 
 /// A replica's view of the group (raft ids).
@@ -100,6 +119,10 @@ pub struct Status {
     pub progress: Vec<(u64, u64)>,
     /// Snapshots from a leader installed since this replica started.
     pub snapshots_installed: u64,
+    /// The members' addresses as this replica knows them.
+    pub members: Vec<Member>,
+    /// This replica was removed from the group.
+    pub removed: bool,
 }
 
 /// How a replica runs.
@@ -110,6 +133,9 @@ pub struct Options {
     /// The voters of a new group (raft ids): used only when the log is empty and `join` is
     /// false.
     pub voters: Vec<u64>,
+    /// The members' addresses (the config's replicas): used until a snapshot or a
+    /// membership change says otherwise.
+    pub members: Vec<Member>,
     /// Holds `raft.redb`.
     pub dir: PathBuf,
     /// Start with no membership and wait for a leader to add this replica.
@@ -132,6 +158,7 @@ impl Options {
         Options {
             id,
             voters,
+            members: Vec::new(),
             dir,
             join: false,
             tick: Duration::from_millis(100),
@@ -165,6 +192,9 @@ pub(crate) struct Shared {
     leader: AtomicU64,
     is_leader: AtomicBool,
     failed: AtomicBool,
+    /// Set once a committed membership change removed this replica: it no longer hears
+    /// from the group, so nothing it holds can be trusted as current.
+    removed: AtomicBool,
 }
 
 /// Handle on a running replica; clones share it.
@@ -223,9 +253,17 @@ impl Replica {
             })?;
         }
         let snap = log.last_snapshot();
-        let (state, tags) =
-            machine::decode_snapshot(snap.get_data()).map_err(ReplicaError::Snapshot)?;
+        let machine::Machine {
+            state,
+            tags,
+            members,
+        } = machine::decode_snapshot(snap.get_data()).map_err(ReplicaError::Snapshot)?;
+        let members = members.unwrap_or_else(|| opts.members.clone());
         let applied = snap.get_metadata().index;
+        let conf = log.initial_state()?.conf_state;
+        let removed = !conf.voters.is_empty()
+            && !conf.voters.contains(&opts.id)
+            && !conf.learners.contains(&opts.id);
         let cfg = raft::Config {
             id: opts.id,
             election_tick: 10,
@@ -245,19 +283,17 @@ impl Replica {
             leader: AtomicU64::new(0),
             is_leader: AtomicBool::new(false),
             failed: AtomicBool::new(false),
+            removed: AtomicBool::new(removed),
         });
         let (tx, rx) = std::sync::mpsc::channel();
         let reporter = Reporter { tx: tx.clone() };
         let id = opts.id;
-        let node = node::Node::new(
-            raw,
-            shared.clone(),
+        let restored = node::Restored {
             tags,
-            transport,
-            reporter,
-            opts,
+            members,
             applied,
-        );
+        };
+        let node = node::Node::new(raw, shared.clone(), restored, transport, reporter, opts);
         let guard = shared.clone();
         let metrics = node.exports_metrics();
         std::thread::Builder::new()
@@ -298,10 +334,8 @@ impl Replica {
     /// no majority commits it within the commit timeout (it may still commit later: the
     /// caller must treat the change as unknown) or when the replica is stopped.
     pub async fn propose(&self, cmd: Command) -> Result<Outcome, Failure> {
-        if self.shared.failed.load(Ordering::Relaxed) {
-            return Err(Failure::unavailable(
-                "IAM replica failed to persist its log; restart it",
-            ));
+        if let Some(f) = self.refusal() {
+            return Err(f);
         }
         let tag = rand::random::<u128>();
         let data = machine::Envelope { tag, cmd }.encode();
@@ -316,12 +350,54 @@ impl Replica {
     /// Waits until this replica has applied everything committed when the call began
     /// (Raft's read index, confirmed by a majority). `unavailable` without a majority.
     pub async fn read_index(&self) -> Result<(), Failure> {
+        if let Some(f) = self.refusal() {
+            return Err(f);
+        }
         let (reply, rx) = oneshot::channel();
         self.tx
             .send(Input::ReadIndex(reply))
             .map_err(|_| Failure::unavailable("IAM replica is stopped"))?;
         rx.await
             .map_err(|_| Failure::unavailable("IAM replica stopped before answering"))?
+    }
+
+    /// Adds or removes one voter (docs/iam-replicas.md "Membership"), answering once the
+    /// change is applied here. An added replica must run with `-join` (or hold this group's
+    /// log); the leader sends it a snapshot. Errors: `conflict` for an id already a member
+    /// or an address another member has, `not_found` for removing a non-member, `invalid`
+    /// for removing the last voter, `unavailable` without a leader, when another change is
+    /// still in progress, or when the change does not commit within the commit timeout (it
+    /// may still commit: look at the members before trying again).
+    pub async fn change_member(&self, change: Change) -> Result<(), Failure> {
+        if let Some(f) = self.refusal() {
+            return Err(f);
+        }
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Input::ChangeMember { change, reply })
+            .map_err(|_| Failure::unavailable("IAM replica is stopped"))?;
+        rx.await
+            .map_err(|_| Failure::unavailable("IAM replica stopped before answering"))?
+    }
+
+    /// Why this replica takes no calls at all, if it does not.
+    fn refusal(&self) -> Option<Failure> {
+        if self.shared.failed.load(Ordering::Relaxed) {
+            Some(Failure::unavailable(
+                "IAM replica failed to persist its log; restart it",
+            ))
+        } else if self.shared.removed.load(Ordering::Relaxed) {
+            Some(Failure::unavailable(
+                "this IAM replica was removed from the group (iam member remove)",
+            ))
+        } else {
+            None
+        }
+    }
+
+    /// True once a committed change removed this replica from the group.
+    pub fn removed(&self) -> bool {
+        self.shared.removed.load(Ordering::Relaxed)
     }
 
     /// Hands a peer's message to the node.
@@ -346,9 +422,10 @@ impl Replica {
         self.shared.is_leader.load(Ordering::Relaxed)
     }
 
-    /// True once a write to the log failed: the replica has stopped.
+    /// True once a write to the log failed (the replica has stopped), or once the replica
+    /// was removed from the group: either way it must not answer from its state.
     pub fn failed(&self) -> bool {
-        self.shared.failed.load(Ordering::Relaxed)
+        self.shared.failed.load(Ordering::Relaxed) || self.shared.removed.load(Ordering::Relaxed)
     }
 
     /// Stops the node; returns once its log file is closed. Waiting proposals are answered

@@ -16,14 +16,16 @@ use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
 use protobuf::Message as _;
-use raft::prelude::{ConfChange, ConfChangeV2, Entry, EntryType, Message, Snapshot};
+use raft::prelude::{
+    ConfChange, ConfChangeSingle, ConfChangeType, ConfChangeV2, Entry, EntryType, Message, Snapshot,
+};
 use raft::{RawNode, StateRole, Storage};
 use tokio::sync::oneshot;
 
 use super::super::command::Outcome;
 use super::super::raftlog::RaftLog;
-use super::machine::{self, Applied, Envelope, Tags};
-use super::{Input, Options, Reporter, Shared, Status, Transport};
+use super::machine::{self, Applied, Envelope, Member, MemberChange, Tags};
+use super::{raft_id, replica_id, Change, Input, Options, Reporter, Shared, Status, Transport};
 use crate::types::Failure;
 
 /// How long a proposal waits for its commit before it is proposed again.
@@ -38,10 +40,25 @@ struct Pending {
 
 type ReadReply = oneshot::Sender<Result<(), Failure>>;
 
+/// A membership change proposed here, answered when its entry is applied. Never proposed
+/// again: raft-rs allows one change in flight, and a lost one is for the operator to retry.
+struct PendingChange {
+    reply: oneshot::Sender<Result<(), Failure>>,
+    since: Instant,
+}
+
 struct PendingRead {
     reply: oneshot::Sender<Result<(), Failure>>,
     since: Instant,
     asked: Instant,
+}
+
+/// What a node starts from: its last snapshot's tags and members, and the index it was
+/// taken at.
+pub(super) struct Restored {
+    pub tags: Tags,
+    pub members: Vec<Member>,
+    pub applied: u64,
 }
 
 /// The node thread's own state.
@@ -53,6 +70,15 @@ pub(super) struct Node {
     reporter: Reporter,
     opts: Options,
     proposals: HashMap<u128, Pending>,
+    changes: HashMap<u128, PendingChange>,
+    /// The members' addresses (see [`Member`]).
+    members: Vec<Member>,
+    /// Take a snapshot after this Ready whatever the count: a new member must be sent one
+    /// that already names it (raft-rs refuses a snapshot whose membership lacks it).
+    snapshot_now: bool,
+    /// This leader was removed: it hands leadership to the most caught-up voter once the
+    /// Ready is done (raft-rs leaves a removed leader leading).
+    step_down: bool,
     /// Read requests by context, before the leader has confirmed an index for them.
     reads: HashMap<u64, PendingRead>,
     /// Confirmed reads waiting for the apply index to reach theirs (index, asked at, reply).
@@ -73,13 +99,17 @@ impl Node {
     pub(super) fn new(
         raw: RawNode<RaftLog>,
         shared: Arc<Shared>,
-        tags: Tags,
+        restored: Restored,
         transport: Arc<dyn Transport>,
         reporter: Reporter,
         opts: Options,
-        applied: u64,
     ) -> Node {
-        Node {
+        let Restored {
+            tags,
+            members,
+            applied,
+        } = restored;
+        let node = Node {
             raw,
             shared,
             tags,
@@ -87,6 +117,10 @@ impl Node {
             reporter,
             opts,
             proposals: HashMap::new(),
+            changes: HashMap::new(),
+            members,
+            snapshot_now: false,
+            step_down: false,
             reads: HashMap::new(),
             confirmed: Vec::new(),
             read_prefix: rand::random(),
@@ -95,7 +129,25 @@ impl Node {
             applied,
             snapshot_index: applied,
             installed: 0,
+        };
+        node.peers_changed();
+        node
+    }
+
+    /// Points the transport at the members other than this one (none known: the transport
+    /// keeps the peers it was made with).
+    fn peers_changed(&self) {
+        if self.members.is_empty() {
+            return;
         }
+        let me = replica_id(self.opts.id);
+        let peers: Vec<(u64, String)> = self
+            .members
+            .iter()
+            .filter(|m| m.id != me)
+            .map(|m| (raft_id(m.id), m.raft_addr.clone()))
+            .collect();
+        self.transport.set_peers(&peers);
     }
 
     /// Runs until `Close` or until every handle is gone.
@@ -156,6 +208,11 @@ impl Node {
         for (_, _, r) in self.confirmed.drain(..) {
             let _ = r.send(Err(Failure::unavailable("IAM replica stopped")));
         }
+        for (_, c) in self.changes.drain() {
+            let _ = c
+                .reply
+                .send(Err(Failure::unavailable("IAM replica stopped")));
+        }
         // Release the log file before answering Close, so the same directory can be opened
         // again at once.
         drop(self.raw);
@@ -200,6 +257,11 @@ impl Node {
                     },
                 );
             }
+            Input::ChangeMember { change, reply } => {
+                if let Err(f) = self.propose_change(change, reply) {
+                    tracing::debug!(error = %f.message, "membership change not proposed");
+                }
+            }
             Input::Step(m) => {
                 if let Err(e) = self.raw.step(*m) {
                     tracing::debug!(error = %e, "dropping a Raft message");
@@ -230,15 +292,117 @@ impl Node {
             term: r.term,
             commit: r.raft_log.committed,
             applied: self.applied,
-            voters: conf.as_ref().map(|c| c.voters.clone()).unwrap_or_default(),
-            learners: conf.map(|c| c.learners).unwrap_or_default(),
+            voters: conf.as_ref().map(|c| sorted(&c.voters)).unwrap_or_default(),
+            learners: conf.map(|c| sorted(&c.learners)).unwrap_or_default(),
             progress: if r.state == StateRole::Leader {
                 r.prs().iter().map(|(id, p)| (*id, p.matched)).collect()
             } else {
                 Vec::new()
             },
             snapshots_installed: self.installed,
+            members: self.members.clone(),
+            removed: self.shared.removed.load(Ordering::Relaxed),
         }
+    }
+
+    /// Checks a membership change against the group as this replica knows it and proposes
+    /// it; the answer comes when it is applied (or from `on_tick` when it times out). A
+    /// refusal is answered at once and also returned, for the log.
+    fn propose_change(
+        &mut self,
+        change: Change,
+        reply: oneshot::Sender<Result<(), Failure>>,
+    ) -> Result<(), Failure> {
+        let refuse = |reply: oneshot::Sender<Result<(), Failure>>, f: Failure| {
+            let _ = reply.send(Err(f.clone()));
+            Err(f)
+        };
+        if self.shared.removed.load(Ordering::Relaxed) {
+            return refuse(
+                reply,
+                Failure::unavailable("this IAM replica was removed from the group"),
+            );
+        }
+        let conf = match self.raw.store().initial_state() {
+            Ok(s) => s.conf_state,
+            Err(e) => return refuse(reply, Failure::internal(e.to_string())),
+        };
+        let member_of =
+            |id: u64| conf.voters.contains(&raft_id(id)) || conf.learners.contains(&raft_id(id));
+        let tag = rand::random::<u128>();
+        let mut cc = ConfChange::default();
+        let member = match change {
+            Change::Add(m) => {
+                if member_of(m.id) {
+                    return refuse(
+                        reply,
+                        Failure::conflict(format!("replica {} is already a member", m.id)),
+                    );
+                }
+                if let Some(o) = self.members.iter().find(|o| {
+                    member_of(o.id)
+                        && [&o.addr, &o.raft_addr]
+                            .iter()
+                            .any(|a| **a == m.addr || **a == m.raft_addr)
+                }) {
+                    return refuse(
+                        reply,
+                        Failure::conflict(format!(
+                            "replica {} already uses one of these addresses",
+                            o.id
+                        )),
+                    );
+                }
+                cc.set_change_type(ConfChangeType::AddNode);
+                m
+            }
+            Change::Remove(id) => {
+                if !member_of(id) {
+                    return refuse(
+                        reply,
+                        Failure::not_found(format!("replica {id} is not a member")),
+                    );
+                }
+                if conf.voters == [raft_id(id)] {
+                    return refuse(
+                        reply,
+                        Failure::invalid(format!("replica {id} is the only voter left")),
+                    );
+                }
+                cc.set_change_type(ConfChangeType::RemoveNode);
+                Member {
+                    id,
+                    addr: String::new(),
+                    raft_addr: String::new(),
+                }
+            }
+        };
+        cc.node_id = raft_id(member.id);
+        cc.context = MemberChange { tag, member }.encode().into();
+        if self.raw.raft.has_pending_conf() {
+            return refuse(
+                reply,
+                Failure::unavailable(
+                    "another membership change is in progress; try again in a moment",
+                ),
+            );
+        }
+        if let Err(e) = self.raw.propose_conf_change(vec![], cc) {
+            return refuse(
+                reply,
+                Failure::unavailable(format!(
+                    "IAM has no leader to take the membership change ({e})"
+                )),
+            );
+        }
+        self.changes.insert(
+            tag,
+            PendingChange {
+                reply,
+                since: Instant::now(),
+            },
+        );
+        Ok(())
     }
 
     fn on_tick(&mut self) {
@@ -256,6 +420,16 @@ impl Node {
                 p.proposed = now;
                 let _ = self.raw.propose(vec![], p.data.clone());
             }
+        }
+        let failure = self.no_quorum("the membership change");
+        for (_, c) in self
+            .changes
+            .extract_if(|_, c| now.duration_since(c.since) >= timeout)
+        {
+            let mut f = failure.clone();
+            f.message
+                .push_str(" (it may still be made: look at `iam members` before trying again)");
+            let _ = c.reply.send(Err(f));
         }
         let failure = self.no_quorum("a consistent read");
         for (_, r) in self
@@ -371,6 +545,25 @@ impl Node {
         self.raw.advance_apply();
         self.answer_reads();
         self.maybe_snapshot()?;
+        if std::mem::take(&mut self.step_down) {
+            let me = self.opts.id;
+            let heir = self
+                .raw
+                .raft
+                .prs()
+                .iter()
+                .filter(|(id, _)| **id != me)
+                .max_by_key(|(_, p)| p.matched)
+                .map(|(id, _)| *id);
+            if let Some(heir) = heir {
+                tracing::info!(
+                    to = replica_id(heir),
+                    "removed IAM leader handing over leadership"
+                );
+                self.raw.transfer_leader(heir);
+                return self.on_ready();
+            }
+        }
         if std::mem::take(&mut self.leader_known) {
             // Proposing inside a Ready is not allowed: raft-rs wants no new messages
             // between `ready` and `advance`.
@@ -414,12 +607,20 @@ impl Node {
 
     /// A leader's snapshot: the log and the state machine become it.
     fn install(&mut self, snap: &Snapshot) -> Result<(), String> {
-        let (state, tags) =
-            machine::decode_snapshot(snap.get_data()).map_err(|e| format!("snapshot: {e}"))?;
+        let machine::Machine {
+            state,
+            tags,
+            members,
+        } = machine::decode_snapshot(snap.get_data()).map_err(|e| format!("snapshot: {e}"))?;
         self.raw
             .store()
             .apply_snapshot(snap)
             .map_err(|e| e.to_string())?;
+        if let Some(m) = members {
+            self.members = m;
+            self.peers_changed();
+        }
+        self.check_removed(snap.get_metadata().get_conf_state());
         *self
             .shared
             .state
@@ -429,7 +630,10 @@ impl Node {
         self.applied = snap.get_metadata().index;
         self.snapshot_index = self.applied;
         self.installed += 1;
-        tracing::info!(index = self.applied, "IAM replica installed a snapshot");
+        tracing::info!(
+            index = self.applied,
+            "IAM replica installed a leader's snapshot"
+        );
         Ok(())
     }
 
@@ -438,6 +642,7 @@ impl Node {
             return Ok(());
         }
         let mut answers = Vec::new();
+        let mut changed = Vec::new();
         let shared = self.shared.clone();
         {
             let mut st = shared.state.write().unwrap_or_else(PoisonError::into_inner);
@@ -464,24 +669,10 @@ impl Node {
                             }
                         }
                     }
-                    EntryType::EntryConfChange => {
-                        let mut cc = ConfChange::default();
-                        if let Err(err) = cc.merge_from_bytes(&e.data) {
-                            // As an unreadable command: the same on every replica.
-                            tracing::error!(index = e.index, error = %err, "skipping an unreadable membership change");
-                            continue;
+                    EntryType::EntryConfChange | EntryType::EntryConfChangeV2 => {
+                        if let Some(answer) = self.apply_conf_change(e)? {
+                            changed.push(answer);
                         }
-                        let cs = self.raw.apply_conf_change(&cc).map_err(|e| e.to_string())?;
-                        self.conf_changed(&cs)?;
-                    }
-                    EntryType::EntryConfChangeV2 => {
-                        let mut cc = ConfChangeV2::default();
-                        if let Err(err) = cc.merge_from_bytes(&e.data) {
-                            tracing::error!(index = e.index, error = %err, "skipping an unreadable membership change");
-                            continue;
-                        }
-                        let cs = self.raw.apply_conf_change(&cc).map_err(|e| e.to_string())?;
-                        self.conf_changed(&cs)?;
                     }
                 }
             }
@@ -492,7 +683,89 @@ impl Node {
         for (reply, r) in answers {
             let _ = reply.send(r);
         }
+        for (reply, r) in changed {
+            let _ = reply.send(r);
+        }
         Ok(())
+    }
+
+    /// Applies a committed membership change: raft-rs's membership, the members' addresses,
+    /// the transport's peers. An entry that does not decode, or that raft-rs refuses (say,
+    /// removing the last voter), is skipped: the same bytes do the same on every replica.
+    /// Returns the answer for a change proposed here.
+    #[allow(clippy::type_complexity)]
+    fn apply_conf_change(
+        &mut self,
+        e: &Entry,
+    ) -> Result<Option<(oneshot::Sender<Result<(), Failure>>, Result<(), Failure>)>, String> {
+        let decoded = if e.get_entry_type() == EntryType::EntryConfChange {
+            ConfChange::parse_from_bytes(&e.data).map(to_v2)
+        } else {
+            ConfChangeV2::parse_from_bytes(&e.data)
+        };
+        let cc = match decoded {
+            Ok(cc) => cc,
+            Err(err) => {
+                tracing::error!(index = e.index, error = %err, "skipping an unreadable membership change");
+                return Ok(None);
+            }
+        };
+        let ctx = MemberChange::decode(&cc.context).ok();
+        let pending = ctx.as_ref().and_then(|c| self.changes.remove(&c.tag));
+        let cs = match self.raw.apply_conf_change(&cc) {
+            Ok(cs) => cs,
+            Err(err) => {
+                tracing::error!(index = e.index, error = %err, "skipping a membership change raft refused");
+                return Ok(pending.map(|p| {
+                    (
+                        p.reply,
+                        Err(Failure::invalid(format!(
+                            "membership change refused: {err}"
+                        ))),
+                    )
+                }));
+            }
+        };
+        self.conf_changed(&cs)?;
+        for ch in &cc.changes {
+            let id = replica_id(ch.node_id);
+            match ch.get_change_type() {
+                ConfChangeType::AddNode | ConfChangeType::AddLearnerNode => {
+                    let m = ctx
+                        .as_ref()
+                        .map(|c| c.member.clone())
+                        .filter(|m| m.id == id)
+                        .unwrap_or(Member {
+                            id,
+                            addr: String::new(),
+                            raft_addr: String::new(),
+                        });
+                    machine::put_member(&mut self.members, m);
+                    self.snapshot_now = true;
+                }
+                ConfChangeType::RemoveNode => self.members.retain(|m| m.id != id),
+            }
+        }
+        self.peers_changed();
+        self.check_removed(&cs);
+        Ok(pending.map(|p| (p.reply, Ok(()))))
+    }
+
+    /// Marks this replica removed when the membership no longer has it.
+    fn check_removed(&mut self, cs: &raft::prelude::ConfState) {
+        let gone = !cs.voters.is_empty()
+            && !cs.voters.contains(&self.opts.id)
+            && !cs.learners.contains(&self.opts.id);
+        if gone && self.raw.raft.state == StateRole::Leader {
+            self.step_down = true;
+        }
+        if gone && !self.shared.removed.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "this IAM replica was removed from the group; it answers nothing from now on"
+            );
+            self.shared.leader.store(0, Ordering::Relaxed);
+            self.shared.is_leader.store(false, Ordering::Relaxed);
+        }
     }
 
     fn conf_changed(&self, cs: &raft::prelude::ConfState) -> Result<(), String> {
@@ -504,8 +777,14 @@ impl Node {
         Ok(())
     }
 
+    /// Takes a snapshot every `snapshot_every` entries, after a member was added, and once
+    /// at the start of the log: a replica that joins (or lost its disk) must learn the
+    /// membership from a snapshot, since the first membership is not in the log.
     fn maybe_snapshot(&mut self) -> Result<(), String> {
-        if self.applied < self.snapshot_index + self.opts.snapshot_every.max(1) {
+        let added = std::mem::take(&mut self.snapshot_now);
+        let first = self.snapshot_index == 0;
+        let due = self.applied >= self.snapshot_index + self.opts.snapshot_every.max(1);
+        if !(first || due || added) || self.applied <= self.snapshot_index {
             return Ok(());
         }
         let data = {
@@ -514,7 +793,7 @@ impl Node {
                 .state
                 .read()
                 .unwrap_or_else(PoisonError::into_inner);
-            machine::encode_snapshot(&st, &self.tags)
+            machine::encode_snapshot(&st, &self.tags, &self.members)
         };
         self.raw
             .store()
@@ -524,4 +803,21 @@ impl Node {
         tracing::debug!(index = self.applied, "IAM replica took a snapshot");
         Ok(())
     }
+}
+
+/// A single change as the one-change form of `ConfChangeV2` (as raft-rs converts it).
+fn to_v2(mut c: ConfChange) -> ConfChangeV2 {
+    let mut single = ConfChangeSingle::default();
+    single.set_change_type(c.get_change_type());
+    single.node_id = c.node_id;
+    let mut v2 = ConfChangeV2::default();
+    v2.mut_changes().push(single);
+    v2.set_context(c.take_context());
+    v2
+}
+
+fn sorted(ids: &[u64]) -> Vec<u64> {
+    let mut v = ids.to_vec();
+    v.sort_unstable();
+    v
 }

@@ -232,11 +232,29 @@ impl Group {
         o.commit_timeout = Duration::from_secs(2);
         o.snapshot_every = self.snapshot_every;
         o.metrics = false;
+        o.members = self.ids.iter().map(|id| member(*id)).collect();
         o
     }
 
     fn start(&mut self, id: u64) {
-        let r = Replica::open(self.opts(id), self.net.link(id)).unwrap();
+        let opts = self.opts(id);
+        self.open(opts);
+    }
+
+    /// Starts a new replica `id` (raft id) with `join`: it knows the group's addresses
+    /// but no membership.
+    fn join(&mut self, id: u64) {
+        while self.dirs.len() < id as usize {
+            self.dirs.push(tempfile::tempdir().unwrap());
+        }
+        let mut opts = self.opts(id);
+        opts.join = true;
+        self.open(opts);
+    }
+
+    fn open(&mut self, opts: Options) {
+        let id = opts.id;
+        let r = Replica::open(opts, self.net.link(id)).unwrap();
         self.net.st.lock().unwrap().nodes.insert(id, r.clone());
         self.replicas.insert(id, r);
     }
@@ -289,6 +307,15 @@ impl Group {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+}
+
+/// The addresses of raft id `id` (unused by the in-process network, but replicated).
+fn member(id: u64) -> Member {
+    Member {
+        id: replica_id(id),
+        addr: format!("iam{id}:7001"),
+        raft_addr: format!("iam{id}:7011"),
     }
 }
 
@@ -652,6 +679,41 @@ async fn replicas_commit_over_grpc_and_the_raft_port_refuses_bad_input() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    // A membership change is forwarded only in the form replicas make it.
+    let propose = |ty: raft::prelude::EntryType, data: Vec<u8>| {
+        let mut e = raft::prelude::Entry::default();
+        e.set_entry_type(ty);
+        e.data = data.into();
+        let mut m = Message::default();
+        m.set_msg_type(MessageType::MsgPropose);
+        m.to = 1;
+        m.from = 2;
+        m.set_entries(vec![e].into());
+        m.write_to_bytes().unwrap()
+    };
+    let mut cc = raft::prelude::ConfChange::default();
+    cc.set_change_type(raft::prelude::ConfChangeType::RemoveNode);
+    cc.node_id = 3;
+    cc.context = b"not a member change".to_vec().into();
+    let cc_v2 = raft::prelude::ConfChangeV2::default();
+    for (ty, data) in [
+        (
+            raft::prelude::EntryType::EntryConfChange,
+            cc.write_to_bytes().unwrap(),
+        ),
+        (
+            raft::prelude::EntryType::EntryConfChangeV2,
+            cc_v2.write_to_bytes().unwrap(),
+        ),
+        (raft::prelude::EntryType::EntryConfChange, b"\xff".to_vec()),
+    ] {
+        let e = client
+            .send(send(vec![propose(ty, data)], TOKEN))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    }
+    assert_eq!(replicas[0].status().await.unwrap().voters, vec![1, 2, 3]);
     // None of it reached the node: the term did not move to the forged vote's.
     let after = replicas[0].status().await.unwrap();
     assert_eq!(after.term, before.term);
@@ -659,4 +721,123 @@ async fn replicas_commit_over_grpc_and_the_raft_port_refuses_bad_input() {
         r.close().await;
     }
     shutdown.fire();
+}
+
+/// A replica started with `join` holds nothing and takes no part until a member adds it;
+/// the leader then catches it up with one snapshot and it counts for the majority. Bad
+/// changes are refused and change nothing. A removed leader hands leadership on and the
+/// removed replica answers nothing; the membership survives restarts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_joining_replica_is_added_caught_up_by_snapshot_and_a_removed_leader_steps_down() {
+    let mut g = Group::new(3, 10_000);
+    g.leader().await;
+    settle(g.get(1), bootstrap(1000.0)).await;
+    for i in 0..10 {
+        settle(g.get(2), admit(&format!("a{i}"))).await;
+    }
+    g.leader().await;
+    g.join(4);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let s4 = g.get(4).status().await.unwrap();
+    assert!(s4.voters.is_empty() && s4.applied == 0, "{s4:?}");
+    assert_eq!(s4.leader, 0);
+    assert!(g.get(4).read().leases.is_empty());
+    assert_eq!(
+        g.get(4).read_index().await.unwrap_err().reason,
+        Reason::Unavailable
+    );
+
+    // Refused: a member's id, a member's address, removing a non-member. Nothing changes.
+    let add = |id: u64, raft_addr: &str| {
+        Change::Add(Member {
+            id,
+            addr: format!("new{id}:7001"),
+            raft_addr: raft_addr.into(),
+        })
+    };
+    let f = g.get(2).change_member(add(1, "x:1")).await.unwrap_err();
+    assert_eq!(f.reason, Reason::Conflict, "{f}");
+    let f = g
+        .get(2)
+        .change_member(add(3, &member(1).raft_addr))
+        .await
+        .unwrap_err();
+    assert_eq!(f.reason, Reason::Conflict, "{f}");
+    let f = g.get(2).change_member(Change::Remove(9)).await.unwrap_err();
+    assert_eq!(f.reason, Reason::NotFound, "{f}");
+    assert_eq!(g.get(1).status().await.unwrap().voters, vec![1, 2, 3]);
+
+    // Added through a follower (the change goes to the leader inside Raft).
+    let leader = g.get(1).leader();
+    let follower = [1, 2, 3].into_iter().find(|i| *i != leader).unwrap();
+    g.get(follower)
+        .change_member(Change::Add(member(4)))
+        .await
+        .unwrap();
+    let st = g.converged().await;
+    assert_eq!(st.leases.len(), 10);
+    for id in 1..=4 {
+        let s = g.get(id).status().await.unwrap();
+        assert_eq!(s.voters, vec![1, 2, 3, 4], "replica {id}");
+        assert_eq!(s.members, (1..=4).map(member).collect::<Vec<_>>(), "{id}");
+    }
+    let s4 = g.get(4).status().await.unwrap();
+    assert_eq!(s4.snapshots_installed, 1, "{s4:?}");
+    let f = g.get(1).change_member(Change::Add(member(4))).await;
+    assert_eq!(f.unwrap_err().reason, Reason::Conflict);
+
+    // Four voters: with one down, the three others (4 among them) are needed.
+    let down = if leader == 4 { 1 } else { leader };
+    g.stop(down).await;
+    g.leader().await;
+    settle(g.get(4), admit("b0")).await;
+    g.start(down);
+    g.leader().await;
+    settle(g.get(down), admit("b1")).await;
+
+    // Remove the leader: leadership moves on, the removed replica answers nothing.
+    let leader = g.leader().await;
+    let asker = [1, 2, 3, 4].into_iter().find(|i| *i != leader).unwrap();
+    g.get(asker)
+        .change_member(Change::Remove(replica_id(leader)))
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    while !g.get(leader).removed() {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let gone = g.get(leader).clone();
+    let f = gone.propose(admit("c0")).await.unwrap_err();
+    assert_eq!(f.reason, Reason::Unavailable);
+    assert!(f.message.contains("removed"), "{f}");
+    assert!(gone.failed());
+    g.stop(leader).await;
+    let new_leader = g.leader().await;
+    assert_ne!(new_leader, leader);
+    settle(g.get(asker), admit("c1")).await;
+    let rest: Vec<u64> = g.replicas.keys().copied().collect();
+    let voters: Vec<u64> = (1..=4).filter(|i| *i != leader).collect();
+    assert_eq!(rest, voters);
+    for id in &rest {
+        let s = g.get(*id).status().await.unwrap();
+        assert_eq!(s.voters, voters);
+        assert!(s.members.iter().all(|m| m.id != replica_id(leader)));
+    }
+    let before = g.converged().await;
+    assert_eq!(before.leases.len(), 13);
+
+    // A restart keeps the membership; the removed replica stays out.
+    for id in &rest {
+        g.stop(*id).await;
+    }
+    for id in &rest {
+        g.start(*id);
+    }
+    g.leader().await;
+    assert_eq!(g.converged().await, before);
+    assert_eq!(g.get(rest[0]).status().await.unwrap().voters, voters);
+    g.start(leader);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(g.get(leader).removed());
 }

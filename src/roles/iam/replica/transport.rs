@@ -12,12 +12,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use protobuf::Message as _;
-use raft::prelude::{EntryType, Message, MessageType};
+use raft::prelude::{ConfChange, ConfChangeType, EntryType, Message, MessageType};
 
 use crate::types::Failure;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
+use super::machine::MemberChange;
 use super::{replica_id, Replica, Reporter, Transport};
 use crate::pb;
 use crate::pki::Role;
@@ -30,46 +31,70 @@ const BATCH: usize = 256;
 /// The longest wait between calls to a peer that is down.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
-/// Sends to the peers of one replica; their raft ids to their `raft_addr`.
+/// Sends to the peers of one replica; their raft ids to their `raft_addr`. The peers follow
+/// the group's membership ([`Transport::set_peers`]).
 pub struct GrpcTransport {
-    peers: HashMap<u64, mpsc::Sender<Message>>,
+    peers: Mutex<HashMap<u64, Peer>>,
     reporter: Arc<Mutex<Option<Reporter>>>,
+    dialer: rpc::client::Dialer,
+    service_token: String,
+    rt: tokio::runtime::Handle,
+}
+
+/// One peer's queue; dropping it ends the peer's sender task.
+struct Peer {
+    addr: String,
+    queue: mpsc::Sender<Message>,
 }
 
 impl GrpcTransport {
     /// A transport to `peers` (raft id → `raft_addr`), each dialled with `dialer` expecting
     /// the identity `iam/<replica id>`, and the component secret on every call. Starts one
-    /// task per peer on the current runtime. Errors: a bad address.
+    /// task per peer on the current runtime (and later ones there too). Errors: a bad
+    /// address.
     pub fn new(
         peers: &[(u64, String)],
         dialer: &rpc::client::Dialer,
         service_token: &str,
     ) -> Result<GrpcTransport, rpc::client::ClientError> {
-        let reporter: Arc<Mutex<Option<Reporter>>> = Arc::default();
-        let mut out = HashMap::new();
+        let t = GrpcTransport {
+            peers: Mutex::default(),
+            reporter: Arc::default(),
+            dialer: dialer.clone(),
+            service_token: service_token.to_string(),
+            rt: tokio::runtime::Handle::current(),
+        };
+        let mut map = HashMap::new();
         for (id, addr) in peers {
-            let ch = dialer.channel_to(
-                addr,
-                Duration::from_secs(2),
-                Role::Iam,
-                Some(&replica_id(*id).to_string()),
-            )?;
-            let client = pb::raft_client::RaftClient::new(ch)
-                .max_decoding_message_size(rpc::MAX_MESSAGE)
-                .max_encoding_message_size(rpc::MAX_MESSAGE);
-            let (tx, rx) = mpsc::channel(QUEUE);
-            tokio::spawn(sender(
-                *id,
-                client,
-                rx,
-                reporter.clone(),
-                service_token.to_string(),
-            ));
-            out.insert(*id, tx);
+            map.insert(*id, t.peer(*id, addr)?);
         }
-        Ok(GrpcTransport {
-            peers: out,
-            reporter,
+        *t.peers.lock().unwrap_or_else(PoisonError::into_inner) = map;
+        Ok(t)
+    }
+
+    fn peer(&self, id: u64, addr: &str) -> Result<Peer, rpc::client::ClientError> {
+        // Channels and tasks belong to the runtime; the node thread calls this from outside.
+        let _rt = self.rt.enter();
+        let ch = self.dialer.channel_to(
+            addr,
+            Duration::from_secs(2),
+            Role::Iam,
+            Some(&replica_id(id).to_string()),
+        )?;
+        let client = pb::raft_client::RaftClient::new(ch)
+            .max_decoding_message_size(rpc::MAX_MESSAGE)
+            .max_encoding_message_size(rpc::MAX_MESSAGE);
+        let (tx, rx) = mpsc::channel(QUEUE);
+        self.rt.spawn(sender(
+            id,
+            client,
+            rx,
+            self.reporter.clone(),
+            self.service_token.clone(),
+        ));
+        Ok(Peer {
+            addr: addr.to_string(),
+            queue: tx,
         })
     }
 }
@@ -82,15 +107,37 @@ impl Transport for GrpcTransport {
                 *r = Some(reporter.clone());
             }
         }
+        let peers = self.peers.lock().unwrap_or_else(PoisonError::into_inner);
         for m in msgs {
             let to = m.to;
             let snap = m.get_msg_type() == MessageType::MsgSnapshot;
-            let sent = self.peers.get(&to).is_some_and(|q| q.try_send(m).is_ok());
+            let sent = peers.get(&to).is_some_and(|p| p.queue.try_send(m).is_ok());
             if !sent {
                 if snap {
                     reporter.snapshot_sent(to, false);
                 }
                 reporter.unreachable(to);
+            }
+        }
+    }
+
+    fn set_peers(&self, peers: &[(u64, String)]) {
+        let mut cur = self.peers.lock().unwrap_or_else(PoisonError::into_inner);
+        cur.retain(|id, p| peers.iter().any(|(i, a)| i == id && *a == p.addr));
+        for (id, addr) in peers {
+            if cur.contains_key(id) {
+                continue;
+            }
+            match self.peer(*id, addr) {
+                Ok(p) => {
+                    tracing::info!(peer = replica_id(*id), raft_addr = %addr, "IAM replica now sends to this peer");
+                    cur.insert(*id, p);
+                }
+                // A member added with an address we cannot dial: it stays unreachable
+                // (and `iam members` shows it), as a peer that is down.
+                Err(e) => {
+                    tracing::warn!(peer = replica_id(*id), raft_addr = %addr, error = %e, "IAM replica cannot reach a member")
+                }
             }
         }
     }
@@ -206,7 +253,8 @@ impl pb::raft_server::Raft for RaftService {
 /// would record a vote for "nobody" and vote again), a sender other than the calling
 /// certificate's replica, a message for another replica, a proposal or read request
 /// without entries (raft-rs panics on them), and a proposal of anything but plain entries
-/// (membership changes are proposed by a replica itself, never forwarded).
+/// and membership changes made as [`Replica::change_member`] makes them (one voter added
+/// or removed, its addresses beside it).
 fn check_message(m: &Message, me: u64, sender: Option<&str>) -> Result<(), Failure> {
     if m.to != me {
         return Err(Failure::invalid(format!(
@@ -227,14 +275,9 @@ fn check_message(m: &Message, me: u64, sender: Option<&str>) -> Result<(), Failu
         }
     }
     match m.get_msg_type() {
-        MessageType::MsgPropose
-            if m.entries.is_empty()
-                || m.entries
-                    .iter()
-                    .any(|e| e.get_entry_type() != EntryType::EntryNormal) =>
-        {
+        MessageType::MsgPropose if m.entries.is_empty() || !m.entries.iter().all(forwardable) => {
             return Err(Failure::invalid(
-                "a forwarded proposal must carry plain entries",
+                "a forwarded proposal must carry plain entries or one membership change",
             ));
         }
         MessageType::MsgReadIndex if m.entries.is_empty() => {
@@ -243,4 +286,24 @@ fn check_message(m: &Message, me: u64, sender: Option<&str>) -> Result<(), Failu
         _ => {}
     }
     Ok(())
+}
+
+/// A plain entry, or a membership change of one voter with its well-formed context.
+fn forwardable(e: &raft::prelude::Entry) -> bool {
+    match e.get_entry_type() {
+        EntryType::EntryNormal => true,
+        EntryType::EntryConfChange => {
+            let Ok(cc) = ConfChange::parse_from_bytes(&e.data) else {
+                return false;
+            };
+            let kind_ok = matches!(
+                cc.get_change_type(),
+                ConfChangeType::AddNode | ConfChangeType::RemoveNode
+            );
+            let ctx_ok = MemberChange::decode(&cc.context)
+                .is_ok_and(|c| super::raft_id(c.member.id) == cc.node_id);
+            kind_ok && cc.node_id != 0 && ctx_ok
+        }
+        EntryType::EntryConfChangeV2 => false,
+    }
 }
