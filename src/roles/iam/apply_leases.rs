@@ -52,6 +52,7 @@ pub(super) fn admit(
 ) -> Result<Outcome, Failure> {
     actor(st, a, now)?;
     check_batch(items.len())?;
+    st.prune_released(now);
     let principal = a.principal.clone();
     // layer.use on the image's project applies to every item alike.
     let image_ok: Result<(), Failure> = if image_project.is_empty() {
@@ -133,6 +134,17 @@ fn admit_one(
         }
         return Ok(prev);
     }
+    if let Some(t) = st.released.get(&it.lease_id) {
+        if now < *t {
+            // Made before the lease was released: a late copy of a resent admission,
+            // whose caller was answered long ago. A retry made after the release (the
+            // same idempotency key after a failed creation) is a new admission.
+            return Err(Failure::conflict(format!(
+                "lease {} was released after this admission was made",
+                it.lease_id
+            )));
+        }
+    }
     let res = lease_res(&it.resources);
     st.check_quota(&it.project, &res)?;
     st.charge(&it.project, &res);
@@ -166,6 +178,7 @@ fn release_one(st: &mut IamState, id: &str, at: i64, now: i64, not_created: bool
     let Some(l) = st.leases.remove(id) else {
         return false;
     };
+    st.remember_released(id, now);
     st.index_remove(&l.edge_id, id);
     st.uncharge(&l.project, &l.resources);
     if not_created {
@@ -198,6 +211,7 @@ pub(super) fn release_leases(
         .filter(|id| release_one(st, id, at, now, not_created))
         .count() as i64;
     usage::prune(st, now);
+    st.prune_released(now);
     Ok(Outcome::Released(released))
 }
 
@@ -331,6 +345,7 @@ pub(super) fn reconcile(
         .filter(|id| release_one(st, id, now, now, false))
         .count() as i64;
     usage::prune(st, now);
+    st.prune_released(now);
     Ok(Outcome::Reconciled {
         adopted: plan.adopt.len() as i64,
         released,
@@ -374,13 +389,14 @@ pub(super) fn sweep_unbound(
         }
     }
     usage::prune(st, now);
+    st.prune_released(now);
     Ok(Outcome::Released(released))
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::command::Command;
-    use super::super::state::ROOT;
+    use super::super::state::{RELEASED_KEEP_S, ROOT};
     use super::super::testutil::*;
     use super::*;
     use crate::types::Reason;
@@ -721,6 +737,58 @@ mod tests {
             admit_cmd(&t, "", vec![item("l2", "root/a", 1.0, "e1")], NOW + 3800),
         ));
         assert!(r[0].is_ok());
+        consistent(&st);
+    }
+
+    /// A late copy of an admission (made before the lease was released, committed after)
+    /// holds nothing; an admission made after the release (a retry with the same key) does;
+    /// the release is remembered for a minute, also across a snapshot.
+    #[test]
+    fn a_late_copy_of_an_admission_does_not_hold_a_released_lease_again() {
+        let (mut st, t) = setup();
+        let admit_at = |st: &mut IamState, now: i64| {
+            results(ok(
+                st,
+                admit_cmd(&t, "", vec![item("l1", "root/a", 1.0, "e1")], now),
+            ))
+            .remove(0)
+        };
+        let release_at = |st: &mut IamState, now: i64| {
+            ok(
+                st,
+                Command::ReleaseLeases {
+                    lease_ids: vec!["l1".into()],
+                    at: now,
+                    now,
+                    not_created: false,
+                },
+            )
+        };
+        assert!(admit_at(&mut st, NOW).is_ok());
+        assert_eq!(release_at(&mut st, NOW + 5), Outcome::Released(1));
+        let before = st.clone();
+        let f = admit_at(&mut st, NOW).unwrap_err();
+        assert_eq!(f.reason, Reason::Conflict, "{f}");
+        assert!(f.message.contains("released after"), "{f}");
+        assert_eq!(st, before, "a refused late copy changes nothing");
+        assert!(st.leases.is_empty());
+        assert_eq!(st.projects[ROOT].usage, Res::default());
+        // The released id survives a reload of the state.
+        let mut copy: IamState =
+            serde_json::from_str(&serde_json::to_string(&st).unwrap()).unwrap();
+        copy.rebuild_index();
+        assert_eq!(copy, st);
+        assert!(admit_at(&mut copy, NOW + 4).is_err());
+        // Made at or after the release: a new admission.
+        assert!(!admit_at(&mut st, NOW + 5).unwrap().existed);
+        assert_eq!(release_at(&mut st, NOW + 6), Outcome::Released(1));
+        // Forgotten a minute later (the next command prunes it).
+        assert_eq!(
+            release_at(&mut st, NOW + 6 + RELEASED_KEEP_S + 1),
+            Outcome::Released(0)
+        );
+        assert!(st.released.is_empty() && st.released_by_time.is_empty());
+        assert!(admit_at(&mut st, NOW).is_ok());
         consistent(&st);
     }
 

@@ -35,10 +35,23 @@ pub struct IamState {
     pub admin_id: String,
     /// Operator settings from the config, replicated so that `apply` stays deterministic.
     pub settings: Settings,
+    /// Lease id -> when it was released (the releasing command's `now`), kept for
+    /// [`RELEASED_KEEP_S`]: an admission made before that time is a late copy (a resent
+    /// `Admit` that committed after the release) and must not hold the lease again.
+    #[serde(default)]
+    pub released: BTreeMap<String, i64>,
     /// Edge id ("" = not bound) -> ids of the leases bound there. Derived; rebuilt on load.
     #[serde(skip)]
     pub by_edge: HashMap<String, BTreeSet<String>>,
+    /// `released` by time, for pruning. Derived; rebuilt on load.
+    #[serde(skip)]
+    pub released_by_time: BTreeSet<(i64, String)>,
 }
+
+/// How long a released lease id is remembered (seconds). Copies of one admission are all
+/// proposed within IAM clients' patience and the commit timeout (about 15 s): a minute
+/// covers them with room to spare.
+pub const RELEASED_KEEP_S: i64 = 60;
 
 /// Config values `apply` needs (docs/configuration.md `iam.root_quota`, `iam.max_token_ttl_s`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -462,6 +475,30 @@ impl IamState {
             idx.entry(l.edge_id.clone()).or_default().insert(id.clone());
         }
         self.by_edge = idx;
+        self.released_by_time = self
+            .released
+            .iter()
+            .map(|(id, t)| (*t, id.clone()))
+            .collect();
+    }
+
+    /// Remembers that lease `id` was released at `now`.
+    pub fn remember_released(&mut self, id: &str, now: i64) {
+        if let Some(old) = self.released.insert(id.to_string(), now) {
+            self.released_by_time.remove(&(old, id.to_string()));
+        }
+        self.released_by_time.insert((now, id.to_string()));
+    }
+
+    /// Forgets released lease ids older than [`RELEASED_KEEP_S`] before `now`.
+    pub fn prune_released(&mut self, now: i64) {
+        while let Some((t, id)) = self.released_by_time.first().cloned() {
+            if t >= now - RELEASED_KEEP_S {
+                break;
+            }
+            self.released_by_time.pop_first();
+            self.released.remove(&id);
+        }
     }
 
     /// Lease ids bound to `edge` ("" = unbound), in order.
