@@ -263,6 +263,11 @@ impl pb::iam_server::Iam for IamService {
         req: Request<pb::Empty>,
     ) -> Result<Response<pb::EpochResponse>, Status> {
         self.internal(&req)?;
+        // A trailing replica's epoch would let a revoked token live on in the apiservers'
+        // caches: read it after a read index.
+        if let Err(f) = self.store().fresh().await {
+            return reply(Err(f));
+        }
         reply(Ok(pb::EpochResponse {
             epoch: self.store().read().epoch,
         }))

@@ -478,13 +478,16 @@ fn replica_number(id: &str) -> Result<u64, Failure> {
         .map_err(|_| Failure::invalid(format!("replica id {id} is not a number")))
 }
 
-/// `host:port` with a port from 1 to 65535. Errors: `invalid`, naming the flag.
+/// `host:port` with a port from 1 to 65535 (an IPv6 host in brackets), as the transport
+/// dials it. Errors: `invalid`, naming the flag.
 fn check_host_port(flag: &str, addr: &str) -> Result<(), Failure> {
     let ok = addr.rsplit_once(':').is_some_and(|(host, port)| {
+        let bracketed = host.starts_with('[') && host.ends_with(']');
         !host.is_empty()
             && !host.contains(['/', ' ', '@'])
+            && (bracketed || !host.contains(':'))
             && port.parse::<u16>().is_ok_and(|p| p > 0)
-    });
+    }) && crate::rpc::client::endpoint(addr, std::time::Duration::from_secs(1)).is_ok();
     if !ok {
         return Err(Failure::invalid(format!(
             "{flag}: {} is not host:port",
@@ -492,4 +495,34 @@ fn check_host_port(flag: &str, addr: &str) -> Result<(), Failure> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn member_ids_and_addresses_are_checked() {
+        assert_eq!(replica_number("3").unwrap(), 3);
+        for bad in ["", "x", "03", "-1", "1234567890", "1 "] {
+            assert!(replica_number(bad).is_err(), "{bad:?}");
+        }
+        for good in ["10.0.0.3:7011", "iam-3.internal:7011", "[fe80::1]:7011"] {
+            assert!(check_host_port("-raft-addr", good).is_ok(), "{good}");
+        }
+        for bad in [
+            "",
+            ":7011",
+            "host",
+            "host:0",
+            "host:65536",
+            "fe80::1:7011",
+            "a b:1",
+            "u@h:1",
+            "h/x:1",
+        ] {
+            let f = check_host_port("-raft-addr", bad).unwrap_err();
+            assert!(f.message.starts_with("-raft-addr: "), "{bad}: {f}");
+        }
+    }
 }

@@ -253,6 +253,12 @@ impl Replica {
             })?;
         }
         let snap = log.last_snapshot();
+        if !snap.is_empty() {
+            // The state restarts from the snapshot and the entries after it are applied
+            // again, membership changes included: the membership must restart from the
+            // snapshot's too, or it would run ahead of the state (and of `members`).
+            log.set_conf_state(snap.get_metadata().get_conf_state())?;
+        }
         let machine::Machine {
             state,
             tags,

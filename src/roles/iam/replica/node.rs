@@ -79,6 +79,9 @@ pub(super) struct Node {
     /// This leader was removed: it hands leadership to the most caught-up voter once the
     /// Ready is done (raft-rs leaves a removed leader leading).
     step_down: bool,
+    /// Ticks this replica has led since it was removed: past a few election timeouts
+    /// without a successful hand-over it stops leading by itself.
+    removed_leading: u32,
     /// Read requests by context, before the leader has confirmed an index for them.
     reads: HashMap<u64, PendingRead>,
     /// Confirmed reads waiting for the apply index to reach theirs (index, asked at, reply).
@@ -121,6 +124,7 @@ impl Node {
             members,
             snapshot_now: false,
             step_down: false,
+            removed_leading: 0,
             reads: HashMap::new(),
             confirmed: Vec::new(),
             read_prefix: rand::random(),
@@ -263,6 +267,22 @@ impl Node {
                 }
             }
             Input::Step(m) => {
+                // Only members propose, read or ask for leadership; a replica that was
+                // removed (or not added yet) is heard only as raft-rs allows (votes,
+                // appends from a leader that is ahead, its hand-over).
+                let asks = matches!(
+                    m.get_msg_type(),
+                    raft::prelude::MessageType::MsgPropose
+                        | raft::prelude::MessageType::MsgReadIndex
+                        | raft::prelude::MessageType::MsgTransferLeader
+                );
+                if asks && self.raw.raft.prs().get(m.from).is_none() {
+                    tracing::debug!(
+                        from = replica_id(m.from),
+                        "dropping a request from a non-member"
+                    );
+                    return;
+                }
                 if let Err(e) = self.raw.step(*m) {
                     tracing::debug!(error = %e, "dropping a Raft message");
                 }
@@ -407,6 +427,20 @@ impl Node {
 
     fn on_tick(&mut self) {
         let now = Instant::now();
+        if self.shared.removed.load(Ordering::Relaxed) && self.raw.raft.state == StateRole::Leader {
+            // A removed leader takes no proposals (it is not in its own progress), yet the
+            // others hear its heartbeats and never elect: hand over until it works (a lost
+            // MsgTimeoutNow or a dead heir cancels a transfer), and at last just stop
+            // leading, so that the others' election timers run out.
+            self.removed_leading += 1;
+            if self.removed_leading > 30 {
+                let term = self.raw.raft.term;
+                tracing::warn!("removed IAM leader found no heir; stepping down");
+                self.raw.raft.become_follower(term, raft::INVALID_ID);
+            } else if self.raw.raft.lead_transferee.is_none() {
+                self.step_down = true;
+            }
+        }
         let timeout = self.opts.commit_timeout;
         let failure = self.no_quorum("the change");
         for (_, p) in self
@@ -552,7 +586,7 @@ impl Node {
                 .raft
                 .prs()
                 .iter()
-                .filter(|(id, _)| **id != me)
+                .filter(|(id, p)| **id != me && p.recent_active)
                 .max_by_key(|(_, p)| p.matched)
                 .map(|(id, _)| *id);
             if let Some(heir) = heir {
@@ -712,6 +746,25 @@ impl Node {
         };
         let ctx = MemberChange::decode(&cc.context).ok();
         let pending = ctx.as_ref().and_then(|c| self.changes.remove(&c.tag));
+        // An addition of a member (two additions racing through replicas that had not
+        // applied the first): raft-rs would make it a no-op, but it must not rewrite the
+        // member's addresses either. Every replica decides the same from the same log.
+        let before = self.raw.raft.prs().conf().to_conf_state();
+        let already = cc.changes.iter().any(|ch| {
+            matches!(
+                ch.get_change_type(),
+                ConfChangeType::AddNode | ConfChangeType::AddLearnerNode
+            ) && (before.voters.contains(&ch.node_id) || before.learners.contains(&ch.node_id))
+        });
+        if already {
+            tracing::warn!(index = e.index, "skipping the addition of a member");
+            return Ok(pending.map(|p| {
+                (
+                    p.reply,
+                    Err(Failure::conflict("that replica is already a member")),
+                )
+            }));
+        }
         let cs = match self.raw.apply_conf_change(&cc) {
             Ok(cs) => cs,
             Err(err) => {
@@ -758,6 +811,10 @@ impl Node {
             && !cs.learners.contains(&self.opts.id);
         if gone && self.raw.raft.state == StateRole::Leader {
             self.step_down = true;
+        }
+        // Added again later (the same id back), it takes part again.
+        if !gone && self.shared.removed.swap(false, Ordering::Relaxed) {
+            tracing::info!("this IAM replica was added to the group again");
         }
         if gone && !self.shared.removed.swap(true, Ordering::Relaxed) {
             tracing::warn!(

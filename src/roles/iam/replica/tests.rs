@@ -28,6 +28,8 @@ struct Rules {
     group: HashMap<u64, u32>,
     /// Replicas that hear nobody and whom nobody hears.
     down: HashSet<u64>,
+    /// Lose every leadership hand-over (`MsgTimeoutNow`).
+    no_handover: bool,
 }
 
 struct Queued {
@@ -165,7 +167,8 @@ impl Transport for Link {
             m.from = self.from;
             let snap = m.get_msg_type() == MessageType::MsgSnapshot;
             let lost = rng.random_bool(st.rules.drop.clamp(0.0, 1.0))
-                || !Net::connected(&st.rules, self.from, m.to);
+                || !Net::connected(&st.rules, self.from, m.to)
+                || (st.rules.no_handover && m.get_msg_type() == MessageType::MsgTimeoutNow);
             if lost {
                 st.dropped += 1;
                 if snap {
@@ -795,9 +798,11 @@ async fn a_joining_replica_is_added_caught_up_by_snapshot_and_a_removed_leader_s
     g.leader().await;
     settle(g.get(down), admit("b1")).await;
 
-    // Remove the leader: leadership moves on, the removed replica answers nothing.
+    // Remove the leader, with its hand-over lost on the way: it stops leading by itself,
+    // the others elect and take changes while it still runs, and it answers nothing.
     let leader = g.leader().await;
     let asker = [1, 2, 3, 4].into_iter().find(|i| *i != leader).unwrap();
+    g.net.rules(|r| r.no_handover = true);
     g.get(asker)
         .change_member(Change::Remove(replica_id(leader)))
         .await
@@ -812,10 +817,12 @@ async fn a_joining_replica_is_added_caught_up_by_snapshot_and_a_removed_leader_s
     assert_eq!(f.reason, Reason::Unavailable);
     assert!(f.message.contains("removed"), "{f}");
     assert!(gone.failed());
-    g.stop(leader).await;
-    let new_leader = g.leader().await;
-    assert_ne!(new_leader, leader);
     settle(g.get(asker), admit("c1")).await;
+    let new_leader = g.get(asker).leader();
+    assert!(new_leader != leader && new_leader != 0, "{new_leader}");
+    assert!(!gone.is_leader());
+    g.net.rules(|r| r.no_handover = false);
+    g.stop(leader).await;
     let rest: Vec<u64> = g.replicas.keys().copied().collect();
     let voters: Vec<u64> = (1..=4).filter(|i| *i != leader).collect();
     assert_eq!(rest, voters);
@@ -840,4 +847,23 @@ async fn a_joining_replica_is_added_caught_up_by_snapshot_and_a_removed_leader_s
     g.start(leader);
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(g.get(leader).removed());
+
+    // Added again, the same replica takes part again.
+    g.get(rest[0])
+        .change_member(Change::Add(member(leader)))
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    while g.get(leader).removed() {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    g.leader().await;
+    settle(g.get(leader), admit("d0")).await;
+    let st = g.converged().await;
+    assert_eq!(st.leases.len(), 14);
+    assert_eq!(
+        g.get(leader).status().await.unwrap().voters,
+        vec![1, 2, 3, 4]
+    );
 }

@@ -28,6 +28,8 @@ use crate::rpc;
 const QUEUE: usize = 4096;
 /// Most messages in one call.
 const BATCH: usize = 256;
+/// How long one call may take (a batch with a snapshot of tens of MB included).
+const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest wait between calls to a peer that is down.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
@@ -162,10 +164,16 @@ async fn sender(
             .map(|m| m.write_to_bytes().unwrap_or_default())
             .collect();
         let req = rpc::client::internal(pb::RaftBatch { messages }, &service_token);
-        let ok = match client.send(req).await {
-            Ok(_) => true,
-            Err(s) => {
+        // A peer that stopped reading must not hold this queue until keepalive notices
+        // (about 15 s): Raft resends what still matters after a failed call.
+        let ok = match tokio::time::timeout(SEND_TIMEOUT, client.send(req)).await {
+            Ok(Ok(_)) => true,
+            Ok(Err(s)) => {
                 tracing::debug!(peer = replica_id(to), error = %s.message(), "Raft messages not delivered");
+                false
+            }
+            Err(_) => {
+                tracing::debug!(peer = replica_id(to), "Raft messages not delivered in time");
                 false
             }
         };
@@ -301,7 +309,7 @@ fn forwardable(e: &raft::prelude::Entry) -> bool {
                 ConfChangeType::AddNode | ConfChangeType::RemoveNode
             );
             let ctx_ok = MemberChange::decode(&cc.context)
-                .is_ok_and(|c| super::raft_id(c.member.id) == cc.node_id);
+                .is_ok_and(|c| c.member.id.checked_add(1) == Some(cc.node_id));
             kind_ok && cc.node_id != 0 && ctx_ok
         }
         EntryType::EntryConfChangeV2 => false,
