@@ -97,8 +97,8 @@ impl Dialer {
     ) -> Result<super::failover::Failover, ClientError> {
         let channels = addrs
             .iter()
-            .map(|a| self.channel(a, connect_timeout, expect))
-            .collect::<Result<Vec<_>, _>>()?;
+            .map(|a| Ok((a.clone(), self.channel(a, connect_timeout, expect)?)))
+            .collect::<Result<Vec<_>, ClientError>>()?;
         Ok(super::failover::Failover::new(
             channels,
             patience,

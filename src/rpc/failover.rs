@@ -9,6 +9,9 @@
 //! later) is sent again only when the method's effect does not double ([`iam_resendable`]:
 //! reads, and admissions and releases keyed by lease id); the others fail with what the
 //! replica said. Over a single address the channel adds nothing.
+//!
+//! Replicas name their leader's address in every answer ([`LEADER_HEADER`]); the channel
+//! then sends the next calls there, sparing the hop a follower makes to forward a change.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -24,6 +27,9 @@ use tower::ServiceExt;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// The response header in which an IAM replica names the leader's `Iam` address.
+pub const LEADER_HEADER: &str = "x-opendsec-iam-leader";
+
 /// gRPC's UNAVAILABLE.
 const UNAVAILABLE: &str = "14";
 
@@ -38,6 +44,8 @@ pub const IAM_PATIENCE: Duration = Duration::from_secs(10);
 #[derive(Clone)]
 pub struct Failover {
     channels: Arc<[Channel]>,
+    /// The replicas' addresses, in the channels' order.
+    addrs: Arc<[String]>,
     current: Arc<AtomicUsize>,
     patience: Duration,
     resendable: fn(&str) -> bool,
@@ -98,16 +106,18 @@ impl std::fmt::Debug for Failover {
 }
 
 impl Failover {
-    /// Over `channels` (one per replica, in the config's order), sending a call again for up
-    /// to `patience` after it first failed; calls whose path `resendable` accepts also when
-    /// their first try's fate is unknown. An empty list fails every call.
+    /// Over `replicas` (address and channel, in the config's order), sending a call again
+    /// for up to `patience` after it first failed; calls whose path `resendable` accepts also
+    /// when their first try's fate is unknown. An empty list fails every call.
     pub fn new(
-        channels: Vec<Channel>,
+        replicas: Vec<(String, Channel)>,
         patience: Duration,
         resendable: fn(&str) -> bool,
     ) -> Failover {
+        let (addrs, channels): (Vec<String>, Vec<Channel>) = replicas.into_iter().unzip();
         Failover {
             channels: channels.into(),
+            addrs: addrs.into(),
             current: Arc::default(),
             patience,
             resendable,
@@ -135,15 +145,36 @@ impl tower::Service<http::Request<Body>> for Failover {
 
     fn call(&mut self, req: http::Request<Body>) -> Self::Future {
         let channels = self.channels.clone();
+        let addrs = self.addrs.clone();
         let current = self.current.clone();
         let patience = self.patience;
         let resendable = (self.resendable)(req.uri().path());
         Box::pin(async move {
             match &*channels {
                 [only] => Ok(only.clone().oneshot(req).await?),
-                _ => failover(&channels, &current, patience, resendable, req).await,
+                _ => {
+                    let r = failover(&channels, &current, patience, resendable, req).await;
+                    if let Ok(resp) = &r {
+                        follow_leader(resp, &addrs, &current);
+                    }
+                    r
+                }
             }
         })
+    }
+}
+
+/// Prefers the replica a response names as the leader, if it is one of ours.
+fn follow_leader(resp: &http::Response<Body>, addrs: &[String], current: &AtomicUsize) {
+    let Some(leader) = resp
+        .headers()
+        .get(LEADER_HEADER)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return;
+    };
+    if let Some(i) = addrs.iter().position(|a| a == leader) {
+        current.store(i, Ordering::Relaxed);
     }
 }
 
@@ -196,5 +227,80 @@ async fn failover(
             // Every replica failed once: give an election time before the next round.
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pb;
+    use std::sync::atomic::AtomicU32;
+
+    /// A replica that counts its calls and names `leader` in its answers.
+    #[derive(Clone)]
+    struct Fake {
+        calls: Arc<AtomicU32>,
+        leader: String,
+    }
+
+    #[tonic::async_trait]
+    impl pb::raft_server::Raft for Fake {
+        async fn send(
+            &self,
+            _: tonic::Request<pb::RaftBatch>,
+        ) -> Result<tonic::Response<pb::RaftAck>, tonic::Status> {
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            let mut r = tonic::Response::new(pb::RaftAck {});
+            if let Ok(v) = self.leader.parse() {
+                r.metadata_mut().insert(LEADER_HEADER, v);
+            }
+            Ok(r)
+        }
+    }
+
+    /// Calls go to the first replica until one names the leader; then to the leader.
+    #[tokio::test]
+    async fn calls_follow_the_leader_a_replica_names() {
+        let mut replicas = Vec::new();
+        let mut counts = Vec::new();
+        let listeners: Vec<tokio::net::TcpListener> =
+            futures::future::join_all((0..3).map(|_| tokio::net::TcpListener::bind("127.0.0.1:0")))
+                .await
+                .into_iter()
+                .map(|l| l.unwrap())
+                .collect();
+        let addrs: Vec<String> = listeners
+            .iter()
+            .map(|l| l.local_addr().unwrap().to_string())
+            .collect();
+        for (i, l) in listeners.into_iter().enumerate() {
+            let fake = Fake {
+                calls: Arc::default(),
+                // Replica 0 names 2; 2 names itself; 1 names an address not in the list.
+                leader: match i {
+                    1 => "10.9.9.9:1".to_string(),
+                    _ => addrs[2].clone(),
+                },
+            };
+            counts.push(fake.calls.clone());
+            let incoming = tonic::transport::server::TcpIncoming::from(l);
+            tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(pb::raft_server::RaftServer::new(fake))
+                    .serve_with_incoming(incoming),
+            );
+            let ch = crate::rpc::client::channel(&addrs[i], Duration::from_secs(2)).unwrap();
+            replicas.push((addrs[i].clone(), ch));
+        }
+        let ch = Failover::new(replicas, Duration::from_secs(1), |_| false);
+        let mut client = pb::raft_client::RaftClient::new(ch);
+        for _ in 0..5 {
+            client
+                .send(pb::RaftBatch { messages: vec![] })
+                .await
+                .unwrap();
+        }
+        let n: Vec<u32> = counts.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+        assert_eq!(n, vec![1, 0, 4]);
     }
 }

@@ -194,8 +194,34 @@ impl IamService {
 }
 
 /// A handler's result as a gRPC reply.
-pub(super) fn reply<T>(r: Result<T, Failure>) -> Result<Response<T>, Status> {
-    r.map(Response::new).map_err(|f| rpc::to_status(&f))
+impl IamService {
+    /// The answer, with the leader's address for clients that prefer to call it
+    /// ([`rpc::failover::LEADER_HEADER`]): a follower forwards every change to the leader,
+    /// which costs a hop.
+    fn reply<T>(&self, r: Result<T, Failure>) -> Result<Response<T>, Status> {
+        let leader = match self.store() {
+            super::IamStore::Replicated(rep) => rep
+                .leader_addr()
+                .and_then(|a| tonic::metadata::MetadataValue::try_from(a.as_str()).ok()),
+            super::IamStore::Standalone(_) => None,
+        };
+        match r {
+            Ok(v) => {
+                let mut resp = Response::new(v);
+                if let Some(l) = leader {
+                    resp.metadata_mut().insert(rpc::failover::LEADER_HEADER, l);
+                }
+                Ok(resp)
+            }
+            Err(f) => {
+                let mut st = rpc::to_status(&f);
+                if let Some(l) = leader {
+                    st.metadata_mut().insert(rpc::failover::LEADER_HEADER, l);
+                }
+                Err(st)
+            }
+        }
+    }
 }
 
 #[tonic::async_trait]
@@ -205,21 +231,21 @@ impl pb::iam_server::Iam for IamService {
         req: Request<pb::AuthenticateRequest>,
     ) -> Result<Response<pb::AuthenticateResponse>, Status> {
         self.internal(&req)?;
-        reply(self.rpc_authenticate(req).await)
+        self.reply(self.rpc_authenticate(req).await)
     }
     async fn authorize(
         &self,
         req: Request<pb::AuthorizeRequest>,
     ) -> Result<Response<pb::AuthorizeResponse>, Status> {
         self.internal(&req)?;
-        reply(self.rpc_authorize(req.into_inner()).await)
+        self.reply(self.rpc_authorize(req.into_inner()).await)
     }
     async fn admit(
         &self,
         req: Request<pb::AdmitRequest>,
     ) -> Result<Response<pb::AdmitResponse>, Status> {
         self.internal(&req)?;
-        reply(self.rpc_admit(req).await)
+        self.reply(self.rpc_admit(req).await)
     }
     async fn release_leases(
         &self,
@@ -227,14 +253,14 @@ impl pb::iam_server::Iam for IamService {
     ) -> Result<Response<pb::ReleaseLeasesResponse>, Status> {
         self.internal(&req)?;
         let edge = calling_edge(&req);
-        reply(self.rpc_release_leases(req.into_inner(), edge).await)
+        self.reply(self.rpc_release_leases(req.into_inner(), edge).await)
     }
     async fn get_lease(
         &self,
         req: Request<pb::GetLeaseRequest>,
     ) -> Result<Response<pb::LeaseInfo>, Status> {
         self.internal(&req)?;
-        reply(self.rpc_get_lease(req.into_inner()).await)
+        self.reply(self.rpc_get_lease(req.into_inner()).await)
     }
     async fn get_leases(
         &self,
@@ -242,21 +268,21 @@ impl pb::iam_server::Iam for IamService {
     ) -> Result<Response<pb::GetLeasesResponse>, Status> {
         self.internal(&req)?;
         let edge = calling_edge(&req);
-        reply(self.rpc_get_leases(req.into_inner(), edge.as_deref()).await)
+        self.reply(self.rpc_get_leases(req.into_inner(), edge.as_deref()).await)
     }
     async fn reconcile(
         &self,
         req: Request<pb::ReconcileRequest>,
     ) -> Result<Response<pb::ReconcileResponse>, Status> {
         self.internal(&req)?;
-        reply(self.rpc_reconcile(req.into_inner()).await)
+        self.reply(self.rpc_reconcile(req.into_inner()).await)
     }
     async fn sweep_unbound(
         &self,
         req: Request<pb::SweepUnboundRequest>,
     ) -> Result<Response<pb::SweepUnboundResponse>, Status> {
         self.internal(&req)?;
-        reply(self.rpc_sweep_unbound(req.into_inner()).await)
+        self.reply(self.rpc_sweep_unbound(req.into_inner()).await)
     }
     async fn get_epoch(
         &self,
@@ -266,9 +292,9 @@ impl pb::iam_server::Iam for IamService {
         // A trailing replica's epoch would let a revoked token live on in the apiservers'
         // caches: read it after a read index.
         if let Err(f) = self.store().fresh().await {
-            return reply(Err(f));
+            return self.reply(Err(f));
         }
-        reply(Ok(pb::EpochResponse {
+        self.reply(Ok(pb::EpochResponse {
             epoch: self.store().read().epoch,
         }))
     }
@@ -277,107 +303,107 @@ impl pb::iam_server::Iam for IamService {
         &self,
         req: Request<pb::Empty>,
     ) -> Result<Response<pb::WhoAmIResponse>, Status> {
-        reply(self.rpc_who_am_i(req).await)
+        self.reply(self.rpc_who_am_i(req).await)
     }
     async fn create_project(
         &self,
         req: Request<pb::CreateProjectRequest>,
     ) -> Result<Response<pb::Project>, Status> {
-        reply(self.rpc_create_project(req).await)
+        self.reply(self.rpc_create_project(req).await)
     }
     async fn get_project(
         &self,
         req: Request<pb::ProjectRef>,
     ) -> Result<Response<pb::Project>, Status> {
-        reply(self.rpc_get_project(req).await)
+        self.reply(self.rpc_get_project(req).await)
     }
     async fn set_quota(
         &self,
         req: Request<pb::SetQuotaRequest>,
     ) -> Result<Response<pb::Project>, Status> {
-        reply(self.rpc_set_quota(req).await)
+        self.reply(self.rpc_set_quota(req).await)
     }
     async fn delete_project(
         &self,
         req: Request<pb::ProjectRef>,
     ) -> Result<Response<pb::Empty>, Status> {
-        reply(self.rpc_delete_project(req).await)
+        self.reply(self.rpc_delete_project(req).await)
     }
     async fn create_principal(
         &self,
         req: Request<pb::CreatePrincipalRequest>,
     ) -> Result<Response<pb::CreatePrincipalResponse>, Status> {
-        reply(self.rpc_create_principal(req).await)
+        self.reply(self.rpc_create_principal(req).await)
     }
     async fn delete_principal(
         &self,
         req: Request<pb::PrincipalRef>,
     ) -> Result<Response<pb::Empty>, Status> {
-        reply(self.rpc_delete_principal(req).await)
+        self.reply(self.rpc_delete_principal(req).await)
     }
     async fn grant(&self, req: Request<pb::GrantRequest>) -> Result<Response<pb::Project>, Status> {
-        reply(self.rpc_grant(req, true).await)
+        self.reply(self.rpc_grant(req, true).await)
     }
     async fn revoke(
         &self,
         req: Request<pb::GrantRequest>,
     ) -> Result<Response<pb::Project>, Status> {
-        reply(self.rpc_grant(req, false).await)
+        self.reply(self.rpc_grant(req, false).await)
     }
     async fn create_token(
         &self,
         req: Request<pb::CreateTokenRequest>,
     ) -> Result<Response<pb::CreateTokenResponse>, Status> {
-        reply(self.rpc_create_token(req).await)
+        self.reply(self.rpc_create_token(req).await)
     }
     async fn list_tokens(
         &self,
         req: Request<pb::PrincipalRef>,
     ) -> Result<Response<pb::ListTokensResponse>, Status> {
-        reply(self.rpc_list_tokens(req).await)
+        self.reply(self.rpc_list_tokens(req).await)
     }
     async fn revoke_token(
         &self,
         req: Request<pb::RevokeTokenRequest>,
     ) -> Result<Response<pb::Empty>, Status> {
-        reply(self.rpc_revoke_token(req).await)
+        self.reply(self.rpc_revoke_token(req).await)
     }
     async fn get_usage(
         &self,
         req: Request<pb::GetUsageRequest>,
     ) -> Result<Response<pb::UsageReport>, Status> {
-        reply(self.rpc_get_usage(req).await)
+        self.reply(self.rpc_get_usage(req).await)
     }
     async fn backup(
         &self,
         req: Request<pb::Empty>,
     ) -> Result<Response<pb::IamBackupResponse>, Status> {
-        reply(self.rpc_backup(req).await)
+        self.reply(self.rpc_backup(req).await)
     }
     async fn restore(
         &self,
         req: Request<pb::IamRestoreRequest>,
     ) -> Result<Response<pb::Empty>, Status> {
-        reply(self.rpc_restore(req).await)
+        self.reply(self.rpc_restore(req).await)
     }
     async fn members(
         &self,
         req: Request<pb::Empty>,
     ) -> Result<Response<pb::IamMembersResponse>, Status> {
-        reply(self.rpc_members(req).await)
+        self.reply(self.rpc_members(req).await)
     }
 
     async fn member_add(
         &self,
         req: Request<pb::IamMemberAddRequest>,
     ) -> Result<Response<pb::IamMembersResponse>, Status> {
-        reply(self.rpc_member_add(req).await)
+        self.reply(self.rpc_member_add(req).await)
     }
 
     async fn member_remove(
         &self,
         req: Request<pb::IamMemberRemoveRequest>,
     ) -> Result<Response<pb::IamMembersResponse>, Status> {
-        reply(self.rpc_member_remove(req).await)
+        self.reply(self.rpc_member_remove(req).await)
     }
 }

@@ -195,6 +195,8 @@ pub(crate) struct Shared {
     /// Set once a committed membership change removed this replica: it no longer hears
     /// from the group, so nothing it holds can be trusted as current.
     removed: AtomicBool,
+    /// The members' addresses as the node knows them, for [`Replica::leader_addr`].
+    members: RwLock<Vec<Member>>,
 }
 
 /// Handle on a running replica; clones share it.
@@ -290,6 +292,7 @@ impl Replica {
             is_leader: AtomicBool::new(false),
             failed: AtomicBool::new(false),
             removed: AtomicBool::new(removed),
+            members: RwLock::new(members.clone()),
         });
         let (tx, rx) = std::sync::mpsc::channel();
         let reporter = Reporter { tx: tx.clone() };
@@ -421,6 +424,21 @@ impl Replica {
     /// The raft id of the leader as last seen (0 = none).
     pub fn leader(&self) -> u64 {
         self.shared.leader.load(Ordering::Relaxed)
+    }
+
+    /// The `Iam` address of the leader as last seen, if it is known and has one.
+    pub fn leader_addr(&self) -> Option<String> {
+        let leader = replica_id(self.shared.leader.load(Ordering::Relaxed));
+        if self.shared.leader.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        self.shared
+            .members
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .find(|m| m.id == leader && !m.addr.is_empty())
+            .map(|m| m.addr.clone())
     }
 
     /// True while this replica leads.

@@ -144,6 +144,11 @@ impl Node {
         if self.members.is_empty() {
             return;
         }
+        self.shared
+            .members
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone_from(&self.members);
         let me = replica_id(self.opts.id);
         let peers: Vec<(u64, String)> = self
             .members

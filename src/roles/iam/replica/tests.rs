@@ -773,6 +773,8 @@ async fn a_joining_replica_is_added_caught_up_by_snapshot_and_a_removed_leader_s
     // Added through a follower (the change goes to the leader inside Raft).
     let leader = g.get(1).leader();
     let follower = [1, 2, 3].into_iter().find(|i| *i != leader).unwrap();
+    assert_eq!(g.get(follower).leader_addr(), Some(member(leader).addr));
+    assert_eq!(g.get(4).leader_addr(), None);
     g.get(follower)
         .change_member(Change::Add(member(4)))
         .await
