@@ -629,4 +629,19 @@ fn a_lost_replica_is_replaced_by_one_that_joins_and_is_caught_up_by_snapshot() {
     let o = c.ctl(&["project", "get", "root/team"]);
     let p: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(p["usage"]["sandboxes"].as_f64(), Some(1.0), "{p}");
+
+    // A removed replica that still runs is not ready.
+    let o = c.ctl(&["iam", "member", "remove", "1"]);
+    assert!(o.status.success(), "{}\n{}", text(&o), c.logs());
+    let one = c.iam_metrics[1];
+    let t0 = Instant::now();
+    while common::http_get(one, "/readyz").map(|(code, _)| code) == Some(200) {
+        assert!(t0.elapsed() < Duration::from_secs(10), "{}", c.logs());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        common::http_get(one, "/readyz").map(|(code, _)| code),
+        Some(503),
+        "it still runs, and says it is not ready"
+    );
 }

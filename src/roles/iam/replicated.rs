@@ -115,8 +115,21 @@ pub async fn start(
             (store.clone(), cfg.clone(), shutdown.clone(), ready.clone());
         tokio::spawn(async move {
             become_ready(&store, &cfg, join, admin_id, admin_token, &shutdown).await;
-            if !shutdown.is_fired() {
-                ready.set(true, "iam");
+            if shutdown.is_fired() {
+                return;
+            }
+            ready.set(true, "iam");
+            // A replica that was removed from the group (or whose log failed) answers
+            // nothing: not ready, so that load balancers and operators see it.
+            let IamStore::Replicated(r) = &store else {
+                return;
+            };
+            loop {
+                ready.set(!r.failed(), "iam");
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                    _ = shutdown.wait() => return,
+                }
             }
         })
     };
@@ -158,7 +171,11 @@ async fn become_ready(
             Ok(()) => return,
             Err(e) => {
                 if !logged {
-                    tracing::warn!(error = %e, join, "iam replica waiting for a majority of replicas");
+                    if join {
+                        tracing::warn!(error = %e, "iam replica waiting to be added (iam member add) and caught up");
+                    } else {
+                        tracing::warn!(error = %e, "iam replica waiting for a majority of replicas");
+                    }
                     logged = true;
                 }
                 tokio::select! {

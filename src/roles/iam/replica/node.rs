@@ -82,6 +82,8 @@ pub(super) struct Node {
     /// Ticks this replica has led since it was removed: past a few election timeouts
     /// without a successful hand-over it stops leading by itself.
     removed_leading: u32,
+    /// The lost-log error was logged (once is enough).
+    lost_log_reported: bool,
     /// Read requests by context, before the leader has confirmed an index for them.
     reads: HashMap<u64, PendingRead>,
     /// Confirmed reads waiting for the apply index to reach theirs (index, asked at, reply).
@@ -125,6 +127,7 @@ impl Node {
             snapshot_now: false,
             step_down: false,
             removed_leading: 0,
+            lost_log_reported: false,
             reads: HashMap::new(),
             confirmed: Vec::new(),
             read_prefix: rand::random(),
@@ -286,6 +289,23 @@ impl Node {
                         from = replica_id(m.from),
                         "dropping a request from a non-member"
                     );
+                    return;
+                }
+                // A leader never tells a member to commit past what it acknowledged having:
+                // past our last entry, this replica lost a log it had acknowledged (its data
+                // directory went). raft-rs would panic; Raft's safety needs it to come back
+                // as a new member instead.
+                if m.get_msg_type() == raft::prelude::MessageType::MsgHeartbeat
+                    && m.commit > self.raw.raft.raft_log.last_index()
+                {
+                    if !std::mem::replace(&mut self.lost_log_reported, true) {
+                        tracing::error!(
+                            commit = m.commit,
+                            "this IAM replica is still a member but lost the log it had \
+                             acknowledged (an emptied data directory): remove it (`iam member \
+                             remove ID`), then add it again (`iam member add`)"
+                        );
+                    }
                     return;
                 }
                 if let Err(e) = self.raw.step(*m) {
@@ -835,7 +855,8 @@ impl Node {
             .store()
             .set_conf_state(cs)
             .map_err(|e| e.to_string())?;
-        tracing::info!(voters = ?cs.voters, "IAM membership changed");
+        let replicas: Vec<u64> = sorted(&cs.voters).into_iter().map(replica_id).collect();
+        tracing::info!(voters = ?replicas, "IAM membership changed");
         Ok(())
     }
 

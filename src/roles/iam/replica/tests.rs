@@ -868,4 +868,34 @@ async fn a_joining_replica_is_added_caught_up_by_snapshot_and_a_removed_leader_s
         g.get(leader).status().await.unwrap().voters,
         vec![1, 2, 3, 4]
     );
+
+    // A member that lost its data directory, started again with `join`, is refused what it
+    // can no longer hold (no panic, nothing applied); removed and added again, it is
+    // caught up.
+    let wiped = [1, 2, 3, 4]
+        .into_iter()
+        .find(|i| *i != g.get(1).leader())
+        .unwrap();
+    g.stop(wiped).await;
+    g.dirs[(wiped - 1) as usize] = tempfile::tempdir().unwrap();
+    g.join(wiped);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let s = g
+        .get(wiped)
+        .status()
+        .await
+        .expect("the replica's thread is alive");
+    assert_eq!(s.applied, 0, "{s:?}");
+    assert!(!g.get(wiped).failed());
+    let asker = [1, 2, 3, 4].into_iter().find(|i| *i != wiped).unwrap();
+    g.get(asker)
+        .change_member(Change::Remove(replica_id(wiped)))
+        .await
+        .unwrap();
+    g.get(asker)
+        .change_member(Change::Add(member(wiped)))
+        .await
+        .unwrap();
+    assert_eq!(g.converged().await, st);
+    assert_eq!(g.get(wiped).status().await.unwrap().snapshots_installed, 1);
 }
