@@ -748,6 +748,24 @@ impl pb::iam_server::Iam for FakeIam {
     ) -> R<pb::IamMembersResponse> {
         unimpl()
     }
+    async fn lock(&self, _: Request<pb::LockRequest>) -> R<pb::LockResponse> {
+        unimpl()
+    }
+    async fn unlock(&self, _: Request<pb::UnlockRequest>) -> R<pb::Empty> {
+        unimpl()
+    }
+    async fn kv_get(&self, _: Request<pb::KvGetRequest>) -> R<pb::KvEntry> {
+        unimpl()
+    }
+    async fn kv_list(&self, _: Request<pb::KvListRequest>) -> R<pb::KvListResponse> {
+        unimpl()
+    }
+    async fn kv_put(&self, _: Request<pb::KvPutRequest>) -> R<pb::KvPutResponse> {
+        unimpl()
+    }
+    async fn kv_delete(&self, _: Request<pb::KvDeleteRequest>) -> R<pb::KvPutResponse> {
+        unimpl()
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,7 +3,7 @@
 //! sandboxes, the leader is killed with SIGKILL again and again (then followers): no call
 //! fails, and afterwards every project made during the drill is there and the quota in use
 //! is exactly zero. With two of three replicas down creation fails `unavailable`, and it
-//! works again once one is back.
+//! works again once one is back. Two watchers elect their reconciler with IAM's lock.
 
 // Tests may unwrap, expect, panic and index (the codebase's rules are for non-test code).
 #![allow(
@@ -66,6 +66,17 @@ impl Proc {
             let _ = c.wait();
         }
     }
+
+    /// SIGTERM: a clean stop.
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            common::terminate(&mut c);
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
 }
 
 impl Drop for Proc {
@@ -80,6 +91,9 @@ struct Cluster {
     ca: PathBuf,
     iams: Vec<Proc>,
     iam_metrics: Vec<u16>,
+    watchers: Vec<Proc>,
+    watcher_metrics: Vec<u16>,
+    edge: Proc,
     _others: Vec<Proc>,
 }
 
@@ -88,11 +102,28 @@ impl Cluster {
         Cluster::start_with(3)
     }
 
-    /// A cluster with `replicas` IAM replicas, or a standalone IAM with a state file for 0.
+    /// A cluster with `replicas` IAM replicas, or a standalone IAM with a state file for 0,
+    /// and one watcher.
     fn start_with(replicas: usize) -> Cluster {
+        Cluster::start_full(replicas, 1)
+    }
+
+    /// `start_with`, with `watchers` watchers: several are `watcher.replicas` `w0`, `w1`, …
+    /// with a 3 s lock and quick reconciliation (an edge lost for 1 s is released).
+    fn start_full(replicas: usize, watchers: usize) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let pki = dir.path().join("pki");
         let [watcher, api, edge] = [(); 3].map(|()| free_port());
+        let watcher_cfg = if watchers > 1 {
+            let reps: Vec<serde_json::Value> = (0..watchers)
+                .map(|i| serde_json::json!({"id": format!("w{i}"), "addr": format!("127.0.0.1:{}", free_port())}))
+                .collect();
+            serde_json::json!({"replicas": reps, "probe_interval": 0.25, "lock_ttl": 3,
+                               "reconcile_interval": 0.5, "lost_edge_grace": 1,
+                               "reconcile_min_age": 1})
+        } else {
+            serde_json::json!({"addr": format!("127.0.0.1:{watcher}"), "probe_interval": 0.25})
+        };
         let n = replicas.max(1);
         let replicas: Vec<serde_json::Value> = (0..replicas)
             .map(|i| {
@@ -112,7 +143,7 @@ impl Cluster {
             } else {
                 serde_json::json!({"replicas": replicas, "admin_token": ADMIN})
             },
-            "watcher": {"addr": format!("127.0.0.1:{watcher}"), "probe_interval": 0.25},
+            "watcher": watcher_cfg,
             "apiserver": [{"addr": format!("127.0.0.1:{api}"), "snapshot_refresh": 0.25}],
             "edges": [{"id": "n1", "addr": format!("127.0.0.1:{edge}"),
                        "capacity": {"cpu_cores": 64, "memory_mb": 65536, "disk_mb": 655360},
@@ -134,22 +165,34 @@ impl Cluster {
                 Proc::start(dir.path(), &cfg_path, &args, &format!("iam-{i}.log"))
             })
             .collect();
-        let others = vec![
-            Proc::start(dir.path(), &cfg_path, &["watcher"], "watcher.log"),
-            Proc::start(dir.path(), &cfg_path, &["edge", "-id", "n1"], "edge.log"),
-            Proc::start(
-                dir.path(),
-                &cfg_path,
-                &["apiserver", "-index", "0"],
-                "api.log",
-            ),
-        ];
+        let watcher_metrics: Vec<u16> = (0..watchers).map(|_| free_port()).collect();
+        let watchers: Vec<Proc> = (0..watchers)
+            .map(|i| {
+                let m = format!("127.0.0.1:{}", watcher_metrics[i]);
+                let id = format!("w{i}");
+                let mut args = vec!["watcher", "-metrics", &m];
+                if watcher_metrics.len() > 1 {
+                    args.extend(["-replica", &id]);
+                }
+                Proc::start(dir.path(), &cfg_path, &args, &format!("watcher-{i}.log"))
+            })
+            .collect();
+        let edge = Proc::start(dir.path(), &cfg_path, &["edge", "-id", "n1"], "edge.log");
+        let others = vec![Proc::start(
+            dir.path(),
+            &cfg_path,
+            &["apiserver", "-index", "0"],
+            "api.log",
+        )];
         let c = Cluster {
             ca: pki.join("ca.crt"),
             dir,
             api,
             iams,
             iam_metrics,
+            watchers,
+            watcher_metrics,
+            edge,
             _others: others,
         };
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -179,8 +222,12 @@ impl Cluster {
     }
 
     fn logs(&self) -> String {
-        let mut names: Vec<String> = (0..3).map(|i| format!("iam-{i}.log")).collect();
-        names.extend(["watcher.log", "edge.log", "api.log"].map(String::from));
+        let mut names: Vec<String> = std::fs::read_dir(self.dir.path())
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.ends_with(".log"))
+            .collect();
+        names.sort();
         names
             .iter()
             .map(|l| {
@@ -213,6 +260,35 @@ impl Cluster {
         }
     }
 
+    /// The one watcher whose /metrics says it holds the reconciliation lock, once exactly
+    /// one running watcher says so and no other does.
+    fn lock_holder(&self) -> usize {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let holders: Vec<usize> = self
+                .watcher_metrics
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| self.watchers[*i].child.is_some())
+                .filter(|(_, port)| {
+                    common::http_get(**port, "/metrics").is_some_and(|(code, body)| {
+                        code == 200 && body.lines().any(|l| l == "opendsec_watcher_leader 1")
+                    })
+                })
+                .map(|(i, _)| i)
+                .collect();
+            if let [one] = holders[..] {
+                return one;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "holders {holders:?}:\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// `ctl sandbox create` of a sim sandbox in `project`, which must succeed.
     fn create_sandbox(&self, project: &str) {
         let o = self.ctl(&["sandbox", "create", "-backend", "sim", "-project", project]);
@@ -233,6 +309,73 @@ fn text(o: &Output) -> String {
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     )
+}
+
+/// Two watchers over three IAM replicas: both probe, only the holder of IAM's lock
+/// reconciles. SIGKILL of the holder hands the lock to the other (it runs out after its
+/// TTL), a restarted watcher does not take it back, the new holder releases the quota of a
+/// lost edge, and a clean stop frees the lock for the other at once.
+#[test]
+fn the_reconciliation_lock_moves_to_another_watcher_when_its_holder_dies() {
+    let mut c = Cluster::start_full(3, 2);
+    let first = c.lock_holder();
+    let second = 1 - first;
+    for port in &c.watcher_metrics {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !common::http_get(*port, "/metrics")
+            .is_some_and(|(_, b)| b.lines().any(|l| l == "opendsec_watcher_edges_healthy 1"))
+        {
+            assert!(
+                Instant::now() < deadline,
+                "a watcher does not probe:\n{}",
+                c.logs()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    c.create_sandbox("root");
+    c.create_sandbox("root");
+    assert_eq!(c.root_usage(), 2.0);
+
+    c.watchers[first].kill();
+    assert_eq!(c.lock_holder(), second, "{}", c.logs());
+    c.watchers[first].spawn();
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(
+        c.lock_holder(),
+        second,
+        "the restarted watcher took the lock back"
+    );
+    let body = common::http_get(c.watcher_metrics[first], "/metrics").map(|(_, b)| b);
+    assert!(
+        body.is_some_and(|b| b.lines().any(|l| l == "opendsec_watcher_leader 0")),
+        "{}",
+        c.logs()
+    );
+
+    // The edge is lost: after lost_edge_grace the holder releases its sandboxes' quota.
+    c.edge.kill();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while c.root_usage() != 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "quota never released:\n{}",
+            c.logs()
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert!(c.watchers[second].log_text().contains("leases reconciled"));
+    assert!(
+        !c.watchers[first].log_text().contains("leases reconciled"),
+        "a watcher without the lock reconciled"
+    );
+
+    // A clean stop frees the lock, and the other takes it.
+    c.watchers[second].stop();
+    assert!(c.watchers[second]
+        .log_text()
+        .contains("freed the reconciliation lock"));
+    assert_eq!(c.lock_holder(), first);
 }
 
 #[test]
@@ -491,6 +634,36 @@ fn replica_flags_are_checked_against_the_config() {
     }
     // Nothing was created for the refused replica.
     assert!(!dir.path().join("d0").exists());
+    // The watcher's -replica, against watcher.replicas.
+    let watchers = dir.path().join("watchers.json");
+    let cfg = serde_json::json!({"service_token": "s",
+        "iam": {"addr": "127.0.0.1:0", "admin_token": ADMIN},
+        "watcher": {"replicas": [{"id": "w0", "addr": "127.0.0.1:1"}]}});
+    std::fs::write(&watchers, cfg.to_string()).unwrap();
+    for (cfg, args, want) in [
+        (
+            &standalone,
+            &["-replica", "w0"][..],
+            "the config has no watcher.replicas",
+        ),
+        (&watchers, &[][..], "choose one with -replica ID"),
+        (
+            &watchers,
+            &["-replica", "w9"][..],
+            "not an id of watcher.replicas",
+        ),
+    ] {
+        let o = Command::new(BIN)
+            .arg("watcher")
+            .arg("-config")
+            .arg(cfg)
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
 }
 
 /// Replacing a lost replica as docs/iam-replicas.md describes: replica 2's machine is gone,

@@ -452,6 +452,7 @@ async fn state_survives_a_restart_and_reasons_reach_the_caller() {
         edge_id: "edge-1".into(),
         leases: vec![alive("l4"), alive("l9")],
         min_age_s: 60,
+        fence: 0,
     };
     assert_eq!(
         c.reconcile(internal(req.clone(), SVC))
@@ -470,10 +471,52 @@ async fn state_survives_a_restart_and_reasons_reach_the_caller() {
             released: 0
         }
     );
+    // A reconciliation under a fence of the watchers' lock applies only while that hold
+    // lasts: once another watcher has the lock, a late call changes nothing.
+    let lock = |holder: &str| pb::LockRequest {
+        name: "watcher-reconcile".into(),
+        holder: holder.into(),
+        ttl_ms: 10_000,
+    };
+    let old = c
+        .lock(internal(lock("watcher/a"), SVC))
+        .await
+        .unwrap()
+        .into_inner();
+    let unlock = pb::UnlockRequest {
+        name: "watcher-reconcile".into(),
+        holder: "watcher/a".into(),
+    };
+    c.unlock(internal(unlock, SVC)).await.unwrap();
+    let new = c
+        .lock(internal(lock("watcher/b"), SVC))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(new.fence > old.fence);
+    let late = pb::ReconcileRequest {
+        edge_id: "edge-1".into(),
+        leases: vec![],
+        min_age_s: 0,
+        fence: old.fence,
+    };
+    assert_eq!(
+        reason(c.reconcile(internal(late, SVC)).await),
+        Reason::Conflict
+    );
+    let sweep = pb::SweepUnboundRequest {
+        max_age_s: -1,
+        fence: old.fence,
+    };
+    assert_eq!(
+        reason(c.sweep_unbound(internal(sweep, SVC)).await),
+        Reason::Conflict
+    );
     let lost = pb::ReconcileRequest {
         edge_id: "edge-1".into(),
         leases: vec![],
         min_age_s: 0,
+        fence: new.fence,
     };
     assert_eq!(
         c.reconcile(internal(lost, SVC)).await.unwrap().into_inner(),
@@ -574,7 +617,10 @@ async fn internal_calls_need_the_service_token() {
         reason(c.authorize(internal(req, SVC)).await),
         Reason::Invalid
     );
-    let req = pb::SweepUnboundRequest { max_age_s: -1 };
+    let req = pb::SweepUnboundRequest {
+        max_age_s: -1,
+        fence: 0,
+    };
     assert_eq!(
         reason(c.sweep_unbound(internal(req, SVC)).await),
         Reason::Invalid

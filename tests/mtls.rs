@@ -61,6 +61,8 @@ fn expected(service: &str, method: &str) -> &'static [Role] {
     match (service, method) {
         ("Iam", "Reconcile" | "SweepUnbound") => &[Role::Watcher],
         ("Iam", "GetLeases") => &[Role::Edge],
+        ("Iam", "Lock" | "Unlock") => &[Role::Watcher, Role::Fleet],
+        ("Iam", "KvGet" | "KvList" | "KvPut" | "KvDelete") => &[Role::Fleet],
         ("Iam", "ReleaseLeases") => &[Role::Apiserver, Role::Edge],
         ("Iam", _) => &[Role::Apiserver],
         ("Watcher", "GetSnapshot") => &[Role::Apiserver],
@@ -254,6 +256,33 @@ async fn every_internal_method_admits_exactly_the_roles_it_lists() {
         }
     }
     assert!(checked > 8 * 60, "only {checked} calls checked");
+    // A lock is held only in the caller's own name.
+    let ch = w
+        .dialer(Role::Watcher, "0")
+        .channel(&w.addr("Iam"), Duration::from_secs(2), Role::Iam)
+        .unwrap();
+    let mut iam = pb::iam_client::IamClient::new(ch);
+    let lock = |holder: &str| pb::LockRequest {
+        name: "watcher-reconcile".into(),
+        holder: holder.into(),
+        ttl_ms: 5_000,
+    };
+    let f = failure_from_status(&iam.lock(lock("watcher/1")).await.unwrap_err());
+    assert_eq!(f.reason, Reason::Forbidden, "{f}");
+    let f = failure_from_status(
+        &iam.unlock(pb::UnlockRequest {
+            name: "watcher-reconcile".into(),
+            holder: "watcher/1".into(),
+        })
+        .await
+        .unwrap_err(),
+    );
+    assert_eq!(f.reason, Reason::Forbidden, "{f}");
+    // The cluster's own watcher ("0") holds it or takes it: either way as itself.
+    match iam.lock(lock("watcher/0")).await {
+        Ok(r) => assert!(r.into_inner().fence > 0),
+        Err(s) => panic!("{}", failure_from_status(&s)),
+    }
     w.cluster.down().await;
 }
 

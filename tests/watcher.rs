@@ -111,7 +111,7 @@ async fn lost_edges_turn_unhealthy_and_their_quota_is_released() {
     )
     .await
     .unwrap();
-    opendsec::roles::watcher::start(cfg.clone(), w_l, all.clone(), Ready::default())
+    opendsec::roles::watcher::start(cfg.clone(), "0", w_l, all.clone(), Ready::default())
         .await
         .unwrap();
     let api_ready = Ready::default();

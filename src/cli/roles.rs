@@ -86,7 +86,7 @@ role_args!(IamArgs, "Run IAM (principals, projects, quotas, leases): standalone,
 });
 
 role_args!(ReplicaArgs, "Run the watcher (edge probes, the cluster snapshot).", {
-    /// which replica to run (replicated watchers are not built yet)
+    /// which entry of `watcher.replicas` to run (required when the config has them)
     #[argh(option, default = "String::new()")]
     pub replica: String,
 });
@@ -247,8 +247,19 @@ async fn run(role: &str, flags: RoleFlags) -> anyhow::Result<()> {
         }
         e => anyhow::Error::new(e),
     })?;
-    if role == "watcher" && !flags.replica.is_empty() {
-        bail!("-replica: replicated watchers are not built yet; run a single one");
+    if role == "watcher" {
+        if cfg.watcher.replicas.is_empty() && !flags.replica.is_empty() {
+            bail!(
+                "-replica {}: the config has no watcher.replicas",
+                flags.replica
+            );
+        }
+        if !cfg.watcher.replicas.is_empty() && cfg.watcher.replica(&flags.replica).is_none() {
+            if flags.replica.is_empty() {
+                bail!("the config has watcher.replicas: choose one with -replica ID");
+            }
+            bail!("-replica {}: not an id of watcher.replicas", flags.replica);
+        }
     }
     if role == "iam" && cfg.iam.replicas.is_empty() != flags.replica.is_empty() {
         if flags.replica.is_empty() {
@@ -322,10 +333,18 @@ async fn run(role: &str, flags: RoleFlags) -> anyhow::Result<()> {
                 .push(crate::roles::iam::start(Arc::new(cfg), l, shutdown.clone(), ready).await?);
         }
         "watcher" => {
-            let addr = cfg.watcher.addrs().first().cloned().unwrap_or_default();
-            let l = bind(&addr, "watcher.addr").await?;
+            let (id, addr, field) = match cfg.watcher.replica(&flags.replica) {
+                Some(r) => (r.id.clone(), r.addr.clone(), "watcher.replicas[].addr"),
+                None => (
+                    crate::roles::watcher::WATCHER_ID.to_string(),
+                    cfg.watcher.addr.clone(),
+                    "watcher.addr",
+                ),
+            };
+            let l = bind(&addr, field).await?;
             handles.push(
-                crate::roles::watcher::start(Arc::new(cfg), l, shutdown.clone(), ready).await?,
+                crate::roles::watcher::start(Arc::new(cfg), &id, l, shutdown.clone(), ready)
+                    .await?,
             );
         }
         "apiserver" => {

@@ -273,6 +273,44 @@ impl WatcherConfig {
     pub fn unbound_max_age(&self) -> f64 {
         or(self.unbound_max_age, 600.0)
     }
+    /// Lease time of the reconciliation lock, seconds (default 10).
+    pub fn lock_ttl(&self) -> f64 {
+        or(self.lock_ttl, 10.0)
+    }
+    /// The replica entry `id` of `replicas`.
+    pub fn replica(&self, id: &str) -> Option<&WatcherReplica> {
+        self.replicas.iter().find(|r| r.id == id)
+    }
+    /// Checks `replicas` (ids usable in certificates, unique, with addresses; not together
+    /// with `addr`) and `lock_ttl` (3 to 3600 s: a holder counts on TTL − 2 s). `Invalid`.
+    fn check(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.lock_ttl != 0.0 && !(3.0..=3600.0).contains(&self.lock_ttl) {
+            return bad(format!(
+                "watcher.lock_ttl {}: from 3 to 3600 seconds (a holder counts on TTL - 2 s)",
+                self.lock_ttl
+            ));
+        }
+        if !self.replicas.is_empty() && !self.addr.is_empty() {
+            return bad("watcher: set replicas or addr, not both".into());
+        }
+        let mut seen = std::collections::HashSet::new();
+        for r in &self.replicas {
+            if crate::pki::Identity::new(crate::pki::Role::Watcher, &r.id).is_err() {
+                return bad(format!(
+                    "watcher.replicas: id {:?}: 1 to 64 of A-Z a-z 0-9 . _ -",
+                    r.id
+                ));
+            }
+            if !seen.insert(r.id.as_str()) {
+                return bad(format!("watcher.replicas: duplicate id {:?}", r.id));
+            }
+            if r.addr.is_empty() {
+                return bad(format!("watcher.replicas: replica {:?} has no addr", r.id));
+            }
+        }
+        Ok(())
+    }
     /// The watcher addresses, single or replicated.
     pub fn addrs(&self) -> Vec<String> {
         if self.replicas.is_empty() {
@@ -512,6 +550,7 @@ impl Config {
             }
         }
         self.check_iam_replicas()?;
+        self.watcher.check()?;
         if self.iam.max_token_ttl_s < 0 {
             return bad("iam.max_token_ttl_s may not be negative".into());
         }
@@ -591,6 +630,59 @@ mod tests {
         c.iam.admin_token = "dsk.admin.change-me-please".into();
         assert!(c.validate().is_err());
         assert!(base().validate().is_ok());
+    }
+
+    #[test]
+    fn watcher_replicas_and_lock_ttl_are_checked() {
+        let rep = |id: &str| WatcherReplica {
+            id: id.into(),
+            addr: format!("10.0.0.1:72{}", id.len()),
+        };
+        let mut c = base();
+        c.watcher.replicas = vec![rep("0"), rep("w-1")];
+        c.validate().unwrap();
+        assert_eq!(c.watcher.lock_ttl(), 10.0);
+        assert_eq!(
+            c.watcher.replica("w-1").map(|r| r.addr.as_str()),
+            Some("10.0.0.1:723")
+        );
+        type Change<'a> = Box<dyn Fn(&mut Config) + 'a>;
+        let cases: Vec<(Change, &str)> = vec![
+            (
+                Box::new(|c| c.watcher.replicas[1].id = "0".into()),
+                "duplicate id",
+            ),
+            (
+                Box::new(|c| c.watcher.replicas[1].id = "a/b".into()),
+                "id \"a/b\"",
+            ),
+            (
+                Box::new(|c| c.watcher.replicas[1].addr.clear()),
+                "has no addr",
+            ),
+            (
+                Box::new(|c| c.watcher.addr = "10.0.0.9:7200".into()),
+                "not both",
+            ),
+            (
+                Box::new(|c| c.watcher.lock_ttl = 2.5),
+                "from 3 to 3600 seconds",
+            ),
+            (
+                Box::new(|c| c.watcher.lock_ttl = 3601.0),
+                "from 3 to 3600 seconds",
+            ),
+            (
+                Box::new(|c| c.watcher.lock_ttl = f64::NAN),
+                "from 3 to 3600 seconds",
+            ),
+        ];
+        for (change, want) in cases {
+            let mut c = c.clone();
+            change(&mut c);
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains(want), "{e} lacks {want}");
+        }
     }
 
     #[test]

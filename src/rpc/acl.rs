@@ -34,7 +34,7 @@ pub enum Policy {
     Raft,
 }
 
-use Role::{Apiserver, Edge, Iam, Watcher};
+use Role::{Apiserver, Edge, Fleet, Iam, Watcher};
 
 impl Policy {
     /// The roles that may call `path` (`/package.Service/Method`). An unknown method is
@@ -47,6 +47,9 @@ impl Policy {
         match (self, service) {
             (Policy::Iam, "opendsec.v1.Iam") => match method {
                 "Reconcile" | "SweepUnbound" => &[Watcher],
+                // Leader election (the holder must be the caller: see the handler).
+                "Lock" | "Unlock" => &[Watcher, Fleet],
+                "KvGet" | "KvList" | "KvPut" | "KvDelete" => &[Fleet],
                 "GetLeases" => &[Edge],
                 "ReleaseLeases" => &[Apiserver, Edge],
                 // Authentication, admission and management on behalf of callers.

@@ -459,7 +459,7 @@ impl LocalCluster {
             let (cfg, sd, r) = (cfg.clone(), shutdown.clone(), r.clone());
             handles.push(
                 on_own_runtime(&mut runtimes, "watcher", w_l, move |l| {
-                    crate::roles::watcher::start(cfg, l, sd, r)
+                    crate::roles::watcher::start(cfg, crate::roles::watcher::WATCHER_ID, l, sd, r)
                 })
                 .await?,
             );

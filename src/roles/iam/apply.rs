@@ -8,7 +8,7 @@ use super::command::{Command, Outcome};
 use super::state::{
     check_hash, check_quota_map, check_token_id, Actor, IamState, Principal, Project, Token, ROOT,
 };
-use super::{apply_leases, apply_principals, backup};
+use super::{apply_kv, apply_leases, apply_principals, backup};
 use crate::types::{names, Failure};
 
 /// Applies one command to the state. `Err` means the command was refused and the state is
@@ -118,6 +118,23 @@ pub fn apply(st: &mut IamState, cmd: &Command) -> Result<Outcome, Failure> {
             apply_leases::sweep_unbound(st, *max_age_s, *now)
         }
         Command::Restore { actor, backup, now } => backup::restore(st, actor, backup, *now),
+        Command::Lock {
+            name,
+            holder,
+            ttl_ms,
+            now_ms,
+        } => apply_kv::lock(st, name, holder, *ttl_ms, *now_ms),
+        Command::Unlock { name, holder } => apply_kv::unlock(st, name, holder),
+        Command::KvPut {
+            key,
+            value,
+            if_revision,
+        } => apply_kv::put(st, key, value, *if_revision),
+        Command::KvDelete { key, if_revision } => apply_kv::delete(st, key, *if_revision),
+        Command::Fenced { lock, fence, cmd } => {
+            apply_kv::check_fence(st, lock, *fence)?;
+            apply(st, cmd)
+        }
     }
 }
 

@@ -1,5 +1,5 @@
 //! Backup and restore (docs/concepts.md): gzipped JSON of principals, projects (quotas and grants),
-//! token hashes, usage and the epoch. Leases are not in backups: a restore keeps the current
+//! token hashes, usage, the epoch and the key-value area. Leases are not in backups: a restore keeps the current
 //! ones and reconciliation registers the rest again from the edges.
 
 use std::collections::BTreeMap;
@@ -9,10 +9,11 @@ use flate2::{read::GzDecoder, write::GzEncoder, Compression};
 use serde::{Deserialize, Serialize};
 
 use super::apply::actor;
+use super::apply_kv;
 use super::command::Outcome;
 use super::state::{
-    check_hash, check_quota_map, check_token_id, Actor, IamState, Principal, Project, UsageRow,
-    ROOT,
+    check_hash, check_quota_map, check_token_id, Actor, IamState, KvValue, Principal, Project,
+    UsageRow, ROOT,
 };
 use crate::types::{names, Failure};
 
@@ -42,6 +43,9 @@ pub struct Backup {
     pub projects: BTreeMap<String, ProjectBackup>,
     pub principals: BTreeMap<String, Principal>,
     pub usage: BTreeMap<i64, BTreeMap<String, UsageRow>>,
+    /// The key-value area (docs/iam-replicas.md "Locks and the key-value area"). Locks are
+    /// not backed up: their holders take them again.
+    pub kv: BTreeMap<String, KvValue>,
 }
 
 impl Backup {
@@ -69,6 +73,7 @@ impl Backup {
                 .collect(),
             principals: st.principals.clone(),
             usage: st.usage.clone(),
+            kv: st.kv.clone(),
         }
     }
 
@@ -163,6 +168,30 @@ impl Backup {
                 })?;
             }
         }
+        for (key, v) in &self.kv {
+            apply_kv::check_key(key)
+                .map_err(|e| Failure::invalid(format!("backup: {}", e.message)))?;
+            if v.value.len() > apply_kv::MAX_VALUE_LEN {
+                return Err(Failure::invalid(format!(
+                    "backup: key {key} holds {} bytes; at most {}",
+                    v.value.len(),
+                    apply_kv::MAX_VALUE_LEN
+                )));
+            }
+        }
+        if apply_kv::area_bytes(&self.kv) > apply_kv::MAX_BYTES {
+            return Err(Failure::invalid(format!(
+                "backup: the key-value area exceeds {} bytes",
+                apply_kv::MAX_BYTES
+            )));
+        }
+        if self.kv.len() > apply_kv::MAX_KEYS {
+            return Err(Failure::invalid(format!(
+                "backup: {} keys; at most {}",
+                self.kv.len(),
+                apply_kv::MAX_KEYS
+            )));
+        }
         Ok(())
     }
 }
@@ -205,6 +234,7 @@ pub(super) fn restore(
     }
     st.principals = b.principals.clone();
     st.usage = b.usage.clone();
+    apply_kv::restore(st, &b.kv);
     st.epoch = st.epoch.max(b.epoch) + 1;
     // Leases of projects the backup lacks count in their nearest existing ancestor.
     let moved: Vec<(String, String)> = st
@@ -300,6 +330,42 @@ mod tests {
         ok(&mut st, create_project_cmd(&admin(), ROOT, "later", &[]));
         assert_eq!(st.projects["root/later"].usage, Res::default());
         assert!(st.epoch > epoch);
+    }
+
+    fn put(key: &str, value: &[u8]) -> Command {
+        Command::KvPut {
+            key: key.into(),
+            value: value.to_vec(),
+            if_revision: None,
+        }
+    }
+
+    #[test]
+    fn the_key_value_area_is_backed_up_and_restored_with_new_revisions() {
+        let mut st = booted();
+        ok(&mut st, put("nodes/a", b"1"));
+        let old = st.kv["nodes/a"].revision;
+        let b = Backup::decode(&Backup::of(&st, NOW).encode().unwrap()).unwrap();
+        ok(&mut st, put("nodes/b", b"x"));
+        ok(&mut st, put("nodes/a", b"2"));
+        let last = st.revision;
+        ok(&mut st, restore_cmd(&admin(), b.clone()));
+        assert_eq!(st.kv.keys().collect::<Vec<_>>(), ["nodes/a"]);
+        assert_eq!(st.kv["nodes/a"].value, b"1");
+        assert!(st.kv["nodes/a"].revision > last);
+        // A compare-and-set made against what was there before the restore fails.
+        refused(
+            &mut st,
+            Command::KvPut {
+                key: "nodes/a".into(),
+                value: b"3".to_vec(),
+                if_revision: Some(old),
+            },
+            Reason::Conflict,
+        );
+        let mut bad = b;
+        bad.kv.insert("elsewhere/x".into(), KvValue::default());
+        refused(&mut st, restore_cmd(&admin(), bad), Reason::Invalid);
     }
 
     #[test]

@@ -160,6 +160,37 @@ pub enum Command {
         backup: Box<Backup>,
         now: i64,
     },
+    /// Takes the named lock for `holder` until `now_ms + ttl_ms`, or renews it if `holder`
+    /// has it (`conflict` while another holds it). Unix milliseconds.
+    Lock {
+        name: String,
+        holder: String,
+        ttl_ms: i64,
+        now_ms: i64,
+    },
+    /// Gives up the named lock (`holder` must hold it, expired or not).
+    Unlock { name: String, holder: String },
+    /// Writes a key of the key-value area. `if_revision`: `Some(0)` = only if absent,
+    /// `Some(r)` = only if its last write was revision `r` (compare-and-set).
+    KvPut {
+        key: String,
+        #[serde(with = "super::state::b64")]
+        value: Vec<u8>,
+        if_revision: Option<u64>,
+    },
+    /// Deletes a key; `if_revision` as for `KvPut`.
+    KvDelete {
+        key: String,
+        if_revision: Option<u64>,
+    },
+    /// Applies `cmd` only while lock `lock` is still held with fence `fence` (`conflict`
+    /// otherwise): a call from a holder that has since lost the lock, committed late,
+    /// changes nothing.
+    Fenced {
+        lock: String,
+        fence: u64,
+        cmd: Box<Command>,
+    },
 }
 
 impl Command {
@@ -182,6 +213,11 @@ impl Command {
             Command::Reconcile { .. } => "reconcile",
             Command::SweepUnbound { .. } => "sweep_unbound",
             Command::Restore { .. } => "restore",
+            Command::Lock { .. } => "lock",
+            Command::Unlock { .. } => "unlock",
+            Command::KvPut { .. } => "kv_put",
+            Command::KvDelete { .. } => "kv_delete",
+            Command::Fenced { cmd, .. } => cmd.name(),
         }
     }
 }
@@ -218,4 +254,12 @@ pub enum Outcome {
         adopted: i64,
         released: i64,
     },
+    /// The lock is held by the proposer until `expires_at_ms`; `fence` as in
+    /// [`super::state::LockHold`].
+    Locked {
+        fence: u64,
+        expires_at_ms: i64,
+    },
+    /// The revision a key-value write or delete was given.
+    Revision(u64),
 }

@@ -20,6 +20,7 @@ use crate::shutdown::Shutdown;
 use crate::telemetry::Ready;
 
 pub mod apply;
+pub mod apply_kv;
 mod apply_leases;
 mod apply_principals;
 mod backing;
@@ -31,6 +32,7 @@ pub mod replica;
 pub mod replicated;
 pub mod service;
 mod service_internal;
+mod service_kv;
 mod service_mgmt;
 pub mod state;
 pub mod store;

@@ -284,6 +284,47 @@ impl pb::iam_server::Iam for IamService {
         self.internal(&req)?;
         self.reply(self.rpc_sweep_unbound(req.into_inner()).await)
     }
+    async fn lock(
+        &self,
+        req: Request<pb::LockRequest>,
+    ) -> Result<Response<pb::LockResponse>, Status> {
+        self.internal(&req)?;
+        let caller = rpc::acl::caller(&req).cloned();
+        self.reply(self.rpc_lock(req.into_inner(), caller.as_ref()).await)
+    }
+    async fn unlock(&self, req: Request<pb::UnlockRequest>) -> Result<Response<pb::Empty>, Status> {
+        self.internal(&req)?;
+        let caller = rpc::acl::caller(&req).cloned();
+        self.reply(self.rpc_unlock(req.into_inner(), caller.as_ref()).await)
+    }
+    async fn kv_get(
+        &self,
+        req: Request<pb::KvGetRequest>,
+    ) -> Result<Response<pb::KvEntry>, Status> {
+        self.internal(&req)?;
+        self.reply(self.rpc_kv_get(req.into_inner()).await)
+    }
+    async fn kv_list(
+        &self,
+        req: Request<pb::KvListRequest>,
+    ) -> Result<Response<pb::KvListResponse>, Status> {
+        self.internal(&req)?;
+        self.reply(self.rpc_kv_list(req.into_inner()).await)
+    }
+    async fn kv_put(
+        &self,
+        req: Request<pb::KvPutRequest>,
+    ) -> Result<Response<pb::KvPutResponse>, Status> {
+        self.internal(&req)?;
+        self.reply(self.rpc_kv_put(req.into_inner()).await)
+    }
+    async fn kv_delete(
+        &self,
+        req: Request<pb::KvDeleteRequest>,
+    ) -> Result<Response<pb::KvPutResponse>, Status> {
+        self.internal(&req)?;
+        self.reply(self.rpc_kv_delete(req.into_inner()).await)
+    }
     async fn get_epoch(
         &self,
         req: Request<pb::Empty>,

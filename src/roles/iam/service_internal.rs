@@ -16,6 +16,19 @@ fn unexpected(o: Outcome) -> Failure {
     Failure::internal(format!("unexpected outcome {o:?}"))
 }
 
+/// A watcher's reconciliation under its fence of the reconciliation lock (0 = none): if
+/// another watcher has taken the lock by the time it commits, it changes nothing.
+fn fenced(fence: u64, cmd: Command) -> Command {
+    if fence == 0 {
+        return cmd;
+    }
+    Command::Fenced {
+        lock: super::apply_kv::RECONCILE_LOCK.into(),
+        fence,
+        cmd: Box::new(cmd),
+    }
+}
+
 impl IamService {
     /// The address a request's token came from: the forwarded one, else the peer.
     fn addr_of<T>(req: &Request<T>, forwarded: &str) -> String {
@@ -244,16 +257,16 @@ impl IamService {
                 released: 0,
             });
         }
-        match self
-            .store()
-            .propose(Command::Reconcile {
+        let cmd = fenced(
+            r.fence,
+            Command::Reconcile {
                 edge_id: r.edge_id,
                 leases,
                 min_age_s: r.min_age_s,
                 now,
-            })
-            .await?
-        {
+            },
+        );
+        match self.store().propose(cmd).await? {
             Outcome::Reconciled { adopted, released } => {
                 if adopted > 0 || released > 0 {
                     tracing::info!(adopted, released, "leases reconciled");
@@ -276,14 +289,14 @@ impl IamService {
         {
             return Ok(pb::SweepUnboundResponse { released: 0 });
         }
-        match self
-            .store()
-            .propose(Command::SweepUnbound {
+        let cmd = fenced(
+            r.fence,
+            Command::SweepUnbound {
                 max_age_s: r.max_age_s,
                 now,
-            })
-            .await?
-        {
+            },
+        );
+        match self.store().propose(cmd).await? {
             Outcome::Released(n) => Ok(pb::SweepUnboundResponse { released: n }),
             o => Err(unexpected(o)),
         }

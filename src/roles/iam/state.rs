@@ -40,18 +40,69 @@ pub struct IamState {
     /// `Admit` that committed after the release) and must not hold the lease again.
     #[serde(default)]
     pub released: BTreeMap<String, i64>,
+    /// Lock name -> its holder (docs/iam-replicas.md "Locks and the key-value area").
+    pub locks: BTreeMap<String, LockHold>,
+    /// The key-value area: key -> value and the revision of its last write.
+    pub kv: BTreeMap<String, KvValue>,
+    /// The last revision given out, to a key-value write or a lock taken; it only grows,
+    /// so it orders every such change cluster-wide.
+    pub revision: u64,
     /// Edge id ("" = not bound) -> ids of the leases bound there. Derived; rebuilt on load.
     #[serde(skip)]
     pub by_edge: HashMap<String, BTreeSet<String>>,
     /// `released` by time, for pruning. Derived; rebuilt on load.
     #[serde(skip)]
     pub released_by_time: BTreeSet<(i64, String)>,
+    /// Bytes of keys and values in `kv`. Derived; rebuilt on load.
+    #[serde(skip)]
+    pub kv_bytes: usize,
 }
 
 /// How long a released lease id is remembered (seconds). Copies of one admission are all
 /// proposed within IAM clients' patience and the commit timeout (about 15 s): a minute
 /// covers them with room to spare.
 pub const RELEASED_KEEP_S: i64 = 60;
+
+/// Who holds a lock, until when (milliseconds, the proposers' clocks).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LockHold {
+    /// The holder's name, `role/id` (`watcher/1`).
+    pub holder: String,
+    /// Unix milliseconds after which anyone may take it.
+    pub expires_at_ms: i64,
+    /// The revision given when this holder took it (a fencing token: it grows with every
+    /// change of holder and stays the same across renewals).
+    pub fence: u64,
+}
+
+/// One key of the key-value area.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct KvValue {
+    /// The value as written; IAM does not interpret it. Base64 in JSON.
+    #[serde(with = "b64")]
+    pub value: Vec<u8>,
+    /// The revision of its last write.
+    pub revision: u64,
+}
+
+/// Serde of bytes as standard base64 text (snapshots, logs and backups are JSON).
+pub mod b64 {
+    use base64::Engine;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&base64::engine::general_purpose::STANDARD.encode(v))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let text = String::deserialize(d)?;
+        base64::engine::general_purpose::STANDARD
+            .decode(text)
+            .map_err(serde::de::Error::custom)
+    }
+}
 
 /// Config values `apply` needs (docs/configuration.md `iam.root_quota`, `iam.max_token_ttl_s`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -480,6 +531,7 @@ impl IamState {
             .iter()
             .map(|(id, t)| (*t, id.clone()))
             .collect();
+        self.kv_bytes = super::apply_kv::area_bytes(&self.kv);
     }
 
     /// Remembers that lease `id` was released at `now`.

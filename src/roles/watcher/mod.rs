@@ -1,8 +1,11 @@
-//! The watcher role (docs/architecture.md): probes every edge each `probe_interval`, serves a
-//! versioned cluster snapshot to the apiservers, accepts edge registrations, and drives quota
-//! reconciliation with IAM. It keeps no durable state: after a restart its view is rebuilt
-//! from the config's edge list, the edges' registrations and probing.
+//! The watcher role (docs/architecture.md, docs/watcher.md): probes every edge each
+//! `probe_interval`, serves a versioned cluster snapshot to the apiservers, accepts edge
+//! registrations, and drives quota reconciliation with IAM. It keeps no durable state: after
+//! a restart its view is rebuilt from the config's edge list, the edges' registrations and
+//! probing. Several may run (`watcher.replicas`): all probe and serve snapshots, and only the
+//! holder of IAM's reconciliation lock reconciles (see [`lock`]).
 
+pub mod lock;
 mod probe;
 mod reconcile;
 mod service;
@@ -29,7 +32,8 @@ pub enum WatcherError {
     Serve(#[from] tonic::transport::Error),
 }
 
-/// The identity of a single watcher in its certificate (docs/tls.md "Identities").
+/// The identity of a single watcher (no `watcher.replicas`) in its certificate
+/// (docs/tls.md "Identities").
 pub const WATCHER_ID: &str = "0";
 
 /// What the watcher knows of one edge.
@@ -50,17 +54,21 @@ pub(crate) struct Inner {
     pub snapshot: RwLock<Arc<pb::Snapshot>>,
     /// How the watcher reaches IAM and the edges (mTLS when `tls.dir` is set).
     pub dialer: crate::rpc::client::Dialer,
+    /// Whether this watcher holds the reconciliation lock.
+    pub leadership: Arc<lock::Leadership>,
 }
 
-/// Serves the Watcher service on `listener` and spawns the probe and reconcile loops.
+/// Serves the Watcher service on `listener` as watcher `id` (an entry of
+/// `watcher.replicas`, else [`WATCHER_ID`]) and spawns the probe, lock and reconcile loops.
 /// Ready once the first probe round has produced a snapshot.
 pub async fn start(
     cfg: Arc<Config>,
+    id: &str,
     listener: TcpListener,
     shutdown: Shutdown,
     ready: Ready,
 ) -> Result<tokio::task::JoinHandle<()>, WatcherError> {
-    let me = crate::pki::Identity::new(crate::pki::Role::Watcher, WATCHER_ID).map_err(|e| {
+    let me = crate::pki::Identity::new(crate::pki::Role::Watcher, id).map_err(|e| {
         crate::rpc::tls::TlsError::Bad {
             path: cfg.tls.dir.clone().into(),
             why: e.to_string(),
@@ -91,6 +99,7 @@ pub async fn start(
         edges: RwLock::new(edges),
         snapshot: RwLock::new(Arc::new(pb::Snapshot::default())),
         dialer: dialer.clone(),
+        leadership: Arc::new(lock::Leadership::default()),
     });
     let iam = pb::iam_client::IamClient::new(dialer.failover(
         &cfg.iam.addrs(),
@@ -100,6 +109,16 @@ pub async fn start(
     )?);
 
     let p = tokio::spawn(probe::run(inner.clone(), shutdown.clone(), ready.clone()));
+    let holder = format!("{}/{}", me.role, me.id);
+    let l = tokio::spawn(lock::run(
+        inner.leadership.clone(),
+        iam.clone(),
+        holder.clone(),
+        std::time::Duration::from_secs_f64(cfg.watcher.lock_ttl()),
+        cfg.service_token.clone(),
+        shutdown.clone(),
+    ));
+    let unlock_with = iam.clone();
     let r = tokio::spawn(reconcile::run(inner.clone(), iam, shutdown.clone()));
     let svc = pb::watcher_server::WatcherServer::new(service::WatcherService {
         inner: inner.clone(),
@@ -113,5 +132,13 @@ pub async fn start(
         ready.set(false, "watcher");
         let _ = p.await;
         let _ = r.await;
+        let _ = l.await;
+        lock::release(
+            &inner.leadership,
+            unlock_with,
+            holder,
+            &inner.cfg.service_token,
+        )
+        .await;
     }))
 }

@@ -1,4 +1,5 @@
-//! Quota reconciliation (docs/architecture.md): every `reconcile_interval`,
+//! Quota reconciliation (docs/architecture.md): every `reconcile_interval`, on the watcher
+//! holding the reconciliation lock,
 //! each healthy edge's live leases go to IAM, which adopts what it did not know and releases
 //! what the edge no longer holds (never leases younger than `reconcile_min_age`). An edge
 //! unhealthy for longer than `lost_edge_grace` is reconciled as empty, returning its quota.
@@ -43,8 +44,14 @@ async fn leases_of(
     Ok((st.edge_id, st.leases))
 }
 
-/// One reconciliation round over every known edge.
+/// One reconciliation round over every known edge, by the holder of the reconciliation
+/// lock only (checked again before each call: a round can outlast the hold). Each call
+/// carries the hold's fence, so one that commits after another watcher took the lock (a
+/// resent call, say) changes nothing.
 pub(crate) async fn round(inner: &Inner, iam: &mut pb::iam_client::IamClient<IamChannel>) {
+    if !inner.leadership.holds() {
+        return;
+    }
     let cfg = &inner.cfg;
     // IAM counts whole seconds; rounding down could release a lease created this second.
     let min_age = cfg.watcher.reconcile_min_age().ceil() as i64;
@@ -67,11 +74,15 @@ pub(crate) async fn round(inner: &Inner, iam: &mut pb::iam_client::IamClient<Iam
         } else {
             continue;
         };
+        let Some(fence) = inner.leadership.fence() else {
+            return;
+        };
         let req = crate::rpc::client::internal(
             pb::ReconcileRequest {
                 edge_id: id.clone(),
                 leases,
                 min_age_s: min_age,
+                fence,
             },
             &cfg.service_token,
         );
@@ -85,9 +96,13 @@ pub(crate) async fn round(inner: &Inner, iam: &mut pb::iam_client::IamClient<Iam
             Err(s) => tracing::debug!(edge_id = %id, error = %s.message(), "reconcile failed"),
         }
     }
+    let Some(fence) = inner.leadership.fence() else {
+        return;
+    };
     let req = crate::rpc::client::internal(
         pb::SweepUnboundRequest {
             max_age_s: cfg.watcher.unbound_max_age() as i64,
+            fence,
         },
         &cfg.service_token,
     );

@@ -551,6 +551,135 @@ async fn admissions_stay_exact_through_loss_reordering_and_partitions() {
     );
 }
 
+/// Clients increment one key by read, then compare-and-set, and contend for one lock,
+/// through random replicas while the network loses, reorders and partitions. No increment
+/// is lost or doubled (the final value counts every acknowledged one, and no two clients
+/// were acknowledged for writing the same value) and no fence is handed to two holders.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn compare_and_set_and_locks_stay_exact_through_loss_and_partitions() {
+    const KEY: &str = "nodes/counter";
+    let g = Arc::new(Group::new(3, 50));
+    g.leader().await;
+    settle(g.get(1), bootstrap(10.0)).await;
+    g.net.rules(|r| {
+        r.drop = 0.1;
+        r.delay_ms = (0, 15);
+    });
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut clients = Vec::new();
+    for c in 0..4u64 {
+        let (g, stop) = (g.clone(), stop.clone());
+        clients.push(tokio::spawn(async move {
+            // (values written and acknowledged, writes left unknown, fences granted to me)
+            let (mut acked, mut unknown, mut fences) = (Vec::new(), 0u64, Vec::new());
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let r = g
+                    .get(g.ids[rand::rng().random_range(0..g.ids.len())])
+                    .clone();
+                if r.read_index().await.is_err() {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                }
+                let (n, rev) = r.read().kv.get(KEY).map_or((0, 0), |v| {
+                    let n: u64 = std::str::from_utf8(&v.value).unwrap().parse().unwrap();
+                    (n, v.revision)
+                });
+                let put = Command::KvPut {
+                    key: KEY.into(),
+                    value: (n + 1).to_string().into_bytes(),
+                    if_revision: Some(rev),
+                };
+                match r.propose(put).await {
+                    Ok(Outcome::Revision(_)) => acked.push(n + 1),
+                    Ok(o) => panic!("{o:?}"),
+                    Err(f) if f.reason == Reason::Conflict => {}
+                    Err(f) => {
+                        assert_eq!(f.reason, Reason::Unavailable, "{f}");
+                        unknown += 1;
+                    }
+                }
+                let now_ms = (crate::types::now_f() * 1000.0) as i64;
+                let lock = Command::Lock {
+                    name: "w".into(),
+                    holder: format!("c{c}"),
+                    ttl_ms: 1_000,
+                    now_ms,
+                };
+                match r.propose(lock).await {
+                    Ok(Outcome::Locked { fence, .. }) => fences.push(fence),
+                    Ok(o) => panic!("{o:?}"),
+                    Err(f) => assert!(
+                        matches!(f.reason, Reason::Conflict | Reason::Unavailable),
+                        "{f}"
+                    ),
+                }
+            }
+            (acked, unknown, fences)
+        }));
+    }
+    for round in 0..4 {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let leader = g.leader().await;
+        g.net.rules(|r| {
+            r.group.clear();
+            r.group.insert(
+                if round % 2 == 0 {
+                    leader
+                } else {
+                    1 + round % 3
+                },
+                1,
+            );
+        });
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        g.net.rules(|r| r.group.clear());
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (mut values, mut unknown, mut holder_of) = (HashSet::new(), 0, HashMap::new());
+    for (c, h) in clients.into_iter().enumerate() {
+        let (acked, u, fences) = h.await.unwrap();
+        for v in acked {
+            assert!(
+                values.insert(v),
+                "two clients were acknowledged for writing {v}"
+            );
+        }
+        unknown += u;
+        for f in fences {
+            let first = *holder_of.entry(f).or_insert(c);
+            assert_eq!(first, c, "fence {f} was granted to clients {first} and {c}");
+        }
+    }
+    g.net.rules(|r| {
+        r.drop = 0.0;
+        r.delay_ms = (0, 0);
+    });
+    let st = g.converged().await;
+    let last: u64 = std::str::from_utf8(&st.kv[KEY].value)
+        .unwrap()
+        .parse()
+        .unwrap();
+    // Every committed write added exactly one: acknowledged ones all count, and unknown
+    // ones may have committed too.
+    assert!(
+        last >= values.len() as u64,
+        "{last} < {} acknowledged",
+        values.len()
+    );
+    assert!(
+        last <= values.len() as u64 + unknown,
+        "{last} writes from {} + {unknown}",
+        values.len()
+    );
+    assert!(
+        values.len() >= 10,
+        "too little progress: {} increments",
+        values.len()
+    );
+    assert!(!holder_of.is_empty(), "nobody ever took the lock");
+    assert!(st.revision >= last + holder_of.len() as u64);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_minority_makes_no_progress_and_answers_unavailable() {
     let g = Group::new(3, 10_000);
