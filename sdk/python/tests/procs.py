@@ -123,22 +123,45 @@ class RoleCluster:
 
     def __init__(
         self, binary: Path, workdir: Path, apiservers: int = 1, admission: Optional[dict[str, Any]] = None,
-        sim: Optional[dict[str, Any]] = None,
+        sim: Optional[dict[str, Any]] = None, iam_replicas: int = 0, watchers: int = 1, tls: bool = False,
     ) -> None:
+        """``iam_replicas`` > 0 runs IAM as that many Raft replicas (roles ``iam0``, ``iam1``,
+        ...) instead of one ``iam``; ``watchers`` > 1 runs that many ``watcher.replicas``
+        (roles ``watcher0``, ...) with a 3 s reconciliation lock. ``tls`` gives every role a
+        certificate from ``opendsec ctl pki init`` in ``<workdir>/pki`` (:attr:`pki`), mutual
+        TLS between them and TLS on the public port, instead of a service token."""
         self.binary = binary
         self.dir = workdir
-        # Listen addresses of IAM, the watcher, the edge and the apiservers, then one metrics
-        # port (/readyz) for each of those processes.
-        ports = iter(free_ports(2 * (3 + apiservers)))
+        # Listen addresses (IAM's two per replica), then one metrics port (/readyz) for each
+        # process.
+        n_iam, n_watch = max(iam_replicas, 1), max(watchers, 1)
+        ports = iter(free_ports(3 * n_iam + 2 * n_watch + 2 * (1 + apiservers)))
         self.admin_token = f"dsk.admin.{secrets.token_hex(20)}"
-        iam_addr = f"127.0.0.1:{next(ports)}"
-        watcher_addr = f"127.0.0.1:{next(ports)}"
+        if iam_replicas:
+            iam: dict[str, Any] = {
+                "admin_token": self.admin_token,
+                "replicas": [
+                    {"id": str(i), "addr": f"127.0.0.1:{next(ports)}", "raft_addr": f"127.0.0.1:{next(ports)}",
+                     "data_dir": str(workdir / f"iam-{i}")}
+                    for i in range(iam_replicas)
+                ],
+            }
+        else:
+            iam = {"addr": f"127.0.0.1:{next(ports)}", "admin_token": self.admin_token, "state": str(workdir / "iam.state")}
+        if watchers > 1:
+            watcher: dict[str, Any] = {
+                "replicas": [{"id": f"w{i}", "addr": f"127.0.0.1:{next(ports)}"} for i in range(watchers)],
+                "probe_interval": 0.25, "lock_ttl": 3,
+            }
+        else:
+            watcher = {"addr": f"127.0.0.1:{next(ports)}", "probe_interval": 0.25}
         edge_addr = f"127.0.0.1:{next(ports)}"
         self.api_addrs = [f"127.0.0.1:{next(ports)}" for _ in range(apiservers)]
+        self.pki = workdir / "pki"
         self.config: dict[str, Any] = {
-            "service_token": secrets.token_hex(20),
-            "iam": {"addr": iam_addr, "admin_token": self.admin_token, "state": str(workdir / "iam.state")},
-            "watcher": {"addr": watcher_addr, "probe_interval": 0.25},
+            **({"tls": {"dir": str(self.pki)}} if tls else {"service_token": secrets.token_hex(20)}),
+            "iam": iam,
+            "watcher": watcher,
             "apiserver": [{"addr": a, "snapshot_refresh": 0.25} for a in self.api_addrs],
             "admission": dict(admission or {}),
             "edges": [
@@ -156,13 +179,24 @@ class RoleCluster:
         }
         self.config_path = workdir / "opendsec.json"
         self.config_path.write_text(json.dumps(self.config, indent=2))
+        if tls:
+            self.ctl("pki", "init", "-config", str(self.config_path), "-out", str(self.pki))
         cfg = ["-config", str(self.config_path), "-log", "warn"]
         b = str(binary)
-        self.roles: dict[str, Role] = {
-            "iam": Role("iam", [b, "iam", *cfg], next(ports), workdir / "iam.log"),
-            "watcher": Role("watcher", [b, "watcher", *cfg], next(ports), workdir / "watcher.log"),
-            "edge": Role("edge", [b, "edge", *cfg, "-id", "e1"], next(ports), workdir / "edge.log"),
-        }
+        self.roles: dict[str, Role] = {}
+        if iam_replicas:
+            for i in range(iam_replicas):
+                argv = [b, "iam", *cfg, "-replica", str(i)]
+                self.roles[f"iam{i}"] = Role(f"iam{i}", argv, next(ports), workdir / f"iam{i}.log")
+        else:
+            self.roles["iam"] = Role("iam", [b, "iam", *cfg], next(ports), workdir / "iam.log")
+        if watchers > 1:
+            for i in range(watchers):
+                argv = [b, "watcher", *cfg, "-replica", f"w{i}"]
+                self.roles[f"watcher{i}"] = Role(f"watcher{i}", argv, next(ports), workdir / f"watcher{i}.log")
+        else:
+            self.roles["watcher"] = Role("watcher", [b, "watcher", *cfg], next(ports), workdir / "watcher.log")
+        self.roles["edge"] = Role("edge", [b, "edge", *cfg, "-id", "e1"], next(ports), workdir / "edge.log")
         for i in range(apiservers):
             name = "apiserver" if i == 0 else f"apiserver{i}"
             self.roles[name] = Role(name, [b, "apiserver", *cfg, "-index", str(i)], next(ports), workdir / f"{name}.log")
@@ -173,12 +207,42 @@ class RoleCluster:
 
     def start(self) -> "RoleCluster":
         """Starts every role (IAM, watcher, edge, then the apiservers) and waits until each is ready."""
-        order = ["iam", "watcher", "edge"] + [n for n in self.roles if n.startswith("apiserver")]
+        order = [n for n in self.roles if n.startswith(("iam", "watcher"))] + ["edge"]
+        order += [n for n in self.roles if n.startswith("apiserver")]
         for name in order:
             self.roles[name].start()
         for name in order:
             self.roles[name].wait_ready()
         return self
+
+    def ctl(self, *args: str) -> str:
+        """Runs ``opendsec ctl ARGS``, which must succeed; its output."""
+        p = subprocess.run([str(self.binary), "ctl", *args], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, f"ctl {' '.join(args)}: {p.stdout}{p.stderr}"
+        return p.stdout + p.stderr
+
+    def metric(self, name: str, line: str) -> bool:
+        """Whether role ``name`` is running and its /metrics has exactly ``line``."""
+        role = self.roles[name]
+        if role.proc is None or role.proc.poll() is not None:
+            return False
+        try:
+            port = role.metrics_port
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as r:
+                return line in r.read().decode(errors="replace").splitlines()
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def iam_leader(self, timeout: float = 30.0) -> str:
+        """The IAM replica role whose /metrics says it leads."""
+        end = time.monotonic() + timeout
+        while True:
+            for name in self.roles:
+                if name.startswith("iam") and self.metric(name, "opendsec_iam_leader 1"):
+                    return name
+            if time.monotonic() > end:
+                raise AssertionError(f"no IAM leader within {timeout:.0f} s\n{self.logs()}")
+            time.sleep(0.1)
 
     def kill(self, name: str) -> None:
         self.roles[name].kill(signal.SIGKILL)

@@ -228,6 +228,169 @@ async def test_roles_restart_under_load(roles_factory):
         raise
 
 
+async def test_iam_replicas_sigkill_of_leaders_and_followers_under_sdk_load(roles_factory):
+    """Three IAM replicas and two watchers as separate processes. While the SDK creates,
+    reads and stops sandboxes and creates projects, the IAM leader is SIGKILLed and started
+    again every few seconds, then followers, then the watcher holding the reconciliation
+    lock: no call fails, every project whose creation was acknowledged exists afterwards,
+    and root's quota usage is exactly the sandboxes still running."""
+    rc = roles_factory(iam_replicas=3, watchers=2)
+    try:
+        async with client(rc, retry_timeout=60) as c:
+            await edge_up(c)
+            long_lived = [await c.run_sandbox(DSecRunArgs(backend="sim", task_id="long")) for _ in range(3)]
+            load = Load(c, workers=4, max_loops=5000)
+            projects: list[str] = []
+            project_failures: list[str] = []
+            stop = False
+
+            retried: list[str] = []
+
+            async def make_projects() -> None:
+                # Management changes are not resent behind the caller's back (a creation's
+                # fate is unknown when a replica dies mid-call): the caller retries an
+                # ``unavailable`` one once, and a ``conflict`` then means the first try
+                # committed. Anything else fails the test.
+                i = 0
+                while not stop:
+                    i += 1
+                    name, again = f"drill{i}", False
+                    while True:
+                        try:
+                            projects.append((await c.create_project("root", name)).path)
+                            break
+                        except DSecError as e:
+                            if again and e.reason == "conflict":
+                                projects.append(f"root/{name}")
+                                break
+                            if again or e.reason != "unavailable":
+                                project_failures.append(f"{name}: {e!r}")
+                                break
+                            again = True
+                            retried.append(name)
+                    await asyncio.sleep(0.2)
+
+            started = time.monotonic()
+            load_task = asyncio.create_task(load.run())
+            proj_task = asyncio.create_task(make_projects())
+            kills: list[str] = []
+            try:
+                for round_ in range(6):
+                    await asyncio.sleep(3)
+                    assert not load_task.done(), "the load ended early"
+                    leader = await asyncio.to_thread(rc.iam_leader)
+                    if round_ < 3:
+                        victim = leader
+                    else:
+                        victim = next(n for n in rc.roles if n.startswith("iam") and n != leader)
+                    rc.kill(victim)
+                    kills.append(f"{victim}{'(leader)' if victim == leader else ''}")
+                    await asyncio.sleep(1)
+                    rc.roles[victim].start()
+                    await asyncio.to_thread(rc.roles[victim].wait_ready)
+                holder = next(n for n in rc.roles if n.startswith("watcher") and rc.metric(n, "opendsec_watcher_leader 1"))
+                await asyncio.to_thread(rc.restart, holder)
+                kills.append(f"{holder}(lock holder)")
+                await asyncio.sleep(3)
+            finally:
+                stop = True
+                load.stop_at = min(time.monotonic(), started + 60)
+                await asyncio.wait_for(load_task, 120)
+                await asyncio.wait_for(proj_task, 120)
+            print(f"\nload: {load.loops} loops, {load.calls} calls, {len(load.failures)} failed, "
+                  f"{len(projects)} projects ({len(retried)} retried), in {time.monotonic() - started:.1f} s; "
+                  f"killed {kills}")
+            assert len([k for k in kills if "(leader)" in k]) == 3, kills
+            assert load.loops > 0 and projects
+            assert load.failures == [], "\n".join(load.failures[:20])
+            assert project_failures == [], "\n".join(project_failures[:20])
+
+            # Every acknowledged change is there, on whichever replica answers.
+            for path in projects:
+                assert (await c.get_project(path)).path == path
+            # Quota exact: only the long-lived sandboxes hold leases once the load stopped.
+            live = {s.id for s in await c.list_sandboxes(project="root")}
+            assert live == {x.id for x in long_lived}, f"running: {sorted(live)}"
+
+            async def usage_exact():
+                return (await c.get_project("root")).usage.get("sandboxes", 0) == len(live) or None
+
+            await wait_for(f"root usage == {len(live)}", usage_exact, within=15)
+        rc.check_alive()
+    except BaseException:
+        print(rc.logs())
+        raise
+
+
+async def test_ca_rotation_in_three_steps_under_sdk_load(roles_factory, tmp_path: Path):
+    """The whole CA rotation (docs/tls.md "Rotating the CA") on a cluster of processes with
+    mutual TLS: three IAM replicas, two watchers, an edge and an apiserver. After each of
+    ``pki rotate -step 1|2|3`` every role is restarted, one at a time, while the SDK
+    creates, reads and stops sandboxes over TLS; callers get the CA bundle after step 1 and
+    the new CA after step 3, as the procedure says. No call fails."""
+    rc = roles_factory(iam_replicas=3, watchers=2, tls=True)
+
+    def ca_copy(name: str) -> str:
+        dst = tmp_path / name
+        dst.write_bytes((rc.pki / "ca.crt").read_bytes())
+        return str(dst)
+
+    async def rolling_restart() -> None:
+        for name in list(rc.roles):
+            await asyncio.to_thread(rc.restart, name)  # SIGKILL, start with the new files, ready
+            await asyncio.sleep(0.5)
+
+    try:
+        loads: list[Load] = []
+        tasks: list[asyncio.Task] = []
+        clients: list[DSecClient] = []
+
+        async def start_load(ca_file: str) -> Load:
+            c = client(rc, ca_file=ca_file, retry_timeout=60)
+            clients.append(c)
+            await edge_up(c)
+            load = Load(c, workers=2, max_loops=100000)
+            loads.append(load)
+            tasks.append(asyncio.create_task(load.run()))
+            return load
+
+        started = time.monotonic()
+        old = await start_load(ca_copy("old.pem"))
+        await asyncio.sleep(2)
+        rc.ctl("pki", "rotate", "-dir", str(rc.pki), "-step", "1")
+        await rolling_restart()
+        # Callers take the bundle; those with only the old CA stop before step 2.
+        await start_load(ca_copy("bundle.pem"))
+        old.stop_at = time.monotonic()
+        await asyncio.wait_for(tasks[0], 120)
+        rc.ctl("pki", "rotate", "-dir", str(rc.pki), "-step", "2")
+        await rolling_restart()
+        rc.ctl("pki", "rotate", "-dir", str(rc.pki), "-step", "3")
+        await rolling_restart()
+        await start_load(ca_copy("new.pem"))
+        await asyncio.sleep(3)
+        for load in loads:
+            load.stop_at = min(load.stop_at, time.monotonic())
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        for c in clients:
+            await c.close()
+        failures = [f for load in loads for f in load.failures]
+        print(f"\nrotation: {[l.loops for l in loads]} loops per client, {sum(l.calls for l in loads)} calls, "
+              f"{len(failures)} failed, in {time.monotonic() - started:.1f} s")
+        assert all(load.loops > 0 for load in loads), [load.loops for load in loads]
+        assert failures == [], "\n".join(failures[:20])
+        # Only the new CA is left, and a client trusting only the old one is refused.
+        assert not (rc.pki / "next").exists()
+        async with client(rc, ca_file=str(tmp_path / "old.pem"), retry_timeout=0) as stale:
+            with pytest.raises(DSecError) as e:
+                await stale.cluster_status()
+            assert e.value.reason == "unavailable", e.value
+        rc.check_alive()
+    except BaseException:
+        print(rc.logs())
+        raise
+
+
 async def test_revocation_within_one_second_via_separate_apiserver_processes(roles_factory):
     """Two apiserver processes: a token revoked through one is refused by both within ~1.5 s.
 
