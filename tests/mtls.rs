@@ -262,8 +262,9 @@ async fn every_internal_method_admits_exactly_the_roles_it_lists() {
         .channel(&w.addr("Iam"), Duration::from_secs(2), Role::Iam)
         .unwrap();
     let mut iam = pb::iam_client::IamClient::new(ch);
+    // (A lock of its own: the cluster's watcher holds watcher-reconcile.)
     let lock = |holder: &str| pb::LockRequest {
-        name: "watcher-reconcile".into(),
+        name: "watcher-test".into(),
         holder: holder.into(),
         ttl_ms: 5_000,
     };
@@ -271,18 +272,19 @@ async fn every_internal_method_admits_exactly_the_roles_it_lists() {
     assert_eq!(f.reason, Reason::Forbidden, "{f}");
     let f = failure_from_status(
         &iam.unlock(pb::UnlockRequest {
-            name: "watcher-reconcile".into(),
+            name: "watcher-test".into(),
             holder: "watcher/1".into(),
         })
         .await
         .unwrap_err(),
     );
     assert_eq!(f.reason, Reason::Forbidden, "{f}");
-    // The cluster's own watcher ("0") holds it or takes it: either way as itself.
-    match iam.lock(lock("watcher/0")).await {
-        Ok(r) => assert!(r.into_inner().fence > 0),
-        Err(s) => panic!("{}", failure_from_status(&s)),
-    }
+    let held = iam.lock(lock("watcher/0")).await.unwrap().into_inner();
+    assert!(held.fence > 0);
+    let mut foreign = lock("watcher/0");
+    foreign.name = "fleet-controller".into();
+    let f = failure_from_status(&iam.lock(foreign).await.unwrap_err());
+    assert_eq!(f.reason, Reason::Forbidden, "{f}");
     w.cluster.down().await;
 }
 

@@ -22,8 +22,9 @@ fn unexpected(o: Outcome) -> Failure {
     Failure::internal(format!("unexpected outcome {o:?}"))
 }
 
-/// Over mTLS a holder is the caller itself (`role/id`), and a component takes only its
-/// own role's locks (names `<role>-...`, such as `watcher-reconcile`), so one component can
+/// Over mTLS a holder is the caller itself (`role/id`, or `role/id#tag` so that two
+/// processes of one instance tell their holds apart), and a component takes only its own
+/// role's locks (names `<role>-...`, such as `watcher-reconcile`), so one component can
 /// neither take nor free a lock in another's name, nor hold another role's lock to stop it.
 /// `forbidden` otherwise.
 fn check_caller(
@@ -34,7 +35,11 @@ fn check_caller(
     let Some(who) = caller else {
         return Ok(());
     };
-    if holder != format!("{}/{}", who.role, who.id) {
+    let me = format!("{}/{}", who.role, who.id);
+    let mine = holder
+        .strip_prefix(me.as_str())
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('#'));
+    if !mine {
         return Err(Failure::forbidden(format!(
             "{}/{} may not hold a lock as {holder:?}",
             who.role, who.id
@@ -270,13 +275,29 @@ mod tests {
             ttl_ms: 5_000,
         };
         let w1 = Identity::new(Role::Watcher, "1").unwrap();
+        for other in ["watcher/2", "watcher/10", "watcher/1x", "watcher/1/x"] {
+            let f = svc.rpc_lock(lock(other), Some(&w1)).await.unwrap_err();
+            assert_eq!(f.reason, Reason::Forbidden, "{other}: {f}");
+        }
+        let mut foreign = lock("watcher/1");
+        foreign.name = "fleet-controller".into();
+        let f = svc.rpc_lock(foreign, Some(&w1)).await.unwrap_err();
+        assert_eq!(f.reason, Reason::Forbidden, "{f}");
+        // Another process of watcher 1 (its own tag) is told apart from this one.
+        let tagged = svc.rpc_lock(lock("watcher/1#a"), Some(&w1)).await.unwrap();
+        assert_eq!(tagged.fence, 6);
         let f = svc
-            .rpc_lock(lock("watcher/2"), Some(&w1))
+            .rpc_lock(lock("watcher/1"), Some(&w1))
             .await
             .unwrap_err();
-        assert_eq!(f.reason, Reason::Forbidden, "{f}");
+        assert_eq!(f.reason, Reason::Conflict, "{f}");
+        let untag = pb::UnlockRequest {
+            name: "watcher-reconcile".into(),
+            holder: "watcher/1#a".into(),
+        };
+        svc.rpc_unlock(untag, Some(&w1)).await.unwrap();
         let held = svc.rpc_lock(lock("watcher/1"), Some(&w1)).await.unwrap();
-        assert_eq!(held.fence, 6);
+        assert_eq!(held.fence, 7);
         // A refused request takes no revision (and no log entry).
         let f = svc.rpc_lock(lock("watcher/2"), None).await.unwrap_err();
         assert_eq!(f.reason, Reason::Conflict, "{f}");
@@ -293,6 +314,6 @@ mod tests {
             .await
             .unwrap();
         let next = svc.rpc_lock(lock("watcher/2"), None).await.unwrap();
-        assert_eq!(next.fence, 7);
+        assert_eq!(next.fence, 8);
     }
 }

@@ -109,7 +109,9 @@ pub async fn start(
     )?);
 
     let p = tokio::spawn(probe::run(inner.clone(), shutdown.clone(), ready.clone()));
-    let holder = format!("{}/{}", me.role, me.id);
+    // Tagged per process: two processes started with one id (a mistake, or a restart
+    // overlapping the old process) never renew each other's hold.
+    let holder = format!("{}/{}#{:08x}", me.role, me.id, rand::random::<u32>());
     let l = tokio::spawn(lock::run(
         inner.leadership.clone(),
         iam.clone(),
