@@ -785,7 +785,24 @@ fn a_lost_replica_is_replaced_by_one_that_joins_and_is_caught_up_by_snapshot() {
         (three["addr"].as_str(), three["raft_addr"].as_str()),
         (Some(addr.as_str()), Some(raft_addr.as_str()))
     );
-    assert_eq!(three["voter"], true);
+    // It joins as a learner and becomes a voter once it has caught up.
+    let t0 = Instant::now();
+    loop {
+        let o = c.ctl(&["iam", "members"]);
+        let m: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+        let voters: Vec<&str> = m["members"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|x| x["voter"] == true)
+            .filter_map(|x| x["id"].as_str())
+            .collect();
+        if voters == ["0", "1", "3"] {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "{m}\n{}", c.logs());
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let t0 = Instant::now();
     while ready() != Some(200) {
         assert!(t0.elapsed() < Duration::from_secs(30), "{}", c.logs());

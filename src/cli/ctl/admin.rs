@@ -76,7 +76,7 @@ pub enum MemberCmd {
 }
 
 #[derive(FromArgs, Debug)]
-/// add replica ID, running with -join at these addresses, as a voter; prints the members
+/// add replica ID, running with -join at these addresses (a learner, a voter once caught up)
 #[argh(subcommand, name = "add", help_triggers("-h", "--help", "help"))]
 pub struct MemberAddArgs {
     /// the new replica's id (a decimal number, as in iam.replicas)

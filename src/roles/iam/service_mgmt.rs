@@ -383,9 +383,10 @@ impl IamService {
         })
     }
 
-    /// Adds a voter (`project.admin` on root; docs/iam-replicas.md "Membership"): the
-    /// replica must be running with `-join` at those addresses. Answers with the members
-    /// once the change is applied here. Errors: `invalid` for a bad id or address or on a
+    /// Adds a replica (`project.admin` on root; docs/iam-replicas.md "Membership") as a
+    /// learner, which the leader makes a voter once it has caught up: the replica should be
+    /// running with `-join` at those addresses. Answers with the members once the learner
+    /// is added here. Errors: `invalid` for a bad id or address or on a
     /// standalone IAM, `conflict` for a member's id or address, `unavailable` (see
     /// [`Replica::change_member`](super::replica::Replica::change_member)).
     #[tracing::instrument(name = "iam.member_add", skip_all, fields(replica = %req.get_ref().id))]
@@ -416,7 +417,7 @@ impl IamService {
         self.members_view().await
     }
 
-    /// Removes a voter (`project.admin` on root). Errors: `invalid` for a bad id, the last
+    /// Removes a member, voter or learner (`project.admin` on root). Errors: `invalid` for a bad id, the last
     /// voter or a standalone IAM, `not_found` for a non-member, `unavailable` (see
     /// [`Replica::change_member`](super::replica::Replica::change_member)).
     #[tracing::instrument(name = "iam.member_remove", skip_all, fields(replica = %req.get_ref().id))]

@@ -30,6 +30,9 @@ use crate::types::Failure;
 
 /// How long a proposal waits for its commit before it is proposed again.
 pub const REPROPOSE: Duration = Duration::from_millis(1000);
+/// A learner this many entries or fewer behind the commit index has caught up: under load
+/// the commit index never stands still, and a voter may trail it too.
+const PROMOTE_LAG: u64 = 256;
 
 struct Pending {
     data: Vec<u8>,
@@ -398,7 +401,10 @@ impl Node {
                         )),
                     );
                 }
-                cc.set_change_type(ConfChangeType::AddNode);
+                // A learner first: it counts for no majority until it has caught up (see
+                // `promote_learners`), so an unreachable or slow new replica never stalls
+                // the group.
+                cc.set_change_type(ConfChangeType::AddLearnerNode);
                 m
             }
             Change::Remove(id) => {
@@ -450,8 +456,62 @@ impl Node {
         Ok(())
     }
 
+    /// On the leader: makes a learner that has caught up (replicating, within
+    /// [`PROMOTE_LAG`] entries of the commit index, heard from lately) a voter, one change
+    /// at a time.
+    fn promote_learners(&mut self) {
+        let r = &self.raw.raft;
+        if r.state != StateRole::Leader
+            || r.has_pending_conf()
+            || self.shared.removed.load(Ordering::Relaxed)
+        {
+            return;
+        }
+        let Ok(conf) = self.raw.store().initial_state().map(|s| s.conf_state) else {
+            return;
+        };
+        let committed = r.raft_log.committed;
+        let Some(id) = sorted(&conf.learners).into_iter().find(|id| {
+            // Replicating: it acknowledged entries after any snapshot it needed.
+            r.prs().get(*id).is_some_and(|p| {
+                p.state == raft::ProgressState::Replicate
+                    && p.recent_active
+                    && p.matched + PROMOTE_LAG >= committed
+            })
+        }) else {
+            return;
+        };
+        let member = self
+            .members
+            .iter()
+            .find(|m| raft_id(m.id) == id)
+            .cloned()
+            .unwrap_or(Member {
+                id: replica_id(id),
+                addr: String::new(),
+                raft_addr: String::new(),
+            });
+        let mut cc = ConfChange::default();
+        cc.set_change_type(ConfChangeType::AddNode);
+        cc.node_id = id;
+        cc.context = MemberChange {
+            tag: rand::random::<u128>(),
+            member,
+        }
+        .encode()
+        .into();
+        match self.raw.propose_conf_change(vec![], cc) {
+            Ok(()) => tracing::info!(
+                replica = replica_id(id),
+                "IAM learner caught up; proposing it as a voter"
+            ),
+            Err(e) => tracing::debug!(error = %e, "promoting an IAM learner failed"),
+        }
+    }
+
     fn on_tick(&mut self) {
         let now = Instant::now();
+        self.promote_learners();
         if self.shared.removed.load(Ordering::Relaxed) && self.raw.raft.state == StateRole::Leader {
             // A removed leader takes no proposals (it is not in its own progress), yet the
             // others hear its heartbeats and never elect: hand over until it works (a lost
@@ -774,12 +834,14 @@ impl Node {
         // An addition of a member (two additions racing through replicas that had not
         // applied the first): raft-rs would make it a no-op, but it must not rewrite the
         // member's addresses either. Every replica decides the same from the same log.
+        // Making a learner a voter is the one addition of a member that is allowed.
         let before = self.raw.raft.prs().conf().to_conf_state();
-        let already = cc.changes.iter().any(|ch| {
-            matches!(
-                ch.get_change_type(),
-                ConfChangeType::AddNode | ConfChangeType::AddLearnerNode
-            ) && (before.voters.contains(&ch.node_id) || before.learners.contains(&ch.node_id))
+        let already = cc.changes.iter().any(|ch| match ch.get_change_type() {
+            ConfChangeType::AddNode => before.voters.contains(&ch.node_id),
+            ConfChangeType::AddLearnerNode => {
+                before.voters.contains(&ch.node_id) || before.learners.contains(&ch.node_id)
+            }
+            ConfChangeType::RemoveNode => false,
         });
         if already {
             tracing::warn!(index = e.index, "skipping the addition of a member");
@@ -808,6 +870,10 @@ impl Node {
         for ch in &cc.changes {
             let id = replica_id(ch.node_id);
             match ch.get_change_type() {
+                ConfChangeType::AddNode if before.learners.contains(&ch.node_id) => {
+                    // A promotion: the member and its addresses are known already.
+                    tracing::info!(replica = id, "IAM learner is now a voter");
+                }
                 ConfChangeType::AddNode | ConfChangeType::AddLearnerNode => {
                     let m = ctx
                         .as_ref()

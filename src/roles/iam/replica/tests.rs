@@ -293,6 +293,26 @@ impl Group {
     }
 
     /// Waits until every live replica holds the same state; returns it.
+    /// Waits until every running replica has exactly `want` as voters (a new member is a
+    /// learner until it has caught up).
+    async fn voters_become(&self, want: &[u64]) {
+        let t0 = Instant::now();
+        loop {
+            let mut all = true;
+            for r in self.replicas.values() {
+                all &= r.status().await.is_some_and(|s| s.voters == want);
+            }
+            if all {
+                return;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "voters never became {want:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     async fn converged(&self) -> IamState {
         let t0 = Instant::now();
         loop {
@@ -908,6 +928,7 @@ async fn a_joining_replica_is_added_caught_up_by_snapshot_and_a_removed_leader_s
         .change_member(Change::Add(member(4)))
         .await
         .unwrap();
+    g.voters_become(&[1, 2, 3, 4]).await;
     let st = g.converged().await;
     assert_eq!(st.leases.len(), 10);
     for id in 1..=4 {
@@ -919,6 +940,23 @@ async fn a_joining_replica_is_added_caught_up_by_snapshot_and_a_removed_leader_s
     assert_eq!(s4.snapshots_installed, 1, "{s4:?}");
     let f = g.get(1).change_member(Change::Add(member(4))).await;
     assert_eq!(f.unwrap_err().reason, Reason::Conflict);
+
+    // A member that never answers stays a learner: it counts for no majority, so the
+    // group goes on as before; then it is removed.
+    g.get(1)
+        .change_member(Change::Add(member(5)))
+        .await
+        .unwrap();
+    settle(g.get(2), admit("l5")).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let s = g.get(g.leader().await).status().await.unwrap();
+    assert_eq!((s.voters, s.learners), (vec![1, 2, 3, 4], vec![5]));
+    g.get(1)
+        .change_member(Change::Remove(replica_id(5)))
+        .await
+        .unwrap();
+    let s = g.get(1).status().await.unwrap();
+    assert!(s.learners.is_empty() && s.members.iter().all(|m| m.id != replica_id(5)));
 
     // Four voters: with one down, the three others (4 among them) are needed.
     let down = if leader == 4 { 1 } else { leader };
@@ -963,7 +1001,7 @@ async fn a_joining_replica_is_added_caught_up_by_snapshot_and_a_removed_leader_s
         assert!(s.members.iter().all(|m| m.id != replica_id(leader)));
     }
     let before = g.converged().await;
-    assert_eq!(before.leases.len(), 13);
+    assert_eq!(before.leases.len(), 14);
 
     // A restart keeps the membership; the removed replica stays out.
     for id in &rest {
@@ -989,14 +1027,11 @@ async fn a_joining_replica_is_added_caught_up_by_snapshot_and_a_removed_leader_s
         assert!(t0.elapsed() < Duration::from_secs(10));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    g.voters_become(&[1, 2, 3, 4]).await;
     g.leader().await;
     settle(g.get(leader), admit("d0")).await;
     let st = g.converged().await;
-    assert_eq!(st.leases.len(), 14);
-    assert_eq!(
-        g.get(leader).status().await.unwrap().voters,
-        vec![1, 2, 3, 4]
-    );
+    assert_eq!(st.leases.len(), 15);
 
     // A member that lost its data directory, started again with `join`, is refused what it
     // can no longer hold (no panic, nothing applied); removed and added again, it is
@@ -1025,6 +1060,7 @@ async fn a_joining_replica_is_added_caught_up_by_snapshot_and_a_removed_leader_s
         .change_member(Change::Add(member(wiped)))
         .await
         .unwrap();
+    g.voters_become(&[1, 2, 3, 4]).await;
     assert_eq!(g.converged().await, st);
     assert_eq!(g.get(wiped).status().await.unwrap().snapshots_installed, 1);
 }

@@ -306,7 +306,9 @@ fn forwardable(e: &raft::prelude::Entry) -> bool {
             };
             let kind_ok = matches!(
                 cc.get_change_type(),
-                ConfChangeType::AddNode | ConfChangeType::RemoveNode
+                ConfChangeType::AddNode
+                    | ConfChangeType::AddLearnerNode
+                    | ConfChangeType::RemoveNode
             );
             let ctx_ok = MemberChange::decode(&cc.context)
                 .is_ok_and(|c| c.member.id.checked_add(1) == Some(cc.node_id));
