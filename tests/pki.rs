@@ -201,6 +201,16 @@ fn init_issue_and_ca_write_what_the_cluster_needs_and_refuse_bad_input() {
             "invalid",
         ),
         (vec!["-role", "edge", "-id", "n9", "-days", "0"], "invalid"),
+        // An IAM replica: a decimal id, and the host the other replicas dial.
+        (
+            vec!["-role", "iam", "-id", "04", "-hosts", "iam4"],
+            "invalid",
+        ),
+        (
+            vec!["-role", "iam", "-id", "a", "-hosts", "iam4"],
+            "invalid",
+        ),
+        (vec!["-role", "iam", "-id", "4"], "invalid"),
     ] {
         let mut a = vec![
             "pki",

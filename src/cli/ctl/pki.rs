@@ -171,10 +171,30 @@ fn ca(a: &CaArgs) -> Result<serde_json::Value, Failure> {
     Ok(serde_json::json!({ "ca": out.join(CA_CERT) }))
 }
 
+/// `pki issue`'s checks beyond the identity's: an IAM replica's id is the decimal number
+/// configs and `iam member add` take, and its certificate names the host the other
+/// replicas dial (`invalid` otherwise; docs/iam-replicas.md "Membership").
+fn check_issue(role: Role, id: &str, hosts: &[String]) -> Result<(), Failure> {
+    if role != Role::Iam {
+        return Ok(());
+    }
+    if !crate::config::valid_replica_id(id) {
+        return Err(Failure::invalid(format!(
+            "-id {id:?}: an IAM replica's id is a decimal number without leading zeros"
+        )));
+    }
+    if hosts.is_empty() {
+        return Err(Failure::invalid(
+            "-hosts: the other IAM replicas dial this one by its host; name it (-hosts HOST)",
+        ));
+    }
+    Ok(())
+}
+
 fn issue(a: &IssueArgs) -> Result<serde_json::Value, Failure> {
-    let who = Role::parse(&a.role)
-        .and_then(|r| Identity::new(r, &a.id))
-        .map_err(failure)?;
+    let role = Role::parse(&a.role).map_err(failure)?;
+    check_issue(role, &a.id, &hosts_of(&a.hosts))?;
+    let who = Identity::new(role, &a.id).map_err(failure)?;
     let ca = Ca::load(Path::new(&a.ca)).map_err(failure)?;
     let issued = ca
         .issue(&who, &hosts_of(&a.hosts), a.days)
