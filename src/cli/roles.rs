@@ -64,7 +64,7 @@ macro_rules! role_args {
             /// address for /metrics, /healthz and /readyz, e.g. 127.0.0.1:9463 (default: none)
             #[argh(option, default = "String::new()")]
             pub metrics: String,
-            /// log level: error, warn, info, debug (default info)
+            /// log level: off, error, warn, info, debug, trace, or directives such as warn,opendsec::roles::watcher=info (default info)
             #[argh(option, default = "String::from(\"info\")")]
             pub log: String,
             /// on shutdown, give calls in flight this long before exiting (default 30s)

@@ -109,6 +109,11 @@ pub(crate) async fn run(
             Err(s) => {
                 tracing::debug!(error = %s.message(), "renewing the reconciliation lock failed");
                 next = next.min(RETRY);
+                if held && !leadership.holds() {
+                    tracing::warn!(holder = %holder, error = %s.message(), "the reconciliation lock's hold ran out: IAM did not renew it");
+                    metrics::gauge!("opendsec_watcher_leader").set(0.0);
+                    held = false;
+                }
             }
         }
         tokio::select! {
@@ -140,8 +145,15 @@ pub(crate) async fn release(
         service_token,
     );
     req.set_timeout(Duration::from_secs(1));
-    match iam.unlock(req).await {
-        Ok(_) => tracing::info!(holder = %holder, "freed the reconciliation lock"),
-        Err(s) => tracing::debug!(error = %s.message(), "freeing the reconciliation lock failed"),
+    // Bounded: without an IAM majority the call would be resent for IAM's whole patience,
+    // and the others take the lock anyway once the hold runs out.
+    match tokio::time::timeout(Duration::from_secs(2), iam.unlock(req)).await {
+        Ok(Ok(_)) => tracing::info!(holder = %holder, "freed the reconciliation lock"),
+        Ok(Err(s)) => {
+            tracing::warn!(error = %s.message(), "could not free the reconciliation lock; the others take it when its hold runs out")
+        }
+        Err(_) => {
+            tracing::warn!("IAM did not answer in 2 s; the reconciliation lock is left to run out")
+        }
     }
 }

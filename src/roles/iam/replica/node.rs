@@ -33,6 +33,10 @@ pub const REPROPOSE: Duration = Duration::from_millis(1000);
 /// A learner this many entries or fewer behind the commit index has caught up: under load
 /// the commit index never stands still, and a voter may trail it too.
 const PROMOTE_LAG: u64 = 256;
+/// Ticks a learner must look caught up and answering before it is made a voter: two
+/// election timeouts, so that one which went silent (raft-rs clears `recent_active` once
+/// per election timeout) is not promoted on a stale flag.
+const PROMOTE_TICKS: u32 = 20;
 
 struct Pending {
     data: Vec<u8>,
@@ -85,6 +89,8 @@ pub(super) struct Node {
     /// Ticks this replica has led since it was removed: past a few election timeouts
     /// without a successful hand-over it stops leading by itself.
     removed_leading: u32,
+    /// Learner raft id -> ticks in a row it has looked caught up (see `promote_learners`).
+    caught_up: HashMap<u64, u32>,
     /// The lost-log error was logged (once is enough).
     lost_log_reported: bool,
     /// Read requests by context, before the leader has confirmed an index for them.
@@ -130,6 +136,7 @@ impl Node {
             snapshot_now: false,
             step_down: false,
             removed_leading: 0,
+            caught_up: HashMap::new(),
             lost_log_reported: false,
             reads: HashMap::new(),
             confirmed: Vec::new(),
@@ -457,28 +464,37 @@ impl Node {
     }
 
     /// On the leader: makes a learner that has caught up (replicating, within
-    /// [`PROMOTE_LAG`] entries of the commit index, heard from lately) a voter, one change
-    /// at a time.
+    /// [`PROMOTE_LAG`] entries of the commit index, answering, for [`PROMOTE_TICKS`] ticks)
+    /// a voter, one change at a time.
     fn promote_learners(&mut self) {
         let r = &self.raw.raft;
-        if r.state != StateRole::Leader
-            || r.has_pending_conf()
-            || self.shared.removed.load(Ordering::Relaxed)
-        {
+        if r.state != StateRole::Leader || self.shared.removed.load(Ordering::Relaxed) {
+            self.caught_up.clear();
             return;
         }
         let Ok(conf) = self.raw.store().initial_state().map(|s| s.conf_state) else {
             return;
         };
         let committed = r.raft_log.committed;
-        let Some(id) = sorted(&conf.learners).into_iter().find(|id| {
+        let mut counts = HashMap::new();
+        for id in conf.learners {
+            let Some(p) = r.prs().get(id) else { continue };
             // Replicating: it acknowledged entries after any snapshot it needed.
-            r.prs().get(*id).is_some_and(|p| {
-                p.state == raft::ProgressState::Replicate
-                    && p.recent_active
-                    && p.matched + PROMOTE_LAG >= committed
-            })
-        }) else {
+            if p.state != raft::ProgressState::Replicate || p.matched + PROMOTE_LAG < committed {
+                continue;
+            }
+            let n = self.caught_up.get(&id).copied().unwrap_or(0);
+            // The tick on which raft-rs has just cleared the flag neither counts nor resets.
+            counts.insert(id, if p.recent_active { n + 1 } else { n });
+        }
+        self.caught_up = counts;
+        if r.has_pending_conf() {
+            return;
+        }
+        let Some(id) = sorted(&self.caught_up.keys().copied().collect::<Vec<_>>())
+            .into_iter()
+            .find(|id| self.caught_up.get(id).is_some_and(|n| *n >= PROMOTE_TICKS))
+        else {
             return;
         };
         let member = self
@@ -671,7 +687,12 @@ impl Node {
                 .raft
                 .prs()
                 .iter()
-                .filter(|(id, p)| **id != me && p.recent_active)
+                // A voter: raft-rs ignores a hand-over to a learner.
+                .filter(|(id, p)| {
+                    **id != me
+                        && p.recent_active
+                        && self.raw.raft.prs().conf().voters().contains(**id)
+                })
                 .max_by_key(|(_, p)| p.matched)
                 .map(|(id, _)| *id);
             if let Some(heir) = heir {

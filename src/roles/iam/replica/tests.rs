@@ -848,7 +848,21 @@ async fn replicas_commit_over_grpc_and_the_raft_port_refuses_bad_input() {
     cc.node_id = 3;
     cc.context = b"not a member change".to_vec().into();
     let cc_v2 = raft::prelude::ConfChangeV2::default();
+    // A voter added at once, skipping the learner stage: only a leader promotes.
+    let mut voter = raft::prelude::ConfChange::default();
+    voter.set_change_type(raft::prelude::ConfChangeType::AddNode);
+    voter.node_id = 4;
+    voter.context = machine::MemberChange {
+        tag: 7,
+        member: member(4),
+    }
+    .encode()
+    .into();
     for (ty, data) in [
+        (
+            raft::prelude::EntryType::EntryConfChange,
+            voter.write_to_bytes().unwrap(),
+        ),
         (
             raft::prelude::EntryType::EntryConfChange,
             cc.write_to_bytes().unwrap(),

@@ -304,11 +304,11 @@ fn forwardable(e: &raft::prelude::Entry) -> bool {
             let Ok(cc) = ConfChange::parse_from_bytes(&e.data) else {
                 return false;
             };
+            // A member is added as a learner; only the leader makes a voter of it (that
+            // change is never forwarded), so a forwarded AddNode is not one of ours.
             let kind_ok = matches!(
                 cc.get_change_type(),
-                ConfChangeType::AddNode
-                    | ConfChangeType::AddLearnerNode
-                    | ConfChangeType::RemoveNode
+                ConfChangeType::AddLearnerNode | ConfChangeType::RemoveNode
             );
             let ctx_ok = MemberChange::decode(&cc.context)
                 .is_ok_and(|c| c.member.id.checked_add(1) == Some(cc.node_id));
