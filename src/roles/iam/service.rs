@@ -18,6 +18,11 @@ use crate::pb;
 use crate::rpc;
 use crate::types::{names, now_s, Failure};
 
+/// The failure for a command whose outcome is not the kind its handler proposed (a bug).
+pub(super) fn unexpected(o: super::command::Outcome) -> Failure {
+    Failure::internal(format!("unexpected outcome {o:?}"))
+}
+
 /// An authenticated caller.
 #[derive(Debug, Clone)]
 pub struct Identity {

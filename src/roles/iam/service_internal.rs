@@ -6,15 +6,11 @@ use tonic::Request;
 
 use super::apply_leases::{self, MAX_BATCH};
 use super::command::{AdmitItem, Command, Outcome};
-use super::service::IamService;
+use super::service::{unexpected, IamService};
 use super::views;
 use crate::pb;
 use crate::rpc;
 use crate::types::{names, now_s, Failure, Res};
-
-fn unexpected(o: Outcome) -> Failure {
-    Failure::internal(format!("unexpected outcome {o:?}"))
-}
 
 /// A watcher's reconciliation under its fence of the reconciliation lock (0 = none): if
 /// another watcher has taken the lock by the time it commits, it changes nothing.

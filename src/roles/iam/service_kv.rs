@@ -4,7 +4,7 @@
 
 use super::apply_kv;
 use super::command::{Command, Outcome};
-use super::service::IamService;
+use super::service::{unexpected, IamService};
 use crate::pb;
 use crate::types::Failure;
 
@@ -16,10 +16,6 @@ const PAGE_BYTES: usize = 2 << 20;
 
 fn now_ms() -> i64 {
     (crate::types::now_f() * 1000.0) as i64
-}
-
-fn unexpected(o: Outcome) -> Failure {
-    Failure::internal(format!("unexpected outcome {o:?}"))
 }
 
 /// Over mTLS a holder is the caller itself (`role/id`, or `role/id#tag` so that two

@@ -25,7 +25,7 @@ impl IamService {
     fn project_view(&self, o: Outcome) -> Result<pb::Project, Failure> {
         match o {
             Outcome::Project(path) => views::project(&self.store().read(), &path),
-            o => Err(Failure::internal(format!("unexpected outcome {o:?}"))),
+            o => Err(super::service::unexpected(o)),
         }
     }
 
@@ -162,7 +162,7 @@ impl IamService {
                     token_info: Some(info),
                 })
             }
-            o => Err(Failure::internal(format!("unexpected outcome {o:?}"))),
+            o => Err(super::service::unexpected(o)),
         }
     }
 
@@ -241,7 +241,7 @@ impl IamService {
                 token,
                 info: Some(self.token_info(&principal, &token_id)?),
             }),
-            o => Err(Failure::internal(format!("unexpected outcome {o:?}"))),
+            o => Err(super::service::unexpected(o)),
         }
     }
 
